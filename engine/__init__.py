@@ -1,0 +1,32 @@
+"""Sluice engine: the model, the paged KV cache, the scheduler and the sampler.
+
+Importing `engine` (or `engine.config` / `engine.messages`) does not import torch; `LLMEngine`
+is loaded on first use so that the service process can share the plain-data modules.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from engine.config import EngineConfig
+from engine.messages import FinishReason, RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.engine import GenerationResult, LLMEngine
+
+__all__ = [
+    "EngineConfig",
+    "FinishReason",
+    "GenerationResult",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("LLMEngine", "GenerationResult"):
+        from engine import engine as _engine_module
+
+        return getattr(_engine_module, name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -1,0 +1,235 @@
+"""The pipe protocol between the service process and the engine process.
+
+Standard library only: both sides import this module, and the service never imports torch.
+Everything here is plain data (dataclasses of builtins) so it pickles across the pipe.
+
+Service -> engine: AddRequest, AbortRequests, GetState, Shutdown.
+Engine -> service: Ready, StepOutput (one per engine step), Heartbeat (while idle, and in
+answer to GetState), EngineDead (the last message of a dying engine).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+MAX_TOP_LOGPROBS = 20
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # eos or a stop token id
+    STOP_STRING = "stop_string"  # matched in the service
+    LENGTH = "length"  # max_tokens or the context limit
+    CANCELLED = "cancelled"  # the caller cancelled or disconnected
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    ABORTED = "aborted"  # an admin action (weight update with ABORT, shutdown)
+    ERROR = "error"  # bad input found by the engine, or an engine failure
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and stopping parameters, as the engine applies them.
+
+    temperature 0 is greedy. Log-probabilities are log_softmax of the logits after penalties
+    (and min_tokens suppression) divided by temperature (0 counts as 1), before top-k/top-p/min-p;
+    with raw_logprobs, log_softmax of the unmodified logits.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = None  # None = fill the context
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    raw_logprobs: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def errors(self, vocab_size: int | None = None) -> list[tuple[str, str]]:
+        """Every invalid field as (field name, description); empty when the params are valid."""
+        errs: list[tuple[str, str]] = []
+        if not self.temperature >= 0.0:  # also catches NaN
+            errs.append(("temperature", "must be >= 0"))
+        if not 0.0 < self.top_p <= 1.0:
+            errs.append(("top_p", "must be in (0, 1]"))
+        if self.top_k < 0:
+            errs.append(("top_k", "must be >= 0 (0 disables top-k)"))
+        if not 0.0 <= self.min_p <= 1.0:
+            errs.append(("min_p", "must be in [0, 1]"))
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                errs.append((name, "must be in [-2, 2]"))
+        if not self.repetition_penalty > 0.0:
+            errs.append(("repetition_penalty", "must be > 0"))
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            errs.append(("seed", "must be in [0, 2**64)"))
+        if self.max_tokens is not None and self.max_tokens < 1:
+            errs.append(("max_tokens", "must be >= 1"))
+        if self.min_tokens < 0:
+            errs.append(("min_tokens", "must be >= 0"))
+        elif self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            errs.append(("min_tokens", "must not exceed max_tokens"))
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            errs.append(("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]"))
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
+            errs.append(("stop_token_ids", f"every id must be in [0, {vocab_size})"))
+        return errs
+
+
+# ---- service -> engine ----
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    n: int = 1  # samples of this prompt; outputs carry index 0..n-1
+    priority: int = 0  # higher runs first; FCFS within a priority
+    deadline: float | None = None  # absolute time.time(); enforced while queued too
+    min_policy_version: int | None = None
+
+
+@dataclass(frozen=True)
+class AbortRequests:
+    request_ids: list[str]
+    reason: FinishReason = FinishReason.CANCELLED
+
+
+@dataclass(frozen=True)
+class GetState:
+    """Asks for a Heartbeat now."""
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Abort everything in flight (ABORTED), publish the final outputs and exit."""
+
+
+# ---- engine -> service ----
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    device: str
+    dtype: str
+    page_size: int
+    total_pages: int
+    policy_version: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    total_pages: int = 0
+    free_pages: int = 0
+    cached_pages: int = 0
+    policy_version: int = 0
+    prompt_tokens_computed: int = 0  # cumulative prefill tokens run through the model
+    tokens_generated: int = 0  # cumulative sampled tokens
+    prefix_cache_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # cumulative prompt tokens found there
+    preemptions: int = 0  # cumulative
+
+    @property
+    def prefix_hit_ratio(self) -> float:
+        if not self.prefix_cache_queries:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """Seconds, measured in the engine."""
+
+    queue_time: float  # arrival -> first scheduled
+    time_to_first_token: float  # arrival -> first token sampled
+    decode_time: float  # first token -> finish
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one request (one index of it) gained in one engine step.
+
+    `new_token_ids[i]` pairs with `logprobs[i]` and `top_logprobs[i]` (when asked for). The
+    request's first output carries its usage counts, so the service can send `started`; the
+    last one carries `finish_reason` (and `error` text for ERROR/ABORTED) and `metrics`.
+    """
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    policy_version: int
+    logprobs: list[float] | None = None
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class Ready:
+    info: ModelInfo
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    outputs: list[RequestOutput]
+    stats: EngineStats
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    stats: EngineStats
+
+
+@dataclass(frozen=True)
+class EngineDead:
+    reason: str
+    traceback: str = ""
+
+
+ToEngine = AddRequest | AbortRequests | GetState | Shutdown
+FromEngine = Ready | StepOutput | Heartbeat | EngineDead
+__all__ = [
+    "FinishReason",
+    "SamplingParams",
+    "AddRequest",
+    "AbortRequests",
+    "GetState",
+    "Shutdown",
+    "ModelInfo",
+    "EngineStats",
+    "RequestMetrics",
+    "RequestOutput",
+    "Ready",
+    "StepOutput",
+    "Heartbeat",
+    "EngineDead",
+    "ToEngine",
+    "FromEngine",
+    "MAX_TOP_LOGPROBS",
+]

@@ -1,0 +1,88 @@
+"""The engine process: LLMEngine behind one duplex pipe.
+
+Started by the service with the 'spawn' context as `engine_main(config, conn)`. The loop:
+1. drain the pipe (block only when idle), 2. step, 3. publish one StepOutput per step.
+This module imports torch only inside `engine_main`, so the service can name it as a target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
+
+from engine.config import EngineConfig
+from engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineDead,
+    FinishReason,
+    GetState,
+    Heartbeat,
+    Ready,
+    Shutdown,
+    StepOutput,
+    ToEngine,
+)
+
+if TYPE_CHECKING:
+    from engine.engine import LLMEngine
+
+HEARTBEAT_INTERVAL_S = 1.0
+
+
+def engine_main(config: EngineConfig, conn: Connection) -> None:
+    """Process entry point: load the model, announce Ready, serve until Shutdown or EOF."""
+    try:
+        from engine.engine import LLMEngine
+
+        engine = LLMEngine(config)
+        conn.send(Ready(engine.info))
+        _serve(engine, conn)
+    except (EOFError, BrokenPipeError):
+        return  # the service went away; nobody is left to tell
+    except BaseException as exc:  # the last message of a dying engine, then die loudly
+        reason = f"{type(exc).__name__}: {exc}"
+        with contextlib.suppress(OSError, EOFError):
+            conn.send(EngineDead(reason=reason, traceback=traceback.format_exc()))
+        raise
+
+
+def _serve(engine: LLMEngine, conn: Connection) -> None:
+    while True:
+        # 1. Drain every waiting message; block (up to a heartbeat) only when idle.
+        timeout = 0.0 if engine.has_work() else HEARTBEAT_INTERVAL_S
+        while conn.poll(timeout):
+            msg: ToEngine = conn.recv()
+            if isinstance(msg, Shutdown):
+                engine.abort_all(FinishReason.ABORTED, "the server is shutting down")
+                conn.send(StepOutput(engine.step(), engine.stats()))
+                return
+            _handle(engine, conn, msg)
+            timeout = 0.0
+        if not engine.has_work():
+            conn.send(Heartbeat(engine.stats()))
+            continue
+        # 2. Step, 3. publish.
+        conn.send(StepOutput(engine.step(), engine.stats()))
+
+
+def _handle(engine: LLMEngine, conn: Connection, msg: ToEngine) -> None:
+    match msg:
+        case AddRequest():
+            engine.add_request(
+                msg.request_id,
+                msg.prompt_token_ids,
+                msg.params,
+                n=msg.n,
+                priority=msg.priority,
+                deadline=msg.deadline,
+                min_policy_version=msg.min_policy_version,
+            )
+        case AbortRequests():
+            engine.abort(msg.request_ids, msg.reason)
+        case GetState():
+            conn.send(Heartbeat(engine.stats()))
+        case _:
+            raise TypeError(f"unexpected message on the engine pipe: {type(msg).__name__}")
