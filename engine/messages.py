@@ -121,7 +121,8 @@ class Shutdown:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    model: str
+    model: str  # the name callers see (the checkpoint directory's name, or "demo")
+    path: str  # the resolved checkpoint directory; the service loads tokenizer.json from it
     architecture: str
     max_model_len: int
     vocab_size: int
