@@ -1,0 +1,116 @@
+"""Tiny random Hugging Face checkpoints for tests, written exactly as real ones are.
+
+`make_checkpoint` writes config.json, safetensors weights (sharded if asked),
+generation_config.json and a byte-level BPE tokenizer.json trained on the fly, so the code under
+test loads them through the same path as a downloaded checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+CORPUS = """\
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a
+single step. To be, or not to be, that is the question. It was the best of times, it was the
+worst of times. All happy families are alike; each unhappy family is unhappy in its own way.
+Call me Ishmael. In the beginning God created the heaven and the earth. The sea was calm and
+the sky was grey; the ships waited in the harbour for the tide. Numbers: 0 1 2 3 4 5 6 7 8 9.
+Café, naïve, façade, jalapeño, über, smörgåsbord. 日本語のテキスト。中文文本。
+Ελληνικά. Русский текст.
+Emoji: 😀 🚀 🌍 ✨. Symbols: ← → ∑ ∞ ≈ ≠ ± °C €100 £5 ¥300.
+def main(): return {"key": [1, 2, 3], 'value': None}  # code, too
+"""
+
+SPECIAL_TOKENS = ["<s>", "</s>"]
+
+# Small but structurally complete: GQA (4 query heads over 2 KV heads), 2 layers.
+BASE_CONFIG: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "initializer_range": 0.1,  # peaked enough that greedy argmax has no near-ties
+}
+
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"tie_word_embeddings": False},
+    "mistral": {"tie_word_embeddings": False, "sliding_window": None},
+    "qwen2": {"tie_word_embeddings": True},
+    "qwen3": {"tie_word_embeddings": False, "head_dim": 32},  # head_dim != hidden / heads
+}
+
+
+def make_tokenizer(vocab_size: int = 320) -> Any:
+    """A byte-level BPE tokenizer trained on CORPUS: every UTF-8 string encodes; <s> is BOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS] * 4, trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    return tok
+
+
+def make_checkpoint(
+    directory: Path,
+    arch: str = "llama",
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    **config_overrides: Any,
+) -> Path:
+    """Write a tiny random checkpoint of `arch` (llama, mistral, qwen2, qwen3) into directory."""
+    import torch
+    import transformers
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer()
+    tok.save(str(directory / "tokenizer.json"))
+    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"}
+        )
+    )
+
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[arch]
+    kwargs = {**BASE_CONFIG, **ARCH_DEFAULTS[arch], **config_overrides}
+    config = config_class(
+        vocab_size=tok.get_vocab_size(), bos_token_id=bos, eos_token_id=eos, **kwargs
+    )
+    torch.manual_seed(seed)
+    model = model_class(config).to(torch.float32).eval()
+    save_kwargs: dict[str, Any] = {}
+    if max_shard_size is not None:
+        save_kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(directory, **save_kwargs)
+    return directory
+
+
+def load_hf_model(directory: Path) -> Any:
+    """The transformers reference model for a checkpoint, float32, eval mode."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    return model.eval()
