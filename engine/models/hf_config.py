@@ -1,0 +1,153 @@
+"""Reads a Hugging Face checkpoint's config.json (and generation_config.json) into ModelConfig.
+
+Hub checkpoints were mostly written by transformers 4.x (top-level `rope_theta`, `rope_scaling`
+with `rope_type` or the older `type`, `torch_dtype`); transformers 5.x writes `rope_parameters`
+and `dtype`. Both are read. Anything this engine would compute differently from transformers is
+refused with an error that names the key, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    # architecture -> (q/k/v bias, o bias, q/k norm); None = read `attention_bias` from config
+    "LlamaForCausalLM": (None, None, False),
+    "MistralForCausalLM": (False, False, False),
+    "Qwen2ForCausalLM": (True, False, False),
+    "Qwen3ForCausalLM": (None, None, True),
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint needs something this engine does not implement."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # None, or {"rope_type": "linear"|"llama3", ...}
+    max_position_embeddings: int
+    max_model_len: int  # what the engine serves: max_position_embeddings capped by the caller
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+    checkpoint_dtype: str | None
+
+
+def load_model_config(directory: str | Path, max_model_len: int | None = None) -> ModelConfig:
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{directory} is not a Hugging Face checkpoint: no config.json")
+    raw: dict[str, Any] = json.loads(config_path.read_text())
+    generation_path = directory / "generation_config.json"
+    generation = json.loads(generation_path.read_text()) if generation_path.is_file() else {}
+    return parse_model_config(raw, generation, max_model_len)
+
+
+def parse_model_config(
+    raw: dict[str, Any], generation: dict[str, Any], max_model_len: int | None = None
+) -> ModelConfig:
+    architecture = _architecture(raw)
+    qkv_bias, o_bias, qk_norm = SUPPORTED_ARCHITECTURES[architecture]
+    attention_bias = bool(raw.get("attention_bias", False))
+
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"hidden_act={act!r} is not supported (only 'silu')")
+    if raw.get("pretraining_tp", 1) not in (1, None):
+        raise UnsupportedModelError("pretraining_tp > 1 is not supported")
+    rope_theta, rope_scaling = _rope(raw)
+
+    num_heads = int(raw["num_attention_heads"])
+    hidden_size = int(raw["hidden_size"])
+    head_dim = raw.get("head_dim") or hidden_size // num_heads
+    max_positions = int(raw.get("max_position_embeddings", 2048))
+    served_len = min(max_positions, max_model_len) if max_model_len else max_positions
+    _check_sliding_window(raw, served_len)
+
+    eos = generation.get("eos_token_id", raw.get("eos_token_id"))
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden_size,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_positions,
+        max_model_len=served_len,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=attention_bias if qkv_bias is None else qkv_bias,
+        o_bias=attention_bias if o_bias is None else o_bias,
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        qk_norm=qk_norm,
+        eos_token_ids=eos_ids,
+        checkpoint_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+    )
+
+
+def _architecture(raw: dict[str, Any]) -> str:
+    archs = raw.get("architectures") or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return str(arch)
+    named = ", ".join(archs) if archs else f"model_type={raw.get('model_type')!r}"
+    raise UnsupportedModelError(
+        f"architecture {named} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling) from transformers 5.x `rope_parameters` or 4.x top-level keys."""
+    params = raw.get("rope_parameters")
+    if params is not None and "rope_theta" not in params and params:
+        # 5.x may nest per layer type ({"full_attention": {...}}); all our layers are full.
+        params = params.get("full_attention", params)
+    scaling = dict(params) if params else dict(raw.get("rope_scaling") or {})
+    theta = float((params or {}).get("rope_theta", raw.get("rope_theta", 10000.0)))
+    if raw.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("rope_theta", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
+        )
+    if rope_type == "default":
+        return theta, None
+    return theta, {"rope_type": rope_type, **scaling}
+
+
+def _check_sliding_window(raw: dict[str, Any], served_len: int) -> None:
+    window = raw.get("sliding_window")
+    # Qwen2/2.5 carry sliding_window with use_sliding_window: false (no window is used).
+    if window is None or raw.get("use_sliding_window") is False:
+        return
+    if int(window) < served_len:
+        raise UnsupportedModelError(
+            f"sliding_window={window} is smaller than the served context ({served_len}); "
+            "sliding-window attention is not supported: pass max_model_len <= sliding_window"
+        )
