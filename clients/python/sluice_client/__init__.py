@@ -1,0 +1,26 @@
+"""Python client for Sluice's gRPC Generation service (no torch needed).
+
+from sluice_client import Client
+with Client("127.0.0.1:50051") as client:
+    for event in client.generate("Once upon a time", max_tokens=32):
+        print(event.tokens.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+from sluice.v1 import generation_pb2 as pb
+
+from sluice_client.aio import AsyncClient, AsyncGenerateStream
+from sluice_client.requests import Collector, Completion, build_request
+from sluice_client.sync import Client, GenerateStream
+
+__all__ = [
+    "AsyncClient",
+    "AsyncGenerateStream",
+    "Client",
+    "Collector",
+    "Completion",
+    "GenerateStream",
+    "build_request",
+    "pb",
+]

@@ -1,0 +1,128 @@
+"""AsyncClient: the Generation service from asyncio code."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
+
+import grpc
+from sluice.v1 import generation_pb2 as pb
+from sluice.v1 import generation_pb2_grpc
+
+from sluice_client.requests import Collector, Completion, build_request
+
+Prompt = str | Sequence[int]
+
+
+class AsyncClient:
+    """`async with AsyncClient("host:port") as client: async for event in client.generate(...)`.
+
+    Keyword arguments of `generate`/`complete`/`generate_many` are those of `build_request`.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        api_token: str | None = None,
+        channel: grpc.aio.Channel | None = None,
+    ) -> None:
+        self.channel = channel or grpc.aio.insecure_channel(target)
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.metadata = () if api_token is None else (("authorization", f"Bearer {api_token}"),)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def generate(
+        self, prompt: Prompt | pb.GenerateRequest, *, timeout: float | None = None, **params: Any
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The events of one request, as they arrive: started, token chunks, finished."""
+        request = (
+            prompt if isinstance(prompt, pb.GenerateRequest) else build_request(prompt, **params)
+        )
+        call = self.stub.Generate(request, metadata=self.metadata, timeout=timeout)
+        async for event in call:
+            yield event
+
+    async def complete(
+        self, prompt: Prompt | pb.GenerateRequest, *, timeout: float | None = None, **params: Any
+    ) -> Completion:
+        """One request's events put together."""
+        collector = Collector()
+        completion: Completion | None = None
+        async for event in self.generate(prompt, timeout=timeout, **params):
+            completion = collector.add(event)
+        assert completion is not None, "the server sent no events"
+        return completion
+
+    def stream(self, *, timeout: float | None = None) -> AsyncGenerateStream:
+        """A GenerateStream: start and cancel many requests over one call, read all events."""
+        return AsyncGenerateStream(self.stub, self.metadata, timeout)
+
+    async def generate_many(
+        self, prompts: Iterable[Prompt | pb.GenerateRequest], **params: Any
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Every prompt over one GenerateStream; events of all requests, interleaved."""
+        stream = self.stream()
+        for prompt in prompts:
+            await stream.start(prompt, **params)
+        await stream.done_sending()
+        async for event in stream:
+            yield event
+
+    async def cancel(self, request_ids: Iterable[str]) -> pb.CancelResponse:
+        request = pb.CancelRequest(request_ids=list(request_ids))
+        return await self.stub.Cancel(request, metadata=self.metadata)
+
+    async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        response = await self.stub.Tokenize(request, metadata=self.metadata)
+        return list(response.token_ids)
+
+    async def info(self) -> pb.ServerInfo:
+        return await self.stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=self.metadata)
+
+
+class AsyncGenerateStream:
+    """One GenerateStream call. `start`/`cancel` send; iterate it to read events."""
+
+    def __init__(
+        self,
+        stub: generation_pb2_grpc.GenerationStub,
+        metadata: Sequence[tuple[str, str]],
+        timeout: float | None,
+    ) -> None:
+        self._outgoing: asyncio.Queue[pb.GenerateStreamRequest | None] = asyncio.Queue()
+        self.call = stub.GenerateStream(self._requests(), metadata=metadata, timeout=timeout)
+
+    async def _requests(self) -> AsyncIterator[pb.GenerateStreamRequest]:
+        while (message := await self._outgoing.get()) is not None:
+            yield message
+
+    async def start(self, prompt: Prompt | pb.GenerateRequest, **params: Any) -> None:
+        request = (
+            prompt if isinstance(prompt, pb.GenerateRequest) else build_request(prompt, **params)
+        )
+        await self._outgoing.put(pb.GenerateStreamRequest(start=request))
+
+    async def cancel(self, request_id: str) -> None:
+        await self._outgoing.put(pb.GenerateStreamRequest(cancel_request_id=request_id))
+
+    async def done_sending(self) -> None:
+        """No more starts or cancels; the call ends once every request has finished."""
+        await self._outgoing.put(None)
+
+    def __aiter__(self) -> AsyncIterator[pb.GenerateResponse]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[pb.GenerateResponse]:
+        async for event in self.call:
+            yield event

@@ -1,0 +1,130 @@
+"""Building GenerateRequests and collecting their events, shared by the async and sync clients."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from sluice.v1 import generation_pb2 as pb
+
+
+def build_request(
+    prompt: str | Sequence[int],
+    *,
+    request_id: str = "",
+    max_tokens: int | None = None,
+    min_tokens: int = 0,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    seed: int | None = None,
+    stop: Iterable[str] = (),
+    stop_token_ids: Iterable[int] = (),
+    ignore_eos: bool = False,
+    include_stop_str_in_output: bool = False,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+    raw_logprobs: bool = False,
+    skip_special_tokens: bool | None = None,
+    n: int | None = None,
+    min_policy_version: int | None = None,
+    priority: int = 0,
+) -> pb.GenerateRequest:
+    """A GenerateRequest; None leaves a field unset (the server's default applies)."""
+    sampling = pb.SamplingParams()
+    for name, value in (
+        ("temperature", temperature),
+        ("top_p", top_p),
+        ("top_k", top_k),
+        ("min_p", min_p),
+        ("frequency_penalty", frequency_penalty),
+        ("presence_penalty", presence_penalty),
+        ("repetition_penalty", repetition_penalty),
+        ("seed", seed),
+    ):
+        if value is not None:
+            setattr(sampling, name, value)
+    stop_params = pb.StopParams(
+        min_tokens=min_tokens,
+        stop=list(stop),
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos,
+        include_stop_str_in_output=include_stop_str_in_output,
+    )
+    if max_tokens is not None:
+        stop_params.max_tokens = max_tokens
+    output = pb.OutputOptions(
+        logprobs=logprobs, top_logprobs=top_logprobs, raw_logprobs=raw_logprobs
+    )
+    if skip_special_tokens is not None:
+        output.skip_special_tokens = skip_special_tokens
+    request = pb.GenerateRequest(
+        request_id=request_id, sampling=sampling, stop=stop_params, output=output, priority=priority
+    )
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    if n is not None:
+        request.n = n
+    if min_policy_version is not None:
+        request.min_policy_version = min_policy_version
+    return request
+
+
+@dataclass
+class Completion:
+    """Everything one request (one index) streamed back, put together."""
+
+    request_id: str
+    index: int = 0
+    started: pb.Started | None = None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    policy_versions: list[int] = field(default_factory=list)  # one per token
+    finished: pb.Finished | None = None
+
+    @property
+    def reason(self) -> str:
+        """The finish reason's short name ("STOP", "LENGTH", ...), or "" while running."""
+        if self.finished is None:
+            return ""
+        return pb.FinishReason.Name(self.finished.reason).removeprefix("FINISH_REASON_")
+
+    def add(self, event: pb.GenerateResponse) -> None:
+        match event.WhichOneof("event"):
+            case "started":
+                self.started = event.started
+            case "tokens":
+                chunk = event.tokens
+                self.token_ids.extend(chunk.token_ids)
+                self.text += chunk.text
+                self.logprobs.extend(chunk.logprobs)
+                self.policy_versions.extend([chunk.policy_version] * len(chunk.token_ids))
+            case "finished":
+                self.finished = event.finished
+
+
+class Collector:
+    """Groups events by (request_id, index) into Completions."""
+
+    def __init__(self) -> None:
+        self.completions: dict[tuple[str, int], Completion] = {}
+
+    def add(self, event: pb.GenerateResponse) -> Completion:
+        key = (event.request_id, event.index)
+        completion = self.completions.get(key)
+        if completion is None:
+            completion = self.completions[key] = Completion(event.request_id, event.index)
+        completion.add(event)
+        if event.WhichOneof("event") == "started":
+            # `started` is sent once per request, with index 0.
+            for (rid, _), other in self.completions.items():
+                if rid == event.request_id:
+                    other.started = event.started
+        return completion

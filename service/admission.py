@@ -1,0 +1,199 @@
+"""Admission control: turn a GenerateRequest into an engine AddRequest, or refuse it.
+
+Every refusal before admission is a `Refusal` with one deliberate status code (DESIGN §3):
+UNAVAILABLE, DEADLINE_EXCEEDED, INVALID_ARGUMENT (with google.rpc.BadRequest naming fields),
+FAILED_PRECONDITION, ALREADY_EXISTS, RESOURCE_EXHAUSTED (with google.rpc.RetryInfo).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+from sluice.v1 import generation_pb2 as pb
+
+from engine.messages import AddRequest, ModelInfo, SamplingParams
+from service.completion import OutputSettings
+from service.config import MAX_REQUEST_ID_LENGTH
+from service.tokenizer import Tokenizer
+
+# engine.messages.SamplingParams field -> the proto field path callers see.
+FIELD_PATHS = {
+    **{
+        name: f"sampling.{name}"
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "frequency_penalty",
+            "presence_penalty",
+            "repetition_penalty",
+            "seed",
+        )
+    },
+    **{name: f"stop.{name}" for name in ("max_tokens", "min_tokens", "stop_token_ids")},
+    "top_logprobs": "output.top_logprobs",
+}
+
+
+class Refusal(Exception):
+    """A request refused before admission: a non-OK status and no events."""
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        violations: list[tuple[str, str]] | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.violations = violations or []
+        self.retry_after = retry_after
+
+    def to_status(self) -> grpc.Status:
+        details = []
+        if self.violations:
+            bad_request = error_details_pb2.BadRequest(
+                field_violations=[
+                    error_details_pb2.BadRequest.FieldViolation(field=f, description=d)
+                    for f, d in self.violations
+                ]
+            )
+            details.append(_pack(bad_request))
+        if self.retry_after is not None:
+            delay = duration_pb2.Duration()
+            delay.FromNanoseconds(int(self.retry_after * 1e9))
+            details.append(_pack(error_details_pb2.RetryInfo(retry_delay=delay)))
+        status = status_pb2.Status(
+            code=getattr(code_pb2, self.code.name), message=self.message, details=details
+        )
+        return rpc_status.to_status(status)
+
+
+def _pack(message: error_details_pb2.BadRequest | error_details_pb2.RetryInfo) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A validated request: what the engine runs and what the service does with its output."""
+
+    request: AddRequest
+    output: OutputSettings
+
+
+def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
+    """The engine's parameters for a request; proto defaults where a field is unset."""
+    s, stop, out = req.sampling, req.stop, req.output
+    defaults = SamplingParams()
+    return SamplingParams(
+        temperature=s.temperature if s.HasField("temperature") else defaults.temperature,
+        top_p=s.top_p if s.HasField("top_p") else defaults.top_p,
+        top_k=s.top_k if s.HasField("top_k") else defaults.top_k,
+        min_p=s.min_p if s.HasField("min_p") else defaults.min_p,
+        frequency_penalty=s.frequency_penalty,
+        presence_penalty=s.presence_penalty,
+        repetition_penalty=(
+            s.repetition_penalty
+            if s.HasField("repetition_penalty")
+            else defaults.repetition_penalty
+        ),
+        seed=s.seed if s.HasField("seed") else None,
+        max_tokens=stop.max_tokens if stop.HasField("max_tokens") else None,
+        min_tokens=stop.min_tokens,
+        stop_token_ids=tuple(stop.stop_token_ids),
+        ignore_eos=stop.ignore_eos,
+        logprobs=out.logprobs or out.top_logprobs > 0,
+        top_logprobs=out.top_logprobs,
+        raw_logprobs=out.raw_logprobs,
+    )
+
+
+def field_violations(req: pb.GenerateRequest, info: ModelInfo) -> list[tuple[str, str]]:
+    """Every invalid field of a request that can be judged without tokenizing."""
+    errors: list[tuple[str, str]] = []
+    if len(req.request_id) > MAX_REQUEST_ID_LENGTH:
+        errors.append(("request_id", f"must be at most {MAX_REQUEST_ID_LENGTH} characters"))
+    match req.WhichOneof("prompt"):
+        case None:
+            errors.append(("prompt", "set text or token_ids"))
+        case "text" if not req.text:
+            errors.append(("text", "must not be empty"))
+        case "token_ids" if not req.token_ids.ids:
+            errors.append(("token_ids.ids", "must not be empty"))
+        case "token_ids" if max(req.token_ids.ids) >= info.vocab_size:
+            errors.append(("token_ids.ids", f"every id must be in [0, {info.vocab_size})"))
+    if req.HasField("n") and req.n == 0:
+        errors.append(("n", "must be >= 1"))
+    elif req.n > 1:
+        errors.append(("n", "n > 1 is not supported yet"))
+    if any(not s for s in req.stop.stop):
+        errors.append(("stop.stop", "stop strings must not be empty"))
+    params = sampling_params(req)
+    errors += [(FIELD_PATHS.get(f, f), d) for f, d in params.errors(info.vocab_size)]
+    return errors
+
+
+async def admit(
+    req: pb.GenerateRequest,
+    *,
+    info: ModelInfo,
+    tokenizer: Tokenizer,
+    policy_version: int,
+    deadline: float | None,
+) -> Admission:
+    """Validate and tokenize; raises Refusal. Queue and duplicate checks are the caller's,
+    made right before submitting (no await in between)."""
+    if deadline is not None and deadline <= time.time():
+        raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline has already passed")
+    violations = field_violations(req, info)
+    if violations:
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, _describe(violations), violations)
+    if req.WhichOneof("prompt") == "text":
+        prompt = await tokenizer.encode(req.text, add_special_tokens=True)
+    else:
+        prompt = list(req.token_ids.ids)
+    if len(prompt) >= info.max_model_len:
+        violation = (
+            "prompt",
+            f"{len(prompt)} prompt tokens leave no room in the context of "
+            f"{info.max_model_len} tokens",
+        )
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, violation[1], [violation])
+    if req.HasField("min_policy_version") and req.min_policy_version > policy_version:
+        raise Refusal(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"min_policy_version {req.min_policy_version} is newer than the served "
+            f"policy version {policy_version}",
+        )
+    request = AddRequest(
+        request_id=req.request_id or uuid.uuid4().hex,
+        prompt_token_ids=prompt,
+        params=sampling_params(req),
+        n=req.n if req.HasField("n") else 1,
+        priority=req.priority,
+        deadline=deadline,
+        min_policy_version=req.min_policy_version if req.HasField("min_policy_version") else None,
+    )
+    output = OutputSettings(
+        stop=tuple(req.stop.stop),
+        include_stop_str_in_output=req.stop.include_stop_str_in_output,
+        skip_special_tokens=(
+            req.output.skip_special_tokens if req.output.HasField("skip_special_tokens") else True
+        ),
+    )
+    return Admission(request, output)
+
+
+def _describe(violations: list[tuple[str, str]]) -> str:
+    return "invalid request: " + "; ".join(f"{f}: {d}" for f, d in violations)

@@ -1,0 +1,56 @@
+"""The service process's one frozen configuration, resolved once at start by the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+
+MAX_REQUEST_ID_LENGTH = 256
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Everything the gRPC server needs; the engine's own settings travel in `engine`.
+
+    Timeouts in seconds. `ready_timeout` covers the engine's load (the demo model is trained on
+    first use, which takes a couple of minutes); `heartbeat_timeout` applies while nothing is in
+    flight (the engine sends a Heartbeat every second then); `stall_timeout` while requests are
+    in flight (one engine step must finish within it).
+    """
+
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 = any free port
+    api_token: str | None = None  # when set, Generation needs `authorization: Bearer <token>`
+    max_waiting: int = 1024  # admitted requests not yet started by the engine
+    shutdown_grace: float = 30.0  # SIGTERM: how long in-flight requests may keep running
+    ready_timeout: float = 600.0
+    heartbeat_timeout: float = 15.0
+    stall_timeout: float = 120.0
+    restart_backoff: float = 0.5  # first delay before restarting a dead engine; doubles
+    restart_backoff_max: float = 30.0
+    retry_after: float = 1.0  # RetryInfo delay suggested when the waiting queue is full
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError("port: must be in [0, 65535]")
+        if self.api_token is not None and not self.api_token:
+            raise ValueError("api_token: must not be empty when set")
+        if self.max_waiting < 1:
+            raise ValueError("max_waiting: must be at least 1")
+        for name in (
+            "shutdown_grace",
+            "ready_timeout",
+            "heartbeat_timeout",
+            "stall_timeout",
+            "restart_backoff",
+            "restart_backoff_max",
+            "retry_after",
+        ):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}: must be >= 0")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"

@@ -1,0 +1,267 @@
+"""GenerationServicer: the five RPCs of sluice.v1.Generation over the EngineClient.
+
+Protobuf stops here: requests are translated to engine messages by `admission`, engine outputs
+to events by `Completion`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from sluice.v1 import generation_pb2 as pb
+from sluice.v1 import generation_pb2_grpc
+
+from engine.messages import FinishReason, RequestOutput
+from service.admission import Admission, Refusal, admit
+from service.completion import Completion
+from service.config import ServiceConfig
+from service.engine_client import EngineClient, EngineState, EngineUnavailableError
+from service.tokenizer import Tokenizer
+
+log = structlog.get_logger("sluice.servicer")
+
+SERVING_STATES = {
+    EngineState.STARTING: pb.SERVING_STATE_STARTING,
+    EngineState.SERVING: pb.SERVING_STATE_SERVING,
+    EngineState.RESTARTING: pb.SERVING_STATE_RESTARTING,
+    EngineState.STOPPING: pb.SERVING_STATE_DRAINING,
+    EngineState.STOPPED: pb.SERVING_STATE_DRAINING,
+}
+
+
+@dataclass(frozen=True)
+class _Submitted:
+    admission: Admission
+    queue: asyncio.Queue[RequestOutput]
+    deadline: float | None
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, config: ServiceConfig, engine: EngineClient) -> None:
+        self.config = config
+        self.engine = engine
+        self.tokenizer: Tokenizer | None = None  # set once the engine is first Ready
+        self.draining = False  # SIGTERM: refuse new requests, let in-flight ones finish
+
+    # ---- RPCs ----
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        deadline = _deadline(context)
+        try:
+            submitted = await self._submit(request, deadline)
+        except Refusal as refusal:
+            log.info("request.refused", code=refusal.code.name, message=refusal.message)
+            await context.abort_with_status(refusal.to_status())
+            return
+        async for event in self._run(submitted):
+            yield event
+
+    async def GenerateStream(
+        self,
+        request_iterator: AsyncIterator[pb.GenerateStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Many requests over one stream. A refused `start` yields one `finished` event (reason
+        ERROR, message "<STATUS_CODE>: <why>") for its request id instead of ending the stream."""
+        deadline = _deadline(context)
+        events: asyncio.Queue[pb.GenerateResponse | asyncio.Task[None]] = asyncio.Queue()
+        tasks: set[asyncio.Task[None]] = set()
+
+        def spawn(coro: object) -> None:
+            task: asyncio.Task[None] = asyncio.create_task(coro)  # type: ignore[arg-type]
+            tasks.add(task)
+            task.add_done_callback(events.put_nowait)  # the main loop collects it
+
+        async def pump(submitted: _Submitted) -> None:
+            async for event in self._run(submitted):
+                events.put_nowait(event)
+
+        async def read() -> None:
+            async for message in request_iterator:
+                match message.WhichOneof("action"):
+                    case "start":
+                        try:
+                            spawn(pump(await self._submit(message.start, deadline)))
+                        except Refusal as refusal:
+                            log.info("request.refused", code=refusal.code.name)
+                            events.put_nowait(_refusal_event(message.start.request_id, refusal))
+                    case "cancel_request_id":
+                        self._cancel([message.cancel_request_id])
+
+        spawn(read())
+        try:
+            while tasks:
+                item = await events.get()
+                if isinstance(item, asyncio.Task):
+                    tasks.discard(item)
+                    item.result()  # a failed pump or reader is a bug: surface it (INTERNAL)
+                else:
+                    yield item
+        finally:
+            # Client gone or a bug: cancelling each pump aborts its request in the engine.
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=5.0)
+
+    async def Cancel(
+        self, request: pb.CancelRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CancelResponse:
+        ids = list(dict.fromkeys(request.request_ids))
+        cancelled = self._cancel(ids)
+        not_found = [rid for rid in ids if rid not in cancelled]
+        return pb.CancelResponse(cancelled=cancelled, not_found=not_found)
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        if self.tokenizer is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is not loaded yet")
+        assert self.tokenizer is not None
+        ids = await self.tokenizer.encode(request.text, request.add_special_tokens)
+        return pb.TokenizeResponse(token_ids=ids)
+
+    async def GetServerInfo(
+        self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerInfo:
+        stats = await self.engine.refresh_stats(timeout=1.0)
+        info = self.engine.info
+        state = pb.SERVING_STATE_DRAINING if self.draining else SERVING_STATES[self.engine.state]
+        if info is None:
+            return pb.ServerInfo(model=self.config.engine.model, state=state)
+        return pb.ServerInfo(
+            model=info.model,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            policy_version=stats.policy_version,
+            eos_token_ids=info.eos_token_ids,
+            device=info.device,
+            dtype=info.dtype,
+            state=state,
+            kv_cache=pb.KvCacheInfo(
+                page_size=info.page_size,
+                total_pages=stats.total_pages or info.total_pages,
+                free_pages=stats.free_pages,
+                cached_pages=stats.cached_pages,
+            ),
+            running=stats.running,
+            waiting=stats.waiting,
+        )
+
+    # ---- admission and streaming ----
+
+    async def _submit(self, req: pb.GenerateRequest, deadline: float | None) -> _Submitted:
+        """Admit a request and hand it to the engine, or raise Refusal."""
+        self._check_available()
+        assert self.tokenizer is not None and self.engine.info is not None
+        admission = await admit(
+            req,
+            info=self.engine.info,
+            tokenizer=self.tokenizer,
+            policy_version=self.engine.stats.policy_version,
+            deadline=deadline,
+        )
+        # NOTE: no await from here to submit(): the duplicate and queue checks stay true.
+        self._check_available()
+        request_id = admission.request.request_id
+        if self.engine.has(request_id):
+            raise Refusal(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is in flight")
+        if self.engine.waiting >= self.config.max_waiting:
+            raise Refusal(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the waiting queue is full ({self.config.max_waiting} requests)",
+                retry_after=self.config.retry_after,
+            )
+        try:
+            queue = self.engine.submit(admission.request)
+        except EngineUnavailableError as exc:
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
+        return _Submitted(admission, queue, deadline)
+
+    def _check_available(self) -> None:
+        if self.draining:
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        if self.engine.state is not EngineState.SERVING or self.tokenizer is None:
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, f"the engine is {self.engine.state.value}")
+
+    async def _run(self, submitted: _Submitted) -> AsyncIterator[pb.GenerateResponse]:
+        """Events of one admitted request: `started`, chunks, one `finished` per index, last.
+
+        Each wake-up sends every output waiting in the queue as one chunk (coalescing).
+        """
+        assert self.tokenizer is not None
+        request = submitted.admission.request
+        rid = request.request_id
+        completions = {
+            i: Completion(rid, i, self.tokenizer, submitted.admission.output)
+            for i in range(request.n)
+        }
+        started_at = time.monotonic()
+        started = False
+        try:
+            while not all(c.finished for c in completions.values()):
+                outputs = [await submitted.queue.get()]
+                while not submitted.queue.empty():
+                    outputs.append(submitted.queue.get_nowait())
+                if not started:
+                    started = True
+                    yield _started_event(rid, outputs[0])
+                for index, completion in completions.items():
+                    mine = [o for o in outputs if o.index == index]
+                    if mine and not completion.finished:
+                        for event in completion.absorb(mine):
+                            yield event
+                done = all(c.finished for c in completions.values())
+                if done and any(c.finished_early for c in completions.values()):
+                    # Stop strings matched: the engine is still generating; stop it.
+                    self.engine.abort([rid], FinishReason.CANCELLED)
+        except BaseException:
+            # Client disconnect, deadline, or the stream's end (asyncio.CancelledError in
+            # grpc.aio, not context.cancelled()): abort in the engine, then re-raise.
+            expired = request.deadline is not None and time.time() >= request.deadline
+            reason = FinishReason.DEADLINE_EXCEEDED if expired else FinishReason.CANCELLED
+            self.engine.abort([rid], reason)
+            log.info("request.abandoned", request_id=rid, reason=reason.value)
+            raise
+        finally:
+            self.engine.detach(rid)
+        log.info(
+            "request.finished",
+            request_id=rid,
+            prompt_tokens=len(request.prompt_token_ids),
+            completion_tokens=sum(c.completion_tokens for c in completions.values()),
+            seconds=round(time.monotonic() - started_at, 4),
+        )
+
+    def _cancel(self, request_ids: list[str]) -> list[str]:
+        found = [rid for rid in request_ids if self.engine.has(rid)]
+        self.engine.abort(found, FinishReason.CANCELLED)
+        return found
+
+
+def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else time.time() + remaining
+
+
+def _started_event(request_id: str, first: RequestOutput) -> pb.GenerateResponse:
+    started = pb.Started(
+        prompt_tokens=first.prompt_tokens,
+        cached_tokens=first.cached_tokens,
+        policy_version=first.policy_version,
+    )
+    return pb.GenerateResponse(request_id=request_id, started=started)
+
+
+def _refusal_event(request_id: str, refusal: Refusal) -> pb.GenerateResponse:
+    finished = pb.Finished(
+        reason=pb.FINISH_REASON_ERROR, message=f"{refusal.code.name}: {refusal.message}"
+    )
+    return pb.GenerateResponse(request_id=request_id, finished=finished)

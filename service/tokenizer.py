@@ -1,0 +1,71 @@
+"""Tokenizer: encode prompts and detokenize completions incrementally, in the service process."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import tokenizers
+from tokenizers.decoders import DecodeStream
+
+# Encoding this many characters or more goes to a worker thread; shorter ones cost less than
+# the thread hop. `encode` holds the GIL even in a thread, `encode_batch` releases it.
+OFF_LOOP_ENCODE_CHARS = 2048
+
+
+class Tokenizer:
+    """The served model's `tokenizer.json`."""
+
+    def __init__(self, checkpoint_dir: str | Path) -> None:
+        self.path = Path(checkpoint_dir) / "tokenizer.json"
+        self._tok = tokenizers.Tokenizer.from_file(str(self.path))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; long texts are encoded off the event loop."""
+        if len(text) < OFF_LOOP_ENCODE_CHARS:
+            return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        encodings = await asyncio.to_thread(
+            self._tok.encode_batch, [text], add_special_tokens=add_special_tokens
+        )
+        return list(encodings[0].ids)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer:
+        return Detokenizer(self, skip_special_tokens)
+
+
+class Detokenizer:
+    """Incremental, UTF-8 safe detokenization of one completion.
+
+    `step` returns the text a token completes ("" while a multi-byte character is still
+    incomplete); `flush` returns what is still held back when the completion ends, so that the
+    concatenation of every returned piece equals `decode(all ids)`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._ids: list[int] = []
+        self._emitted = 0  # characters returned so far
+
+    def step(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        text = self._stream.step(self._tokenizer._tok, token_id) or ""
+        self._emitted += len(text)
+        return text
+
+    def flush(self) -> str:
+        """The held-back tail (e.g. an incomplete UTF-8 sequence, decoded with replacement)."""
+        full = self._tokenizer.decode(self._ids, self._skip_special_tokens)
+        # NOTE: DecodeStream's pieces are a prefix of the full decode for byte-level and
+        # metaspace tokenizers; the full decode is the reference for what is left.
+        tail = full[self._emitted :]
+        self._emitted = len(full)
+        return tail
