@@ -37,6 +37,8 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.arange(max_len, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, head_dim]
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 

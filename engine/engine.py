@@ -1,0 +1,423 @@
+"""LLMEngine: the in-process API over the model, KV cache, scheduler and sampler.
+
+Usable directly by a trainer in the same process (`generate`), and by the engine process's
+pipe loop (`add_request` / `abort` / `step`). `step()` is: expire deadlines, schedule, run,
+postprocess. Every request ends with exactly one output whose `finish_reason` is set.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.attention.torch_ref import TorchRefAttention
+from engine.config import EngineConfig
+from engine.messages import (
+    EngineStats,
+    FinishReason,
+    ModelInfo,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+)
+from engine.model_runner import ModelRunner, Sampled
+from engine.models.hf_config import load_model_config
+from engine.page_pool import PagePool
+from engine.prefix_cache import PrefixCache
+from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler
+from engine.weights import build_model
+
+CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on the CPU
+GPU_MEMORY_FRACTION = 0.9  # of the memory free after loading weights, for KV on CUDA
+
+
+@dataclass
+class GenerationResult:
+    """One completion from `LLMEngine.generate`."""
+
+    prompt_token_ids: list[int]
+    index: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    policy_versions: list[int] = field(default_factory=list)  # one per token
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = _resolve_device(config.device)
+        self.dtype = _resolve_dtype(config.dtype, self.device)
+        path = _resolve_model_path(config.model)
+        cfg = load_model_config(path, config.max_model_len)
+        self.model_config = cfg
+        backend = TorchRefAttention(scale=cfg.head_dim**-0.5)
+        self.model = build_model(cfg, path, backend, self.device, self.dtype)
+        self.pool = PagePool(
+            self._num_pages(),
+            config.page_size,
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.cache = PrefixCache(self.pool, config.enable_prefix_cache)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.pool, self.device, cfg.eos_token_ids)
+        self.policy_version = config.policy_version
+        self.scheduler.policy_version = config.policy_version
+        self.requests: dict[str, list[Request]] = {}  # request id -> its n sequences
+        self.pending: list[RequestOutput] = []  # produced outside step(): errors, aborts
+        self.tokens_generated = 0
+        self.prompt_tokens_computed = 0
+        self._rng = random.Random(config.seed)
+        self._arrivals = itertools.count()
+        name = "demo" if config.model == "demo" else Path(config.model).name
+        self.info = ModelInfo(
+            model=name,
+            path=str(path),
+            architecture=cfg.architecture,
+            max_model_len=cfg.max_model_len,
+            vocab_size=cfg.vocab_size,
+            eos_token_ids=list(cfg.eos_token_ids),
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            page_size=config.page_size,
+            total_pages=self.pool.num_pages,
+            policy_version=self.policy_version,
+        )
+
+    # ---- requests in ----
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        n: int = 1,
+        priority: int = 0,
+        deadline: float | None = None,
+        min_policy_version: int | None = None,
+    ) -> None:
+        """Queue a request. Invalid input becomes that request's ERROR output, never an exception
+        (except a request id already in flight, which is the caller's bug)."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        prompt = list(prompt_token_ids)
+        error = self._validate(prompt, params, n, min_policy_version)
+        if error is not None:
+            for index in range(max(n, 1)):
+                self.pending.append(self._error_output(request_id, index, len(prompt), error))
+            return
+        max_tokens = self.model_config.max_model_len - len(prompt)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        seqs = []
+        for index in range(n):
+            seed = params.seed + index if params.seed is not None else self._rng.getrandbits(64)
+            req = Request(
+                request_id=request_id,
+                index=index,
+                prompt_len=len(prompt),
+                token_ids=list(prompt),
+                params=params,
+                seed=seed % 2**64,
+                max_tokens=max_tokens,
+                arrival_seq=next(self._arrivals),
+                priority=priority,
+                deadline=deadline,
+            )
+            self.scheduler.add(req)
+            seqs.append(req)
+        self.requests[request_id] = seqs
+
+    def _validate(
+        self, prompt: list[int], params: SamplingParams, n: int, min_version: int | None
+    ) -> str | None:
+        vocab, max_len = self.model_config.vocab_size, self.model_config.max_model_len
+        if not prompt:
+            return "prompt: is empty"
+        if len(prompt) >= max_len:
+            return f"prompt: {len(prompt)} tokens leave no room in the context of {max_len}"
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            return f"prompt: token id {bad} is outside the vocabulary [0, {vocab})"
+        if n < 1:
+            return "n: must be >= 1"
+        errors = params.errors(vocab)
+        if errors:
+            return "; ".join(f"{name}: {why}" for name, why in errors)
+        if min_version is not None and min_version > self.policy_version:
+            return f"min_policy_version: {min_version} > served version {self.policy_version}"
+        return None
+
+    def abort(
+        self,
+        request_ids: Sequence[str],
+        reason: FinishReason = FinishReason.CANCELLED,
+        message: str | None = None,
+    ) -> None:
+        """End these requests now (unknown ids are ignored); their pages return at once."""
+        for request_id in request_ids:
+            for req in self.requests.get(request_id, []):
+                if not req.is_finished:
+                    self._finish(req, reason, message)
+                    self.pending.append(self._output(req, [], None, None))
+
+    def abort_all(self, reason: FinishReason, message: str | None = None) -> None:
+        self.abort(list(self.requests), reason, message)
+
+    def has_work(self) -> bool:
+        return bool(self.pending) or self.scheduler.has_work()
+
+    # ---- the step ----
+
+    def step(self) -> list[RequestOutput]:
+        """Advance every scheduled request by one forward pass; return what changed."""
+        self._expire_deadlines()
+        batch = self.scheduler.schedule()
+        self._end_too_big()
+        outputs, self.pending = self.pending, []
+        if not batch:
+            return outputs
+        now = time.monotonic()
+        for req in batch.requests:
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+        sampled = self.runner.run(batch)
+        for req, num_tokens in zip(batch.requests, batch.query_lens, strict=True):
+            req.num_computed_tokens += num_tokens
+            if req.num_computed_tokens <= req.prompt_len:
+                self.prompt_tokens_computed += num_tokens
+            self.cache.publish(
+                self.policy_version,
+                req.token_ids,
+                req.pages,
+                req.num_computed_tokens,
+                req.page_hashes,
+            )
+        outputs += self._append_sampled(sampled)
+        return outputs
+
+    def _append_sampled(self, sampled: Sampled) -> list[RequestOutput]:
+        outputs = []
+        now = time.monotonic()
+        for row, req in enumerate(sampled.requests):
+            token = sampled.token_ids[row]
+            req.token_ids.append(token)
+            self.tokens_generated += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            logprobs = None
+            if req.params.logprobs and sampled.logprobs is not None:
+                logprobs = [sampled.logprobs[row]]
+            top = None
+            k = req.params.top_logprobs
+            if k and sampled.top_ids is not None and sampled.top_logprobs is not None:
+                top = [(sampled.top_ids[row][:k], sampled.top_logprobs[row][:k])]
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self._finish(req, reason, None)
+            outputs.append(self._output(req, [token], logprobs, top))
+        return outputs
+
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        params = req.params
+        if not params.ignore_eos and token in self.model_config.eos_token_ids:
+            return FinishReason.STOP
+        if token in params.stop_token_ids:
+            return FinishReason.STOP
+        if req.num_output_tokens >= req.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _expire_deadlines(self) -> None:
+        now = time.time()
+        expired = [
+            req_id
+            for req_id, seqs in self.requests.items()
+            if seqs[0].deadline is not None and seqs[0].deadline <= now
+        ]
+        if expired:
+            self.abort(expired, FinishReason.DEADLINE_EXCEEDED, "the deadline passed")
+
+    def _end_too_big(self) -> None:
+        for req in self.scheduler.too_big:
+            need = self.pool.pages_for(req.num_tokens + 1)
+            message = (
+                f"the request needs {need} KV pages but the whole cache has {self.pool.num_pages}"
+            )
+            req.status = RequestStatus.RUNNING  # let _finish do the bookkeeping once
+            self._finish(req, FinishReason.ERROR, message, in_scheduler=False)
+            self.pending.append(self._output(req, [], None, None))
+        self.scheduler.too_big.clear()
+
+    def _finish(
+        self, req: Request, reason: FinishReason, message: str | None, in_scheduler: bool = True
+    ) -> None:
+        if in_scheduler:
+            self.scheduler.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.error = message
+        req.finish_time = time.monotonic()
+        seqs = self.requests.get(req.request_id, [])
+        if all(s.is_finished for s in seqs):
+            self.requests.pop(req.request_id, None)
+
+    # ---- outputs ----
+
+    def _output(
+        self,
+        req: Request,
+        tokens: list[int],
+        logprobs: list[float] | None,
+        top: list[tuple[list[int], list[float]]] | None,
+    ) -> RequestOutput:
+        metrics = None
+        if req.is_finished and req.finish_time is not None:
+            first_token = req.first_token_time or req.finish_time
+            metrics = RequestMetrics(
+                queue_time=(req.first_scheduled_time or req.finish_time) - req.arrival_time,
+                time_to_first_token=first_token - req.arrival_time,
+                decode_time=req.finish_time - first_token,
+            )
+        return RequestOutput(
+            request_id=req.request_id,
+            index=req.index,
+            new_token_ids=tokens,
+            policy_version=self.policy_version,
+            logprobs=logprobs,
+            top_logprobs=top,
+            finish_reason=req.finish_reason,
+            error=req.error,
+            prompt_tokens=req.prompt_len,
+            cached_tokens=req.num_cached_tokens,
+            completion_tokens=req.num_output_tokens,
+            metrics=metrics,
+        )
+
+    def _error_output(
+        self, request_id: str, index: int, prompt_len: int, error: str
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=request_id,
+            index=index,
+            new_token_ids=[],
+            policy_version=self.policy_version,
+            finish_reason=FinishReason.ERROR,
+            error=error,
+            prompt_tokens=prompt_len,
+        )
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            total_pages=self.pool.num_pages,
+            free_pages=self.pool.num_free,
+            cached_pages=self.cache.num_cached,
+            policy_version=self.policy_version,
+            prompt_tokens_computed=self.prompt_tokens_computed,
+            tokens_generated=self.tokens_generated,
+            prefix_cache_queries=self.scheduler.prefix_queries,
+            prefix_cache_hits=self.scheduler.prefix_hits,
+            preemptions=self.scheduler.num_preemptions,
+        )
+
+    # ---- batch API ----
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        n: int = 1,
+    ) -> list[GenerationResult]:
+        """Run prompts to completion; results in prompt order (n per prompt, by index)."""
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+        results: dict[tuple[str, int], GenerationResult] = {}
+        ids = []
+        for k, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
+            request_id = f"generate-{next(self._arrivals)}-{k}"
+            ids.append(request_id)
+            for index in range(n):
+                results[(request_id, index)] = GenerationResult(list(prompt), index)
+            self.add_request(request_id, prompt, p, n=n)
+        remaining = len(results)
+        while remaining:
+            for out in self.step():
+                result = results.get((out.request_id, out.index))
+                if result is None:
+                    continue  # another caller's request
+                _accumulate(result, out)
+                remaining -= out.finished
+        return [results[(rid, i)] for rid in ids for i in range(n)]
+
+    def _num_pages(self) -> int:
+        cfg, config = self.model_config, self.config
+        if config.num_kv_pages is not None:
+            return config.num_kv_pages
+        per_page = PagePool.bytes_per_page(
+            config.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype
+        )
+        budget = config.kv_cache_memory
+        if budget is None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * GPU_MEMORY_FRACTION)
+        elif budget is None:
+            # Enough for every sequence at full length, within a fixed CPU budget.
+            full = config.max_num_seqs * -(-cfg.max_model_len // config.page_size)
+            budget = min(CPU_KV_CACHE_BYTES, full * per_page)
+        pages = budget // per_page
+        if pages < 1:
+            raise ValueError(f"kv_cache_memory: {budget} bytes hold no {per_page}-byte page")
+        return pages
+
+
+def _accumulate(result: GenerationResult, out: RequestOutput) -> None:
+    result.token_ids += out.new_token_ids
+    result.policy_versions += [out.policy_version] * len(out.new_token_ids)
+    if out.logprobs is not None:
+        result.logprobs = (result.logprobs or []) + out.logprobs
+    if out.top_logprobs is not None:
+        result.top_logprobs = (result.top_logprobs or []) + out.top_logprobs
+    result.prompt_tokens = out.prompt_tokens
+    result.completion_tokens = out.completion_tokens
+    result.cached_tokens = out.cached_tokens
+    if out.finished:
+        result.finish_reason = out.finish_reason
+        result.error = out.error
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
+
+
+def _resolve_model_path(model: str) -> Path:
+    if model == "demo":
+        from engine.demo import ensure_demo_checkpoint
+
+        return ensure_demo_checkpoint()
+    return Path(model)

@@ -1,0 +1,74 @@
+"""A request's state inside the engine: tokens, pages, progress, parameters, versions."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.messages import FinishReason, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated (one index of a request with n samples).
+
+    `token_ids` is prompt + output. The KV of `token_ids[:num_computed_tokens]` is in `pages`.
+    A step feeds `token_ids[num_computed_tokens:...]` through the model; when that reaches the
+    end, the last position's logits sample the next token.
+    """
+
+    request_id: str
+    index: int
+    prompt_len: int
+    token_ids: list[int]
+    params: SamplingParams
+    seed: int  # resolved: the caller's seed (+ index), or drawn by the engine
+    max_tokens: int  # resolved: capped by what is left of the context
+    arrival_seq: int  # FCFS tie-breaker within a priority; kept across preemption
+    priority: int = 0
+    deadline: float | None = None  # absolute time.time()
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    pages: list[int] = field(default_factory=list)
+    page_hashes: list[int] = field(default_factory=list)  # prefix-cache chain hashes of pages
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    announced: bool = False  # the service has seen this request's first output
+    output_logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.request_id, self.index)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Waiting order: higher priority first, then arrival."""
+        return (-self.priority, self.arrival_seq)
