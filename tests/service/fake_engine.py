@@ -3,7 +3,8 @@
 Spawnable as `fake_engine_main(config, conn)`. It "generates" by echoing the prompt's tokens
 (without the first one) in a cycle, one token per request per step. Behaviour knobs live in
 `<config.model>/fake.json`: step_delay (seconds per step), die_on_token (a prompt containing
-this id kills the engine), max_model_len, vocab_size.
+this id kills the engine), hold_token (a prompt containing this id stays queued, producing
+nothing, until aborted), max_model_len, vocab_size.
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ def fake_engine_main(config: EngineConfig, conn: Connection) -> None:
             if req.add.deadline is not None and time.time() > req.add.deadline:
                 finish(rid, FinishReason.DEADLINE_EXCEEDED)
                 continue
+            if knobs.get("hold_token") in req.add.prompt_token_ids:
+                continue
             prompt = req.add.prompt_token_ids[1:] or req.add.prompt_token_ids
             token = prompt[len(req.generated) % len(prompt)]
             req.generated.append(token)
@@ -140,3 +143,5 @@ def fake_engine_main(config: EngineConfig, conn: Connection) -> None:
             time.sleep(knobs.get("step_delay", 0.0))
         elif not requests:
             conn.send(Heartbeat(stats()))
+        else:
+            time.sleep(0.005)  # only held requests: do not spin
