@@ -29,11 +29,22 @@ def make_fake_model(directory: Path, **knobs: Any) -> Path:
 
 @contextlib.asynccontextmanager
 async def running_server(
-    model_dir: Path, fake: bool = True, **config: Any
+    model_dir: Path, fake: bool = True, engine: dict[str, Any] | None = None, **config: Any
 ) -> AsyncIterator[tuple[SluiceServer, str]]:
-    """A started, SERVING server and its target address; stopped (drained) on exit."""
-    engine = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_pages=64)
-    service_config = ServiceConfig(engine=engine, host="127.0.0.1", port=0, **config)
+    """A started, SERVING server and its target address; stopped (drained) on exit.
+
+    `fake` runs tests/service/fake_engine.py instead of the real engine; `engine` overrides
+    EngineConfig fields, `config` ServiceConfig fields."""
+    engine_config = EngineConfig(
+        **{
+            "model": str(model_dir),
+            "device": "cpu",
+            "dtype": "float32",
+            "num_kv_pages": 64,
+            **(engine or {}),
+        }
+    )
+    service_config = ServiceConfig(engine=engine_config, host="127.0.0.1", port=0, **config)
     server, port = create_server(service_config, fake_engine_main if fake else None)
     await server.start()
     try:

@@ -34,38 +34,43 @@ def test_importing_the_server_does_not_import_torch():
 
 
 async def test_engine_death_ends_in_flight_requests_with_error_and_restarts(model_dir):
-    async with running_server(model_dir, restart_backoff=0.1) as (server, target):
-        async with AsyncClient(target) as client, grpc.aio.insecure_channel(target) as channel:
-            assert await health_status(channel, "sluice.v1.Generation") == SERVING
-            in_flight = asyncio.ensure_future(client.complete([0, HOLD], max_tokens=5))
-            await asyncio.sleep(0.2)
-            killer = await client.complete([0, DIE], max_tokens=1)
-            assert killer.reason == "ERROR"
-            victim = await in_flight
-            assert victim.reason == "ERROR" and "engine" in victim.finished.message
-            assert await health_status(channel) != SERVING
-            for _ in range(200):
-                if await health_status(channel) == SERVING:
-                    break
-                await asyncio.sleep(0.05)
-            assert await health_status(channel) == SERVING
-            assert (await client.complete([0, 5], max_tokens=2)).reason == "LENGTH"
-            assert server.engine.restarts == 1
+    async with (
+        running_server(model_dir, restart_backoff=0.1) as (server, target),
+        AsyncClient(target) as client,
+        grpc.aio.insecure_channel(target) as channel,
+    ):
+        assert await health_status(channel, "sluice.v1.Generation") == SERVING
+        in_flight = asyncio.ensure_future(client.complete([0, HOLD], max_tokens=5))
+        await asyncio.sleep(0.2)
+        killer = await client.complete([0, DIE], max_tokens=1)
+        assert killer.reason == "ERROR"
+        victim = await in_flight
+        assert victim.reason == "ERROR" and "engine" in victim.finished.message
+        assert await health_status(channel) != SERVING
+        for _ in range(200):
+            if await health_status(channel) == SERVING:
+                break
+            await asyncio.sleep(0.05)
+        assert await health_status(channel) == SERVING
+        assert (await client.complete([0, 5], max_tokens=2)).reason == "LENGTH"
+        assert server.engine.restarts == 1
 
 
 async def test_full_waiting_queue_is_resource_exhausted_with_retry_info(model_dir):
-    async with running_server(model_dir, max_waiting=1) as (_, target):
-        async with AsyncClient(target) as client:
-            held = asyncio.ensure_future(client.complete([0, HOLD], request_id="h", max_tokens=1))
-            await asyncio.sleep(0.2)
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await client.complete([0, 5], max_tokens=1)
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            status = rpc_status.from_call(err.value)
-            retry = error_details_pb2.RetryInfo()
-            assert status is not None and status.details[0].Unpack(retry)
-            await client.cancel(["h"])
-            assert (await held).reason == "CANCELLED"
+    async with (
+        running_server(model_dir, max_waiting=1) as (_, target),
+        AsyncClient(target) as client,
+    ):
+        held = asyncio.ensure_future(client.complete([0, HOLD], request_id="h", max_tokens=1))
+        await asyncio.sleep(0.2)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.complete([0, 5], max_tokens=1)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        status = rpc_status.from_call(err.value)
+        retry = error_details_pb2.RetryInfo()
+        assert status is not None and status.details[0].Unpack(retry)
+        await client.cancel(["h"])
+        assert (await held).reason == "CANCELLED"
 
 
 async def test_api_token_is_required_for_generation_but_not_health(model_dir):
@@ -106,9 +111,7 @@ async def test_drain_lets_in_flight_finish_refuses_new_and_aborts_the_rest(model
 async def test_generate_many_over_one_stream(model_dir):
     async with running_server(model_dir) as (_, target), AsyncClient(target) as client:
         collector = Collector()
-        prompts = [
-            build_request([0, 5 + i], request_id=f"m{i}", max_tokens=2) for i in range(8)
-        ]
+        prompts = [build_request([0, 5 + i], request_id=f"m{i}", max_tokens=2) for i in range(8)]
         async for event in client.generate_many(prompts):
             collector.add(event)
         assert {c.request_id: c.token_ids for c in collector.completions.values()} == {

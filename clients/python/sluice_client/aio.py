@@ -49,8 +49,11 @@ class AsyncClient:
             prompt if isinstance(prompt, pb.GenerateRequest) else build_request(prompt, **params)
         )
         call = self.stub.Generate(request, metadata=self.metadata, timeout=timeout)
-        async for event in call:
-            yield event
+        try:
+            async for event in call:
+                yield event
+        finally:
+            call.cancel()  # closing the iterator early cancels the call; a no-op once ended
 
     async def complete(
         self, prompt: Prompt | pb.GenerateRequest, *, timeout: float | None = None, **params: Any
@@ -124,5 +127,8 @@ class AsyncGenerateStream:
         return self._events()
 
     async def _events(self) -> AsyncIterator[pb.GenerateResponse]:
-        async for event in self.call:
-            yield event
+        try:
+            async for event in self.call:
+                yield event
+        finally:
+            self.call.cancel()
