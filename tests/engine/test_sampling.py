@@ -1,0 +1,164 @@
+"""Sampling semantics: seeds, truncation, penalties, logprobs and stop conditions."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import load_hf_model
+
+from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
+
+PROMPT = [0, 17, 42, 99, 123, 7, 88]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama: Path) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(tiny_llama), device="cpu", dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama: Path):  # type: ignore[no-untyped-def]
+    return load_hf_model(tiny_llama)
+
+
+def hf_logits(hf, tokens: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Logits [len(tokens), vocab] of the reference model for every position."""
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].float()
+
+
+def others(count: int) -> list[list[int]]:
+    return [[0, *range(10 + i, 20 + 2 * i)] for i in range(count)]
+
+
+def test_seed_gives_the_same_tokens_alone_and_among_15_others(engine: LLMEngine) -> None:
+    seeded = SamplingParams(temperature=1.0, top_k=50, seed=1234, max_tokens=32, ignore_eos=True)
+    alone = engine.generate([PROMPT], seeded)[0].token_ids
+    noisy = SamplingParams(temperature=1.2, max_tokens=40, ignore_eos=True)
+    batch = engine.generate([*others(8), PROMPT, *others(7)], [noisy] * 8 + [seeded] + [noisy] * 7)
+    assert batch[8].token_ids == alone
+    other_seed = SamplingParams(
+        temperature=1.0, top_k=50, seed=4321, max_tokens=32, ignore_eos=True
+    )
+    assert engine.generate([PROMPT], other_seed)[0].token_ids != alone
+
+
+def test_unseeded_sampling_varies(engine: LLMEngine) -> None:
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    runs = {tuple(engine.generate([PROMPT], params)[0].token_ids) for _ in range(3)}
+    assert len(runs) > 1
+
+
+@pytest.mark.parametrize(
+    "truncation", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}], ids=["top_k", "top_p", "min_p"]
+)
+def test_extreme_truncation_equals_greedy(engine: LLMEngine, truncation: dict) -> None:
+    greedy = engine.generate(
+        [PROMPT], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    )
+    params = SamplingParams(temperature=1.5, seed=3, max_tokens=16, ignore_eos=True, **truncation)
+    assert engine.generate([PROMPT], params)[0].token_ids == greedy[0].token_ids
+
+
+def test_sampled_tokens_stay_inside_top_k(engine: LLMEngine, hf) -> None:  # type: ignore[no-untyped-def]
+    params = SamplingParams(temperature=2.0, top_k=3, seed=11, max_tokens=24, ignore_eos=True)
+    result = engine.generate([PROMPT], params)[0]
+    logits = hf_logits(hf, PROMPT + result.token_ids)[len(PROMPT) - 1 : -1]
+    top3 = logits.topk(3, dim=-1).indices
+    assert all(tok in top3[i].tolist() for i, tok in enumerate(result.token_ids))
+
+
+def test_penalised_greedy_matches_a_reference_loop(engine: LLMEngine, hf) -> None:  # type: ignore[no-untyped-def]
+    rep, freq, pres = 1.3, 0.5, 0.4
+    params = SamplingParams(
+        temperature=0.0,
+        repetition_penalty=rep,
+        frequency_penalty=freq,
+        presence_penalty=pres,
+        max_tokens=24,
+        ignore_eos=True,
+        logprobs=True,
+    )
+    result = engine.generate([PROMPT], params)[0]
+    tokens = list(PROMPT)
+    for i in range(24):
+        logits = hf_logits(hf, tokens)[-1]
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[tokens] = True
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+        counts = torch.bincount(
+            torch.tensor(tokens[len(PROMPT) :], dtype=torch.long), minlength=logits.numel()
+        )
+        logits = logits - freq * counts - pres * (counts > 0)
+        token = int(logits.argmax())
+        assert result.token_ids[i] == token
+        assert abs(result.logprobs[i] - float(logits.log_softmax(-1)[token])) < 1e-4
+        tokens.append(token)
+    plain = engine.generate(
+        [PROMPT], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    )
+    assert plain[0].token_ids != result.token_ids, "the penalties should change this output"
+
+
+def test_logprobs_are_temperature_scaled_and_raw_logprobs_are_not(engine: LLMEngine, hf) -> None:  # type: ignore[no-untyped-def]
+    common = {"temperature": 0.7, "seed": 5, "max_tokens": 12, "ignore_eos": True, "logprobs": True}
+    scaled = engine.generate([PROMPT], SamplingParams(**common))[0]
+    raw = engine.generate([PROMPT], SamplingParams(**common, raw_logprobs=True))[0]
+    assert raw.token_ids == scaled.token_ids  # logprob mode never changes sampling
+    logits = hf_logits(hf, PROMPT + scaled.token_ids)[len(PROMPT) - 1 : -1]
+    ids = torch.tensor(scaled.token_ids)[:, None]
+    expect_scaled = (logits / 0.7).log_softmax(-1).gather(-1, ids).squeeze(-1)
+    expect_raw = logits.log_softmax(-1).gather(-1, ids).squeeze(-1)
+    torch.testing.assert_close(torch.tensor(scaled.logprobs), expect_scaled, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.tensor(raw.logprobs), expect_raw, atol=1e-4, rtol=0)
+
+
+def test_stop_token_id_stops_and_min_tokens_suppresses_it(engine: LLMEngine) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    first = engine.generate([PROMPT], greedy)[0].token_ids[0]
+    stopped = engine.generate(
+        [PROMPT], SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=(first,))
+    )
+    assert stopped[0].token_ids == [first] and stopped[0].finish_reason == FinishReason.STOP
+    held = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=(first,), min_tokens=5)
+    result = engine.generate([PROMPT], held)[0]
+    assert first not in result.token_ids[:5] and len(result.token_ids) >= 5
+
+
+def test_max_tokens_and_context_limit_end_with_length(engine: LLMEngine) -> None:
+    result = engine.generate(
+        [PROMPT], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    )[0]
+    assert len(result.token_ids) == 5 and result.finish_reason == FinishReason.LENGTH
+    max_len = engine.info.max_model_len
+    near_full = [0] + [5] * (max_len - 4)
+    result = engine.generate(
+        [near_full], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    )[0]
+    assert result.finish_reason == FinishReason.LENGTH
+    assert len(near_full) + len(result.token_ids) == max_len
+
+
+def test_generation_stops_at_any_eos_id_of_generation_config(
+    engine: LLMEngine, tiny_llama: Path, tmp_path: Path
+) -> None:
+    first = engine.generate(
+        [PROMPT], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    )[0].token_ids[0]
+    checkpoint = tmp_path / "eos"
+    shutil.copytree(tiny_llama, checkpoint)
+    generation = json.loads((checkpoint / "generation_config.json").read_text())
+    generation["eos_token_id"] = [1, first]
+    (checkpoint / "generation_config.json").write_text(json.dumps(generation))
+    multi_eos = LLMEngine(EngineConfig(model=str(checkpoint), device="cpu", dtype="float32"))
+    assert multi_eos.info.eos_token_ids == [1, first]
+    result = multi_eos.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8))[0]
+    assert result.token_ids == [first] and result.finish_reason == FinishReason.STOP
+    ignored = multi_eos.generate(
+        [PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    )[0]
+    assert len(ignored.token_ids) == 8
