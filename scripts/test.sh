@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The README's test command: set up .venv with the dev tools, check lint, types and the
+# generated stubs, then run the whole test suite. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh dev
+echo "== ruff" && .venv/bin/ruff check . && .venv/bin/ruff format --check .
+echo "== mypy" && .venv/bin/mypy
+echo "== stubs" && bash scripts/gen_protos.sh && git diff --exit-code -- proto/
+echo "== pytest" && .venv/bin/python -m pytest -q "$@"
