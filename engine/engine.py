@@ -128,20 +128,25 @@ class LLMEngine:
         seqs = []
         for index in range(n):
             seed = params.seed + index if params.seed is not None else self._rng.getrandbits(64)
-            req = Request(
-                request_id=request_id,
-                index=index,
-                prompt_len=len(prompt),
-                token_ids=list(prompt),
-                params=params,
-                seed=seed % 2**64,
-                max_tokens=max_tokens,
-                arrival_seq=next(self._arrivals),
-                priority=priority,
-                deadline=deadline,
+            seqs.append(
+                Request(
+                    request_id=request_id,
+                    index=index,
+                    prompt_len=len(prompt),
+                    token_ids=list(prompt),
+                    params=params,
+                    seed=seed % 2**64,
+                    max_tokens=max_tokens,
+                    arrival_seq=next(self._arrivals),
+                    priority=priority,
+                    deadline=deadline,
+                )
             )
-            self.scheduler.add(req)
-            seqs.append(req)
+        leader, siblings = seqs[0], seqs[1:]
+        for sibling in siblings:
+            sibling.status = RequestStatus.FORK_PENDING
+        leader.pending_forks = list(siblings)
+        self.scheduler.add(leader)
         self.requests[request_id] = seqs
 
     def _validate(
@@ -155,8 +160,8 @@ class LLMEngine:
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             return f"prompt: token id {bad} is outside the vocabulary [0, {vocab})"
-        if n < 1:
-            return "n: must be >= 1"
+        if not 1 <= n <= self.config.max_num_seqs:
+            return f"n: must be in [1, max_num_seqs={self.config.max_num_seqs}]"
         errors = params.errors(vocab)
         if errors:
             return "; ".join(f"{name}: {why}" for name, why in errors)
@@ -169,11 +174,13 @@ class LLMEngine:
         request_ids: Sequence[str],
         reason: FinishReason = FinishReason.CANCELLED,
         message: str | None = None,
+        index: int | None = None,
     ) -> None:
-        """End these requests now (unknown ids are ignored); their pages return at once."""
+        """End these requests now (only sample `index` when given; unknown ids are ignored);
+        their pages return at once."""
         for request_id in request_ids:
-            for req in self.requests.get(request_id, []):
-                if not req.is_finished:
+            for req in list(self.requests.get(request_id, [])):
+                if not req.is_finished and index in (None, req.index):
                     self._finish(req, reason, message)
                     self.pending.append(self._output(req, [], None, None))
 
@@ -213,6 +220,11 @@ class LLMEngine:
         return outputs
 
     def _append_sampled(self, sampled: Sampled) -> list[RequestOutput]:
+        # NOTE: siblings fork before any token is appended: a leader that stops at its first
+        # token releases the prompt pages they start from.
+        for req in sampled.requests:
+            if req.status is RequestStatus.FORK_PENDING:
+                self.scheduler.fork(req, self.requests[req.request_id][0])
         outputs = []
         now = time.monotonic()
         for row, req in enumerate(sampled.requests):
@@ -260,16 +272,14 @@ class LLMEngine:
             message = (
                 f"the request needs {need} KV pages but the whole cache has {self.pool.num_pages}"
             )
-            req.status = RequestStatus.RUNNING  # let _finish do the bookkeeping once
-            self._finish(req, FinishReason.ERROR, message, in_scheduler=False)
-            self.pending.append(self._output(req, [], None, None))
+            for seq in [req, *req.pending_forks]:  # siblings share the prompt: none would fit
+                self._finish(seq, FinishReason.ERROR, message)
+                self.pending.append(self._output(seq, [], None, None))
         self.scheduler.too_big.clear()
 
-    def _finish(
-        self, req: Request, reason: FinishReason, message: str | None, in_scheduler: bool = True
-    ) -> None:
-        if in_scheduler:
-            self.scheduler.remove(req)
+    def _finish(self, req: Request, reason: FinishReason, message: str | None) -> None:
+        if req.status is not RequestStatus.FINISHED:  # the scheduler ends requests too big to fit
+            self.scheduler.remove(req, leader=self.requests[req.request_id][0])
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.error = message

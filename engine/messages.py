@@ -104,6 +104,7 @@ class AddRequest:
 class AbortRequests:
     request_ids: list[str]
     reason: FinishReason = FinishReason.CANCELLED
+    index: int | None = None  # only this sample of each request (a stop string matched on it)
 
 
 @dataclass(frozen=True)

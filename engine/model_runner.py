@@ -65,8 +65,10 @@ class ModelRunner:
             )
             context_lens.append(end)
             if end == req.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
-                sampling.append(req)
+                # Siblings (n > 1) sample their first tokens from the leader's last prompt row.
+                for seq in [req, *req.pending_forks]:
+                    sample_rows.append(len(input_ids) - 1)
+                    sampling.append(seq)
 
         max_pages = max(len(r.pages) for r in batch.requests)
         tables = [r.pages + [0] * (max_pages - len(r.pages)) for r in batch.requests]

@@ -57,6 +57,11 @@ class PagePool:
         self.ref_counts[page] = 1
         return page
 
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy one page's K and V in every layer."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
     def retain(self, page: int) -> None:
         self.ref_counts[page] += 1
 

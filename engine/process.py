@@ -81,7 +81,7 @@ def _handle(engine: LLMEngine, conn: Connection, msg: ToEngine) -> None:
                 min_policy_version=msg.min_policy_version,
             )
         case AbortRequests():
-            engine.abort(msg.request_ids, msg.reason)
+            engine.abort(msg.request_ids, msg.reason, index=msg.index)
         case GetState():
             conn.send(Heartbeat(engine.stats()))
         case _:

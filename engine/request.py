@@ -12,6 +12,7 @@ from engine.messages import FinishReason, SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    FORK_PENDING = "fork_pending"  # a sibling of n > 1 waiting for its leader's prompt KV
     FINISHED = "finished"
 
 
@@ -40,7 +41,7 @@ class Request:
     page_hashes: list[int] = field(default_factory=list)  # prefix-cache chain hashes of pages
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
-    announced: bool = False  # the service has seen this request's first output
+    pending_forks: list[Request] = field(default_factory=list)  # siblings to start from my prompt
     output_logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None

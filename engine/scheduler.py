@@ -64,13 +64,39 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
 
-    def remove(self, req: Request) -> None:
+    def remove(self, req: Request, leader: Request | None = None) -> None:
         """Take a request out of the queues and release its pages (finish or abort)."""
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
+        elif req.status is RequestStatus.FORK_PENDING:
+            assert leader is not None, "a pending fork is removed through its leader"
+            leader.pending_forks.remove(req)
         self._release_pages(req)
+
+    def fork(self, child: Request, leader: Request) -> None:
+        """Start a sibling on its leader's computed prompt: share the full pages, copy the last
+        partial one. Without a free page for the copy, the sibling queues to recompute instead
+        (same tokens, more work)."""
+        leader.pending_forks.remove(child)
+        size = self.cache.pool.page_size
+        full, partial = divmod(child.prompt_len, size)
+        assert leader.num_computed_tokens >= child.prompt_len, "fork before the prompt is computed"
+        if partial and not self.cache.num_available:
+            self.add(child)
+            return
+        child.pages = leader.pages[:full]
+        for page in child.pages:
+            self.cache.pool.retain(page)
+        if partial:
+            copy = self.cache.allocate()
+            self.cache.pool.copy_page(leader.pages[full], copy)
+            child.pages.append(copy)
+        child.page_hashes = leader.page_hashes[:full]
+        child.num_computed_tokens = child.prompt_len
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -108,11 +134,12 @@ class Scheduler:
         return True
 
     def _admit(self, batch: ScheduledBatch) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting:
             budget = self.max_num_batched_tokens - batch.num_tokens
-            if budget == 0:
-                break
             req = self.waiting[0]
+            group = 1 + len(req.pending_forks)  # the siblings join when the prompt is done
+            if budget == 0 or len(self.running) + group > self.max_num_seqs:
+                break
             # NOTE: at least the last token must be computed, so its logits exist to sample.
             if self.cache.pool.pages_for(req.num_tokens + 1) > self.pool_pages:
                 self.waiting.pop(0)
@@ -149,6 +176,7 @@ class Scheduler:
         self.add(req)
 
     def _drop_too_big(self, req: Request) -> None:
+        """Out of the queues, pages released; the engine ends it (and any pending siblings)."""
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         self._release_pages(req)
