@@ -98,6 +98,7 @@ class LLMEngine:
             page_size=config.page_size,
             total_pages=self.pool.num_pages,
             policy_version=self.policy_version,
+            max_num_seqs=config.max_num_seqs,
         )
 
     # ---- requests in ----

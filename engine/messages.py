@@ -133,6 +133,7 @@ class ModelInfo:
     page_size: int
     total_pages: int
     policy_version: int
+    max_num_seqs: int  # also the largest n a request may ask for
 
 
 @dataclass(frozen=True)

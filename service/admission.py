@@ -133,10 +133,8 @@ def field_violations(req: pb.GenerateRequest, info: ModelInfo) -> list[tuple[str
             errors.append(("token_ids.ids", "must not be empty"))
         case "token_ids" if max(req.token_ids.ids) >= info.vocab_size:
             errors.append(("token_ids.ids", f"every id must be in [0, {info.vocab_size})"))
-    if req.HasField("n") and req.n == 0:
-        errors.append(("n", "must be >= 1"))
-    elif req.n > 1:
-        errors.append(("n", "n > 1 is not supported yet"))
+    if req.HasField("n") and not 1 <= req.n <= info.max_num_seqs:
+        errors.append(("n", f"must be in [1, {info.max_num_seqs}] (max_num_seqs)"))
     if any(not s for s in req.stop.stop):
         errors.append(("stop.stop", "stop strings must not be empty"))
     params = sampling_params(req)

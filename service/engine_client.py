@@ -167,12 +167,13 @@ class EngineClient:
         self._routes[request.request_id] = _Route(queue, set(range(request.n)))
         return queue
 
-    def abort(self, request_ids: list[str], reason: FinishReason) -> None:
-        """Abort in the engine; each request's final output (with `reason`) follows as usual."""
+    def abort(self, request_ids: list[str], reason: FinishReason, index: int | None = None) -> None:
+        """Abort in the engine (only sample `index` when given); each aborted sample's final
+        output (with `reason`) follows as usual."""
         ids = [rid for rid in request_ids if rid in self._routes]
         if ids:
             with contextlib.suppress(EngineUnavailableError):
-                self._send(AbortRequests(ids, reason))
+                self._send(AbortRequests(ids, reason, index))
 
     def detach(self, request_id: str) -> None:
         """The handler stopped listening; outputs are dropped from now on."""

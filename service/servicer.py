@@ -150,6 +150,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 total_pages=stats.total_pages or info.total_pages,
                 free_pages=stats.free_pages,
                 cached_pages=stats.cached_pages,
+                prefix_cache_hit_ratio=stats.prefix_hit_ratio,
             ),
             running=stats.running,
             waiting=stats.waiting,
@@ -218,10 +219,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     if mine and not completion.finished:
                         for event in completion.absorb(mine):
                             yield event
-                done = all(c.finished for c in completions.values())
-                if done and any(c.finished_early for c in completions.values()):
-                    # Stop strings matched: the engine is still generating; stop it.
-                    self.engine.abort([rid], FinishReason.CANCELLED)
+                        if completion.finished_early:
+                            # A stop string matched: the engine is still generating this
+                            # sample; stop it (its final output is ignored).
+                            self.engine.abort([rid], FinishReason.CANCELLED, index)
         except BaseException:
             # Client disconnect, deadline, or the stream's end (asyncio.CancelledError in
             # grpc.aio, not context.cancelled()): abort in the engine, then re-raise.

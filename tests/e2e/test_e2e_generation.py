@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 
 import grpc
 import pytest
 import pytest_asyncio
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "service"))  # service_harness
 from service_harness import running_server
 from sluice.v1 import generation_pb2 as pb
 from sluice_client import AsyncClient, Collector, build_request

@@ -181,7 +181,7 @@ BAD_REQUESTS = [
     ("stop id out of vocab", build_request("a", stop_token_ids=[999]), "stop.stop_token_ids"),
     ("top_logprobs 21", build_request("a", top_logprobs=21), "output.top_logprobs"),
     ("n zero", build_request("a", n=0), "n"),
-    ("n two", build_request("a", n=2), "n"),
+    ("n above max_num_seqs", build_request("a", n=9), "n"),
     ("empty stop string", build_request("a", stop=[""]), "stop.stop"),
     ("long request id", build_request("a", request_id="x" * 300), "request_id"),
     ("prompt too long", build_request([0] * 64), "prompt"),

@@ -721,11 +721,14 @@ class KvCacheInfo(_message.Message):
     TOTAL_PAGES_FIELD_NUMBER: _builtins.int
     FREE_PAGES_FIELD_NUMBER: _builtins.int
     CACHED_PAGES_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHE_HIT_RATIO_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
     total_pages: _builtins.int
     free_pages: _builtins.int
     cached_pages: _builtins.int
     """Unreferenced pages the prefix cache keeps (reclaimable)."""
+    prefix_cache_hit_ratio: _builtins.float
+    """Share of prompt tokens found in the prefix cache since the engine started (0..1)."""
     def __init__(
         self,
         *,
@@ -733,10 +736,11 @@ class KvCacheInfo(_message.Message):
         total_pages: _builtins.int = ...,
         free_pages: _builtins.int = ...,
         cached_pages: _builtins.int = ...,
+        prefix_cache_hit_ratio: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_pages", b"cached_pages", "free_pages", b"free_pages", "page_size", b"page_size", "total_pages", b"total_pages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_pages", b"cached_pages", "free_pages", b"free_pages", "page_size", b"page_size", "prefix_cache_hit_ratio", b"prefix_cache_hit_ratio", "total_pages", b"total_pages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

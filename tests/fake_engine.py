@@ -56,6 +56,7 @@ def fake_engine_main(config: EngineConfig, conn: Connection) -> None:
         page_size=4,
         total_pages=TOTAL_PAGES,
         policy_version=config.policy_version,
+        max_num_seqs=8,
     )
     conn.send(Ready(info))
     requests: dict[str, _Request] = {}
