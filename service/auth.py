@@ -1,4 +1,8 @@
-"""BearerTokenInterceptor: the optional API token for the Generation service."""
+"""BearerTokenInterceptor: the API token for Generation and the admin token for Admin.
+
+Tokens travel as `authorization: Bearer <token>` metadata. They are compared in constant time
+(hmac.compare_digest) and never logged.
+"""
 
 from __future__ import annotations
 
@@ -10,14 +14,21 @@ import grpc
 
 # Health checks and reflection stay open: load balancers and grpcurl probe them without tokens.
 OPEN_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+ADMIN_PREFIX = "/sluice.v1.Admin/"
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Requires `authorization: Bearer <token>`: missing is UNAUTHENTICATED, wrong is
-    PERMISSION_DENIED. The token is compared in constant time and never logged."""
+    """Checks the token a call presents against the one its service needs.
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+    Generation (and anything else not open): with an API token configured, missing is
+    UNAUTHENTICATED and wrong is PERMISSION_DENIED; without one, calls pass.
+    Admin: with no admin token configured, every call is PERMISSION_DENIED (the service is
+    off); a missing or wrong token is UNAUTHENTICATED (it does not prove the caller an admin).
+    """
+
+    def __init__(self, api_token: str | None = None, admin_token: str | None = None) -> None:
+        self._api = None if api_token is None else _bearer(api_token)
+        self._admin = None if admin_token is None else _bearer(admin_token)
 
     async def intercept_service(
         self,
@@ -28,15 +39,38 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         method: str = handler_call_details.method
         if handler is None or method.startswith(OPEN_PREFIXES):
             return handler
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        presented = metadata.get("authorization")
+        presented = _presented(handler_call_details)
+        if method.startswith(ADMIN_PREFIX):
+            if self._admin is None:
+                return _refusing(
+                    handler,
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    "the Admin service is disabled: the server has no admin token",
+                )
+            if presented is None or not hmac.compare_digest(presented, self._admin):
+                return _refusing(
+                    handler, grpc.StatusCode.UNAUTHENTICATED, "missing or invalid admin token"
+                )
+            return handler
+        if self._api is None:
+            return handler
         if presented is None:
             return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED, "missing bearer token")
-        if isinstance(presented, str):
-            presented = presented.encode()
-        if not hmac.compare_digest(presented, self._expected):
+        if not hmac.compare_digest(presented, self._api):
             return _refusing(handler, grpc.StatusCode.PERMISSION_DENIED, "invalid bearer token")
         return handler
+
+
+def _bearer(token: str) -> bytes:
+    return f"Bearer {token}".encode()
+
+
+def _presented(details: grpc.HandlerCallDetails) -> bytes | None:
+    metadata = dict(details.invocation_metadata or ())
+    presented = metadata.get("authorization")
+    if isinstance(presented, str):
+        presented = presented.encode()
+    return presented
 
 
 def _refusing(

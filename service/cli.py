@@ -1,4 +1,5 @@
-"""The `sluice` command: `serve` runs the server; `generate`, `info` and `health` are clients.
+"""The `sluice` command: `serve` runs the server; `generate`, `info`, `health` and
+`update-weights` are clients.
 
 `python -m service [flags]` is `sluice serve [flags]`.
 """
@@ -17,6 +18,8 @@ from typing import TYPE_CHECKING
 from engine.config import DEVICES, DTYPES, EngineConfig
 
 if TYPE_CHECKING:
+    from sluice.v1 import admin_pb2
+
     from service.config import ServiceConfig
 
 UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -52,6 +55,23 @@ def build_parser() -> argparse.ArgumentParser:
     health = verbs.add_parser("health", help="exit 0 once the server is SERVING")
     add_client_flags(health)
     health.add_argument("--wait", type=float, default=0.0, help="seconds to keep trying")
+
+    update = verbs.add_parser(
+        "update-weights", help="swap the served weights live; prints Applied as JSON"
+    )
+    update.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT")
+    source = update.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="HF checkpoint directory on the server's machine")
+    source.add_argument(
+        "--tensors", type=Path, help="a local .safetensors file: its tensors are sent inline"
+    )
+    update.add_argument(
+        "--inflight", choices=["drain", "abort", "continue", "recompute"], default="drain"
+    )
+    update.add_argument("--version", type=int, default=0, help="new policy version (0 = +1)")
+    update.add_argument("--drain-timeout-ms", type=int, help="DRAIN: fail after this long")
+    update.add_argument("--chunk-bytes", type=parse_bytes, default="4M", help="--tensors chunks")
+    update.add_argument("--admin-token-file", type=Path)
     return parser
 
 
@@ -68,6 +88,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-pages", type=int)
     p.add_argument("--disable-prefix-cache", action="store_true")
     p.add_argument("--api-token-file", type=Path, help="require 'authorization: Bearer <it>'")
+    p.add_argument(
+        "--admin-token-file", type=Path, help="enables Admin (UpdateWeights) with this token"
+    )
+    p.add_argument("--weights-dir", help="where inline weight updates are assembled (temp dir)")
     p.add_argument("--max-waiting", type=int, default=1024, help="waiting queue bound")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds, on SIGTERM")
     p.add_argument("--policy-version", type=int, default=0)
@@ -99,6 +123,8 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         host=args.host,
         port=args.port,
         api_token=_read_token(args.api_token_file),
+        admin_token=_read_token(args.admin_token_file),
+        weights_dir=args.weights_dir,
         max_waiting=args.max_waiting,
         shutdown_grace=args.shutdown_grace,
     )
@@ -180,6 +206,57 @@ def run_health(args: argparse.Namespace) -> int:
             time.sleep(0.5)
 
 
+def run_update_weights(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf import json_format
+    from sluice_client import Client, admin_pb, read_safetensors
+
+    def show(event: admin_pb.UpdateWeightsProgress) -> None:
+        match event.WhichOneof("event"):
+            case "paused":
+                print(f"paused: {event.paused.in_flight} requests in flight", file=sys.stderr)
+            case "loading":
+                end = "\r" if sys.stderr.isatty() else "\n"
+                print(_progress_bar(event.loading), end=end, file=sys.stderr, flush=True)
+            case "applied":
+                print(file=sys.stderr)
+
+    options = {
+        "policy_version": args.version,
+        "inflight": args.inflight,
+        "drain_timeout_ms": args.drain_timeout_ms,
+        "on_progress": show,
+    }
+    with Client(args.target, admin_token=_read_token(args.admin_token_file)) as client:
+        try:
+            if args.checkpoint is not None:
+                applied = client.update_weights(args.checkpoint, **options)
+            else:
+                tensors = read_safetensors(args.tensors)
+                applied = client.update_weights_inline(
+                    tensors, chunk_bytes=args.chunk_bytes, **options
+                )
+        except grpc.RpcError as exc:
+            print(f"{exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    fields = json_format.MessageToDict(applied, always_print_fields_with_no_presence=True)
+    print(json.dumps(fields, indent=2))
+    return 0
+
+
+def _progress_bar(loading: admin_pb2.Loading, width: int = 30) -> str:
+    """`loading [#########.....]  60%  12.0/20.0 MiB  3/5 tensors`"""
+    done, total = loading.bytes_done, loading.bytes_total
+    fraction = done / total if total else 0.0
+    filled = int(fraction * width)
+    mib = 2**20
+    return (
+        f"loading [{'#' * filled}{'.' * (width - filled)}] {fraction:4.0%}  "
+        f"{done / mib:.1f}/{total / mib:.1f} MiB  "
+        f"{loading.tensors_done}/{loading.tensors_total} tensors"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     runners = {
@@ -187,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         "generate": run_generate,
         "info": run_info,
         "health": run_health,
+        "update-weights": run_update_weights,
     }
     return runners[args.verb](args)
 

@@ -23,6 +23,8 @@ class ServiceConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0 = any free port
     api_token: str | None = None  # when set, Generation needs `authorization: Bearer <token>`
+    admin_token: str | None = None  # Admin needs it; unset = every Admin call PERMISSION_DENIED
+    weights_dir: str | None = None  # where inline weight tensors are assembled; None = temp dir
     max_waiting: int = 1024  # admitted requests not yet started by the engine
     shutdown_grace: float = 30.0  # SIGTERM: how long in-flight requests may keep running
     ready_timeout: float = 600.0
@@ -35,8 +37,9 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError("port: must be in [0, 65535]")
-        if self.api_token is not None and not self.api_token:
-            raise ValueError("api_token: must not be empty when set")
+        for name in ("api_token", "admin_token"):
+            if getattr(self, name) == "":
+                raise ValueError(f"{name}: must not be empty when set")
         if self.max_waiting < 1:
             raise ValueError("max_waiting: must be at least 1")
         for name in (

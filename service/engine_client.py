@@ -2,9 +2,11 @@
 
 It spawns the engine (`spawn` context), waits for `Ready`, and runs one reader on the pipe's file
 descriptor (`loop.add_reader`) that routes each StepOutput's RequestOutputs into per-request
-asyncio queues. It supervises the engine: EngineDead, EOF, a dead process or no progress within
-the stall/heartbeat timeout all mean the engine is lost; every in-flight request then receives a
-final ERROR output, and the engine is restarted with bounded exponential backoff.
+asyncio queues, and each WeightsProgress into its weight update's queue (by update_id). It
+supervises the engine: EngineDead, EOF, a dead process or no progress within the stall/heartbeat
+timeout all mean the engine is lost; every in-flight request then receives a final ERROR output,
+every pending weight update a final FAILED (UNAVAILABLE), and the engine is restarted with
+bounded exponential backoff.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import enum
 import multiprocessing
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
@@ -36,6 +38,9 @@ from engine.messages import (
     Shutdown,
     StepOutput,
     ToEngine,
+    UpdateWeights,
+    WeightsPhase,
+    WeightsProgress,
 )
 from engine.process import engine_main
 
@@ -75,6 +80,14 @@ class _Route:
 
 
 @dataclass
+class _UpdateRoute:
+    """Where one weight update's progress goes, until its final message."""
+
+    queue: asyncio.Queue[WeightsProgress]
+    on_final: Callable[[WeightsProgress], None] | None
+
+
+@dataclass
 class _Engine:
     """One incarnation of the engine process."""
 
@@ -111,6 +124,7 @@ class EngineClient:
         self._backoff_max = restart_backoff_max
         self._on_state = on_state
         self._routes: dict[str, _Route] = {}
+        self._updates: dict[str, _UpdateRoute] = {}
         self._stats_waiters: list[asyncio.Future[None]] = []
         self._engine: _Engine | None = None
         self._supervisor: asyncio.Task[None] | None = None
@@ -181,6 +195,44 @@ class EngineClient:
         if route is not None:
             route.detached = True
 
+    # ---- weight updates ----
+
+    @property
+    def updating_weights(self) -> bool:
+        """A weight update is pending in the engine (sent, no final message yet)."""
+        return bool(self._updates) or self.stats.updating_weights
+
+    def update_weights(
+        self,
+        update: UpdateWeights,
+        on_final: Callable[[WeightsProgress], None] | None = None,
+    ) -> asyncio.Queue[WeightsProgress]:
+        """Send a weight update; its progress arrives on the returned queue, ending with one
+        final message (APPLIED, or FAILED with a gRPC status name in `error_code`; UNAVAILABLE
+        if the engine is lost meanwhile). `on_final` runs (on the event loop, synchronously)
+        when that final message is routed, also when nobody reads the queue any more.
+        Raises EngineUnavailableError if the engine cannot take it now."""
+        assert update.update_id not in self._updates, update.update_id
+        self._send(update)
+        queue: asyncio.Queue[WeightsProgress] = asyncio.Queue()
+        self._updates[update.update_id] = _UpdateRoute(queue, on_final)
+        return queue
+
+    def _route_progress(self, progress: WeightsProgress) -> None:
+        route = self._updates.get(progress.update_id)
+        if route is None:
+            log.error("engine.unknown_update", update_id=progress.update_id)
+            return
+        if progress.phase is WeightsPhase.APPLIED:
+            # Published at once: a caller that saw Applied may ask for min_policy_version
+            # right away, before the engine's next stats arrive.
+            self._update_stats(replace(self.stats, policy_version=progress.policy_version))
+        if progress.final:
+            del self._updates[progress.update_id]
+        route.queue.put_nowait(progress)
+        if progress.final and route.on_final is not None:
+            route.on_final(progress)
+
     async def refresh_stats(self, timeout: float = 1.0) -> EngineStats:
         """Ask for fresh stats; fall back to the last known ones after `timeout`."""
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -224,6 +276,8 @@ class EngineClient:
                     self._route(output)
             case Heartbeat(stats=stats):
                 self._update_stats(stats)
+            case WeightsProgress() as progress:
+                self._route_progress(progress)
             case Ready(info=info):
                 self.info = info
                 self._update_stats(EngineStats(policy_version=info.policy_version))
@@ -282,6 +336,18 @@ class EngineClient:
                     )
                 )
         self._routes.clear()
+        self._fail_updates(message)
+
+    def _fail_updates(self, message: str) -> None:
+        updates, self._updates = self._updates, {}
+        self.stats = replace(self.stats, updating_weights=False)
+        for update_id, route in updates.items():
+            failed = WeightsProgress(
+                update_id, WeightsPhase.FAILED, error_code="UNAVAILABLE", message=message
+            )
+            route.queue.put_nowait(failed)
+            if route.on_final is not None:
+                route.on_final(failed)
 
     # ---- spawning and supervision ----
 
@@ -341,7 +407,8 @@ class EngineClient:
                 self._lose(engine, f"the engine process exited ({engine.process.exitcode})")
                 return
             silent = time.monotonic() - engine.last_message
-            limit = self._stall_timeout if self._routes else self._heartbeat_timeout
+            busy = self._routes or self._updates
+            limit = self._stall_timeout if busy else self._heartbeat_timeout
             if silent > limit:
                 self._lose(engine, f"no progress for {silent:.1f}s")
 

@@ -1,4 +1,4 @@
-"""The gRPC server: Generation, grpc.health.v1, reflection, auth; startup and graceful shutdown.
+"""The gRPC server: Generation, Admin, grpc.health.v1, reflection, auth; startup and shutdown.
 
 `create_server(config) -> (server, port)` builds and binds everything without starting it;
 `serve(config)` runs it until SIGTERM/SIGINT. Never imports torch (a test asserts it).
@@ -15,8 +15,9 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from sluice.v1 import generation_pb2, generation_pb2_grpc
+from sluice.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
+from service.admin import AdminServicer
 from service.auth import BearerTokenInterceptor
 from service.config import ServiceConfig
 from service.engine_client import EngineClient, EngineStartError, EngineState, EngineTarget
@@ -26,9 +27,10 @@ from service.tokenizer import Tokenizer
 log = structlog.get_logger("sluice.server")
 
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 HEALTH_SERVICES = ("", GENERATION_SERVICE)
 FINAL_FLUSH_S = 2.0  # after the engine stops: time for handlers to send their final events
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # long token-id prompts and top-logprob chunks
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # long prompts, top-logprob chunks, weight tensor chunks
 
 
 class SluiceServer:
@@ -49,21 +51,23 @@ class SluiceServer:
             **extra,
         )
         self.servicer = GenerationServicer(config, self.engine)
+        self.admin = AdminServicer(config, self.engine, lambda: self.servicer.draining)
         self.health = health.aio.HealthServicer()
-        interceptors = (
-            [] if config.api_token is None else [BearerTokenInterceptor(config.api_token)]
-        )
+        # Always installed: with no admin token it is what refuses Admin (PERMISSION_DENIED).
+        auth = BearerTokenInterceptor(config.api_token, config.admin_token)
         self.grpc = grpc.aio.server(
-            interceptors=interceptors,
+            interceptors=[auth],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ],
         )
         generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.grpc)
+        admin_pb2_grpc.add_AdminServicer_to_server(self.admin, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
-            (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc
+            (GENERATION_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            self.grpc,
         )
         self.ready = asyncio.Event()
         self._startup: asyncio.Task[None] | None = None

@@ -134,6 +134,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         stats = await self.engine.refresh_stats(timeout=1.0)
         info = self.engine.info
         state = pb.SERVING_STATE_DRAINING if self.draining else SERVING_STATES[self.engine.state]
+        if state == pb.SERVING_STATE_SERVING and self.engine.updating_weights:
+            state = pb.SERVING_STATE_UPDATING_WEIGHTS
         if info is None:
             return pb.ServerInfo(model=self.config.engine.model, state=state)
         return pb.ServerInfo(

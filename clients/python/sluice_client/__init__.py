@@ -8,11 +8,13 @@ with Client("127.0.0.1:50051") as client:
 
 from __future__ import annotations
 
+from sluice.v1 import admin_pb2 as admin_pb
 from sluice.v1 import generation_pb2 as pb
 
 from sluice_client.aio import AsyncClient, AsyncGenerateStream
 from sluice_client.requests import Collector, Completion, build_request
 from sluice_client.sync import Client, GenerateStream
+from sluice_client.weights import build_header, read_safetensors, tensor_chunks
 
 __all__ = [
     "AsyncClient",
@@ -21,6 +23,10 @@ __all__ = [
     "Collector",
     "Completion",
     "GenerateStream",
+    "admin_pb",
+    "build_header",
     "build_request",
     "pb",
+    "read_safetensors",
+    "tensor_chunks",
 ]

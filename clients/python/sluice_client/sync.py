@@ -1,32 +1,49 @@
-"""Client: the Generation service from synchronous code (scripts, notebooks, the CLI)."""
+"""Client: the Generation and Admin services from synchronous code (scripts, notebooks, the CLI).
+
+UpdateWeights goes through this synchronous client on purpose: when the server ends a
+client-streaming call early (a refused update), the grpc.aio client sometimes reports INTERNAL
+instead of the server's status (grpc/grpc#36066); the sync client reports it faithfully.
+"""
 
 from __future__ import annotations
 
+import itertools
 import queue
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
+from sluice.v1 import admin_pb2 as admin_pb
+from sluice.v1 import admin_pb2_grpc, generation_pb2_grpc
 from sluice.v1 import generation_pb2 as pb
-from sluice.v1 import generation_pb2_grpc
 
 from sluice_client.requests import Collector, Completion, build_request
+from sluice_client.weights import DEFAULT_CHUNK_BYTES, Tensors, build_header, tensor_chunks
 
 Prompt = str | Sequence[int]
+OnProgress = Callable[[admin_pb.UpdateWeightsProgress], None]
 
 
 class Client:
     """`with Client("host:port") as client: for event in client.generate("Hello"): ...`.
 
     Keyword arguments of `generate`/`complete`/`generate_many` are those of `build_request`.
+    `admin_token` is for the Admin calls (`update_weights`, `update_weights_inline`).
     """
 
     def __init__(
-        self, target: str, *, api_token: str | None = None, channel: grpc.Channel | None = None
+        self,
+        target: str,
+        *,
+        api_token: str | None = None,
+        admin_token: str | None = None,
+        channel: grpc.Channel | None = None,
     ) -> None:
         self.channel = channel or grpc.insecure_channel(target)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
-        self.metadata = () if api_token is None else (("authorization", f"Bearer {api_token}"),)
+        self.admin_stub = admin_pb2_grpc.AdminStub(self.channel)
+        self.metadata = _bearer(api_token)
+        self.admin_metadata = _bearer(admin_token)
 
     def __enter__(self) -> Client:
         return self
@@ -84,6 +101,79 @@ class Client:
 
     def info(self) -> pb.ServerInfo:
         return self.stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=self.metadata)
+
+    # ---- Admin ----
+
+    def update_weights(
+        self,
+        checkpoint_dir: str,
+        *,
+        policy_version: int = 0,
+        inflight: str = "drain",
+        drain_timeout_ms: int | None = None,
+        on_progress: OnProgress | None = None,
+        timeout: float | None = None,
+    ) -> admin_pb.Applied:
+        """Swap in the weights of an HF checkpoint directory on the server's file system.
+
+        `inflight`: drain | abort | continue | recompute; `policy_version` 0 = served + 1.
+        `on_progress` sees every event (paused, loading, applied). Returns the Applied event;
+        a refused or failed update raises grpc.RpcError with the server's status code.
+        """
+        header = build_header(
+            checkpoint_dir=checkpoint_dir,
+            policy_version=policy_version,
+            inflight=inflight,
+            drain_timeout_ms=drain_timeout_ms,
+        )
+        return self._update(
+            iter([admin_pb.UpdateWeightsRequest(header=header)]), on_progress, timeout
+        )
+
+    def update_weights_inline(
+        self,
+        tensors: Tensors,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        policy_version: int = 0,
+        inflight: str = "drain",
+        drain_timeout_ms: int | None = None,
+        on_progress: OnProgress | None = None,
+        timeout: float | None = None,
+    ) -> admin_pb.Applied:
+        """Send some of the model's tensors, `{name: (dtype, shape, raw bytes)}` (dtype "F32",
+        "F16" or "BF16", equal to the served dtype; row-major little-endian bytes), each split
+        into chunks of at most `chunk_bytes`. The other tensors keep their values."""
+        header = build_header(
+            inline_tensors=True,
+            policy_version=policy_version,
+            inflight=inflight,
+            drain_timeout_ms=drain_timeout_ms,
+        )
+        requests = itertools.chain(
+            [admin_pb.UpdateWeightsRequest(header=header)], tensor_chunks(tensors, chunk_bytes)
+        )
+        return self._update(requests, on_progress, timeout)
+
+    def _update(
+        self,
+        requests: Iterator[admin_pb.UpdateWeightsRequest],
+        on_progress: OnProgress | None,
+        timeout: float | None,
+    ) -> admin_pb.Applied:
+        call = self.admin_stub.UpdateWeights(
+            requests, metadata=self.admin_metadata, timeout=timeout
+        )
+        for event in call:
+            if on_progress is not None:
+                on_progress(event)
+            if event.HasField("applied"):
+                return event.applied
+        raise RuntimeError("UpdateWeights ended without an applied event")
+
+
+def _bearer(token: str | None) -> tuple[tuple[str, str], ...]:
+    return () if token is None else (("authorization", f"Bearer {token}"),)
 
 
 class GenerateStream:

@@ -1,0 +1,148 @@
+"""TensorFileWriter: assembles inline TensorChunk messages into one temporary file for the engine.
+
+Inline weights never cross the pipe byte by byte: the service writes each tensor's raw row-major
+bytes into a file and sends the engine `UpdateWeights(tensor_file=path, tensors=(TensorRef...))`.
+
+Chunk rules (documented in admin.proto): `name` on every chunk; `dtype` and `shape` on a tensor's
+first chunk, later chunks repeat them unchanged or leave them empty; `offset` is the byte offset
+into the tensor's data; chunks of one tensor may come in any order and interleave with other
+tensors' chunks; together they must cover the tensor exactly once (no overlap, no gap).
+Each tensor gets a region of the file when its first chunk arrives, aligned to ALIGNMENT bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+from engine.messages import TensorRef
+
+DTYPE_SIZES = {"F32": 4, "F16": 2, "BF16": 2}
+ALIGNMENT = 64  # each tensor starts on a 64-byte boundary: memory-mapped views stay aligned
+
+
+class ChunkError(ValueError):
+    """A chunk that breaks the rules: INVALID_ARGUMENT, naming `field` of the TensorChunk."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field_name
+        self.message = message
+
+
+@dataclass
+class _Tensor:
+    ref: TensorRef
+    starts: list[int] = field(default_factory=list)  # sorted chunk starts within the tensor
+    ends: list[int] = field(default_factory=list)  # ends[i] pairs with starts[i]
+    covered: int = 0
+
+    def claim(self, start: int, end: int) -> None:
+        """Record [start, end) as written; ChunkError if it overlaps an earlier chunk."""
+        i = bisect.bisect_right(self.starts, start)
+        if (i > 0 and self.ends[i - 1] > start) or (i < len(self.starts) and self.starts[i] < end):
+            raise ChunkError(
+                "tensor.offset", f"tensor {self.ref.name!r}: bytes [{start}, {end}) sent twice"
+            )
+        self.starts.insert(i, start)
+        self.ends.insert(i, end)
+        self.covered += end - start
+
+
+class TensorFileWriter:
+    """Receives chunks (`add`), then `finish()` checks that every tensor is complete and
+    returns the TensorRefs. The file is the caller's to delete (`delete`), also on errors."""
+
+    def __init__(self, directory: str | None = None) -> None:
+        fd, self.path = tempfile.mkstemp(prefix="sluice-weights-", suffix=".bin", dir=directory)
+        self._fd: int | None = fd
+        self._tensors: dict[str, _Tensor] = {}
+        self._end = 0  # the file's next free (aligned) byte
+        self.bytes_received = 0
+
+    async def add(self, name: str, dtype: str, shape: list[int], offset: int, data: bytes) -> None:
+        """Validate one chunk and write its bytes in place (the write runs in a thread)."""
+        tensor = self._tensors.get(name) or self._open(name, dtype, shape)
+        ref = tensor.ref
+        if dtype and dtype != ref.dtype:
+            raise ChunkError("tensor.dtype", f"tensor {name!r}: dtype {dtype} != {ref.dtype}")
+        if shape and tuple(shape) != ref.shape:
+            raise ChunkError("tensor.shape", f"tensor {name!r}: shape {shape} != {list(ref.shape)}")
+        if not data:
+            raise ChunkError("tensor.data", f"tensor {name!r}: empty chunk")
+        end = offset + len(data)
+        if end > ref.nbytes:
+            raise ChunkError(
+                "tensor.offset",
+                f"tensor {name!r}: bytes [{offset}, {end}) exceed its {ref.nbytes} bytes",
+            )
+        tensor.claim(offset, end)
+        assert self._fd is not None, "the writer is closed"
+        await asyncio.to_thread(_write_all, self._fd, data, ref.offset + offset)
+        self.bytes_received += len(data)
+
+    def _open(self, name: str, dtype: str, shape: list[int]) -> _Tensor:
+        if not name:
+            raise ChunkError("tensor.name", "every chunk needs the tensor's name")
+        if dtype not in DTYPE_SIZES:
+            raise ChunkError(
+                "tensor.dtype",
+                f"tensor {name!r}: dtype {dtype!r} is not one of {', '.join(DTYPE_SIZES)} "
+                "(required on a tensor's first chunk)",
+            )
+        if not shape or any(d < 1 for d in shape):
+            raise ChunkError(
+                "tensor.shape",
+                f"tensor {name!r}: shape {shape} must have dimensions >= 1 "
+                "(required on a tensor's first chunk)",
+            )
+        nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
+        ref = TensorRef(name, dtype, tuple(shape), self._end, nbytes)
+        self._end += -(-nbytes // ALIGNMENT) * ALIGNMENT
+        tensor = self._tensors[name] = _Tensor(ref)
+        return tensor
+
+    def finish(self) -> tuple[TensorRef, ...]:
+        """Every tensor's ref, in order of first appearance; ChunkError if one is incomplete or
+        none was sent. Closes the file (it stays on disk for the engine)."""
+        self.close()
+        if not self._tensors:
+            raise ChunkError("tensor", "inline_tensors needs at least one TensorChunk")
+        for tensor in self._tensors.values():
+            if tensor.covered != tensor.ref.nbytes:
+                raise ChunkError(
+                    "tensor.data",
+                    f"tensor {tensor.ref.name!r}: {tensor.covered} of {tensor.ref.nbytes} bytes "
+                    "received",
+                )
+        return tuple(t.ref for t in self._tensors.values())
+
+    @property
+    def bytes_total(self) -> int:
+        return sum(t.ref.nbytes for t in self._tensors.values())
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def delete(self) -> None:
+        self.close()
+        delete_file(self.path)
+
+
+def delete_file(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _write_all(fd: int, data: bytes, position: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, position)
+        view, position = view[written:], position + written
