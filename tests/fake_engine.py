@@ -4,13 +4,22 @@ Spawnable as `fake_engine_main(config, conn)`. It "generates" by echoing the pro
 (without the first one) in a cycle, one token per request per step. Behaviour knobs live in
 `<config.model>/fake.json`: step_delay (seconds per step), die_on_token (a prompt containing
 this id kills the engine), hold_token (a prompt containing this id stays queued, producing
-nothing, until aborted), max_model_len, vocab_size.
+nothing, until aborted), max_model_len, vocab_size, update_delay (seconds between the progress
+messages of a weight update).
+
+Weight updates: PAUSED, two LOADING, APPLIED, like the real engine; ABORT ends running requests
+ABORTED. A version not above the served one is FAILED (FAILED_PRECONDITION). A checkpoint_dir
+named `fail-<CODE>` fails with that status code at once, `pause-fail-<CODE>` after PAUSED,
+`die` kills the engine mid-update, and `slow` waits SLOW_UPDATE_S between messages. An inline update's tensors are read from the tensor file and
+described in `<config.model>/last_update.json` ({name: {dtype, shape, sha256}}) for the tests.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -24,15 +33,20 @@ from engine.messages import (
     FinishReason,
     GetState,
     Heartbeat,
+    InflightPolicy,
     ModelInfo,
     Ready,
     RequestOutput,
     Shutdown,
     StepOutput,
+    UpdateWeights,
+    WeightsPhase,
+    WeightsProgress,
 )
 
 TOTAL_PAGES = 64
 EOS = 1
+SLOW_UPDATE_S = 0.3
 
 
 @dataclass
@@ -42,42 +56,56 @@ class _Request:
     reported: bool = False
 
 
-def fake_engine_main(config: EngineConfig, conn: Connection) -> None:
-    knobs = json.loads((Path(config.model) / "fake.json").read_text())
-    info = ModelInfo(
-        model="fake",
-        path=config.model,
-        architecture="FakeForCausalLM",
-        max_model_len=knobs.get("max_model_len", 64),
-        vocab_size=knobs.get("vocab_size", 320),
-        eos_token_ids=[EOS],
-        device="cpu",
-        dtype="float32",
-        page_size=4,
-        total_pages=TOTAL_PAGES,
-        policy_version=config.policy_version,
-        max_num_seqs=8,
-    )
-    conn.send(Ready(info))
-    requests: dict[str, _Request] = {}
-    finished: list[RequestOutput] = []
+@dataclass
+class _Update:
+    messages: Iterator[WeightsProgress | EngineDead]
+    delay: float
+    next_at: float = 0.0
 
-    def stats() -> EngineStats:
-        return EngineStats(
-            running=len(requests),
+
+class _FakeEngine:
+    def __init__(self, config: EngineConfig, conn: Connection) -> None:
+        self.config = config
+        self.conn = conn
+        self.knobs = json.loads((Path(config.model) / "fake.json").read_text())
+        self.version = config.policy_version
+        self.requests: dict[str, _Request] = {}
+        self.finished: list[RequestOutput] = []
+        self.update: _Update | None = None
+
+    def info(self) -> ModelInfo:
+        return ModelInfo(
+            model="fake",
+            path=self.config.model,
+            architecture="FakeForCausalLM",
+            max_model_len=self.knobs.get("max_model_len", 64),
+            vocab_size=self.knobs.get("vocab_size", 320),
+            eos_token_ids=[EOS],
+            device="cpu",
+            dtype="float32",
+            page_size=4,
             total_pages=TOTAL_PAGES,
-            free_pages=TOTAL_PAGES - len(requests),
-            policy_version=config.policy_version,
+            policy_version=self.version,
+            max_num_seqs=8,
         )
 
-    def finish(rid: str, reason: FinishReason, error: str | None = None) -> None:
-        req = requests.pop(rid)
-        finished.append(
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.requests),
+            total_pages=TOTAL_PAGES,
+            free_pages=TOTAL_PAGES - len(self.requests),
+            policy_version=self.version,
+            updating_weights=self.update is not None,
+        )
+
+    def finish(self, rid: str, reason: FinishReason, error: str | None = None) -> None:
+        req = self.requests.pop(rid)
+        self.finished.append(
             RequestOutput(
                 rid,
                 0,
                 [],
-                config.policy_version,
+                self.version,
                 finish_reason=reason,
                 error=error,
                 prompt_tokens=len(req.add.prompt_token_ids),
@@ -85,64 +113,170 @@ def fake_engine_main(config: EngineConfig, conn: Connection) -> None:
             )
         )
 
-    while True:
-        while conn.poll(0.0 if requests else 0.2):
-            msg = conn.recv()
-            match msg:
-                case AddRequest():
-                    if knobs.get("die_on_token") in msg.prompt_token_ids:
-                        conn.send(EngineDead("told to die", ""))
-                        return
-                    requests[msg.request_id] = _Request(msg)
-                case AbortRequests():
-                    for rid in msg.request_ids:
-                        if rid in requests:
-                            finish(rid, msg.reason)
-                case GetState():
-                    conn.send(Heartbeat(stats()))
-                case Shutdown():
-                    for rid in list(requests):
-                        finish(rid, FinishReason.ABORTED, "the server is shutting down")
-                    conn.send(StepOutput(finished, stats()))
+    def run(self) -> None:
+        self.conn.send(Ready(self.info()))
+        while True:
+            idle_wait = 0.0 if self.requests else 0.2
+            if self.update is not None:
+                idle_wait = min(idle_wait, max(0.0, self.update.next_at - time.monotonic()))
+            while self.conn.poll(idle_wait):
+                idle_wait = 0.0
+                if not self.handle(self.conn.recv()):
                     return
-        outputs, finished = finished, []
-        for rid, req in list(requests.items()):
-            if req.add.deadline is not None and time.time() > req.add.deadline:
-                finish(rid, FinishReason.DEADLINE_EXCEEDED)
-                continue
-            if knobs.get("hold_token") in req.add.prompt_token_ids:
-                continue
-            prompt = req.add.prompt_token_ids[1:] or req.add.prompt_token_ids
-            token = prompt[len(req.generated) % len(prompt)]
-            req.generated.append(token)
-            params = req.add.params
-            reason = None
-            if token in params.stop_token_ids or (token == EOS and not params.ignore_eos):
-                reason = FinishReason.STOP
-            elif len(req.generated) >= (params.max_tokens or 16):
-                reason = FinishReason.LENGTH
-            outputs.append(
-                RequestOutput(
-                    rid,
-                    0,
-                    [token],
-                    config.policy_version,
-                    logprobs=[-0.5] if params.logprobs else None,
-                    top_logprobs=[([token], [-0.5])] if params.top_logprobs else None,
-                    finish_reason=reason,
-                    prompt_tokens=0 if req.reported else len(req.add.prompt_token_ids),
-                    completion_tokens=len(req.generated),
-                )
+            if not self.advance_update():
+                return
+            self.step()
+
+    def handle(self, msg: object) -> bool:
+        """False once the engine must exit."""
+        match msg:
+            case AddRequest():
+                if self.knobs.get("die_on_token") in msg.prompt_token_ids:
+                    self.conn.send(EngineDead("told to die", ""))
+                    return False
+                self.requests[msg.request_id] = _Request(msg)
+            case AbortRequests():
+                for rid in msg.request_ids:
+                    if rid in self.requests:
+                        self.finish(rid, msg.reason)
+            case GetState():
+                self.conn.send(Heartbeat(self.stats()))
+            case UpdateWeights():
+                assert self.update is None, "the service sent a second concurrent update"
+                slow = msg.checkpoint_dir is not None and Path(msg.checkpoint_dir).name == "slow"
+                delay = SLOW_UPDATE_S if slow else self.knobs.get("update_delay", 0.0)
+                self.update = _Update(self.update_messages(msg), delay)
+            case Shutdown():
+                for rid in list(self.requests):
+                    self.finish(rid, FinishReason.ABORTED, "the server is shutting down")
+                self.conn.send(StepOutput(self.finished, self.stats()))
+                return False
+        return True
+
+    def advance_update(self) -> bool:
+        """Send the pending update's next message when its time has come; False if it died."""
+        update = self.update
+        if update is None or time.monotonic() < update.next_at:
+            return True
+        msg = next(update.messages)
+        if isinstance(msg, WeightsProgress) and msg.final:
+            self.update = None
+        if self.finished:  # outputs of requests an ABORT ended come before the progress
+            self.conn.send(StepOutput(self.finished, self.stats()))
+            self.finished = []
+        self.conn.send(msg)
+        update.next_at = time.monotonic() + update.delay
+        return not isinstance(msg, EngineDead)
+
+    def update_messages(self, msg: UpdateWeights) -> Iterator[WeightsProgress | EngineDead]:
+        uid, started = msg.update_id, time.monotonic()
+        source = Path(msg.checkpoint_dir).name if msg.checkpoint_dir else ""
+        if source.startswith("fail-"):
+            yield WeightsProgress(uid, WeightsPhase.FAILED, error_code=source[5:], message=source)
+            return
+        if msg.policy_version and msg.policy_version <= self.version:
+            message = f"policy_version {msg.policy_version} <= served {self.version}"
+            yield WeightsProgress(
+                uid, WeightsPhase.FAILED, error_code="FAILED_PRECONDITION", message=message
             )
-            req.reported = True
-            if reason is not None:
-                del requests[rid]
-        outputs += finished
-        finished = []
+            return
+        running = list(self.requests)
+        yield WeightsProgress(uid, WeightsPhase.PAUSED, in_flight=len(running))
+        if source.startswith("pause-fail-"):
+            yield WeightsProgress(uid, WeightsPhase.FAILED, error_code=source[11:], message=source)
+            return
+        if source == "die":
+            yield EngineDead("told to die during a weight update")
+            return
+        total = sum(t.nbytes for t in msg.tensors) or 1000
+        count = len(msg.tensors) or 3
+        yield WeightsProgress(uid, WeightsPhase.LOADING, bytes_total=total, tensors_total=count)
+        if msg.tensor_file is not None:
+            self.describe_tensors(msg)
+        yield WeightsProgress(
+            uid,
+            WeightsPhase.LOADING,
+            bytes_done=total,
+            bytes_total=total,
+            tensors_done=count,
+            tensors_total=count,
+        )
+        if msg.inflight is InflightPolicy.ABORT:
+            for rid in running:
+                if rid in self.requests:
+                    self.finish(rid, FinishReason.ABORTED, "aborted by a weight update")
+        previous = self.version
+        self.version = msg.policy_version or previous + 1
+        yield WeightsProgress(
+            uid,
+            WeightsPhase.APPLIED,
+            previous_version=previous,
+            policy_version=self.version,
+            aborted=len(running) if msg.inflight is InflightPolicy.ABORT else 0,
+            continued=len(running) if msg.inflight is InflightPolicy.CONTINUE else 0,
+            recomputed=len(running) if msg.inflight is InflightPolicy.RECOMPUTE else 0,
+            seconds=time.monotonic() - started,
+        )
+
+    def describe_tensors(self, msg: UpdateWeights) -> None:
+        assert msg.tensor_file is not None
+        data = Path(msg.tensor_file).read_bytes()
+        described = {
+            t.name: {
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "offset": t.offset,
+                "sha256": hashlib.sha256(data[t.offset : t.offset + t.nbytes]).hexdigest(),
+            }
+            for t in msg.tensors
+        }
+        (Path(self.config.model) / "last_update.json").write_text(json.dumps(described))
+
+    def step(self) -> None:
+        outputs, self.finished = self.finished, []
+        for rid, req in list(self.requests.items()):
+            if req.add.deadline is not None and time.time() > req.add.deadline:
+                self.finish(rid, FinishReason.DEADLINE_EXCEEDED)
+                continue
+            if self.knobs.get("hold_token") in req.add.prompt_token_ids:
+                continue
+            outputs.append(self.generate_one(rid, req))
+        outputs += self.finished
+        self.finished = []
         if outputs:
-            conn.send(StepOutput(outputs, stats()))
-            time.sleep(knobs.get("step_delay", 0.0))
-        elif not requests:
-            conn.send(Heartbeat(stats()))
+            self.conn.send(StepOutput(outputs, self.stats()))
+            time.sleep(self.knobs.get("step_delay", 0.0))
+        elif not self.requests and self.update is None:
+            self.conn.send(Heartbeat(self.stats()))
         else:
-            time.sleep(0.005)  # only held requests: do not spin
+            time.sleep(0.005)  # only held requests or a slow update: do not spin
+
+    def generate_one(self, rid: str, req: _Request) -> RequestOutput:
+        prompt = req.add.prompt_token_ids[1:] or req.add.prompt_token_ids
+        token = prompt[len(req.generated) % len(prompt)]
+        req.generated.append(token)
+        params = req.add.params
+        reason = None
+        if token in params.stop_token_ids or (token == EOS and not params.ignore_eos):
+            reason = FinishReason.STOP
+        elif len(req.generated) >= (params.max_tokens or 16):
+            reason = FinishReason.LENGTH
+        output = RequestOutput(
+            rid,
+            0,
+            [token],
+            self.version,
+            logprobs=[-0.5] if params.logprobs else None,
+            top_logprobs=[([token], [-0.5])] if params.top_logprobs else None,
+            finish_reason=reason,
+            prompt_tokens=0 if req.reported else len(req.add.prompt_token_ids),
+            completion_tokens=len(req.generated),
+        )
+        req.reported = True
+        if reason is not None:
+            del self.requests[rid]
+        return output
+
+
+def fake_engine_main(config: EngineConfig, conn: Connection) -> None:
+    _FakeEngine(config, conn).run()

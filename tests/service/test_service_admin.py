@@ -1,0 +1,379 @@
+"""The Admin service (UpdateWeights) over a real grpc.aio server and a fake engine process.
+
+Admin calls go through the synchronous client (the aio client may misreport an early refusal
+of a client-streaming call, DESIGN §7), run in a thread beside the server's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import struct
+from collections.abc import Iterable
+
+import grpc
+import pytest
+import pytest_asyncio
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from service_harness import make_fake_model, running_server
+from sluice.v1 import admin_pb2 as apb
+from sluice.v1 import admin_pb2_grpc
+from sluice.v1 import generation_pb2 as pb
+from sluice_client import AsyncClient, Client, build_header, build_request
+
+from service import cli
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+ADMIN_TOKEN = "adm1n-s3cret"
+HOLD = 300
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_fake_model(tmp_path_factory.mktemp("fake"), hold_token=HOLD, update_delay=0.01)
+
+
+@pytest.fixture(scope="module")
+def weights_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("weights")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server(model_dir, weights_dir):
+    async with running_server(
+        model_dir, admin_token=ADMIN_TOKEN, weights_dir=str(weights_dir)
+    ) as running:
+        yield running
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def client(server):
+    async with AsyncClient(server[1]) as c:
+        yield c
+
+
+@pytest.fixture
+def admin(server):
+    with Client(server[1], admin_token=ADMIN_TOKEN) as c:
+        yield c
+
+
+class Outcome:
+    """Every event an UpdateWeights call streamed, and how it ended."""
+
+    def __init__(self) -> None:
+        self.events: list[apb.UpdateWeightsProgress] = []
+        self.code = grpc.StatusCode.OK
+        self.details = ""
+        self.violations: list[str] = []
+
+    @property
+    def kinds(self) -> list[str]:
+        return [str(e.WhichOneof("event")) for e in self.events]
+
+
+def _call(target: str, requests: list[apb.UpdateWeightsRequest], token: str | None) -> Outcome:
+    outcome = Outcome()
+    metadata = () if token is None else (("authorization", f"Bearer {token}"),)
+    with grpc.insecure_channel(target) as channel:
+        try:
+            for event in admin_pb2_grpc.AdminStub(channel).UpdateWeights(
+                iter(requests), metadata=metadata, timeout=30
+            ):
+                outcome.events.append(event)
+        except grpc.RpcError as err:
+            outcome.code, outcome.details = err.code(), err.details()
+            status = rpc_status.from_call(err)
+            for detail in status.details if status else []:
+                bad = error_details_pb2.BadRequest()
+                if detail.Unpack(bad):
+                    outcome.violations += [v.field for v in bad.field_violations]
+    return outcome
+
+
+async def update(
+    target: str, *requests: apb.UpdateWeightsRequest, token: str | None = ADMIN_TOKEN
+) -> Outcome:
+    return await asyncio.to_thread(_call, target, list(requests), token)
+
+
+def header(**kwargs) -> apb.UpdateWeightsRequest:  # type: ignore[no-untyped-def]
+    return apb.UpdateWeightsRequest(header=build_header(**kwargs))
+
+
+def chunk(name: str, offset: int, data: bytes, dtype: str = "", shape: Iterable[int] = ()):  # type: ignore[no-untyped-def]
+    tensor = apb.TensorChunk(name=name, dtype=dtype, shape=list(shape), offset=offset, data=data)
+    return apb.UpdateWeightsRequest(tensor=tensor)
+
+
+def floats(*values: float) -> bytes:
+    return struct.pack(f"<{len(values)}f", *values)
+
+
+async def served_version(client: AsyncClient) -> int:
+    return (await client.info()).policy_version
+
+
+async def wait_for_state(client: AsyncClient, state: int) -> bool:
+    for _ in range(200):
+        if (await client.info()).state == state:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+# ---- auth ----
+
+
+async def test_admin_is_permission_denied_when_no_admin_token_is_configured(model_dir):
+    async with running_server(model_dir) as (_, target):
+        outcome = await update(target, header(checkpoint_dir="/b"), token="anything")
+        assert outcome.code == grpc.StatusCode.PERMISSION_DENIED
+        outcome = await update(target, header(checkpoint_dir="/b"), token=None)
+        assert outcome.code == grpc.StatusCode.PERMISSION_DENIED
+
+
+@pytest.mark.parametrize("token", [None, "wrong", ADMIN_TOKEN + "x", ""])
+async def test_a_missing_or_wrong_admin_token_is_unauthenticated(server, client, token):
+    before = await served_version(client)
+    outcome = await update(server[1], header(checkpoint_dir="/b"), token=token)
+    assert outcome.code == grpc.StatusCode.UNAUTHENTICATED and outcome.events == []
+    assert await served_version(client) == before
+
+
+async def test_the_admin_token_never_reaches_the_logs(server, capfd):
+    await update(server[1], header(checkpoint_dir="/b"), token="wrong-secret-zz")
+    await update(server[1], header(checkpoint_dir="/b"))
+    out, err = capfd.readouterr()
+    assert ADMIN_TOKEN not in out + err and "wrong-secret-zz" not in out + err
+
+
+# ---- the header ----
+
+
+@pytest.mark.parametrize(
+    ("requests", "field"),
+    [
+        ([], "header"),
+        ([chunk("w", 0, b"\0" * 4, "F32", [1])], "header"),
+        ([apb.UpdateWeightsRequest(header=apb.UpdateWeightsHeader(policy_version=9))], "header.source"),
+        ([apb.UpdateWeightsRequest(header=apb.UpdateWeightsHeader(checkpoint_dir=""))], "header.checkpoint_dir"),
+        ([apb.UpdateWeightsRequest(header=apb.UpdateWeightsHeader(inline_tensors=False))], "header.inline_tensors"),
+        ([apb.UpdateWeightsRequest(header=apb.UpdateWeightsHeader(checkpoint_dir="/b", inflight=9))], "header.inflight"),  # type: ignore[arg-type]
+    ],
+)  # fmt: skip
+async def test_a_missing_or_malformed_header_is_invalid_argument(server, requests, field):
+    outcome = await update(server[1], *requests)
+    assert outcome.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert outcome.violations == [field]
+
+
+async def test_a_version_not_above_the_served_one_is_refused_before_any_chunk(server, client):
+    served = await served_version(client)
+    applied = await update(server[1], header(checkpoint_dir="/b", policy_version=served + 5))
+    assert applied.events[-1].applied.policy_version == served + 5
+    for version in (served + 5, served + 1):
+        bad_chunk = chunk("w", 0, b"\0", "F64", [1])  # would be INVALID_ARGUMENT if read
+        outcome = await update(
+            server[1], header(inline_tensors=True, policy_version=version), bad_chunk
+        )
+        assert outcome.code == grpc.StatusCode.FAILED_PRECONDITION, outcome.details
+        assert outcome.events == []
+    assert await served_version(client) == served + 5
+
+
+# ---- progress ----
+
+
+async def test_a_checkpoint_update_streams_paused_loading_applied(server, client):
+    served = await served_version(client)
+    outcome = await update(server[1], header(checkpoint_dir="/ckpt/b"))
+    assert outcome.code == grpc.StatusCode.OK
+    assert outcome.kinds == ["paused", "loading", "loading", "applied"]
+    loading = outcome.events[2].loading
+    assert loading.bytes_done == loading.bytes_total > 0
+    assert loading.tensors_done == loading.tensors_total > 0
+    applied = outcome.events[-1].applied
+    assert (applied.previous_version, applied.policy_version) == (served, served + 1)
+    info = await client.info()
+    assert info.policy_version == served + 1 and info.state == pb.SERVING_STATE_SERVING
+
+
+async def test_the_client_library_returns_applied_and_reports_progress(admin, client):
+    served = await served_version(client)
+    seen: list[str] = []
+    applied = await asyncio.to_thread(
+        admin.update_weights,
+        "/ckpt/c",
+        policy_version=served + 3,
+        inflight="continue",
+        on_progress=lambda e: seen.append(str(e.WhichOneof("event"))),
+    )
+    assert applied.policy_version == served + 3 and seen[0] == "paused" and seen[-1] == "applied"
+
+
+async def test_tokens_after_an_update_carry_the_new_version_and_pass_the_gate(server, client):
+    served = await served_version(client)
+    gated = build_request([0, 5, 6], max_tokens=2, min_policy_version=served + 1)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.complete(gated)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    await update(server[1], header(checkpoint_dir="/ckpt/d"))
+    completion = await client.complete(gated)
+    assert completion.reason == "LENGTH"
+    assert completion.started is not None and completion.started.policy_version == served + 1
+    assert completion.policy_versions == [served + 1, served + 1]
+
+
+async def test_abort_ends_in_flight_requests_aborted_and_counts_them(server, client):
+    held = asyncio.ensure_future(client.complete([0, HOLD], max_tokens=5))
+    await asyncio.sleep(0.2)
+    outcome = await update(server[1], header(checkpoint_dir="/ckpt/e", inflight="abort"))
+    assert outcome.events[0].paused.in_flight == 1
+    assert outcome.events[-1].applied.aborted == 1
+    assert (await held).reason == "ABORTED"
+
+
+# ---- failures ----
+
+
+@pytest.mark.parametrize(
+    ("source", "code", "kinds"),
+    [
+        ("fail-INVALID_ARGUMENT", grpc.StatusCode.INVALID_ARGUMENT, []),
+        ("fail-FAILED_PRECONDITION", grpc.StatusCode.FAILED_PRECONDITION, []),
+        ("pause-fail-ABORTED", grpc.StatusCode.ABORTED, ["paused"]),
+        ("fail-NOT_A_CODE", grpc.StatusCode.INTERNAL, []),
+    ],
+)
+async def test_an_engine_failure_becomes_the_status_after_the_events_sent(
+    server, client, source, code, kinds
+):
+    served = await served_version(client)
+    outcome = await update(server[1], header(checkpoint_dir=f"/ckpt/{source}"))
+    assert outcome.code == code and outcome.kinds == kinds
+    assert source in outcome.details
+    assert await served_version(client) == served
+    assert (await update(server[1], header(checkpoint_dir="/ckpt/ok"))).code == grpc.StatusCode.OK
+
+
+async def test_a_second_update_while_one_is_in_flight_is_refused(server, client):
+    served = await served_version(client)
+    first = asyncio.ensure_future(update(server[1], header(checkpoint_dir="/ckpt/slow")))
+    assert await wait_for_state(client, pb.SERVING_STATE_UPDATING_WEIGHTS)
+    second = await update(server[1], header(checkpoint_dir="/ckpt/b2"))
+    assert second.code == grpc.StatusCode.FAILED_PRECONDITION and "in progress" in second.details
+    assert (await first).code == grpc.StatusCode.OK
+    info = await client.info()
+    assert info.state == pb.SERVING_STATE_SERVING and info.policy_version == served + 1
+
+
+async def test_an_engine_death_mid_update_ends_it_unavailable(model_dir):
+    async with running_server(model_dir, admin_token=ADMIN_TOKEN, restart_backoff=0.1) as (
+        server,
+        target,
+    ):
+        outcome = await update(target, header(checkpoint_dir="/ckpt/die"))
+        assert outcome.code == grpc.StatusCode.UNAVAILABLE and outcome.kinds == ["paused"]
+        for _ in range(200):
+            if server.engine.restarts == 1 and server.engine.state.value == "serving":
+                break
+            await asyncio.sleep(0.05)
+        assert (await update(target, header(checkpoint_dir="/ckpt/b"))).code == grpc.StatusCode.OK
+
+
+# ---- inline tensors ----
+
+
+async def test_inline_chunks_are_assembled_into_one_file_then_deleted(
+    server, client, model_dir, weights_dir
+):
+    a, b = floats(*range(12)), floats(*range(100, 104))
+    served = await served_version(client)
+    outcome = await update(
+        server[1],
+        header(inline_tensors=True),
+        chunk("layers.0.a", 0, a[:16], "F32", [3, 4]),
+        chunk("norm.b", 8, b[8:], "F32", [4]),
+        chunk("layers.0.a", 32, a[32:]),
+        chunk("norm.b", 0, b[:8], "F32", [4]),
+        chunk("layers.0.a", 16, a[16:32], "F32", [3, 4]),
+    )
+    assert outcome.code == grpc.StatusCode.OK, outcome.details
+    assert outcome.events[-1].applied.policy_version == served + 1
+    described = json.loads((model_dir / "last_update.json").read_text())
+    assert described["layers.0.a"]["sha256"] == hashlib.sha256(a).hexdigest()
+    assert described["layers.0.a"]["shape"] == [3, 4]
+    assert described["norm.b"]["sha256"] == hashlib.sha256(b).hexdigest()
+    assert list(weights_dir.iterdir()) == []
+
+
+async def test_the_client_library_splits_inline_tensors_into_chunks(admin, model_dir):
+    data = floats(*range(64))
+    applied = await asyncio.to_thread(
+        admin.update_weights_inline, {"big": ("F32", [8, 8], data)}, chunk_bytes=100
+    )
+    assert applied.policy_version > 0
+    described = json.loads((model_dir / "last_update.json").read_text())
+    assert described["big"]["sha256"] == hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.parametrize(
+    ("chunks", "field"),
+    [
+        ([chunk("w", 0, b"\0" * 4, "F64", [1])], "tensor.dtype"),
+        ([chunk("w", 0, b"\0" * 8, "F32", [2]), chunk("w", 4, b"\0" * 4)], "tensor.offset"),
+        ([chunk("w", 0, b"\0" * 4, "F32", [2])], "tensor.data"),
+        ([chunk("w", 4, b"\0" * 8, "F32", [2])], "tensor.offset"),
+        ([chunk("w", 0, b"\0" * 4, "F32", [2]), chunk("w", 4, b"\0" * 4, "F16")], "tensor.dtype"),
+        ([], "tensor"),
+        ([chunk("w", 0, b"\0" * 4, "F32", [1]), header(inline_tensors=True)], "header"),
+    ],
+)
+async def test_bad_chunks_are_invalid_argument_and_leave_nothing_behind(
+    server, client, weights_dir, chunks, field
+):
+    served = await served_version(client)
+    outcome = await update(server[1], header(inline_tensors=True), *chunks)
+    assert outcome.code == grpc.StatusCode.INVALID_ARGUMENT and outcome.violations == [field]
+    assert await served_version(client) == served
+    assert list(weights_dir.iterdir()) == []
+    assert (await update(server[1], header(checkpoint_dir="/ckpt/ok"))).code == grpc.StatusCode.OK
+
+
+# ---- the command line ----
+
+
+async def test_cli_update_weights_prints_applied_as_json(server, client, tmp_path, capsys):
+    served = await served_version(client)
+    token_file = tmp_path / "admin.token"
+    token_file.write_text(ADMIN_TOKEN + "\n")
+    argv = ["update-weights", "--target", server[1], "--checkpoint", "/ckpt/cli"]
+    argv += ["--inflight", "recompute", "--version", str(served + 2)]
+    assert await asyncio.to_thread(cli.main, [*argv, "--admin-token-file", str(token_file)]) == 0
+    out, err = capsys.readouterr()
+    printed = out[out.rindex("\n{\n") :]  # the in-process server logs to stdout too
+    assert json.loads(printed)["policyVersion"] == str(served + 2)
+    assert "loading [" in err and "paused" in err
+    assert await asyncio.to_thread(cli.main, argv) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+
+
+async def test_cli_sends_a_safetensors_file_inline(server, tmp_path, model_dir, capsys):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    weights = {"x.weight": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    save_file(weights, str(tmp_path / "w.safetensors"))
+    token_file = tmp_path / "admin.token"
+    token_file.write_text(ADMIN_TOKEN)
+    argv = ["update-weights", "--target", server[1], "--tensors", str(tmp_path / "w.safetensors")]
+    argv += ["--admin-token-file", str(token_file), "--chunk-bytes", "8"]
+    assert await asyncio.to_thread(cli.main, argv) == 0
+    described = json.loads((model_dir / "last_update.json").read_text())
+    assert described["x.weight"]["shape"] == [2, 3]
+    expected = hashlib.sha256(weights["x.weight"].tobytes()).hexdigest()
+    assert described["x.weight"]["sha256"] == expected
