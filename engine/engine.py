@@ -7,12 +7,15 @@ postprocess. Every request ends with exactly one output whose `finish_reason` is
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,10 +24,14 @@ from engine.config import EngineConfig
 from engine.messages import (
     EngineStats,
     FinishReason,
+    InflightPolicy,
     ModelInfo,
     RequestMetrics,
     RequestOutput,
     SamplingParams,
+    UpdateWeights,
+    WeightsPhase,
+    WeightsProgress,
 )
 from engine.model_runner import ModelRunner, Sampled
 from engine.models.hf_config import load_model_config
@@ -32,10 +39,28 @@ from engine.page_pool import PagePool
 from engine.prefix_cache import PrefixCache
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
+from engine.weight_update import (
+    StagedWeights,
+    WeightUpdateError,
+    stage_checkpoint,
+    stage_tensor_file,
+    stage_tensors,
+)
 from engine.weights import build_model
 
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on the CPU
 GPU_MEMORY_FRACTION = 0.9  # of the memory free after loading weights, for KV on CUDA
+
+
+@dataclass
+class PendingUpdate:
+    """A weight update accepted but not yet applied (DRAIN waits for running requests)."""
+
+    msg: UpdateWeights
+    version: int  # the version it will publish
+    started: float  # time.monotonic()
+    tensors: Mapping[str, torch.Tensor] | None = None  # in-process source
+    last_progress: float = 0.0
 
 
 @dataclass
@@ -85,6 +110,9 @@ class LLMEngine:
         self.prompt_tokens_computed = 0
         self._rng = random.Random(config.seed)
         self._arrivals = itertools.count()
+        self.update: PendingUpdate | None = None
+        self.weight_events: list[WeightsProgress] = []  # for the process loop to publish
+        self.lock = threading.RLock()  # step() and weight mutation from a trainer thread
         name = "demo" if config.model == "demo" else Path(config.model).name
         self.info = ModelInfo(
             model=name,
@@ -176,26 +204,34 @@ class LLMEngine:
         reason: FinishReason = FinishReason.CANCELLED,
         message: str | None = None,
         index: int | None = None,
-    ) -> None:
+    ) -> int:
         """End these requests now (only sample `index` when given; unknown ids are ignored);
-        their pages return at once."""
+        their pages return at once. Returns how many sequences ended."""
+        ended = 0
         for request_id in request_ids:
             for req in list(self.requests.get(request_id, [])):
                 if not req.is_finished and index in (None, req.index):
                     self._finish(req, reason, message)
                     self.pending.append(self._output(req, [], None, None))
+                    ended += 1
+        return ended
 
-    def abort_all(self, reason: FinishReason, message: str | None = None) -> None:
-        self.abort(list(self.requests), reason, message)
+    def abort_all(self, reason: FinishReason, message: str | None = None) -> int:
+        return self.abort(list(self.requests), reason, message)
 
     def has_work(self) -> bool:
-        return bool(self.pending) or self.scheduler.has_work()
+        return bool(self.pending) or self.scheduler.has_work() or self.update is not None
 
     # ---- the step ----
 
     def step(self) -> list[RequestOutput]:
         """Advance every scheduled request by one forward pass; return what changed."""
+        with self.lock:
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         self._expire_deadlines()
+        self._advance_update()
         batch = self.scheduler.schedule()
         self._end_too_big()
         outputs, self.pending = self.pending, []
@@ -210,13 +246,14 @@ class LLMEngine:
             req.num_computed_tokens += num_tokens
             if req.num_computed_tokens <= req.prompt_len:
                 self.prompt_tokens_computed += num_tokens
-            self.cache.publish(
-                self.policy_version,
-                req.token_ids,
-                req.pages,
-                req.num_computed_tokens,
-                req.page_hashes,
-            )
+            if req.publish_pages:
+                self.cache.publish(
+                    self.policy_version,
+                    req.token_ids,
+                    req.pages,
+                    req.num_computed_tokens,
+                    req.page_hashes,
+                )
         outputs += self._append_sampled(sampled)
         return outputs
 
@@ -273,14 +310,18 @@ class LLMEngine:
             message = (
                 f"the request needs {need} KV pages but the whole cache has {self.pool.num_pages}"
             )
-            for seq in [req, *req.pending_forks]:  # siblings share the prompt: none would fit
-                self._finish(seq, FinishReason.ERROR, message)
-                self.pending.append(self._output(seq, [], None, None))
+            # Pending siblings go to the queue on their own and end the same way next step.
+            self._finish(req, FinishReason.ERROR, message)
+            self.pending.append(self._output(req, [], None, None))
+
         self.scheduler.too_big.clear()
 
     def _finish(self, req: Request, reason: FinishReason, message: str | None) -> None:
         if req.status is not RequestStatus.FINISHED:  # the scheduler ends requests too big to fit
             self.scheduler.remove(req, leader=self.requests[req.request_id][0])
+        for sibling in req.pending_forks:  # a leader ended early: they compute the prompt alone
+            self.scheduler.add(sibling)
+        req.pending_forks = []
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.error = message
@@ -335,6 +376,11 @@ class LLMEngine:
         )
 
     def stats(self) -> EngineStats:
+        """A consistent snapshot, policy version included."""
+        with self.lock:
+            return self._stats()
+
+    def _stats(self) -> EngineStats:
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
@@ -347,7 +393,175 @@ class LLMEngine:
             prefix_cache_queries=self.scheduler.prefix_queries,
             prefix_cache_hits=self.scheduler.prefix_hits,
             preemptions=self.scheduler.num_preemptions,
+            updating_weights=self.update is not None,
         )
+
+    # ---- weight updates ----
+
+    def start_weight_update(
+        self, msg: UpdateWeights, tensors: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
+        """Accept an update; it applies now (ABORT, CONTINUE, RECOMPUTE) or once running
+        requests have finished (DRAIN). Progress goes to `weight_events`, ending with one
+        APPLIED or FAILED. `tensors` is the in-process source (no file, no checkpoint)."""
+        with self.lock:
+            version = msg.policy_version or self.policy_version + 1
+            if self.update is not None:
+                self._weights_failed(msg, "FAILED_PRECONDITION", "an update is in progress")
+                return
+            if version <= self.policy_version:
+                why = f"policy_version {version} must exceed the served {self.policy_version}"
+                self._weights_failed(msg, "FAILED_PRECONDITION", why)
+                return
+            self.update = PendingUpdate(msg, version, time.monotonic(), tensors)
+            self._weights_event(WeightsPhase.PAUSED, in_flight=len(self.scheduler.running))
+            if msg.inflight is InflightPolicy.DRAIN:
+                self.scheduler.admitting = False  # new requests wait; _advance_update swaps
+            else:
+                self._swap_weights()
+
+    def update_weights(
+        self,
+        source: str | Path | Mapping[str, torch.Tensor],
+        policy_version: int = 0,
+        inflight: InflightPolicy = InflightPolicy.DRAIN,
+        drain_timeout: float | None = None,
+    ) -> WeightsProgress:
+        """In-process update from a checkpoint directory or named tensors; returns APPLIED or
+        raises WeightUpdateError. DRAIN steps running requests to completion first: their
+        outputs are returned by the next step()."""
+        tensors = None if isinstance(source, str | Path) else source
+        msg = UpdateWeights(
+            update_id=f"in-process-{next(self._arrivals)}",
+            policy_version=policy_version,
+            inflight=inflight,
+            checkpoint_dir=str(source) if tensors is None else None,
+            drain_timeout=drain_timeout,
+        )
+        self.start_weight_update(msg, tensors)
+        while self.update is not None and self.update.msg is msg:
+            self.pending += self.step()
+        mine = [e for e in self.weight_events if e.update_id == msg.update_id]
+        self.weight_events = [e for e in self.weight_events if e.update_id != msg.update_id]
+        final = mine[-1]
+        if final.phase is WeightsPhase.FAILED:
+            raise WeightUpdateError(final.error_code, final.message)
+        return final
+
+    @contextlib.contextmanager
+    def live_weights(self, policy_version: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+        """Mutate the served parameters in place (a trainer in this process), then publish the
+        new version on exit. Holds the engine lock throughout; running requests continue on
+        their KV (CONTINUE). Nothing is published if the block raises."""
+        with self.lock:
+            version = policy_version or self.policy_version + 1
+            if self.update is not None or version <= self.policy_version:
+                raise WeightUpdateError(
+                    "FAILED_PRECONDITION",
+                    f"cannot publish version {version} over {self.policy_version} now",
+                )
+            yield dict(self.model.named_parameters())
+            self._publish_version(version, InflightPolicy.CONTINUE)
+
+    def _advance_update(self) -> None:
+        """At a step boundary: swap a draining update once nothing runs, or time it out."""
+        update = self.update
+        if update is None or update.msg.inflight is not InflightPolicy.DRAIN:
+            return
+        if not self.scheduler.running:
+            self._swap_weights()
+        elif update.msg.drain_timeout is not None:
+            waited = time.monotonic() - update.started
+            if waited > update.msg.drain_timeout:
+                running = len(self.scheduler.running)
+                why = f"drain timed out after {waited:.1f}s with {running} requests running"
+                self._end_update(WeightsPhase.FAILED, error_code="ABORTED", message=why)
+
+    def _swap_weights(self) -> None:
+        """Stage (validate) the new tensors, handle running requests, swap, publish."""
+        update = self.update
+        assert update is not None
+        try:
+            staged = self._stage(update)
+        except WeightUpdateError as exc:
+            self._end_update(WeightsPhase.FAILED, error_code=exc.code, message=exc.message)
+            return
+        running = list(self.scheduler.running)
+        counts = {"aborted": 0, "continued": 0, "recomputed": 0}
+        match update.msg.inflight:
+            case InflightPolicy.ABORT:
+                why = f"aborted by a weight update to policy version {update.version}"
+                ids = list(dict.fromkeys(req.request_id for req in running))
+                counts["aborted"] = self.abort(ids, FinishReason.ABORTED, why)
+            case InflightPolicy.RECOMPUTE:
+                counts["recomputed"] = len(running)
+                for req in running:
+                    self.scheduler.preempt(req)
+            case InflightPolicy.CONTINUE:
+                counts["continued"] = len(running)
+        staged.apply()
+        previous = self.policy_version
+        self._publish_version(update.version, update.msg.inflight)
+        self._end_update(WeightsPhase.APPLIED, previous_version=previous, **counts)
+
+    def _stage(self, update: PendingUpdate) -> StagedWeights:
+        params = dict(self.model.named_parameters())
+        msg = update.msg
+
+        def progress(bytes_done: int, tensors_done: int) -> None:
+            now = time.monotonic()
+            if now - update.last_progress >= 0.1:
+                update.last_progress = now
+                self._weights_event(
+                    WeightsPhase.LOADING, bytes_done=bytes_done, tensors_done=tensors_done
+                )
+
+        if update.tensors is not None:
+            staged = stage_tensors(params, update.tensors)
+        elif msg.checkpoint_dir is not None:
+            staged = stage_checkpoint(params, msg.checkpoint_dir, progress)
+        elif msg.tensor_file is not None:
+            staged = stage_tensor_file(params, msg.tensor_file, msg.tensors, progress)
+        else:
+            raise WeightUpdateError("INVALID_ARGUMENT", "the update names no source")
+        total, count = staged.nbytes, len(staged.tensors)
+        self._weights_event(
+            WeightsPhase.LOADING,
+            bytes_done=total,
+            bytes_total=total,
+            tensors_done=count,
+            tensors_total=count,
+        )
+        return staged
+
+    def _publish_version(self, version: int, inflight: InflightPolicy) -> None:
+        """Make `version` the served one. Cached prefixes of older weights are dropped; the KV
+        that running requests keep (CONTINUE) mixes versions, so it is never published."""
+        self.policy_version = self.scheduler.policy_version = version
+        self.cache.clear()
+        if inflight is InflightPolicy.CONTINUE:
+            for req in self.scheduler.running:
+                req.publish_pages = False
+
+    def _weights_event(self, phase: WeightsPhase, **fields: Any) -> None:
+        update = self.update
+        assert update is not None
+        event = WeightsProgress(
+            update.msg.update_id, phase, policy_version=update.version, **fields
+        )
+        self.weight_events.append(event)
+
+    def _end_update(self, phase: WeightsPhase, **fields: Any) -> None:
+        assert self.update is not None
+        self._weights_event(phase, seconds=time.monotonic() - self.update.started, **fields)
+        self.update = None
+        self.scheduler.admitting = True
+
+    def _weights_failed(self, msg: UpdateWeights, code: str, message: str) -> None:
+        failed = WeightsProgress(
+            msg.update_id, WeightsPhase.FAILED, error_code=code, message=message
+        )
+        self.weight_events.append(failed)
 
     # ---- batch API ----
 

@@ -24,6 +24,7 @@ from engine.messages import (
     Shutdown,
     StepOutput,
     ToEngine,
+    UpdateWeights,
 )
 
 if TYPE_CHECKING:
@@ -60,12 +61,21 @@ def _serve(engine: LLMEngine, conn: Connection) -> None:
                 conn.send(StepOutput(engine.step(), engine.stats()))
                 return
             _handle(engine, conn, msg)
+            _publish_weight_events(engine, conn)
             timeout = 0.0
         if not engine.has_work():
             conn.send(Heartbeat(engine.stats()))
             continue
-        # 2. Step, 3. publish.
-        conn.send(StepOutput(engine.step(), engine.stats()))
+        # 2. Step, 3. publish (a weight swap at the step's start is announced before its tokens).
+        outputs = engine.step()
+        _publish_weight_events(engine, conn)
+        conn.send(StepOutput(outputs, engine.stats()))
+
+
+def _publish_weight_events(engine: LLMEngine, conn: Connection) -> None:
+    events, engine.weight_events = engine.weight_events, []
+    for event in events:
+        conn.send(event)
 
 
 def _handle(engine: LLMEngine, conn: Connection, msg: ToEngine) -> None:
@@ -82,6 +92,8 @@ def _handle(engine: LLMEngine, conn: Connection, msg: ToEngine) -> None:
             )
         case AbortRequests():
             engine.abort(msg.request_ids, msg.reason, index=msg.index)
+        case UpdateWeights():
+            engine.start_weight_update(msg)
         case GetState():
             conn.send(Heartbeat(engine.stats()))
         case _:

@@ -41,6 +41,7 @@ class Request:
     page_hashes: list[int] = field(default_factory=list)  # prefix-cache chain hashes of pages
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    publish_pages: bool = True  # False once its KV mixes weight versions (CONTINUE update)
     pending_forks: list[Request] = field(default_factory=list)  # siblings to start from my prompt
     output_logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None

@@ -55,6 +55,7 @@ class Scheduler:
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # prompt tokens found there
         self.too_big: list[Request] = []  # requests that alone cannot fit; the engine ends them
+        self.admitting = True  # False while a weight update drains the running requests
 
     @property
     def pool_pages(self) -> int:
@@ -94,6 +95,7 @@ class Scheduler:
             self.cache.pool.copy_page(leader.pages[full], copy)
             child.pages.append(copy)
         child.page_hashes = leader.page_hashes[:full]
+        child.publish_pages = leader.publish_pages
         child.num_computed_tokens = child.prompt_len
         child.status = RequestStatus.RUNNING
         self.running.append(child)
@@ -125,7 +127,7 @@ class Scheduler:
             return False
         while total - len(req.pages) > self.cache.num_available:
             victim = self.running[-1]
-            self._preempt(victim)
+            self.preempt(victim)
             batch.discard(victim)  # it may have been scheduled earlier in this step
             if victim is req:
                 return False
@@ -134,7 +136,7 @@ class Scheduler:
         return True
 
     def _admit(self, batch: ScheduledBatch) -> None:
-        while self.waiting:
+        while self.waiting and self.admitting:
             budget = self.max_num_batched_tokens - batch.num_tokens
             req = self.waiting[0]
             group = 1 + len(req.pending_forks)  # the siblings join when the prompt is done
@@ -167,7 +169,7 @@ class Scheduler:
             self.running.append(req)
             batch.add(req, num_tokens)
 
-    def _preempt(self, req: Request) -> None:
+    def preempt(self, req: Request) -> None:
         """Release a running request's pages and queue it to recompute; tokens are kept."""
         self.running.remove(req)
         self._release_pages(req)
