@@ -223,11 +223,15 @@ class EngineClient:
         if route is None:
             log.error("engine.unknown_update", update_id=progress.update_id)
             return
-        if progress.phase is WeightsPhase.APPLIED:
-            # Published at once: a caller that saw Applied may ask for min_policy_version
-            # right away, before the engine's next stats arrive.
-            self._update_stats(replace(self.stats, policy_version=progress.policy_version))
         if progress.final:
+            # Published at once, before the engine's next stats arrive: a caller that saw
+            # Applied may ask for min_policy_version = the new one, or start the next update.
+            version = (
+                progress.policy_version
+                if progress.phase is WeightsPhase.APPLIED
+                else self.stats.policy_version
+            )
+            self.stats = replace(self.stats, policy_version=version, updating_weights=False)
             del self._updates[progress.update_id]
         route.queue.put_nowait(progress)
         if progress.final and route.on_final is not None:

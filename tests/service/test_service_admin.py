@@ -271,6 +271,31 @@ async def test_a_second_update_while_one_is_in_flight_is_refused(server, client)
     assert info.state == pb.SERVING_STATE_SERVING and info.policy_version == served + 1
 
 
+def _start_and_walk_away(target: str) -> str:
+    """Start a slow update, read its first event, then cancel the call."""
+    with grpc.insecure_channel(target) as channel:
+        call = admin_pb2_grpc.AdminStub(channel).UpdateWeights(
+            iter([header(checkpoint_dir="/ckpt/slow")]),
+            metadata=(("authorization", f"Bearer {ADMIN_TOKEN}"),),
+        )
+        first = next(call)
+        call.cancel()
+        return str(first.WhichOneof("event"))
+
+
+async def test_an_update_whose_caller_left_still_holds_the_slot_until_it_ends(server, client):
+    served = await served_version(client)
+    assert await asyncio.to_thread(_start_and_walk_away, server[1]) == "paused"
+    refused = await update(server[1], header(checkpoint_dir="/ckpt/b3"))
+    assert refused.code == grpc.StatusCode.FAILED_PRECONDITION
+    for _ in range(200):
+        if (await client.info()).state == pb.SERVING_STATE_SERVING:
+            break
+        await asyncio.sleep(0.02)
+    assert await served_version(client) == served + 1  # the abandoned update went through
+    assert (await update(server[1], header(checkpoint_dir="/ckpt/b4"))).code == grpc.StatusCode.OK
+
+
 async def test_an_engine_death_mid_update_ends_it_unavailable(model_dir):
     async with running_server(model_dir, admin_token=ADMIN_TOKEN, restart_backoff=0.1) as (
         server,
