@@ -199,7 +199,12 @@ async def test_drain_lets_in_flight_requests_finish_on_the_old_weights(
     streams = InFlight(client, PROMPTS[:1])
     await streams.started()
     progress: list[apb.UpdateWeightsProgress] = []
-    applied = await serve(admin, checkpoint_b, on_progress=progress.append)
+    swap = asyncio.ensure_future(serve(admin, checkpoint_b, on_progress=progress.append))
+    states = set()
+    while not swap.done():
+        states.add((await client.info()).state)
+    applied = await swap
+    assert pb.SERVING_STATE_UPDATING_WEIGHTS in states
     assert progress[0].paused.in_flight == 1 and applied.policy_version == old + 1
     (completion,) = await streams.results()
     assert completion.reason == "LENGTH" and set(completion.policy_versions) == {old}
