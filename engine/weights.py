@@ -47,7 +47,8 @@ def build_model(
     )
     model.rotary.to(device)
     load_weights(model, directory)
-    return model.eval()
+    # Inference only: no autograd state, and in-place updates (live_weights) just work.
+    return model.requires_grad_(False).eval()
 
 
 def load_weights(model: torch.nn.Module, directory: Path) -> None:

@@ -219,7 +219,7 @@ def test_live_weights_mutates_in_place_and_publishes_a_version(
     b = dict(make_engine(checkpoint_b).model.named_parameters())
     with engine.live_weights(policy_version=3) as params:
         for name, param in params.items():
-            param.data.copy_(b[name])
+            param.copy_(b[name])  # plain in-place copy: the engine holds no autograd state
     assert engine.stats().policy_version == 3
     assert greedy(engine) == greedy(make_engine(checkpoint_b))
     with pytest.raises(WeightUpdateError), engine.live_weights(policy_version=2):
