@@ -183,6 +183,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 message=final.message,
                 seconds=seconds,
             )
+        if final.phase is WeightsPhase.APPLIED and writer is not None:
+            writer.close()  # the engine client keeps the file to replay after a restart
+            writer = None
         self._release(writer)
 
     def _release(self, writer: TensorFileWriter | None) -> None:

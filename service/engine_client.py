@@ -6,7 +6,9 @@ asyncio queues, and each WeightsProgress into its weight update's queue (by upda
 supervises the engine: EngineDead, EOF, a dead process or no progress within the stall/heartbeat
 timeout all mean the engine is lost; every in-flight request then receives a final ERROR output,
 every pending weight update a final FAILED (UNAVAILABLE), and the engine is restarted with
-bounded exponential backoff.
+bounded exponential backoff. A restarted engine loads the start-up checkpoint, so the weight
+updates applied since (the last checkpoint update and the inline updates after it) are replayed
+before it serves again: the policy version never goes backwards.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from engine.messages import (
     FinishReason,
     GetState,
     Heartbeat,
+    InflightPolicy,
     ModelInfo,
     Ready,
     RequestOutput,
@@ -43,6 +46,7 @@ from engine.messages import (
     WeightsProgress,
 )
 from engine.process import engine_main
+from service.tensor_file import delete_file
 
 log = structlog.get_logger("sluice.engine_client")
 
@@ -83,6 +87,7 @@ class _Route:
 class _UpdateRoute:
     """Where one weight update's progress goes, until its final message."""
 
+    update: UpdateWeights
     queue: asyncio.Queue[WeightsProgress]
     on_final: Callable[[WeightsProgress], None] | None
 
@@ -125,6 +130,8 @@ class EngineClient:
         self._on_state = on_state
         self._routes: dict[str, _Route] = {}
         self._updates: dict[str, _UpdateRoute] = {}
+        # Applied updates a restarted engine must replay, oldest first. Owns their tensor files.
+        self._replay: list[UpdateWeights] = []
         self._stats_waiters: list[asyncio.Future[None]] = []
         self._engine: _Engine | None = None
         self._supervisor: asyncio.Task[None] | None = None
@@ -215,8 +222,37 @@ class EngineClient:
         assert update.update_id not in self._updates, update.update_id
         self._send(update)
         queue: asyncio.Queue[WeightsProgress] = asyncio.Queue()
-        self._updates[update.update_id] = _UpdateRoute(queue, on_final)
+        self._updates[update.update_id] = _UpdateRoute(update, queue, on_final)
         return queue
+
+    def _remember(self, update: UpdateWeights, version: int) -> None:
+        """Keep an applied update for replay. A checkpoint replaces every tensor, so it
+        supersedes (and frees the files of) everything applied before it."""
+        if update.checkpoint_dir is not None:
+            for old in self._replay:
+                if old.tensor_file is not None:
+                    delete_file(old.tensor_file)
+            self._replay = []
+        replay = replace(
+            update, policy_version=version, inflight=InflightPolicy.CONTINUE, drain_timeout=None
+        )
+        self._replay.append(replay)
+
+    async def _replay_updates(self) -> None:
+        """Re-apply the remembered updates to a freshly started engine, in order."""
+        for n, update in enumerate(self._replay):
+            queue = self.update_weights(replace(update, update_id=f"replay-{self.restarts}-{n}"))
+            while not (final := await queue.get()).final:
+                pass
+            if final.phase is WeightsPhase.FAILED:
+                # NOTE: the engine now serves older weights, under their older version.
+                log.error(
+                    "engine.replay_failed",
+                    policy_version=update.policy_version,
+                    error=final.message,
+                )
+                return
+            log.info("engine.replayed", policy_version=update.policy_version)
 
     def _route_progress(self, progress: WeightsProgress) -> None:
         route = self._updates.get(progress.update_id)
@@ -233,6 +269,8 @@ class EngineClient:
             )
             self.stats = replace(self.stats, policy_version=version, updating_weights=False)
             del self._updates[progress.update_id]
+            if progress.phase is WeightsPhase.APPLIED:
+                self._remember(route.update, progress.policy_version)
         route.queue.put_nowait(progress)
         if progress.final and route.on_final is not None:
             route.on_final(progress)
@@ -393,6 +431,7 @@ class EngineClient:
                 await asyncio.sleep(delay)
                 try:
                     await self._launch()
+                    await self._replay_updates()
                     break
                 except EngineStartError as exc:
                     log.error("engine.restart_failed", error=str(exc))

@@ -301,19 +301,24 @@ async def test_an_engine_death_mid_update_ends_it_unavailable(model_dir):
         server,
         target,
     ):
+        applied = await update(target, header(policy_version=7, checkpoint_dir="/ckpt/a"))
+        assert applied.code == grpc.StatusCode.OK
         outcome = await update(target, header(checkpoint_dir="/ckpt/die"))
         assert outcome.code == grpc.StatusCode.UNAVAILABLE and outcome.kinds == ["paused"]
         for _ in range(200):
             if server.engine.restarts == 1 and server.engine.state.value == "serving":
                 break
             await asyncio.sleep(0.05)
+        # The restarted engine replayed the applied update: the version did not go back.
+        async with AsyncClient(target) as client:
+            assert await served_version(client) == 7
         assert (await update(target, header(checkpoint_dir="/ckpt/b"))).code == grpc.StatusCode.OK
 
 
 # ---- inline tensors ----
 
 
-async def test_inline_chunks_are_assembled_into_one_file_then_deleted(
+async def test_inline_chunks_are_assembled_into_one_file_kept_until_a_checkpoint_supersedes_it(
     server, client, model_dir, weights_dir
 ):
     a, b = floats(*range(12)), floats(*range(100, 104))
@@ -333,7 +338,9 @@ async def test_inline_chunks_are_assembled_into_one_file_then_deleted(
     assert described["layers.0.a"]["sha256"] == hashlib.sha256(a).hexdigest()
     assert described["layers.0.a"]["shape"] == [3, 4]
     assert described["norm.b"]["sha256"] == hashlib.sha256(b).hexdigest()
-    assert list(weights_dir.iterdir()) == []
+    assert len(list(weights_dir.iterdir())) == 1  # kept: a restarted engine replays it
+    assert (await update(server[1], header(checkpoint_dir="/ckpt/full"))).code == grpc.StatusCode.OK
+    assert list(weights_dir.iterdir()) == []  # a whole checkpoint supersedes it
 
 
 async def test_the_client_library_splits_inline_tensors_into_chunks(admin, model_dir):
@@ -361,11 +368,11 @@ async def test_the_client_library_splits_inline_tensors_into_chunks(admin, model
 async def test_bad_chunks_are_invalid_argument_and_leave_nothing_behind(
     server, client, weights_dir, chunks, field
 ):
-    served = await served_version(client)
+    served, files = await served_version(client), set(weights_dir.iterdir())
     outcome = await update(server[1], header(inline_tensors=True), *chunks)
     assert outcome.code == grpc.StatusCode.INVALID_ARGUMENT and outcome.violations == [field]
     assert await served_version(client) == served
-    assert list(weights_dir.iterdir()) == []
+    assert set(weights_dir.iterdir()) == files  # the refused update's file is gone
     assert (await update(server[1], header(checkpoint_dir="/ckpt/ok"))).code == grpc.StatusCode.OK
 
 
