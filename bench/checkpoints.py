@@ -1,0 +1,265 @@
+"""Random-weight Hugging Face checkpoints of real model shapes, for benchmarks.
+
+Written with transformers' `save_pretrained`, so the engine and HF load identical files. The
+tokenizer is the tests' byte-level BPE trained on the fly (tests/tiny_models.py), topped up with
+added pseudo-word tokens to the model's vocabulary size: every id a random model samples then
+detokenizes to real text in the service, as with a real checkpoint.
+
+`ensure_checkpoint("qwen2.5-0.5b")` builds once into a cache folder named after the recipe and
+returns it; later calls return it at once.
+
+    python -m bench.checkpoints tiny small              # build (or find) and print the paths
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_ROOT = Path(os.environ.get("SLUICE_BENCH_CACHE", "~/.cache/sluice/bench")).expanduser()
+RECIPE_VERSION = 1  # bump when the way checkpoints are written changes
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One model shape: the transformers architecture and its config keys."""
+
+    arch: str  # llama, qwen2, qwen3
+    config: dict[str, Any] = field(default_factory=dict)
+    note: str = ""
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config["vocab_size"])
+
+
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+SHAPES: dict[str, Shape] = {
+    # CPU shapes. `tiny` is the tests' tiny Llama with room for the nano-vllm workload.
+    "tiny": Shape(
+        "llama",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 320,
+            "max_position_embeddings": 4096,
+            "tie_word_embeddings": False,
+        },
+        "the tests' tiny Llama (GQA 4/2, 2 layers), 4096 positions",
+    ),
+    "small": Shape(
+        "llama",
+        {
+            "hidden_size": 256,
+            "intermediate_size": 688,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 2048,
+            "max_position_embeddings": 4096,
+            "tie_word_embeddings": True,
+        },
+        "the demo model's size (4 layers, hidden 256), 4096 positions",
+    ),
+    # Real shapes (the published configs, random weights).
+    "qwen2.5-0.5b": Shape(
+        "qwen2",
+        {
+            "hidden_size": 896,
+            "intermediate_size": 4864,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 14,
+            "num_key_value_heads": 2,
+            "vocab_size": 151936,
+            "max_position_embeddings": 32768,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+        },
+        "Qwen2.5-0.5B",
+    ),
+    "qwen3-0.6b": Shape(
+        "qwen3",
+        {
+            "hidden_size": 1024,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "max_position_embeddings": 40960,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+        },
+        "Qwen3-0.6B",
+    ),
+    "llama-3.2-1b": Shape(
+        "llama",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "vocab_size": 128256,
+            "max_position_embeddings": 131072,
+            "rope_theta": 500000.0,
+            "rope_scaling": _LLAMA3_ROPE,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": True,
+        },
+        "Llama-3.2-1B",
+    ),
+    "llama-3-8b": Shape(
+        "llama",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "vocab_size": 128256,
+            "max_position_embeddings": 8192,
+            "rope_theta": 500000.0,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+        },
+        "Meta-Llama-3-8B",
+    ),
+}
+
+
+def ensure_checkpoint(
+    name: str, root: Path = DEFAULT_ROOT, dtype: str = "float32", device: str = "cpu"
+) -> Path:
+    """The checkpoint directory of shape `name` in `dtype`, built on first use.
+
+    `device` only says where the random weights are drawn (cuda is much faster for 8B); the
+    files are the same either way for a given seed and device type.
+    """
+    shape = SHAPES[name]
+    recipe = json.dumps([RECIPE_VERSION, shape.arch, shape.config, dtype], sort_keys=True)
+    digest = hashlib.sha256(recipe.encode()).hexdigest()[:10]
+    directory = root / f"{name}-{dtype}-{digest}"
+    if (directory / "DONE").is_file():
+        return directory
+    root.mkdir(parents=True, exist_ok=True)
+    partial = root / f".{directory.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    write_checkpoint(partial, shape, dtype, device)
+    (partial / "DONE").write_text(recipe)
+    try:
+        partial.rename(directory)
+    except OSError:  # another process finished the same checkpoint first
+        shutil.rmtree(partial, ignore_errors=True)
+    return directory
+
+
+def write_checkpoint(
+    directory: Path, shape: Shape, dtype: str = "float32", device: str = "cpu", seed: int = 0
+) -> Path:
+    """Write config.json, safetensors, generation_config.json and tokenizer.json."""
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = _tiny_models().make_tokenizer()
+    _fill_vocabulary(tok, shape.vocab_size)
+    tok.save(str(directory / "tokenizer.json"))
+    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"}
+        )
+    )
+    classes: dict[str, tuple[Any, Any]] = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }
+    config_class, model_class = classes[shape.arch]
+    config = config_class(bos_token_id=bos, eos_token_id=eos, **shape.config)
+    torch.manual_seed(seed)
+    torch_dtype = getattr(torch, dtype)
+    with torch.device(device):
+        model = model_class._from_config(config, dtype=torch_dtype)
+    model.eval().save_pretrained(directory)
+    del model
+    return directory
+
+
+@functools.cache
+def _tiny_models() -> Any:
+    """tests/tiny_models.py, loaded by path: `tests` is not a package, and the name may be
+    taken by a stray site-packages `tests` on other machines."""
+    spec = importlib.util.spec_from_file_location("tiny_models", REPO / "tests" / "tiny_models.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fill_vocabulary(tok: Any, vocab_size: int) -> None:
+    """Add pseudo-word tokens until the tokenizer covers every id of the model's vocabulary."""
+    have = tok.get_vocab_size()
+    if have > vocab_size:
+        raise ValueError(f"the tokenizer has {have} tokens, more than vocab_size={vocab_size}")
+    if have == vocab_size:
+        return
+    rng = random.Random(0)
+    syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]
+    known = set(tok.get_vocab())
+    words: list[str] = []
+    seen: set[str] = set()
+    while len(words) < vocab_size - have:
+        word = "".join(rng.choice(syllables) for _ in range(rng.randint(2, 5)))
+        if word not in seen and word not in known:
+            seen.add(word)
+            words.append(word)
+    tok.add_tokens(words)
+    assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("shapes", nargs="+", choices=sorted(SHAPES))
+    parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", help="where random weights are drawn")
+    args = parser.parse_args(argv)
+    for name in args.shapes:
+        start = time.perf_counter()
+        path = ensure_checkpoint(name, args.root, args.dtype, args.device)
+        print(f"{name}: {path} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,325 @@
+"""Decode step time at batch 1/8/64/256 and a fixed context, against the bandwidth roofline.
+
+For each batch size, `batch` requests with `--context`-token prompts are prefilled, then the
+engine's `step()` is timed while every request decodes one token per step. Reported per batch:
+- step time and decode tokens/s (plain `step()` calls, nothing wrapped);
+- the bytes a step must read (every weight once, plus each request's live K and V) divided by
+  the measured copy bandwidth of the device: the roofline step time, and the measured step's
+  fraction of it;
+- where a step's time goes, from a second run with the engine's methods wrapped in timers
+  from outside (no engine code changed): scheduling, input preparation, the model forward
+  (+ LM head), sampling (building the per-row tensors, then the sampler), the device-to-host
+  copy, and postprocessing (appending tokens, stop checks, outputs). Host time = step - forward.
+  On CUDA each timer synchronizes, so device work is charged to the method that queued it.
+
+    python -m bench.decode --shape tiny --batches 1 8 64 256 --context 256 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+from bench.common import emit, log, machine, process_cpu_seconds, set_threads
+from bench.offline import add_model_flags, resolve_model
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_flags(p)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    p.add_argument("--context", type=int, default=1024, help="prompt tokens per request")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps per batch")
+    p.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
+    p.add_argument("--rounds", type=int, default=4, help="plain/instrumented alternations")
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="prefill chunking")
+    p.add_argument("--bandwidth-mib", type=int, help="copy size for the bandwidth probe")
+    return p.parse_args(argv)
+
+
+class Timers:
+    """Wraps methods of live objects in timers; `restore()` puts the originals back.
+
+    `seconds[key]` lists the duration of every call, in order; each wrapped method runs once
+    per decode step, so index i of every list belongs to the same step.
+    """
+
+    def __init__(self, sync: Callable[[], None]) -> None:
+        self.sync = sync
+        self.seconds: defaultdict[str, list[float]] = defaultdict(list)
+        self._undo: list[Callable[[], None]] = []
+
+    def wrap(self, obj: Any, attr: str, key: str) -> None:
+        original = getattr(obj, attr)
+        had_own = attr in vars(obj)
+        setattr(obj, attr, self.timed(original, key))
+        self._undo.append(
+            (lambda: setattr(obj, attr, original)) if had_own else (lambda: delattr(obj, attr))
+        )
+
+    def timed(self, fn: Callable[..., Any], key: str) -> Callable[..., Any]:
+        durations = self.seconds[key]
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.sync()
+                durations.append(time.perf_counter() - start)
+
+        return timed
+
+    def restore(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+def instrument(engine: Any, timers: Timers) -> None:
+    """Wrap the parts of a step in `timers` (no engine code changes: instance attributes)."""
+    runner = engine.runner
+    timers.wrap(engine, "step", "step")
+    timers.wrap(engine.scheduler, "schedule", "schedule")
+    timers.wrap(runner, "run", "run")
+    timers.wrap(runner.model, "forward", "forward")
+    timers.wrap(runner.model, "compute_logits", "lm_head")
+    timers.wrap(runner, "_sampling_batch", "sampling_inputs")
+    timers.wrap(runner, "_to_host", "to_host")
+    sampler = runner.sampler  # called as runner.sampler(...): replace the attribute
+    runner.sampler = timers.timed(sampler, "sampler")
+    timers._undo.append(lambda: setattr(runner, "sampler", sampler))
+
+
+PARTS = ("schedule", "prepare_inputs", "forward", "sampling", "to_host", "postprocess")
+
+
+def breakdown(seconds: dict[str, list[float]]) -> dict[str, float]:
+    """Milliseconds per step of each part (median over steps), and the host share.
+
+    Per step the parts add up to the step; medians of parts need not add up exactly.
+    """
+    steps = []
+    for i in range(len(seconds["step"])):
+        ms = {k: v[i] * 1e3 for k, v in seconds.items()}
+        inner = ("forward", "lm_head", "sampling_inputs", "sampler", "to_host")
+        parts = {
+            "schedule": ms["schedule"],
+            "prepare_inputs": ms["run"] - sum(ms[k] for k in inner),
+            "forward": ms["forward"] + ms["lm_head"],
+            "sampling": ms["sampling_inputs"] + ms["sampler"],
+            "to_host": ms["to_host"],
+            "postprocess": ms["step"] - ms["schedule"] - ms["run"],
+            "step": ms["step"],
+        }
+        parts["host"] = parts["step"] - parts["forward"]
+        parts["host_fraction"] = parts["host"] / parts["step"]
+        steps.append(parts)
+    return {k: statistics.median(p[k] for p in steps) for k in steps[0]}
+
+
+def copy_bandwidth(device: str, mib: int) -> float:
+    """Bytes per second a large tensor copy moves (read + write), best of several runs."""
+    import torch
+
+    n = mib * 2**20
+    src = torch.ones(n // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(8):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n / best
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of weights a decode step reads: all of them, except the rows of an untied
+    embedding table that the step does not look up."""
+    embed = model.model.embed_tokens.weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+def kv_bytes_per_token(cfg: Any, itemsize: int) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def measure_batch(engine: Any, batch: int, args: argparse.Namespace, sync: Any) -> dict[str, Any]:
+    from engine import SamplingParams
+
+    rng = random.Random(batch)
+    vocab = engine.model_config.vocab_size
+    total_steps = 1 + args.warmup + 2 * args.steps + 2
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=total_steps, ignore_eos=True, seed=0
+    )
+    ids = [f"decode-{batch}-{i}" for i in range(batch)]
+    for request_id in ids:
+        prompt = [rng.randrange(vocab) for _ in range(args.context)]
+        engine.add_request(request_id, prompt, params)
+    prefill_start = time.perf_counter()
+    started: set[str] = set()
+    while len(started) < batch:  # prefill; each request's first token comes with it
+        started.update(o.request_id for o in engine.step() if o.new_token_ids)
+    prefill_s = time.perf_counter() - prefill_start
+    for _ in range(args.warmup):
+        engine.step()
+    assert len(engine.scheduler.running) == batch and not engine.scheduler.waiting
+
+    # Plain and instrumented steps alternate in rounds, so that a burst of load from another
+    # process on a shared machine lands on both alike.
+    times: list[float] = []
+    timers = Timers(sync)
+    cpu = 0.0
+    rounds = max(1, min(args.rounds, args.steps))
+    for r in range(rounds):
+        count = args.steps // rounds + (r < args.steps % rounds)
+        cpu -= process_cpu_seconds()
+        for _ in range(count):
+            start = time.perf_counter()
+            engine.step()
+            sync()
+            times.append(time.perf_counter() - start)
+        cpu += process_cpu_seconds()
+        instrument(engine, timers)
+        try:
+            for _ in range(count):
+                engine.step()
+        finally:
+            timers.restore()
+    contexts = [r.num_tokens for r in engine.scheduler.running]
+    engine.abort(ids)
+    engine.step()  # flush the abort outputs
+    return {
+        "batch": batch,
+        "context_mean": statistics.fmean(contexts),
+        "prefill_seconds": prefill_s,
+        "step_ms_median": statistics.median(times) * 1e3,
+        "step_ms_mean": statistics.fmean(times) * 1e3,
+        "step_ms_min": min(times) * 1e3,
+        "decode_tokens_per_s": batch / statistics.median(times),
+        "cpu_cores_busy": cpu / sum(times),  # below the thread count: the machine was contended
+        "instrumented_ms": breakdown(timers.seconds),
+    }
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    threads = set_threads(args.threads)
+    model_dir, dtype = resolve_model(args)
+    import torch
+
+    from engine import EngineConfig, LLMEngine
+    from engine.models.hf_config import load_model_config
+
+    cfg = load_model_config(model_dir)
+    itemsize = getattr(torch, dtype).itemsize
+    page_size = 16
+    tokens_per_req = args.context + 1 + args.warmup + 2 * args.steps + 4
+    pages = max(args.batches) * -(-tokens_per_req // page_size) + 16
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            device=args.device,
+            dtype=dtype,
+            max_num_seqs=max(args.batches),
+            max_num_batched_tokens=max(args.max_num_batched_tokens, max(args.batches)),
+            page_size=page_size,
+            num_kv_pages=pages,
+            max_model_len=max(cfg.max_model_len, tokens_per_req),
+        )
+    )
+    on_cuda = args.device.startswith("cuda")
+    mib = args.bandwidth_mib or (2048 if on_cuda else 512)
+    bandwidth = copy_bandwidth(args.device, mib)
+    weights = weight_bytes(engine.model)
+    per_token = kv_bytes_per_token(cfg, itemsize)
+    log(
+        f"decode on {model_dir.name}: weights {weights / 2**20:.1f} MiB, KV "
+        f"{per_token} B/token, copy bandwidth {bandwidth / 1e9:.1f} GB/s, {threads} threads"
+    )
+
+    def sync() -> None:
+        _sync(args.device)
+
+    rows = []
+    results = []
+    for batch in args.batches:
+        r = measure_batch(engine, batch, args, sync)
+        step_bytes = weights + per_token * r["context_mean"] * batch
+        r["bytes_per_step"] = step_bytes
+        r["roofline_ms"] = step_bytes / bandwidth * 1e3
+        r["roofline_fraction"] = r["roofline_ms"] / r["step_ms_median"]
+        results.append(r)
+        parts = r["instrumented_ms"]
+        rows.append(
+            [
+                batch,
+                r["step_ms_median"],
+                r["decode_tokens_per_s"],
+                r["roofline_ms"],
+                r["roofline_fraction"],
+                parts["step"],
+                parts["forward"],
+                parts["schedule"],
+                parts["prepare_inputs"],
+                parts["sampling"],
+                parts["to_host"],
+                parts["postprocess"],
+                f"{parts['host_fraction']:.0%}",
+            ]
+        )
+        log(f"batch {batch}: {r['step_ms_median']:.2f} ms/step, host {parts['host_fraction']:.0%}")
+    result = {
+        "benchmark": "decode",
+        "model": args.shape if args.model is None else str(args.model),
+        "device": args.device,
+        "dtype": dtype,
+        "threads": threads,
+        "context": args.context,
+        "steps": args.steps,
+        "temperature": args.temperature,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "weight_bytes": weights,
+        "kv_bytes_per_token": per_token,
+        "batches": results,
+        "machine": machine(),
+    }
+    header = [
+        "batch",
+        "step ms",
+        "tok/s",
+        "roofline ms",
+        "of roofline",
+        "timed step",
+        "forward",
+        "schedule",
+        "inputs",
+        "sampling",
+        "to host",
+        "post",
+        "host",
+    ]
+    emit(result, header, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

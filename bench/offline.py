@@ -1,0 +1,261 @@
+"""Offline throughput: the nano-vllm workload through LLMEngine.generate and HF generate.
+
+Both run in this process, on the same checkpoint files, at the same torch thread count; HF
+runs the same prompts in padded batches (left padding, `--hf-batch-size` prompts per batch, in
+workload order) and is credited only with each request's own output tokens, as a serving
+benchmark counts them. Output tokens/s for both and their ratio.
+
+    python -m bench.offline --shape tiny --scale 0.25 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.checkpoints import SHAPES, ensure_checkpoint
+from bench.common import emit, log, machine, process_cpu_seconds, set_threads
+from bench.workload import Workload, make_workload
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_flags(p)
+    p.add_argument("--scale", type=float, default=1.0, help="shrink count and lengths (CPU)")
+    p.add_argument("--num-requests", type=int, help="override the (scaled) request count")
+    p.add_argument("--temperature", type=float, default=0.6, help="nano-vllm uses 0.6")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="engine: running requests")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="engine: per step")
+    p.add_argument(
+        "--hf-batch-sizes",
+        type=int,
+        nargs="+",
+        default=[64],
+        help="HF: prompts per padded batch; with several, the ratio is against the fastest",
+    )
+    p.add_argument("--kv-cache-gib", type=float, help="engine KV budget (default: the engine's)")
+    p.add_argument("--skip-hf", action="store_true", help="engine only (no ratio)")
+    return p.parse_args(argv)
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", default="tiny", choices=sorted(SHAPES), help="built if missing")
+    p.add_argument("--model", type=Path, help="a checkpoint directory (overrides --shape)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+
+
+def resolve_model(args: argparse.Namespace) -> tuple[Path, str]:
+    """(checkpoint directory, dtype name) for the model flags."""
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if args.model is not None:
+        return args.model, dtype
+    return ensure_checkpoint(args.shape, dtype=dtype, device=args.device), dtype
+
+
+def run_engine(
+    model_dir: Path,
+    workload: Workload,
+    device: str,
+    dtype: str,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    kv_cache_gib: float | None = None,
+) -> dict[str, Any]:
+    """Time LLMEngine.generate on the whole workload (after a short warm-up)."""
+    import torch
+
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    config = EngineConfig(
+        model=str(model_dir),
+        device=device,
+        dtype=dtype,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        kv_cache_memory=None if kv_cache_gib is None else int(kv_cache_gib * 2**30),
+    )
+    start = time.perf_counter()
+    engine = LLMEngine(config)
+    load_s = time.perf_counter() - start
+    params = [
+        SamplingParams(temperature=workload.temperature, max_tokens=n, ignore_eos=True, seed=i)
+        for i, n in enumerate(workload.output_lens)
+    ]
+    engine.generate(workload.prompts[:2], [SamplingParams(max_tokens=8, ignore_eos=True)] * 2)
+    _sync(torch, device)
+    start, cpu = time.perf_counter(), process_cpu_seconds()
+    results = engine.generate(workload.prompts, params)
+    _sync(torch, device)
+    elapsed = time.perf_counter() - start
+    cpu = process_cpu_seconds() - cpu
+    produced = sum(len(r.token_ids) for r in results)
+    errors = [r.error for r in results if r.error]
+    if errors or produced != workload.output_tokens:
+        raise RuntimeError(f"engine produced {produced} of {workload.output_tokens}: {errors[:3]}")
+    stats = engine.stats()
+    del engine
+    _free(torch, device)
+    return {
+        "seconds": elapsed,
+        "cpu_cores_busy": cpu / elapsed,  # below the thread count: the machine was contended
+        "load_seconds": load_s,
+        "output_tokens": produced,
+        "output_tokens_per_s": produced / elapsed,
+        "total_tokens_per_s": (produced + workload.prompt_tokens) / elapsed,
+        "requests_per_s": workload.num_requests / elapsed,
+        "preemptions": stats.preemptions,
+        "kv_pages": stats.total_pages,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+    }
+
+
+def run_hf(
+    model_dir: Path, workload: Workload, device: str, dtype: str, batch_size: int
+) -> dict[str, Any]:
+    """Time HF generate over padded batches of the workload's prompts, in workload order."""
+    import torch
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype)
+    )
+    model = model.to(device).eval()
+    pad = model.config.eos_token_id
+    _hf_generate(model, workload.prompts[:2], 8, workload.temperature, pad, device)  # warm-up
+    _sync(torch, device)
+    start, cpu = time.perf_counter(), process_cpu_seconds()
+    padded_tokens = 0
+    for first in range(0, workload.num_requests, batch_size):
+        prompts = workload.prompts[first : first + batch_size]
+        longest = max(workload.output_lens[first : first + batch_size])
+        out = _hf_generate(model, prompts, longest, workload.temperature, pad, device)
+        padded_tokens += out.numel() - out.shape[0] * max(map(len, prompts))
+    _sync(torch, device)
+    elapsed = time.perf_counter() - start
+    cpu = process_cpu_seconds() - cpu
+    del model
+    _free(torch, device)
+    return {
+        "seconds": elapsed,
+        "cpu_cores_busy": cpu / elapsed,
+        "output_tokens": workload.output_tokens,
+        "output_tokens_per_s": workload.output_tokens / elapsed,
+        "total_tokens_per_s": (workload.output_tokens + workload.prompt_tokens) / elapsed,
+        "requests_per_s": workload.num_requests / elapsed,
+        "generated_tokens_with_padding": padded_tokens,
+        "batch_size": batch_size,
+    }
+
+
+def _hf_generate(
+    model: Any, prompts: list[list[int]], new_tokens: int, temperature: float, pad: int, device: str
+) -> Any:
+    import torch
+
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):  # left padding
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    sampled = temperature > 0
+    with torch.inference_mode():
+        return model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,  # ignore_eos: every row generates the full length
+            do_sample=sampled,
+            temperature=temperature if sampled else None,
+            top_k=0 if sampled else None,  # HF's default top_k=50 would do extra work
+            top_p=1.0 if sampled else None,
+            pad_token_id=pad,
+        )
+
+
+def _sync(torch: Any, device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _free(torch: Any, device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    threads = set_threads(args.threads)
+    model_dir, dtype = resolve_model(args)
+    from engine.models.hf_config import load_model_config
+
+    vocab = load_model_config(model_dir).vocab_size
+    workload = make_workload(vocab, args.scale, args.num_requests, args.temperature)
+    log(f"offline: {workload.describe()} on {model_dir.name}, {threads} threads")
+    engine = run_engine(
+        model_dir,
+        workload,
+        args.device,
+        dtype,
+        args.max_num_seqs,
+        args.max_num_batched_tokens,
+        args.kv_cache_gib,
+    )
+    log(f"engine: {engine['output_tokens_per_s']:.1f} output tokens/s")
+    hf_runs = []
+    if not args.skip_hf:
+        for batch_size in args.hf_batch_sizes:
+            run = run_hf(model_dir, workload, args.device, dtype, batch_size)
+            log(f"hf batch {batch_size}: {run['output_tokens_per_s']:.1f} output tokens/s")
+            hf_runs.append(run)
+    hf = max(hf_runs, key=lambda r: r["output_tokens_per_s"], default=None)
+    ratio = engine["output_tokens_per_s"] / hf["output_tokens_per_s"] if hf else None
+    result = {
+        "benchmark": "offline",
+        "model": args.shape if args.model is None else str(args.model),
+        "device": args.device,
+        "dtype": dtype,
+        "threads": threads,
+        "scale": args.scale,
+        "workload": workload.describe(),
+        "engine": engine,
+        "hf": hf,  # the fastest HF batch size
+        "hf_runs": hf_runs,
+        "ratio_engine_over_hf": ratio,
+        "machine": machine(),
+    }
+    rows: list[list[Any]] = [
+        [
+            "sluice LLMEngine",
+            engine["seconds"],
+            engine["output_tokens_per_s"],
+            engine["requests_per_s"],
+        ]
+    ]
+    rows += [
+        [
+            f"HF generate, batch {r['batch_size']}",
+            r["seconds"],
+            r["output_tokens_per_s"],
+            r["requests_per_s"],
+        ]
+        for r in hf_runs
+    ]
+    header = ["offline " + result["model"], "seconds", "output tok/s", "req/s"]
+    emit(result, header, rows)
+    if ratio is not None:
+        log(f"ratio engine/HF output tokens/s: {ratio:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

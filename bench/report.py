@@ -1,0 +1,143 @@
+"""Markdown tables from a folder of benchmark JSON results (what docs/benchmarks.md holds).
+
+python -m bench.report bench/results/cpu-20261130-120000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+def markdown(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        if abs(value) >= 100:
+            return f"{value:,.0f}"
+        if abs(value) >= 10:
+            return f"{value:.1f}"
+        return f"{value:.2f}" if abs(value) >= 0.1 else f"{value:.3f}"
+    return str(value)
+
+
+def offline(r: dict[str, Any]) -> str:
+    w = r["workload"]
+    rows = [["sluice LLMEngine", r["engine"]["seconds"], r["engine"]["output_tokens_per_s"]]]
+    rows += [
+        [f"HF generate, padded batch {h['batch_size']}", h["seconds"], h["output_tokens_per_s"]]
+        for h in r["hf_runs"]
+    ]
+    ratio = r["ratio_engine_over_hf"]
+    return (
+        f"**offline, {r['model']}** ({r['device']} {r['dtype']}, {r['threads']} torch threads; "
+        f"{w['num_requests']} requests, prompts {w['prompt_len'][0]}..{w['prompt_len'][1]}, "
+        f"outputs {w['output_len'][0]}..{w['output_len'][1]}, {w['output_tokens']} output "
+        f"tokens, temperature {w['temperature']}, ignore_eos; engine max_num_seqs "
+        f"{r['engine']['max_num_seqs']})\n\n"
+        + markdown(["run", "seconds", "output tok/s"], rows)
+        + (f"\n\nengine / fastest HF: **{ratio:.2f}x**" if ratio else "")
+    )
+
+
+def decode(r: dict[str, Any]) -> str:
+    header = ["batch", "step ms", "tok/s", "roofline ms", "of roofline", "timed step", "forward"]
+    header += ["schedule", "inputs", "sampling", "to host", "post", "host share"]
+    rows = []
+    for b in r["batches"]:
+        p = b["instrumented_ms"]
+        rows.append(
+            [
+                b["batch"],
+                b["step_ms_median"],
+                b["decode_tokens_per_s"],
+                b["roofline_ms"],
+                f"{b['roofline_fraction']:.1%}",
+                p["step"],
+                p["forward"],
+                p["schedule"],
+                p["prepare_inputs"],
+                p["sampling"],
+                p["to_host"],
+                p["postprocess"],
+                f"{p['host_fraction']:.0%}",
+            ]
+        )
+    return (
+        f"**decode, {r['model']}** ({r['device']} {r['dtype']}, {r['threads']} torch threads; "
+        f"context {r['context']}, {r['steps']} timed steps, weights "
+        f"{r['weight_bytes'] / 2**20:.1f} MiB, KV {r['kv_bytes_per_token']} B/token, measured "
+        f"copy bandwidth {r['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s)\n\n"
+        + markdown(header, rows)
+        + "\n\nstep ms: median of plain `step()` calls. timed step and the columns after it "
+        "(ms per step, means) come from steps run with timers wrapped around the engine's "
+        "methods, alternating with the plain ones; host share = (timed step - forward) / timed "
+        "step."
+    )
+
+
+def serve(r: dict[str, Any]) -> str:
+    w = r["workload"]
+    header = ["rate req/s", "req/s", "output tok/s", "TTFT p50", "TTFT p99", "TPOT p50"]
+    header += ["TPOT p99", "ITL p50", "ITL p99", "tok/chunk", "failed"]
+    rows = [
+        [
+            p["rate"],
+            p["requests_per_s"],
+            p["output_tokens_per_s"],
+            p["ttft"]["p50_ms"],
+            p["ttft"]["p99_ms"],
+            p["tpot"]["p50_ms"],
+            p["tpot"]["p99_ms"],
+            p["itl"]["p50_ms"],
+            p["itl"]["p99_ms"],
+            p["tokens_per_chunk"],
+            p["failed"],
+        ]
+        for p in r["phases"]
+    ]
+    off = r["offline_engine"]
+    ratio = r["ratio_served_over_offline"]
+    concurrency = r["phases"][0]["max_concurrency"] if r["phases"] else "?"
+    text = (
+        f"**serving over gRPC, {r['model']}** ({r['device']} {r['dtype']}, engine torch threads "
+        f"{r['engine_threads']}; {w['num_requests']} requests, {w['output_tokens']} output tokens, "
+        f"at most {concurrency} in flight; latencies in ms)\n\n" + markdown(header, rows)
+    )
+    if off and ratio:
+        text += (
+            f"\n\noffline engine on the same workload (max_num_seqs {concurrency}): "
+            f"{off['output_tokens_per_s']:.0f} output tok/s; served / offline at rate inf: "
+            f"**{ratio:.2f}**"
+        )
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", type=Path)
+    args = parser.parse_args(argv)
+    render = {"offline": offline, "decode": decode, "serve": serve}
+    for path in sorted(args.folder.glob("*.json")):
+        text = path.read_text().strip()
+        if not text:
+            continue
+        result = json.loads(text.splitlines()[-1])
+        m = result["machine"]
+        print(f"<!-- {path.name}: {m['date']}, load avg {m['load_avg_1m']} at the end -->")
+        print(render[result["benchmark"]](result))
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The CPU benchmark suite (DESIGN.md §5) on random-weight checkpoints built on first use.
+#   bash bench/run_cpu.sh            # the full suite: under 10 minutes on 2 cores
+#   bash bench/run_cpu.sh --smoke    # the CI smoke: about a minute; exits 1 if a benchmark fails
+# One JSON file per benchmark under $OUT (default bench/results/cpu-<mode>-<time>), tables on
+# stderr; `python -m bench.report $OUT` renders the markdown of docs/benchmarks.md.
+# Timings on a shared 2-core machine are noisy: the load average is printed and recorded; every
+# ratio is between two runs of the same invocation.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+[[ -x $PY ]] || PY=python3
+MODE=full
+[[ ${1:-} == --smoke ]] && MODE=smoke
+OUT=${OUT:-bench/results/cpu-$MODE-$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_DISABLE_PROGRESS_BARS=1
+# Engine and HF run at the same torch thread count: 1 by default. With 2 threads on 2 cores,
+# torch's OpenMP pool collapses (10-100x slower) whenever anything else runs on the machine,
+# which on a shared machine is most of the time. The serving benchmark's engine process also
+# gets 1 thread: the service process and the load generator need the other core.
+THREADS=${THREADS:-1}
+
+failed=()
+run() {  # run NAME MODULE ARGS...: stdout (one JSON object) to $OUT/NAME.json
+  local name=$1 start=$SECONDS
+  shift
+  echo "== $name: $PY -m $*" >&2
+  if "$PY" -m "$@" >"$OUT/$name.json" \
+    && "$PY" -c 'import json, sys; json.loads(open(sys.argv[1]).read())' "$OUT/$name.json"; then
+    echo "== $name: ok, $((SECONDS - start)) s" >&2
+  else
+    echo "== $name: FAILED after $((SECONDS - start)) s" >&2
+    failed+=("$name")
+  fi
+}
+
+echo "== $MODE CPU suite into $OUT; $(nproc) cores; load average: $(cut -d' ' -f1-3 /proc/loadavg)" >&2
+"$PY" -m bench.checkpoints tiny >/dev/null || exit 1
+
+if [[ $MODE == smoke ]]; then
+  run offline bench.offline --shape tiny --num-requests 8 --scale 0.05 --hf-batch-sizes 8 \
+    --threads 1
+  run decode bench.decode --shape tiny --batches 1 8 --context 32 --steps 5 --threads 1
+  run serve bench.serve --shape tiny --num-requests 8 --scale 0.05 --rates inf 20 \
+    --max-concurrency 4 --threads 1
+else
+  run offline bench.offline --shape tiny --scale 0.5 --hf-batch-sizes 16 64 --threads "$THREADS"
+  run decode bench.decode --shape tiny --batches 1 8 64 256 --context 256 --steps 20 \
+    --threads "$THREADS"
+  run serve bench.serve --shape tiny --scale 0.5 --rates inf 8 4 --max-concurrency 64 \
+    --threads "$THREADS"
+fi
+
+echo "== done in ${SECONDS} s; load average: $(cut -d' ' -f1-3 /proc/loadavg)" >&2
+if ((${#failed[@]})); then
+  echo "== FAILED: ${failed[*]}" >&2
+  exit 1
+fi

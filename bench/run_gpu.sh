@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The GPU suite, for one H200 (under 8 minutes): random-weight checkpoints of real shapes are
+# generated on the device (not carried), then offline vs HF, decode step time against the
+# bandwidth roofline, and serving over gRPC. Prints as it goes; JSON per benchmark under $OUT.
+# On the lent machine (see ../shared/DEVICE.md), carry .whl and run from the checkout:
+#   bash bench/run_gpu.sh                 # BUDGET_S=450 by default: later steps are skipped
+# Needs torch with CUDA and transformers (installed there); .whl/*.whl, when present, are
+# installed into /tmp/site first (structlog, grpcio extras, protobuf, ...).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=${OUT:-bench/results/gpu-$(date +%Y%m%d-%H%M%S)}
+BUDGET_S=${BUDGET_S:-450}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_DISABLE_PROGRESS_BARS=1
+export SLUICE_BENCH_CACHE=${SLUICE_BENCH_CACHE:-/tmp/sluice-bench}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD:$PWD/proto:$PWD/clients/python
+else
+  export PYTHONPATH=$PWD:$PWD/proto:$PWD/clients/python${PYTHONPATH:+:$PYTHONPATH}
+fi
+"$PY" - <<'PYEOF' || exit 1
+import torch, transformers, grpc, structlog  # noqa: F401  fail fast on a missing dependency
+assert torch.cuda.is_available(), "no CUDA device"
+print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
+      f"grpc {grpc.__version__}, {torch.cuda.get_device_name()}", flush=True)
+PYEOF
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader || true
+
+failed=()
+step() {  # step NAME SECONDS MODULE ARGS...: skipped when the budget cannot cover SECONDS
+  local name=$1 need=$2 start=$SECONDS left
+  shift 2
+  left=$((BUDGET_S - SECONDS))
+  if ((left < need / 2)); then
+    echo "== $name: skipped, ${left} s of the budget left" >&2
+    failed+=("$name(skipped)")
+    return
+  fi
+  ((need > left)) && need=$left
+  echo "== $name (limit ${need} s): $PY -m $*" >&2
+  if timeout -k 10 "$need" "$PY" -m "$@" >"$OUT/$name.json"; then
+    echo "== $name: ok, $((SECONDS - start)) s" >&2
+  else
+    echo "== $name: FAILED (rc $?) after $((SECONDS - start)) s" >&2
+    failed+=("$name")
+  fi
+}
+
+CK="bench.checkpoints --dtype bfloat16 --device cuda"
+step checkpoints 150 $CK qwen2.5-0.5b llama-3-8b
+rm -f "$OUT/checkpoints.json"
+DEV="--device cuda --dtype bfloat16"
+step offline-qwen2.5-0.5b 200 bench.offline --shape qwen2.5-0.5b $DEV --hf-batch-sizes 256 \
+  --kv-cache-gib 16
+step decode-qwen2.5-0.5b 60 bench.decode --shape qwen2.5-0.5b $DEV --batches 1 8 64 256
+step decode-llama-3-8b 90 bench.decode --shape llama-3-8b $DEV --batches 1 8 64 256
+step serve-qwen2.5-0.5b 100 bench.serve --shape qwen2.5-0.5b $DEV --scale 0.5 --rates inf 16 \
+  --max-concurrency 64
+# The other real shapes, while the budget lasts.
+step checkpoints-more 60 $CK qwen3-0.6b llama-3.2-1b
+rm -f "$OUT/checkpoints-more.json"
+step decode-qwen3-0.6b 45 bench.decode --shape qwen3-0.6b $DEV --batches 1 64 256
+step decode-llama-3.2-1b 45 bench.decode --shape llama-3.2-1b $DEV --batches 1 64 256
+
+"$PY" -m bench.report "$OUT" >"$OUT/report.md" 2>&1 || true
+cat "$OUT/report.md"
+echo "== done in ${SECONDS} s; results in $OUT" >&2
+if ((${#failed[@]})); then
+  echo "== FAILED or skipped: ${failed[*]}" >&2
+  exit 1
+fi

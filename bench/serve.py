@@ -1,0 +1,399 @@
+"""Serving over gRPC: a bounded asyncio load generator with Poisson arrivals.
+
+Sends the offline workload (same prompts as token ids, same output lengths, ignore_eos) to a
+server, one `Generate` call per request over one channel, at each `--rates` value in requests/s
+(`inf` = all at once), with at most `--max-concurrency` requests in flight. It starts
+`python -m service` (= `sluice serve`) on 127.0.0.1 port 0 unless `--target` is given, after
+measuring the offline engine rate on the same workload and settings (`python -m bench.offline
+--skip-hf` in a subprocess, `max_num_seqs` = the concurrency).
+
+Metrics as vLLM's benchmark_serving defines them: TTFT = send -> first token; TPOT per request
+= (latency - TTFT) / (output tokens - 1); ITL = the gaps between consecutive token chunks of a
+request (a chunk may carry several tokens under load); p50 and p99 of each; requests/s and
+output tokens/s over the phase; served/offline = output tokens/s at rate inf / the offline
+engine's output tokens/s.
+
+    python -m bench.serve --shape tiny --scale 0.25 --rates inf 8 --max-concurrency 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.common import emit, log, machine, percentile
+from bench.offline import add_model_flags, resolve_model
+from bench.workload import Workload, make_workload
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_flags(p)
+    p.add_argument("--target", help="HOST:PORT of a running server (default: start one)")
+    p.add_argument("--rates", nargs="+", default=["inf"], help="requests/s per phase; inf")
+    p.add_argument("--max-concurrency", type=int, default=64, help="requests in flight")
+    p.add_argument("--scale", type=float, default=1.0)
+    p.add_argument("--num-requests", type=int)
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--seed", type=int, default=0, help="arrival times")
+    p.add_argument("--offline-rate", type=float, help="skip the offline run; use this tok/s")
+    p.add_argument("--skip-offline", action="store_true", help="no offline run, no ratio")
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    return p.parse_args(argv)
+
+
+@dataclass
+class RequestRecord:
+    sent: float = 0.0
+    ttft: float = math.nan
+    latency: float = math.nan
+    output_tokens: int = 0
+    chunks: int = 0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+async def run_request(client: Any, request: Any, record: RecordHolder) -> None:
+    rec = record.value
+    rec.sent = time.perf_counter()
+    last = rec.sent
+    try:
+        async for event in client.generate(request):
+            kind = event.WhichOneof("event")
+            now = time.perf_counter()
+            if kind == "tokens" and event.tokens.token_ids:
+                if rec.chunks == 0:
+                    rec.ttft = now - rec.sent
+                else:
+                    rec.itl.append(now - last)
+                last = now
+                rec.chunks += 1
+                rec.output_tokens += len(event.tokens.token_ids)
+            elif kind == "finished":
+                rec.latency = now - rec.sent
+                reason = event.finished.reason
+                if reason != 3:  # FINISH_REASON_LENGTH
+                    rec.error = f"finished with reason {reason}: {event.finished.message}"
+    except Exception as exc:  # a failed request is counted and reported, not fatal
+        rec.error = f"{type(exc).__name__}: {exc}"
+
+
+@dataclass
+class RecordHolder:
+    value: RequestRecord = field(default_factory=RequestRecord)
+
+
+async def run_phase(
+    target: str, workload: Workload, rate: float, concurrency: int, seed: int
+) -> dict[str, Any]:
+    """Send every request of the workload at `rate` (Poisson), at most `concurrency` at once."""
+    from sluice_client import AsyncClient, build_request
+
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(concurrency)
+    holders = [RecordHolder() for _ in range(workload.num_requests)]
+    requests = [
+        build_request(
+            prompt,
+            request_id=f"bench-{rate}-{i}",
+            max_tokens=n,
+            temperature=workload.temperature,
+            seed=i,
+            ignore_eos=True,
+        )
+        for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True))
+    ]
+    async with AsyncClient(target) as client:
+        await client.complete([1, 2, 3], max_tokens=2, ignore_eos=True)  # warm the channel
+
+        async def bounded(request: Any, holder: RecordHolder) -> None:
+            async with limit:
+                await run_request(client, request, holder)
+
+        tasks = []
+        start = time.perf_counter()
+        for request, holder in zip(requests, holders, strict=True):
+            tasks.append(asyncio.create_task(bounded(request, holder)))
+            if math.isfinite(rate):
+                await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return summarize([h.value for h in holders], duration, rate, concurrency, workload)
+
+
+def summarize(
+    records: list[RequestRecord],
+    duration: float,
+    rate: float,
+    concurrency: int,
+    workload: Workload,
+) -> dict[str, Any]:
+    ok = [r for r in records if not r.error]
+    errors = [r.error for r in records if r.error]
+    expected = {i: n for i, n in enumerate(workload.output_lens)}
+    short = sum(1 for i, r in enumerate(records) if not r.error and r.output_tokens != expected[i])
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itl = [gap for r in ok for gap in r.itl]
+    output = sum(r.output_tokens for r in ok)
+    chunks = sum(r.chunks for r in ok)
+
+    def stats(values: list[float]) -> dict[str, float]:
+        return {
+            "mean_ms": 1e3 * sum(values) / len(values) if values else math.nan,
+            "p50_ms": 1e3 * percentile(values, 50),
+            "p99_ms": 1e3 * percentile(values, 99),
+        }
+
+    return {
+        "rate": "inf" if math.isinf(rate) else rate,
+        "max_concurrency": concurrency,
+        "completed": len(ok),
+        "failed": len(errors),
+        "errors": errors[:5],
+        "wrong_length": short,
+        "duration_s": duration,
+        "requests_per_s": len(ok) / duration,
+        "output_tokens": output,
+        "output_tokens_per_s": output / duration,
+        "tokens_per_chunk": output / chunks if chunks else math.nan,
+        "ttft": stats([r.ttft for r in ok]),
+        "tpot": stats(tpot),
+        "itl": stats(itl),
+        "e2el": stats([r.latency for r in ok]),
+    }
+
+
+def offline_rate(args: argparse.Namespace, model_dir: Path, dtype: str) -> dict[str, Any]:
+    """The offline engine's output tokens/s on this workload, in a fresh process."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.offline",
+        "--model",
+        str(model_dir),
+        "--device",
+        args.device,
+        "--dtype",
+        dtype,
+        "--scale",
+        str(args.scale),
+        "--temperature",
+        str(args.temperature),
+        "--max-num-seqs",
+        str(args.max_concurrency),
+        "--skip-hf",
+    ]
+    if args.num_requests is not None:
+        cmd += ["--num-requests", str(args.num_requests)]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    out = subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.PIPE, text=True).stdout
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])["engine"]
+    return result
+
+
+def cpu_seconds(server_pid: int | None) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by this process (the load generator), the
+    server process and its children (the engine). Linux /proc; empty elsewhere."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    seconds = {"client": usage.ru_utime + usage.ru_stime}
+    if server_pid is None or not os.path.isdir("/proc"):
+        return seconds
+    tick = os.sysconf("SC_CLK_TCK")
+    engine = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            text = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue  # the process ended meanwhile
+        fields = text[text.rindex(")") + 2 :].split()
+        ppid, used = int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
+        if int(entry) == server_pid:
+            seconds["service"] = used
+        elif ppid == server_pid:
+            engine += used
+    seconds["engine"] = engine
+    return seconds
+
+
+@contextmanager
+def server(args: argparse.Namespace, model_dir: Path, dtype: str) -> Iterator[tuple[str, int]]:
+    """`python -m service` on 127.0.0.1 port 0; yields (HOST:PORT, pid) once it is SERVING."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "service",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--device",
+        args.device,
+        "--dtype",
+        dtype,
+        "--max-num-seqs",
+        str(args.max_concurrency),
+        "--shutdown-grace",
+        "5",
+    ]
+    env = dict(os.environ)
+    if args.threads:  # the engine process inherits it: torch sizes its pool from it
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    with tempfile.NamedTemporaryFile("w+", prefix="sluice-serve-", suffix=".log") as logfile:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=logfile, stderr=logfile)
+        try:
+            target = _wait_listening(proc, Path(logfile.name), args.ready_timeout)
+            asyncio.run(_wait_serving(target, args.ready_timeout))
+            yield target, proc.pid
+        except BaseException:
+            logfile.seek(0)
+            sys.stderr.write(logfile.read()[-4000:])
+            raise
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_listening(proc: subprocess.Popen[bytes], path: Path, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before listening")
+        for line in path.read_text().splitlines():
+            if '"server.listening"' in line:
+                event = json.loads(line)
+                return f"127.0.0.1:{event['port']}"
+        time.sleep(0.1)
+    raise TimeoutError("the server did not log server.listening in time")
+
+
+async def _wait_serving(target: str, timeout: float) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.2)
+    raise TimeoutError("the server did not become SERVING in time")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model_dir, dtype = resolve_model(args)
+    from engine.models.hf_config import load_model_config
+
+    vocab = load_model_config(model_dir).vocab_size
+    workload = make_workload(vocab, args.scale, args.num_requests, args.temperature)
+    rates = [float(r) for r in args.rates]
+    offline = None
+    if args.offline_rate is not None:
+        offline = {"output_tokens_per_s": args.offline_rate, "given": True}
+    elif not args.skip_offline:
+        log(f"serve: offline engine rate on {workload.describe()}")
+        offline = offline_rate(args, model_dir, dtype)
+        log(f"offline engine: {offline['output_tokens_per_s']:.1f} output tokens/s")
+
+    phases = []
+
+    def run_all(target: str, server_pid: int | None) -> None:
+        for i, rate in enumerate(rates):
+            log(f"phase: rate {rate} req/s, max concurrency {args.max_concurrency}")
+            before, start = cpu_seconds(server_pid), time.perf_counter()
+            phase = asyncio.run(
+                run_phase(target, workload, rate, args.max_concurrency, args.seed + i)
+            )
+            wall = time.perf_counter() - start
+            after = cpu_seconds(server_pid)
+            # Cores each process kept busy over the phase (1.0 = one core all the time).
+            phase["cpu_cores"] = {k: (after[k] - before[k]) / wall for k in after if k in before}
+            phases.append(phase)
+            cores = ", ".join(f"{k} {v:.2f}" for k, v in phase["cpu_cores"].items())
+            log(
+                f"  {phase['output_tokens_per_s']:.1f} output tok/s, "
+                f"TTFT p50 {phase['ttft']['p50_ms']:.1f} ms, {phase['failed']} failed; "
+                f"cores busy: {cores}"
+            )
+
+    if args.target:
+        run_all(args.target, None)
+    else:
+        with server(args, model_dir, dtype) as (target, pid):
+            run_all(target, pid)
+
+    ratio = None
+    inf_phase = next((p for p in phases if p["rate"] == "inf"), None)
+    if offline is not None and inf_phase is not None:
+        ratio = inf_phase["output_tokens_per_s"] / offline["output_tokens_per_s"]
+    result = {
+        "benchmark": "serve",
+        "model": args.shape if args.model is None else str(args.model),
+        "target": args.target or "started by the benchmark",
+        "device": args.device,
+        "dtype": dtype,
+        "engine_threads": args.threads,
+        "workload": workload.describe(),
+        "offline_engine": offline,
+        "phases": phases,
+        "ratio_served_over_offline": ratio,
+        "machine": machine(),
+    }
+    header = ["rate", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99"]
+    header += ["ITL p50", "ITL p99", "tok/chunk", "failed"]
+    rows = [
+        [
+            p["rate"],
+            p["requests_per_s"],
+            p["output_tokens_per_s"],
+            p["ttft"]["p50_ms"],
+            p["ttft"]["p99_ms"],
+            p["tpot"]["p50_ms"],
+            p["tpot"]["p99_ms"],
+            p["itl"]["p50_ms"],
+            p["itl"]["p99_ms"],
+            p["tokens_per_chunk"],
+            p["failed"],
+        ]
+        for p in phases
+    ]
+    emit(result, header, rows)
+    if ratio is not None:
+        log(f"served/offline output tokens/s at rate inf: {ratio:.2f}")
+    failed = sum(p["failed"] + p["wrong_length"] for p in phases)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
