@@ -7,9 +7,11 @@ import math
 import os
 import platform
 import resource
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -35,6 +37,7 @@ def machine() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
+        "revision": revision(),
     }
     if "torch" in sys.modules:
         import torch
@@ -46,6 +49,29 @@ def machine() -> dict[str, Any]:
     if "transformers" in sys.modules:
         info["transformers"] = sys.modules["transformers"].__version__
     return info
+
+
+def revision() -> str:
+    """The commit measured, "+dirty" when engine/ or service/ differ from it."""
+    if os.environ.get("SLUICE_BENCH_REVISION"):
+        return os.environ["SLUICE_BENCH_REVISION"]
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        changes = subprocess.run(
+            ["git", "-C", str(repo), "status", "--porcelain", "--", "engine", "service"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if changes else "")
 
 
 def _cpu_model() -> str:

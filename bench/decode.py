@@ -46,33 +46,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class Timers:
     """Wraps methods of live objects in timers; `restore()` puts the originals back.
 
-    `seconds[key]` lists the duration of every call, in order; each wrapped method runs once
-    per decode step, so index i of every list belongs to the same step.
+    Durations add up per key within one engine step; when the wrapped `step` returns, the
+    step's totals are appended to `steps`.
     """
 
     def __init__(self, sync: Callable[[], None]) -> None:
         self.sync = sync
-        self.seconds: defaultdict[str, list[float]] = defaultdict(list)
+        self.steps: list[dict[str, float]] = []
+        self.current: defaultdict[str, float] = defaultdict(float)
         self._undo: list[Callable[[], None]] = []
 
-    def wrap(self, obj: Any, attr: str, key: str) -> None:
-        original = getattr(obj, attr)
+    def wrap(self, obj: Any, attr: str, key: str) -> bool:
+        """Time obj.attr under `key`; False (and nothing wrapped) when it does not exist."""
+        original = getattr(obj, attr, None) if obj is not None else None
+        if original is None:
+            return False
         had_own = attr in vars(obj)
         setattr(obj, attr, self.timed(original, key))
         self._undo.append(
             (lambda: setattr(obj, attr, original)) if had_own else (lambda: delattr(obj, attr))
         )
+        return True
 
     def timed(self, fn: Callable[..., Any], key: str) -> Callable[..., Any]:
-        durations = self.seconds[key]
-
         def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.sync()
-                durations.append(time.perf_counter() - start)
+                self.current[key] += time.perf_counter() - start
+                if key == "step":
+                    self.steps.append(dict(self.current))
+                    self.current.clear()
 
         return timed
 
@@ -81,32 +87,58 @@ class Timers:
             self._undo.pop()()
 
 
-def instrument(engine: Any, timers: Timers) -> None:
-    """Wrap the parts of a step in `timers` (no engine code changes: instance attributes)."""
-    runner = engine.runner
-    timers.wrap(engine, "step", "step")
-    timers.wrap(engine.scheduler, "schedule", "schedule")
-    timers.wrap(runner, "run", "run")
-    timers.wrap(runner.model, "forward", "forward")
-    timers.wrap(runner.model, "compute_logits", "lm_head")
-    timers.wrap(runner, "_sampling_batch", "sampling_inputs")
-    timers.wrap(runner, "_to_host", "to_host")
-    sampler = runner.sampler  # called as runner.sampler(...): replace the attribute
-    runner.sampler = timers.timed(sampler, "sampler")
-    timers._undo.append(lambda: setattr(runner, "sampler", sampler))
+# (part, path from the engine, attribute); the engine's internals move, so parts that are not
+# there are skipped and named in the result. `step`, `schedule` and `run` are required.
+TIMED = [
+    ("step", "", "step"),
+    ("schedule", "scheduler", "schedule"),
+    ("run", "runner", "run"),
+    ("forward", "runner.model", "forward"),
+    ("forward", "runner.graphs", "run"),  # a replayed CUDA graph is the forward
+    ("lm_head", "runner.model", "compute_logits"),
+    ("sampling_inputs", "runner", "_sampling_batch"),
+    ("sampler", "runner", "sampler"),
+    ("to_host", "runner", "_to_host"),
+]
 
 
-PARTS = ("schedule", "prepare_inputs", "forward", "sampling", "to_host", "postprocess")
+def instrument(engine: Any, timers: Timers) -> list[str]:
+    """Wrap the parts of a step in `timers` from outside (instance attributes only; no engine
+    code changes). Returns the parts that could not be wrapped."""
+    missing = []
+    for part, path, attr in TIMED:
+        obj = engine
+        for name in filter(None, path.split(".")):
+            obj = getattr(obj, name, None)
+        if part == "sampler" and obj is not None and hasattr(obj, attr):
+            # called as runner.sampler(...): replace the attribute with a timed function
+            timers._undo.append(_attribute_restorer(obj, "sampler"))
+            obj.sampler = timers.timed(obj.sampler, part)
+        elif not timers.wrap(obj, attr, part):
+            missing.append(f"{path}.{attr}".lstrip("."))
+    required = {"step", "scheduler.schedule", "runner.run"}
+    if required & set(missing):
+        raise RuntimeError(f"cannot time the engine's {sorted(required & set(missing))}")
+    return missing
 
 
-def breakdown(seconds: dict[str, list[float]]) -> dict[str, float]:
+def _attribute_restorer(obj: Any, attr: str) -> Callable[[], None]:
+    value = getattr(obj, attr)
+
+    def restore() -> None:
+        setattr(obj, attr, value)
+
+    return restore
+
+
+def breakdown(steps: list[dict[str, float]]) -> dict[str, float]:
     """Milliseconds per step of each part (median over steps), and the host share.
 
     Per step the parts add up to the step; medians of parts need not add up exactly.
     """
-    steps = []
-    for i in range(len(seconds["step"])):
-        ms = {k: v[i] * 1e3 for k, v in seconds.items()}
+    rows = []
+    for seconds in steps:
+        ms = defaultdict(float, {k: v * 1e3 for k, v in seconds.items()})
         inner = ("forward", "lm_head", "sampling_inputs", "sampler", "to_host")
         parts = {
             "schedule": ms["schedule"],
@@ -119,8 +151,8 @@ def breakdown(seconds: dict[str, list[float]]) -> dict[str, float]:
         }
         parts["host"] = parts["step"] - parts["forward"]
         parts["host_fraction"] = parts["host"] / parts["step"]
-        steps.append(parts)
-    return {k: statistics.median(p[k] for p in steps) for k in steps[0]}
+        rows.append(parts)
+    return {k: statistics.median(p[k] for p in rows) for k in rows[0]}
 
 
 def copy_bandwidth(device: str, mib: int) -> float:
@@ -180,6 +212,7 @@ def measure_batch(engine: Any, batch: int, args: argparse.Namespace, sync: Any) 
     # process on a shared machine lands on both alike.
     times: list[float] = []
     timers = Timers(sync)
+    untimed: list[str] = []
     cpu = 0.0
     rounds = max(1, min(args.rounds, args.steps))
     for r in range(rounds):
@@ -191,7 +224,7 @@ def measure_batch(engine: Any, batch: int, args: argparse.Namespace, sync: Any) 
             sync()
             times.append(time.perf_counter() - start)
         cpu += process_cpu_seconds()
-        instrument(engine, timers)
+        untimed = instrument(engine, timers)
         try:
             for _ in range(count):
                 engine.step()
@@ -209,7 +242,8 @@ def measure_batch(engine: Any, batch: int, args: argparse.Namespace, sync: Any) 
         "step_ms_min": min(times) * 1e3,
         "decode_tokens_per_s": batch / statistics.median(times),
         "cpu_cores_busy": cpu / sum(times),  # below the thread count: the machine was contended
-        "instrumented_ms": breakdown(timers.seconds),
+        "instrumented_ms": breakdown(timers.steps),
+        "untimed_parts": untimed,
     }
 
 
