@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-ATTENTION_BACKENDS = ("auto", "torch_ref")
+ATTENTION_BACKENDS = ("auto", "torch_ref", "triton")
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,9 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for K and V pages
     num_kv_pages: int | None = None  # overrides kv_cache_memory
     enable_prefix_cache: bool = True
-    attention_backend: str = "auto"
+    attention_backend: str = "auto"  # auto = triton on CUDA when importable, else torch_ref
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
+    compile: bool = False  # torch.compile the decode step
     seed: int = 0  # seeds the per-request seeds of unseeded requests
     policy_version: int = 0  # version of the weights loaded at start
 

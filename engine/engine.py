@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from engine.attention.torch_ref import TorchRefAttention
+from engine.attention import make_backend
 from engine.config import EngineConfig
 from engine.messages import (
     EngineStats,
@@ -88,7 +88,9 @@ class LLMEngine:
         path = _resolve_model_path(config.model)
         cfg = load_model_config(path, config.max_model_len)
         self.model_config = cfg
-        backend = TorchRefAttention(scale=cfg.head_dim**-0.5)
+        backend = make_backend(
+            config.attention_backend, self.device, cfg.head_dim**-0.5, config.page_size
+        )
         self.model = build_model(cfg, path, backend, self.device, self.dtype)
         self.pool = PagePool(
             self._num_pages(),
@@ -101,7 +103,18 @@ class LLMEngine:
         )
         self.cache = PrefixCache(self.pool, config.enable_prefix_cache)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.pool, self.device, cfg.eos_token_ids)
+        self.runner = ModelRunner(
+            self.model,
+            self.pool,
+            self.device,
+            cfg.eos_token_ids,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+        )
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.runner.attach_graphs(capture=True, compile=config.compile)
+        elif config.compile:
+            self.runner.attach_graphs(capture=False, compile=True)
         self.policy_version = config.policy_version
         self.scheduler.policy_version = config.policy_version
         self.requests: dict[str, list[Request]] = {}  # request id -> its n sequences

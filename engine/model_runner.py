@@ -2,22 +2,29 @@
 
 Every request in the batch feeds `query_len` tokens starting at its `num_computed_tokens`;
 those that reach the end of their tokens get their last position's logits sampled. Only
-those rows go through the LM head. One device-to-host copy per step brings back the
-sampled ids (and logprobs when any row asked for them).
+those rows go through the LM head.
+
+The hot path: step inputs are written into preallocated host buffers (pinned on CUDA) through
+numpy views and copied to the device without blocking; nothing inside the step waits for the
+device; one device-to-host copy brings back the sampled ids (and logprobs when any row asked
+for them). Decode steps replay CUDA graphs when a graph runner is attached.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from engine.attention.torch_ref import AttentionMetadata, prepare
+from engine.attention.metadata import AttentionMetadata
+from engine.cuda_graph import CUDAGraphRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.page_pool import PagePool
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine.scheduler import ScheduledBatch
+from engine.step_inputs import StepInputs
 
 
 @dataclass
@@ -31,6 +38,17 @@ class Sampled:
     top_logprobs: list[list[float]] | None
 
 
+@dataclass
+class PreparedStep:
+    """A step's shape, once its inputs are in the host buffers."""
+
+    num_tokens: int
+    num_seqs: int
+    width: int  # block-table width
+    sampling: list[Request]  # one per sampled row (siblings share their leader's row)
+    rows_are_tokens: bool  # row i samples token i: no gather before the LM head
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -38,6 +56,8 @@ class ModelRunner:
         pool: PagePool,
         device: torch.device,
         eos_token_ids: tuple[int, ...],
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 2048,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -46,108 +66,250 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.kv_caches = pool.layer_caches()
         self.sampler = Sampler()
+        self.page_size = pool.page_size
+        self.max_pages = pool.pages_for(model.config.max_model_len)
+        max_tokens = max(max_num_batched_tokens, max_num_seqs)
+        sizes = (max_tokens, max_num_seqs, self.max_pages, max_num_seqs)
+        self.host = StepInputs.allocate(*sizes, torch.device("cpu"), pin=device.type == "cuda")
+        self.arrays = self.host.numpy()
+        self._floats_flat = self.arrays.sampling_floats.reshape(-1)  # views, same memory
+        self._ints_flat = self.arrays.sampling_ints.reshape(-1)
+        # On the CPU the host buffers are the step's tensors: nothing to copy.
+        self.inputs = self.host if device.type == "cpu" else StepInputs.allocate(*sizes, device)
+        self.graphs: CUDAGraphRunner | None = None
+        # Recorded after a step's uploads: the next step refills the host buffers only once
+        # the device has read them (a step that samples nothing ends without a sync).
+        self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
+
+    def attach_graphs(self, capture: bool, compile: bool = False) -> None:
+        """Run decode steps through a CUDAGraphRunner (captured now when `capture`)."""
+        self.graphs = CUDAGraphRunner(
+            self.model,
+            self.kv_caches,
+            self.pool,
+            self.host.seq_lens.shape[0],
+            self.max_pages,
+            capture,
+            compile,
+        )
+        self.graphs.capture()
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> Sampled:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        sampling: list[Request] = []
-        context_lens: list[int] = []
-        page_size = self.pool.page_size
-        for req, num_tokens in zip(batch.requests, batch.query_lens, strict=True):
-            start, end = req.num_computed_tokens, req.num_computed_tokens + num_tokens
-            input_ids += req.token_ids[start:end]
-            positions += range(start, end)
-            slots += (
-                req.pages[p // page_size] * page_size + p % page_size for p in range(start, end)
-            )
-            context_lens.append(end)
-            if end == req.num_tokens:
-                # Siblings (n > 1) sample their first tokens from the leader's last prompt row.
-                for seq in [req, *req.pending_forks]:
-                    sample_rows.append(len(input_ids) - 1)
-                    sampling.append(seq)
+        num_seqs = len(batch.requests)
+        width = max(len(r.pages) for r in batch.requests)
+        graphs = self.graphs
+        decode = batch.num_tokens == num_seqs
+        size = graphs.bucket(num_seqs) if graphs is not None and decode else None
+        if graphs is not None and size is not None:  # a decode step with a graph to replay
+            step = self._prepare(batch, width, graph_rows=size)
+            logits = graphs.run(self.host, self.arrays, num_seqs, width)  # every row's
+            self._record_upload()
+            if not step.sampling:
+                return Sampled([], [], None, None, None)
+            if not step.rows_are_tokens:
+                logits = logits[self._sample_rows(step)]
+        else:
+            step = self._prepare(batch, width)
+            hidden = self._forward(step, batch)
+            if not step.sampling:
+                return Sampled([], [], None, None, None)
+            if not step.rows_are_tokens:
+                hidden = hidden[self._sample_rows(step)]
+            logits = self.model.compute_logits(hidden)
+        out = self.sampler(logits, self._sampling_batch(step.sampling))
+        return self._to_host(step.sampling, out)
 
-        max_pages = max(len(r.pages) for r in batch.requests)
-        tables = [r.pages + [0] * (max_pages - len(r.pages)) for r in batch.requests]
+    def _record_upload(self) -> None:
+        if self._uploaded is not None:
+            self._uploaded.record()
+
+    def _sample_rows(self, step: PreparedStep) -> torch.Tensor:
+        rows = len(step.sampling)
+        if self.inputs is not self.host:
+            self.inputs.sample_rows[:rows].copy_(self.host.sample_rows[:rows], non_blocking=True)
+        return self.inputs.sample_rows[:rows]
+
+    def _forward(self, step: PreparedStep, batch: ScheduledBatch) -> torch.Tensor:
+        """The eager forward of any step: [tokens, hidden]."""
+        num_tokens, num_seqs, width = step.num_tokens, step.num_seqs, step.width
+        if self.inputs is not self.host:
+            self.inputs.copy_from(self.host, num_tokens, num_seqs, num_seqs * width)
+            self._record_upload()
+        inp = self.inputs
+        context_lens = [
+            r.num_computed_tokens + n for r, n in zip(batch.requests, batch.query_lens, strict=True)
+        ]
         meta = AttentionMetadata(
-            query_lens=list(batch.query_lens),
+            query_lens=batch.query_lens,
             context_lens=context_lens,
-            slot_mapping=self._tensor(slots),
-            block_tables=self._tensor(tables),
+            slot_mapping=inp.slot_mapping[:num_tokens],
+            block_tables=inp.block_table(num_seqs, width),
+            seq_lens=inp.seq_lens[:num_seqs],
+            query_start_loc=inp.query_start_loc[: num_seqs + 1],
+            max_query_len=max(batch.query_lens),
+            max_context_len=max(context_lens),
+            decode_only=num_tokens == num_seqs,
         )
-        prepare(meta, page_size, self.device)
-        hidden = self.model(self._tensor(input_ids), self._tensor(positions), meta, self.kv_caches)
-        if not sampling:
-            return Sampled([], [], None, None, None)
-        logits = self.model.compute_logits(hidden[self._tensor(sample_rows)])
-        out = self.sampler(logits, self._sampling_batch(sampling))
-        return self._to_host(sampling, out)
+        return self.model(
+            inp.input_ids[:num_tokens], inp.positions[:num_tokens], meta, self.kv_caches
+        )
 
-    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+    def _prepare(
+        self, batch: ScheduledBatch, width: int, graph_rows: int | None = None
+    ) -> PreparedStep:
+        """Write the step's inputs into the host buffers (no tensors are created here).
+        A graphed step's block table is page-major for its `graph_rows` (padded) rows."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the previous step's uploads have been read
+        reqs = batch.requests
+        if batch.num_tokens == len(reqs):
+            self._fill_decode(reqs)
+        else:
+            self._fill_packed(reqs, batch.query_lens)
+        if graph_rows is None:
+            tables = self.arrays.block_table(len(reqs), width)
+        else:
+            tables = self.arrays.block_table(graph_rows, width, page_major=True)
+        for i, r in enumerate(reqs):
+            tables[i, : len(r.pages)] = r.pages
+        return self._sampled_rows(batch, width)
+
+    def _fill_decode(self, reqs: list[Request]) -> None:
+        """One token per sequence: a few list comprehensions, no per-token loop."""
+        a, size, num_seqs = self.arrays, self.page_size, len(reqs)
+        starts = [r.num_computed_tokens for r in reqs]
+        a.input_ids[:num_seqs] = [r.token_ids[s] for r, s in zip(reqs, starts, strict=True)]
+        a.positions[:num_seqs] = starts
+        a.slot_mapping[:num_seqs] = [
+            r.pages[s // size] * size + s % size for r, s in zip(reqs, starts, strict=True)
+        ]
+        a.seq_lens[:num_seqs] = starts
+        a.seq_lens[:num_seqs] += 1
+        a.query_start_loc[: num_seqs + 1] = np.arange(num_seqs + 1)
+
+    def _fill_packed(self, reqs: list[Request], query_lens: list[int]) -> None:
+        """Any mix of prefill chunks and decodes: numpy ranges per sequence."""
+        a, size = self.arrays, self.page_size
+        t = 0
+        for i, (r, n) in enumerate(zip(reqs, query_lens, strict=True)):
+            s = r.num_computed_tokens
+            positions = np.arange(s, s + n)
+            a.input_ids[t : t + n] = r.token_ids[s : s + n]
+            a.positions[t : t + n] = positions
+            a.slot_mapping[t : t + n] = (
+                np.asarray(r.pages)[positions // size] * size + positions % size
+            )
+            a.seq_lens[i] = s + n
+            t += n
+        a.query_start_loc[0] = 0
+        np.cumsum(query_lens, out=a.query_start_loc[1 : len(reqs) + 1])
+
+    def _sampled_rows(self, batch: ScheduledBatch, width: int) -> PreparedStep:
+        """Which requests sample, from which token row (written to `sample_rows` unless row i
+        is token i, the steady decode case)."""
+        rows: list[int] = []
+        sampling: list[Request] = []
+        num_seqs, num_tokens = len(batch.requests), batch.num_tokens
+        ends = self.arrays.query_start_loc[1 : num_seqs + 1].tolist()
+        for r, n, end in zip(batch.requests, batch.query_lens, ends, strict=True):
+            if r.num_computed_tokens + n == r.num_tokens:
+                # Siblings (n > 1) sample their first tokens from the leader's last prompt row.
+                for seq in [r, *r.pending_forks] if r.pending_forks else [r]:
+                    rows.append(end - 1)
+                    sampling.append(seq)
+        rows_are_tokens = len(rows) == num_tokens and rows == list(range(num_tokens))
+        if not rows_are_tokens:
+            self.arrays.sample_rows[: len(rows)] = rows
+        return PreparedStep(num_tokens, num_seqs, width, sampling, rows_are_tokens)
 
     def _to_host(self, sampling: list[Request], out: SamplerOutput) -> Sampled:
-        # NOTE: the step's only device-to-host copies happen here, after all work is queued.
-        token_ids = out.token_ids.tolist()
-        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
-        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        # NOTE: the step's only device-to-host copy: everything sampled, packed in one tensor
+        # (float64 holds token ids and float32 logprobs exactly).
+        if out.logprobs is None:
+            return Sampled(sampling, out.token_ids.tolist(), None, None, None)
+        parts = [out.token_ids[:, None], out.logprobs[:, None]]
+        if out.top_ids is not None and out.top_logprobs is not None:
+            parts += [out.top_ids, out.top_logprobs]
+        packed = torch.cat([p.to(torch.float64) for p in parts], dim=1).tolist()
+        token_ids = [int(row[0]) for row in packed]
+        logprobs = [row[1] for row in packed]
+        top_ids = top_lps = None
+        if out.top_ids is not None:
+            k = out.top_ids.shape[1]
+            top_ids = [[int(t) for t in row[2 : 2 + k]] for row in packed]
+            top_lps = [row[2 + k :] for row in packed]
         return Sampled(sampling, token_ids, logprobs, top_ids, top_lps)
 
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
+        """Per-row sampling inputs: the common ones through the step buffers (one pass over
+        the rows, two copies), the rare ones (penalties, min_tokens) as tensors of their own."""
+        floats: list[float] = []
+        ints: list[int] = []
+        banned: list[tuple[int, int]] = []  # (row, token): min_tokens not reached yet
+        for row, r in enumerate(reqs):
+            p = r.params
+            num_output = len(r.token_ids) - r.prompt_len
+            floats += (p.temperature, p.top_p, p.min_p)
+            ints += (r.seed & 0xFFFFFFFF, r.seed >> 32, num_output, p.top_k)
+            if num_output < p.min_tokens:
+                banned += ((row, token) for token in self._stop_ids(r))
+        rows = len(reqs)
+        # Flat lists fill numpy several times faster than lists of tuples.
+        self._floats_flat[: 3 * rows] = floats
+        self._ints_flat[: 4 * rows] = ints
+        f, i = self.inputs.sampling_floats[:rows], self.inputs.sampling_ints[:rows]
+        if self.inputs is not self.host:
+            f.copy_(self.host.sampling_floats[:rows], non_blocking=True)
+            i.copy_(self.host.sampling_ints[:rows], non_blocking=True)
+
         params = [r.params for r in reqs]
-        dev = self.device
-
-        def floats(values: list[float] | list[list[float]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=dev)
-
-        sampled = [p for p in params if not p.greedy]
+        distinct = list({id(p): p for p in params}.values())  # often one shared object
+        sampled = [p for p in distinct if not p.greedy]
         batch = SamplingBatch(
-            temperature=floats([p.temperature for p in params]),
-            seeds=self._tensor([[r.seed & 0xFFFFFFFF, (r.seed >> 32) & 0xFFFFFFFF] for r in reqs]),
-            counters=self._tensor([r.num_output_tokens for r in reqs]),
+            temperature=f[:, 0],
+            seeds=i[:, :2],
+            counters=i[:, 2],
             all_greedy=not sampled,
-            num_top_logprobs=max(p.top_logprobs for p in params),
-            logprobs=any(p.logprobs and not p.raw_logprobs for p in params),
-            raw_logprobs=any(p.logprobs and p.raw_logprobs for p in params),
+            num_top_logprobs=max(p.top_logprobs for p in distinct),
+            logprobs=any(p.logprobs and not p.raw_logprobs for p in distinct),
+            raw_logprobs=any(p.logprobs and p.raw_logprobs for p in distinct),
         )
-        if any(p.top_logprobs for p in params):
-            batch.logprobs = batch.logprobs or any(not p.raw_logprobs for p in params)
-            batch.raw_logprobs = batch.raw_logprobs or any(p.raw_logprobs for p in params)
+        if batch.num_top_logprobs:
+            batch.logprobs = batch.logprobs or any(not p.raw_logprobs for p in distinct)
+            batch.raw_logprobs = batch.raw_logprobs or any(p.raw_logprobs for p in distinct)
         if batch.logprobs and batch.raw_logprobs:
-            batch.raw_rows = torch.tensor([p.raw_logprobs for p in params], device=dev)
+            batch.raw_rows = torch.tensor([p.raw_logprobs for p in params], device=self.device)
         if any(p.top_k > 0 for p in sampled):
-            batch.top_k = self._tensor([p.top_k for p in params])
+            batch.top_k = i[:, 3]
         if any(p.top_p < 1.0 for p in sampled):
-            batch.top_p = floats([p.top_p for p in params])
+            batch.top_p = f[:, 1]
         if any(p.min_p > 0.0 for p in sampled):
-            batch.min_p = floats([p.min_p for p in params])
+            batch.min_p = f[:, 2]
         if any(
-            p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params
+            p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+            for p in distinct
         ):
-            batch.penalties = floats(
+            batch.penalties = self._floats(
                 [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params]
             )
             batch.output_ids = self._padded([r.output_token_ids for r in reqs])
             batch.context_ids = self._padded([r.token_ids for r in reqs])
-        banned = [
-            (row, token)
-            for row, r in enumerate(reqs)
-            if r.num_output_tokens < r.params.min_tokens
-            for token in self._stop_ids(r)
-        ]
         if banned:
-            rows, tokens = zip(*banned, strict=True)
-            batch.suppress = (self._tensor(list(rows)), self._tensor(list(tokens)))
+            rows_, tokens = zip(*banned, strict=True)
+            batch.suppress = (self._ints(list(rows_)), self._ints(list(tokens)))
         return batch
 
     def _stop_ids(self, req: Request) -> tuple[int, ...]:
         eos = () if req.params.ignore_eos else self.eos_token_ids
         return eos + req.params.stop_token_ids
 
+    def _ints(self, values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def _floats(self, values: list[list[float]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=self.device)
+
     def _padded(self, rows: list[list[int]]) -> torch.Tensor:
         width = max(1, max(len(r) for r in rows))
-        return self._tensor([r + [self.vocab_size] * (width - len(r)) for r in rows])
+        return self._ints([r + [self.vocab_size] * (width - len(r)) for r in rows])

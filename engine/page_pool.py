@@ -14,6 +14,9 @@ class PagePool:
 
     A page's reference count is the number of requests whose page table holds it. A page with
     count 0 is on the free list, unless the prefix cache keeps it (see PrefixCache).
+
+    One more page, `scratch_page`, sits past the last page and is never handed out: the padded
+    rows of a captured decode step write their KV there (and only there).
     """
 
     def __init__(
@@ -26,11 +29,12 @@ class PagePool:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (num_layers, num_pages, page_size, kv_heads, head_dim)
+        shape = (num_layers, num_pages + 1, page_size, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_pages = num_pages
         self.page_size = page_size
+        self.scratch_page = num_pages
         self.ref_counts = [0] * num_pages
         self.free: deque[int] = deque(range(num_pages))
 
@@ -39,6 +43,10 @@ class PagePool:
         page_size: int, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
         return 2 * num_layers * page_size * kv_heads * head_dim * dtype.itemsize
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.scratch_page * self.page_size
 
     def layer_caches(self) -> list[KVCache]:
         return [(self.k[i], self.v[i]) for i in range(self.k.shape[0])]

@@ -5,64 +5,19 @@ and values are written into the paged cache first; each query attends causally t
 sequence's whole context (cached prefix + new tokens). Decode rows (one query each) are
 batched into one padded SDPA call; prefill rows run one SDPA call each.
 
-With no KV cache (training, or a forward without serving state) every sequence starts at
-position 0 and attends only to its own new tokens.
+A decode-only step reads only tensors and the step's constant ints, so it can be captured in
+a CUDA graph. With no KV cache (training, or a forward without serving state) every sequence
+starts at position 0 and attends only to its own new tokens.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 
+from engine.attention.metadata import AttentionMetadata
 
-@dataclass
-class AttentionMetadata:
-    """Per-step attention inputs, built once per step and read by every layer.
-
-    Host lists describe the batch; tensors live on the model's device.
-    """
-
-    query_lens: list[int]  # new tokens per sequence, packed in this order
-    context_lens: list[int]  # KV length per sequence after this step (prefix + new)
-    slot_mapping: torch.Tensor | None  # [tokens] cache slot (page * page_size + offset)
-    block_tables: torch.Tensor | None  # [seqs, max_pages] page ids, padded with 0
-    # Derived once per step by prepare(); read by every layer.
-    decode_rows: torch.Tensor | None = None  # [decodes] token index of each decode row
-    decode_tables: torch.Tensor | None = None  # [decodes, max_pages]
-    decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_context] True = attend
-    prefill_seqs: list[tuple[int, int, int, int]] = field(default_factory=list)
-    # (sequence index, first token index, query_len, context_len) of each prefill row
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.query_lens)
-
-
-def prepare(meta: AttentionMetadata, page_size: int, device: torch.device) -> AttentionMetadata:
-    """Split the batch into batched decode rows and per-sequence prefill rows."""
-    starts = [0]
-    for n in meta.query_lens[:-1]:
-        starts.append(starts[-1] + n)
-    has_cache = meta.block_tables is not None
-    decodes = [i for i, n in enumerate(meta.query_lens) if n == 1 and has_cache]
-    decode_set = set(decodes)
-    meta.prefill_seqs = [
-        (i, starts[i], meta.query_lens[i], meta.context_lens[i])
-        for i in range(len(meta.query_lens))
-        if i not in decode_set
-    ]
-    if decodes and meta.block_tables is not None:
-        max_context = max(meta.context_lens[i] for i in decodes)
-        pages = -(-max_context // page_size)
-        index = torch.tensor(decodes, device=device)
-        meta.decode_rows = torch.tensor([starts[i] for i in decodes], device=device)
-        meta.decode_tables = meta.block_tables[index, :pages]
-        lens = torch.tensor([meta.context_lens[i] for i in decodes], device=device)
-        positions = torch.arange(pages * page_size, device=device)
-        meta.decode_mask = (positions[None, :] < lens[:, None])[:, None, None, :]
-    return meta
+__all__ = ["AttentionMetadata", "TorchRefAttention"]
 
 
 class TorchRefAttention:
@@ -70,8 +25,46 @@ class TorchRefAttention:
 
     name = "torch_ref"
 
-    def __init__(self, scale: float) -> None:
+    def __init__(self, scale: float, page_size: int | None = None) -> None:
         self.scale = scale
+        self.page_size = page_size  # None: dense (no KV cache) forwards only
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Split the batch into batched decode rows and per-sequence prefill rows, once a step."""
+        if meta.block_tables is None:
+            return
+        assert self.page_size is not None, "a paged forward needs the backend's page_size"
+        pages = -(-meta.max_context_len // self.page_size)
+        if meta.decode_only:
+            assert meta.seq_lens is not None
+            meta.decode_rows = None  # every row
+            self._decode_view(meta, meta.block_tables, meta.seq_lens, pages)
+            return
+        device = meta.block_tables.device
+        starts = [0]
+        for n in meta.query_lens[:-1]:
+            starts.append(starts[-1] + n)
+        decodes = [i for i, n in enumerate(meta.query_lens) if n == 1]
+        decode_set = set(decodes)
+        meta.prefill_seqs = [
+            (i, starts[i], meta.query_lens[i], meta.context_lens[i])
+            for i in range(meta.num_seqs)
+            if i not in decode_set
+        ]
+        if decodes:
+            pages = -(-max(meta.context_lens[i] for i in decodes) // self.page_size)
+            index = torch.tensor(decodes, device=device)
+            meta.decode_rows = torch.tensor([starts[i] for i in decodes], device=device)
+            lens = torch.tensor([meta.context_lens[i] for i in decodes], device=device)
+            self._decode_view(meta, meta.block_tables[index], lens, pages)
+
+    def _decode_view(
+        self, meta: AttentionMetadata, tables: torch.Tensor, lens: torch.Tensor, pages: int
+    ) -> None:
+        assert self.page_size is not None
+        meta.decode_tables = tables[:, :pages]
+        positions = torch.arange(pages * self.page_size, device=tables.device)
+        meta.decode_mask = (positions[None, :] < lens[:, None])[:, None, None, :]
 
     def forward(
         self,
@@ -86,23 +79,32 @@ class TorchRefAttention:
         k_cache, v_cache = cache
         assert meta.slot_mapping is not None and meta.block_tables is not None
         kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, kv_heads, head_dim)[meta.slot_mapping] = k
-        v_cache.view(-1, kv_heads, head_dim)[meta.slot_mapping] = v
+        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        if meta.decode_only:
+            return self._decode(q, k_cache, v_cache, meta)
 
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
-            assert meta.decode_tables is not None
             rows = meta.decode_rows
-            n = rows.shape[0]
-            keys = k_cache[meta.decode_tables].view(n, -1, kv_heads, head_dim).transpose(1, 2)
-            values = v_cache[meta.decode_tables].view(n, -1, kv_heads, head_dim).transpose(1, 2)
-            out[rows] = self._sdpa(q[rows].unsqueeze(2), keys, values, meta.decode_mask).squeeze(2)
+            out[rows] = self._decode(q[rows], k_cache, v_cache, meta)
         for seq, start, q_len, ctx_len in meta.prefill_seqs:
             table = meta.block_tables[seq, : -(-ctx_len // k_cache.shape[1])]
-            keys = k_cache[table].view(-1, kv_heads, head_dim)[:ctx_len]
-            values = v_cache[table].view(-1, kv_heads, head_dim)[:ctx_len]
+            keys = k_cache.index_select(0, table).view(-1, kv_heads, head_dim)[:ctx_len]
+            values = v_cache.index_select(0, table).view(-1, kv_heads, head_dim)[:ctx_len]
             out[start : start + q_len] = self._causal(q[start : start + q_len], keys, values)
         return out
+
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """One query per row against its gathered pages, masked past its context."""
+        assert meta.decode_tables is not None
+        n, (kv_heads, head_dim) = q.shape[0], k_cache.shape[2:]
+        pages = meta.decode_tables.flatten()  # index_select: several times faster than k[t]
+        keys = k_cache.index_select(0, pages).view(n, -1, kv_heads, head_dim).transpose(1, 2)
+        values = v_cache.index_select(0, pages).view(n, -1, kv_heads, head_dim).transpose(1, 2)
+        return self._sdpa(q.unsqueeze(2), keys, values, meta.decode_mask).squeeze(2)
 
     def _dense(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.torch_ref import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata
 from engine.models.hf_config import ModelConfig
 from engine.models.rope import RotaryEmbedding
 
@@ -24,7 +24,16 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V pages of one layer
 
 
 class AttentionBackend(Protocol):
+    """Paged attention: `prepare` once per step, then `forward` in every layer.
+
+    `forward` writes k and v into the layer's cache at `meta.slot_mapping`, then returns each
+    query's attention over its sequence's context. A decode-only step must be capturable in a
+    CUDA graph: no host syncs and no shapes that depend on tensor contents.
+    """
+
     name: str
+
+    def prepare(self, meta: AttentionMetadata) -> None: ...
 
     def forward(
         self,
@@ -144,6 +153,8 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[KVCache] | None,
     ) -> torch.Tensor:  # [tokens, hidden], after the final norm
+        if kv_caches is not None:
+            self.backend.prepare(meta)
         h = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
             cache = kv_caches[i] if kv_caches is not None else None
@@ -161,7 +172,6 @@ class LlamaForCausalLM(nn.Module):
         """
         batch, seq = input_ids.shape
         positions = torch.arange(seq, device=input_ids.device).repeat(batch)
-        lens = [seq] * batch
-        meta = AttentionMetadata(lens, lens, slot_mapping=None, block_tables=None)
+        meta = AttentionMetadata.dense([seq] * batch)
         hidden = self.forward(input_ids.reshape(-1), positions, meta, None)
         return self.compute_logits(hidden).view(batch, seq, -1)

@@ -1,0 +1,58 @@
+"""The per-step attention inputs every backend reads: built once per step, read by every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's new tokens sit in the packed batch and where its KV lives.
+
+    The packed batch is a list of sequences, each feeding `query_lens[i]` new tokens; after the
+    step sequence i has `context_lens[i]` tokens of KV (cached prefix + new tokens).
+
+    Host lists describe the batch for eager steps. A captured decode step (CUDA graphs) reads
+    only the tensors and the host ints, which are constants of the capture: `decode_only` is
+    True, `max_query_len` is 1 and `max_context_len` is the block-table width in tokens, so
+    shapes never depend on the batch's contents.
+    """
+
+    query_lens: list[int]  # new tokens per sequence, packed in this order
+    context_lens: list[int]  # KV length per sequence after this step (prefix + new)
+    slot_mapping: torch.Tensor | None  # [tokens] int64 cache slot (page * page_size + offset)
+    block_tables: torch.Tensor | None  # [seqs, width] int32 page ids; entries past a
+    # sequence's pages hold any valid page id and are never attended to
+    seq_lens: torch.Tensor | None = None  # [seqs] int32: context_lens on the device
+    query_start_loc: torch.Tensor | None = None  # [seqs + 1] int32: packed start of each seq
+    max_query_len: int = 0
+    max_context_len: int = 0  # an upper bound of context_lens (graph steps: the table width)
+    decode_only: bool = False  # every sequence feeds exactly one token, with a KV cache
+    # Derived by the torch_ref backend's prepare(); read by every layer.
+    decode_rows: torch.Tensor | None = None  # [decodes] token index of each decode row
+    decode_tables: torch.Tensor | None = None  # [decodes, pages]
+    decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, pages * page_size] True = attend
+    prefill_seqs: list[tuple[int, int, int, int]] = field(default_factory=list)
+    # (sequence index, first token index, query_len, context_len) of each prefill row
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @classmethod
+    def dense(cls, query_lens: list[int]) -> AttentionMetadata:
+        """No KV cache: every sequence starts at position 0 and sees only its own tokens."""
+        return cls(
+            query_lens,
+            list(query_lens),
+            slot_mapping=None,
+            block_tables=None,
+            max_query_len=max(query_lens),
+            max_context_len=max(query_lens),
+        )

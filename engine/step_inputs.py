@@ -1,0 +1,105 @@
+"""The flat input tensors of one step, allocated once at the largest step.
+
+The model runner fills a host copy (pinned on CUDA, through numpy views) and copies the used
+prefix of each tensor to the device without blocking; the CUDA graph runner keeps a device
+copy of its own whose addresses never change, because its captured graphs read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [max_tokens] int64
+    positions: torch.Tensor  # [max_tokens] int64
+    slot_mapping: torch.Tensor  # [max_tokens] int64
+    seq_lens: torch.Tensor  # [max_seqs] int32: context length after the step
+    query_start_loc: torch.Tensor  # [max_seqs + 1] int32
+    block_tables: torch.Tensor  # [max_seqs * max_pages] int32, a step views [seqs, width]
+    # (see block_table(): row-major for eager steps, page-major for graphed ones)
+    sample_rows: torch.Tensor  # [max_rows] int64: token index whose logits each row samples
+    sampling_floats: torch.Tensor  # [max_rows, 3] float32: temperature, top_p, min_p
+    sampling_ints: torch.Tensor  # [max_rows, 4] int64: seed low/high 32 bits, counter, top_k
+
+    @classmethod
+    def allocate(
+        cls,
+        max_tokens: int,
+        max_seqs: int,
+        max_pages: int,
+        max_rows: int,
+        device: torch.device,
+        pin: bool = False,
+    ) -> StepInputs:
+        def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+
+        return cls(
+            input_ids=zeros(max_tokens),
+            positions=zeros(max_tokens),
+            slot_mapping=zeros(max_tokens),
+            seq_lens=zeros(max_seqs, dtype=torch.int32),
+            query_start_loc=zeros(max_seqs + 1, dtype=torch.int32),
+            block_tables=zeros(max_seqs * max_pages, dtype=torch.int32),
+            sample_rows=zeros(max_rows),
+            sampling_floats=zeros(max_rows, 3, dtype=torch.float32),
+            sampling_ints=zeros(max_rows, 4),
+        )
+
+    def numpy(self) -> StepArrays:
+        """Numpy views of these (host) tensors: fast to fill from Python lists."""
+        return StepArrays(**{f.name: getattr(self, f.name).numpy() for f in fields(self)})
+
+    def block_table(self, num_seqs: int, width: int, page_major: bool = False) -> torch.Tensor:
+        """The [num_seqs, width] block table at the front of the buffer.
+
+        Page-major (a graphed step's layout) puts entry (i, j) at j * num_seqs + i: the first
+        w pages of every row are then one contiguous prefix of w * num_seqs entries, so a step
+        copies only the pages its sequences have, not the full width the graph was captured at.
+        """
+        flat = self.block_tables[: num_seqs * width]
+        return flat.view(width, num_seqs).t() if page_major else flat.view(num_seqs, width)
+
+    def copy_from(
+        self, src: StepInputs, num_tokens: int, num_seqs: int, table_entries: int
+    ) -> None:
+        """Copy the model inputs a step uses (prefixes); non-blocking from pinned memory.
+
+        NOTE: the source must not be refilled until the device has read it (the model runner
+        records an event after its uploads and waits on it before the next step's fill).
+        """
+        sizes = {
+            "input_ids": num_tokens,
+            "positions": num_tokens,
+            "slot_mapping": num_tokens,
+            "seq_lens": num_seqs,
+            "query_start_loc": num_seqs + 1,
+            "block_tables": table_entries,
+        }
+        for name, size in sizes.items():
+            getattr(self, name)[:size].copy_(getattr(src, name)[:size], non_blocking=True)
+
+
+@dataclass
+class StepArrays:
+    """StepInputs seen as numpy arrays (same memory)."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    seq_lens: np.ndarray
+    query_start_loc: np.ndarray
+    block_tables: np.ndarray
+    sample_rows: np.ndarray
+    sampling_floats: np.ndarray
+    sampling_ints: np.ndarray
+
+    def block_table(self, num_seqs: int, width: int, page_major: bool = False) -> np.ndarray:
+        """StepInputs.block_table as a numpy view."""
+        flat = self.block_tables[: num_seqs * width]
+        return flat.reshape(width, num_seqs).T if page_major else flat.reshape(num_seqs, width)

@@ -1,0 +1,182 @@
+"""The Triton paged-attention kernels equal torch_ref: compiled on CUDA, else on the CPU
+through Triton's interpreter.
+
+NOTE: the interpreter is chosen when triton is first imported (its own library functions are
+jitted then), so without CUDA this module sets TRITON_INTERPRET=1 at collection, before any
+test runs; it stays set for the session (only Sluice's kernels import triton on the CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.torch_ref import TorchRefAttention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip(
+            "triton was imported before the interpreter was chosen", allow_module_level=True
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+
+@pytest.fixture(scope="module")
+def triton_paged() -> ModuleType:
+    import engine.attention.triton_paged as module
+
+    return module
+
+
+class Step:
+    """A packed step over a random paged cache: what one layer's attention sees."""
+
+    def __init__(
+        self,
+        context_lens: list[int],
+        query_lens: list[int],
+        page_size: int = 16,
+        heads: int = 4,
+        kv_heads: int = 2,
+        head_dim: int = 16,
+        seed: int = 0,
+        page_major: bool = False,
+    ) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        rng = random.Random(seed)
+        pages_per_seq = [-(-c // page_size) for c in context_lens]
+        num_pages = sum(pages_per_seq) + 3
+        order = list(range(num_pages))
+        rng.shuffle(order)  # pages of a sequence are scattered, as in a real pool
+        tables: list[list[int]] = []
+        for n in pages_per_seq:
+            tables.append(order[:n])
+            order = order[n:]
+        width = max(pages_per_seq)
+        shape = (num_pages, page_size, kv_heads, head_dim)
+        self.k_cache = torch.randn(shape, generator=gen)
+        self.v_cache = torch.randn(shape, generator=gen)
+        tokens = sum(query_lens)
+        self.q = torch.randn(tokens, heads, head_dim, generator=gen)
+        self.k = torch.randn(tokens, kv_heads, head_dim, generator=gen)
+        self.v = torch.randn(tokens, kv_heads, head_dim, generator=gen)
+        slots = [
+            table[p // page_size] * page_size + p % page_size
+            for table, ctx, q_len in zip(tables, context_lens, query_lens, strict=True)
+            for p in range(ctx - q_len, ctx)
+        ]
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        self.page_size = page_size
+        for name in ("k_cache", "v_cache", "q", "k", "v"):
+            setattr(self, name, getattr(self, name).to(DEVICE))
+        block_tables = torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE
+        )
+        if page_major:  # a graphed step's layout: strides (1, seqs)
+            block_tables = block_tables.t().contiguous().t()
+        self.meta = AttentionMetadata(
+            query_lens=query_lens,
+            context_lens=context_lens,
+            slot_mapping=torch.tensor(slots, device=DEVICE),
+            block_tables=block_tables,
+            seq_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+            max_query_len=max(query_lens),
+            max_context_len=max(context_lens),
+            decode_only=all(n == 1 for n in query_lens),
+        )
+
+    def run(self, backend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(output, k_cache, v_cache) after the backend ran on fresh copies of the cache."""
+        k_cache, v_cache = self.k_cache.clone(), self.v_cache.clone()
+        meta = AttentionMetadata(**{**self.meta.__dict__})  # prepare() writes derived fields
+        backend.prepare(meta)
+        out = backend.forward(self.q, self.k, self.v, (k_cache, v_cache), meta)
+        return out, k_cache, v_cache
+
+
+def assert_same_attention(step: Step, backend) -> None:
+    expected = step.run(TorchRefAttention(0.25, step.page_size))
+    got = step.run(backend)
+    torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0)  # the KV writes
+    torch.testing.assert_close(got[2], expected[2], rtol=0, atol=0)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_equals_torch_ref_across_page_boundaries(
+    triton_paged: ModuleType, page_size: int, splits: int
+) -> None:
+    # Contexts of one token, a page minus one, exactly a page, a page plus one, and several
+    # pages (longer than one 64-token kernel block).
+    step = Step([1, 15, 16, 17, 70], [1] * 5, page_size=page_size)
+    backend = triton_paged.TritonPagedAttention(0.25, page_size, num_programs=0)
+    backend.num_splits = lambda num_seqs, kv_heads: splits
+    assert_same_attention(step, backend)
+
+
+def test_decode_reads_a_page_major_block_table(triton_paged: ModuleType) -> None:
+    step = Step([1, 15, 16, 17, 70], [1] * 5, page_size=4, page_major=True)
+    assert step.meta.block_tables is not None and step.meta.block_tables.stride(0) == 1
+    assert_same_attention(step, triton_paged.TritonPagedAttention(0.25, 4, num_programs=20))
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 1), (6, 2)])
+def test_decode_groups_query_heads_over_their_kv_head(
+    triton_paged: ModuleType, heads: int, kv_heads: int
+) -> None:
+    step = Step([9, 33], [1, 1], heads=heads, kv_heads=kv_heads, head_dim=32, seed=1)
+    assert_same_attention(step, triton_paged.TritonPagedAttention(0.25, 16))
+
+
+def test_prefill_over_a_cached_prefix_equals_torch_ref(triton_paged: ModuleType) -> None:
+    # A fresh prompt, a prompt over a 16-token cached prefix (a page), a chunk that starts
+    # mid-page after 21 cached tokens, and a decode row in the same mixed step.
+    step = Step([37, 16 + 40, 21 + 7, 12], [37, 40, 7, 1], page_size=16, seed=2)
+    assert not step.meta.decode_only
+    assert_same_attention(step, triton_paged.TritonPagedAttention(0.25, 16))
+
+
+def test_prefill_with_wide_groups_and_many_query_blocks(triton_paged: ModuleType) -> None:
+    # Group of 8: each program takes 8 query tokens, so 70 queries span 9 blocks.
+    step = Step([70, 5], [70, 5], heads=8, kv_heads=1, page_size=4, seed=3)
+    assert_same_attention(step, triton_paged.TritonPagedAttention(0.25, 4))
+
+
+def test_decode_splits_follow_the_batch_size_only(triton_paged: ModuleType) -> None:
+    backend = triton_paged.TritonPagedAttention(0.25, 16, num_programs=264)
+    assert backend.num_splits(1, 8) == 16  # a lone sequence spreads over 16 splits (the cap)
+    assert backend.num_splits(8, 8) == 8
+    assert backend.num_splits(64, 8) == 1  # a full batch fills the device without splits
+
+
+def test_engine_greedy_tokens_equal_torch_ref(triton_paged: ModuleType, tiny_llama: Path) -> None:
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [[0, *range(5, 5 + n)] for n in (3, 18, 40)]
+
+    def generate(backend: str) -> list[list[int]]:
+        config = EngineConfig(
+            model=str(tiny_llama),
+            device=DEVICE,
+            dtype="float32",
+            attention_backend=backend,
+            page_size=16,
+            enforce_eager=True,
+        )
+        return [r.token_ids for r in LLMEngine(config).generate(prompts, params)]
+
+    assert generate("triton") == generate("torch_ref")
