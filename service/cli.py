@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.config import DEVICES, DTYPES, EngineConfig
+from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig
 
 if TYPE_CHECKING:
     from sluice.v1 import admin_pb2
@@ -87,6 +87,14 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-kv-pages", type=int)
     p.add_argument("--disable-prefix-cache", action="store_true")
+    p.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="auto = triton on CUDA when installed, else torch_ref",
+    )
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--api-token-file", type=Path, help="require 'authorization: Bearer <it>'")
     p.add_argument(
         "--admin-token-file", type=Path, help="enables Admin (UpdateWeights) with this token"
@@ -116,6 +124,9 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         kv_cache_memory=args.kv_cache_memory,
         num_kv_pages=args.num_kv_pages,
         enable_prefix_cache=not args.disable_prefix_cache,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+        compile=args.compile,
         policy_version=args.policy_version,
     )
     return ServiceConfig(
