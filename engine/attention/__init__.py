@@ -39,8 +39,12 @@ def make_backend(name: str, device: torch.device, scale: float, page_size: int) 
     resolved = resolve_backend(name, device)
     if resolved == "torch_ref":
         return TorchRefAttention(scale, page_size)
-    from engine.attention.triton_paged import TritonPagedAttention
+    from engine.attention.triton_paged import TritonPagedAttention, interpreting
 
+    if device.type != "cuda" and not interpreting():
+        raise ValueError(
+            "attention_backend: triton needs CUDA (on the CPU only under TRITON_INTERPRET=1)"
+        )
     programs = 16  # the interpreter on the CPU: few programs, still more than one split
     if device.type == "cuda":
         programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count

@@ -242,6 +242,12 @@ def _prefill(
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), row_mask[:, None] & d_mask[None, :])
 
 
+def interpreting() -> bool:
+    """Whether triton was imported under its interpreter (TRITON_INTERPRET=1)."""
+    knobs = getattr(triton, "knobs", None)
+    return bool(knobs is not None and knobs.runtime.interpret)
+
+
 class TritonPagedAttention:
     """The AttentionBackend of Triton kernels; same contract as TorchRefAttention."""
 

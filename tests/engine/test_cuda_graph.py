@@ -226,3 +226,15 @@ def test_serve_flags_reach_the_engine_config() -> None:
         False,
         False,
     )
+
+
+def test_forcing_triton_on_the_cpu_needs_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    from engine.attention import make_backend
+    from engine.attention.triton_paged import interpreting
+
+    if interpreting():
+        assert make_backend("triton", torch.device("cpu"), 1.0, 16).name == "triton"
+    else:
+        with pytest.raises(ValueError, match="triton needs CUDA"):
+            make_backend("triton", torch.device("cpu"), 1.0, 16)
