@@ -86,6 +86,7 @@ def _decode_split(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # ieee for float32 (exact vs torch); ignored for bf16
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -116,13 +117,13 @@ def _decode_split(
         kv_mask = p_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_H, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
         s = tl.where(p_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         denom = denom * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
     # An empty split (short context) leaves denom = 0: log-sum-exp -inf, weight 0 when merged.
@@ -189,6 +190,7 @@ def _prefill(
     BLOCK_M: tl.constexpr,  # BLOCK_Q * BLOCK_G rows: (token, head of the group)
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # ieee for float32 (exact vs torch); ignored for bf16
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -226,7 +228,7 @@ def _prefill(
         kv_mask = p_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         visible = (pos[None, :] <= q_pos[:, None]) & p_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
         # Every row sees position 0 in the first block, so m is finite from then on.
@@ -234,7 +236,7 @@ def _prefill(
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         denom = denom * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
     out = acc / tl.maximum(denom, 1e-30)[:, None]
@@ -346,6 +348,7 @@ class TritonPagedAttention:
             BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs 16 rows
             BLOCK_D=block_d,
             BLOCK_N=DECODE_BLOCK_N,
+            DOT_PRECISION=_dot_precision(q),
         )
         _decode_reduce[(num_seqs, num_heads)](
             part_out,
@@ -399,8 +402,15 @@ class TritonPagedAttention:
             BLOCK_M=block_q * block_g,
             BLOCK_D=_block_d(head_dim),
             BLOCK_N=PREFILL_BLOCK_N,
+            DOT_PRECISION=_dot_precision(q),
         )
 
 
 def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs 16 along every axis
+
+
+def _dot_precision(q: torch.Tensor) -> str:
+    # NOTE: float32 dots default to TF32 on tensor cores; ask for IEEE so a float32 engine
+    # matches torch_ref. Half-precision inputs never use the option.
+    return "ieee" if q.dtype == torch.float32 else "tf32"
