@@ -75,6 +75,7 @@ class CUDAGraphRunner:
         self._pad_all()
         self.forward: Callable[[int], torch.Tensor] = self._forward
         if compile:
+            _allow_recompiles(len(self.batch_sizes))
             self.forward = torch.compile(self._forward, dynamic=False)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # logits [size, vocab] each graph writes
@@ -153,3 +154,12 @@ class CUDAGraphRunner:
         inp.seq_lens.fill_(1)
         inp.query_start_loc.copy_(torch.arange(inp.query_start_loc.shape[0]))
         inp.block_tables.fill_(self.pool.scratch_page)
+
+
+def _allow_recompiles(count: int) -> None:
+    """One compile per bucket: dynamo's per-function recompile limit (8 by default) would
+    otherwise leave the larger batch sizes uncompiled, with only a warning."""
+    import torch._dynamo.config as dynamo
+
+    name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo, name, max(getattr(dynamo, name), count + 8))

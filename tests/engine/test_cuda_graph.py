@@ -238,3 +238,13 @@ def test_forcing_triton_on_the_cpu_needs_the_interpreter() -> None:
     else:
         with pytest.raises(ValueError, match="triton needs CUDA"):
             make_backend("triton", torch.device("cpu"), 1.0, 16)
+
+
+def test_compiling_allows_one_recompile_per_bucket(tiny_llama: Path) -> None:
+    import torch._dynamo.config as dynamo
+
+    engine = make_engine(tiny_llama, max_num_seqs=128)
+    runner = CUDAGraphRunner(
+        engine.model, engine.runner.kv_caches, engine.pool, 128, 4, capture=False, compile=True
+    )
+    assert dynamo.recompile_limit >= len(runner.batch_sizes) == 15
