@@ -98,15 +98,22 @@ def test_triton_greedy_ids_equal_torch_ref_or_diverge_only_at_a_near_tie(
             )
 
 
-def test_graph_replay_equals_the_eager_step(checkpoint: Path) -> None:
-    # 8 equal requests decode as batches of exactly 8: replay runs the eager step's kernels.
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_replay_equals_the_eager_step(checkpoint: Path, dtype: str) -> None:
+    # 8 equal requests decode as batches of exactly 8: replay runs the eager step's kernels
+    # (cuBLAS may still pick another algorithm inside a capture: logprobs are compared
+    # within rounding, not bit for bit).
     batch = [prompts(8)[5]] * 8
-    eager = make_engine(checkpoint, attention_backend="triton", enforce_eager=True)
-    want = eager.generate(batch, GREEDY)
-    graphed = make_engine(checkpoint, attention_backend="triton")
-    got = graphed.generate(batch, GREEDY)
+    common = {"dtype": dtype, "attention_backend": "triton"}
+    want = make_engine(checkpoint, enforce_eager=True, **common).generate(batch, GREEDY)
+    got = make_engine(checkpoint, **common).generate(batch, GREEDY)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
-    assert [r.logprobs for r in got] == [r.logprobs for r in want]
+    atol = 1e-4 if dtype == "float32" else 5e-2
+    for g, w in zip(got, want, strict=True):
+        assert g.logprobs is not None and w.logprobs is not None
+        torch.testing.assert_close(
+            torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=atol
+        )
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch_ref"])
@@ -132,8 +139,8 @@ def test_every_bucket_is_captured(checkpoint: Path) -> None:
 
 
 def test_compiled_decode_step_gives_the_eager_tokens(checkpoint: Path) -> None:
-    batch = prompts(6)
-    common = {"dtype": "float32", "attention_backend": "triton", "max_num_seqs": 8}
+    batch = prompts(2)  # buckets 1 and 2 only: each bucket is one compile
+    common = {"dtype": "float32", "attention_backend": "triton", "max_num_seqs": 2}
     want = make_engine(checkpoint, enforce_eager=True, **common).generate(batch, GREEDY)
     got = make_engine(checkpoint, compile=True, **common).generate(batch, GREEDY)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
