@@ -30,6 +30,10 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def _list(values: list[float]) -> str:
+    return "/".join(f"{v:.0f}" for v in values) + " tok/s"
+
+
 def offline(r: dict[str, Any]) -> str:
     w = r["workload"]
     rows = [["sluice LLMEngine", r["engine"]["seconds"], r["engine"]["output_tokens_per_s"]]]
@@ -38,12 +42,17 @@ def offline(r: dict[str, Any]) -> str:
         for h in r["hf_runs"]
     ]
     ratio = r["ratio_engine_over_hf"]
+    runs = ""
+    if r.get("repeat", 1) > 1:
+        every = [f"engine {_list(r['all_engine_tokens_per_s'])}"]
+        every += [f"HF batch {k} {_list(v)}" for k, v in r["all_hf_tokens_per_s"].items()]
+        runs = f"; best of {r['repeat']} alternating runs: " + ", ".join(every)
     return (
         f"**offline, {r['model']}** ({r['device']} {r['dtype']}, {r['threads']} torch threads; "
         f"{w['num_requests']} requests, prompts {w['prompt_len'][0]}..{w['prompt_len'][1]}, "
         f"outputs {w['output_len'][0]}..{w['output_len'][1]}, {w['output_tokens']} output "
         f"tokens, temperature {w['temperature']}, ignore_eos; engine max_num_seqs "
-        f"{r['engine']['max_num_seqs']})\n\n"
+        f"{r['engine']['max_num_seqs']}{runs})\n\n"
         + markdown(["run", "seconds", "output tok/s"], rows)
         + (f"\n\nengine / fastest HF: **{ratio:.2f}x**" if ratio else "")
     )
@@ -88,7 +97,8 @@ def decode(r: dict[str, Any]) -> str:
 def serve(r: dict[str, Any]) -> str:
     w = r["workload"]
     header = ["rate req/s", "req/s", "output tok/s", "TTFT p50", "TTFT p99", "TPOT p50"]
-    header += ["TPOT p99", "ITL p50", "ITL p99", "tok/chunk", "failed"]
+    header += ["TPOT p99", "ITL p50", "ITL p99", "tok/chunk", "failed", "cores: engine"]
+    header += ["service", "client"]
     rows = [
         [
             p["rate"],
@@ -102,6 +112,9 @@ def serve(r: dict[str, Any]) -> str:
             p["itl"]["p99_ms"],
             p["tokens_per_chunk"],
             p["failed"],
+            p.get("cpu_cores", {}).get("engine", math.nan),
+            p.get("cpu_cores", {}).get("service", math.nan),
+            p.get("cpu_cores", {}).get("client", math.nan),
         ]
         for p in r["phases"]
     ]
@@ -116,8 +129,14 @@ def serve(r: dict[str, Any]) -> str:
     if off and ratio:
         text += (
             f"\n\noffline engine on the same workload (max_num_seqs {concurrency}): "
-            f"{off['output_tokens_per_s']:.0f} output tok/s; served / offline at rate inf: "
-            f"**{ratio:.2f}**"
+            f"{off['output_tokens_per_s']:.0f} output tok/s"
+            + (
+                f" (runs: {_list(off['all_output_tokens_per_s'])})"
+                if r.get("repeat", 1) > 1
+                else ""
+            )
+            + f"; served / offline at rate inf (best runs): **{ratio:.2f}**. cores: CPU time "
+            "of each process over the phase's wall time."
         )
     return text
 

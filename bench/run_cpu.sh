@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The CPU benchmark suite (DESIGN.md §5) on random-weight checkpoints built on first use.
 #   bash bench/run_cpu.sh            # the full suite: under 10 minutes on 2 cores
-#   bash bench/run_cpu.sh --smoke    # the CI smoke: about a minute; exits 1 if a benchmark fails
+#   bash bench/run_cpu.sh --smoke    # the CI smoke: under a minute; exits 1 if a benchmark fails
 # One JSON file per benchmark under $OUT (default bench/results/cpu-<mode>-<time>), tables on
 # stderr; `python -m bench.report $OUT` renders the markdown of docs/benchmarks.md.
 # Timings on a shared 2-core machine are noisy: the load average is printed and recorded; every
-# ratio is between two runs of the same invocation.
+# ratio is between runs of the same invocation.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -22,12 +22,12 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_DISABLE_PROGRESS_B
 THREADS=${THREADS:-1}
 
 failed=()
-run() {  # run NAME MODULE ARGS...: stdout (one JSON object) to $OUT/NAME.json
+run() { # run NAME MODULE ARGS...: stdout (one JSON object) to $OUT/NAME.json
   local name=$1 start=$SECONDS
   shift
   echo "== $name: $PY -m $*" >&2
-  if "$PY" -m "$@" >"$OUT/$name.json" \
-    && "$PY" -c 'import json, sys; json.loads(open(sys.argv[1]).read())' "$OUT/$name.json"; then
+  if "$PY" -m "$@" >"$OUT/$name.json" &&
+    "$PY" -c 'import json, sys; json.loads(open(sys.argv[1]).read())' "$OUT/$name.json"; then
     echo "== $name: ok, $((SECONDS - start)) s" >&2
   else
     echo "== $name: FAILED after $((SECONDS - start)) s" >&2
@@ -39,17 +39,25 @@ echo "== $MODE CPU suite into $OUT; $(nproc) cores; load average: $(cut -d' ' -f
 "$PY" -m bench.checkpoints tiny >/dev/null || exit 1
 
 if [[ $MODE == smoke ]]; then
+  # The serving benchmark reuses the offline engine rate of the same workload and settings
+  # (one torch process fewer: most of the smoke's time is interpreter and torch start-up).
   run offline bench.offline --shape tiny --num-requests 8 --scale 0.05 --hf-batch-sizes 8 \
+    --max-num-seqs 4 --threads 1
+  run decode bench.decode --shape tiny --batches 1 8 --context 32 --steps 4 --bandwidth-mib 32 \
     --threads 1
-  run decode bench.decode --shape tiny --batches 1 8 --context 32 --steps 5 --threads 1
+  rate=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["engine"]["output_tokens_per_s"])' \
+    "$OUT/offline.json" 2>/dev/null)
   run serve bench.serve --shape tiny --num-requests 8 --scale 0.05 --rates inf 20 \
-    --max-concurrency 4 --threads 1
+    --max-concurrency 4 --threads 1 ${rate:+--offline-rate "$rate"}
 else
-  run offline bench.offline --shape tiny --scale 0.5 --hf-batch-sizes 16 64 --threads "$THREADS"
+  # --repeat 2: engine and HF runs alternate and each side's best counts; likewise the serving
+  # benchmark's offline reference and its rate-inf phase (a busy machine only slows runs down).
+  run offline bench.offline --shape tiny --scale 0.5 --hf-batch-sizes 16 64 --repeat 2 \
+    --threads "$THREADS"
   run decode bench.decode --shape tiny --batches 1 8 64 256 --context 256 --steps 20 \
     --threads "$THREADS"
   run serve bench.serve --shape tiny --scale 0.5 --rates inf 8 4 --max-concurrency 64 \
-    --threads "$THREADS"
+    --repeat 2 --threads "$THREADS"
 fi
 
 echo "== done in ${SECONDS} s; load average: $(cut -d' ' -f1-3 /proc/loadavg)" >&2
