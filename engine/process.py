@@ -8,6 +8,7 @@ This module imports torch only inside `engine_main`, so the service can name it 
 from __future__ import annotations
 
 import contextlib
+import logging
 import traceback
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
@@ -35,6 +36,9 @@ HEARTBEAT_INTERVAL_S = 1.0
 
 def engine_main(config: EngineConfig, conn: Connection) -> None:
     """Process entry point: load the model, announce Ready, serve until Shutdown or EOF."""
+    # Plain lines on stderr (the service's log stream): the demo model's one-time build
+    # reports its progress here.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         from engine.engine import LLMEngine
 

@@ -2,7 +2,7 @@
 # The README's first command: serve the built-in demo model and stream a completion from it.
 # From a fresh clone: creates .venv, installs a CPU torch first (an unpinned torch would pull a
 # multi-GB CUDA build), installs Sluice, starts `sluice serve --model demo --port 0`, waits for
-# health SERVING (the demo model is trained on first use: up to ~2 minutes), streams text, stops.
+# health SERVING (the demo model is trained on first use: about 90 s on two idle cores), streams text, stops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROMPT="${1:-Call me Ishmael. Some years ago}"
@@ -33,9 +33,14 @@ done
 [ -n "$PORT" ] || { echo "the server did not report its port; log: $LOG" >&2; exit 1; }
 echo "sluice is listening on 127.0.0.1:$PORT; loading the demo model (first run trains it)..." >&2
 
-if ! .venv/bin/sluice health --target "127.0.0.1:$PORT" --wait 300 >/dev/null; then
+# Show the demo model's one-time build progress while waiting.
+tail -n +1 -f "$LOG" | grep --line-buffered "engine.demo" >&2 &
+PROGRESS=$!
+if ! .venv/bin/sluice health --target "127.0.0.1:$PORT" --wait 900 >/dev/null; then
+  kill "$PROGRESS" 2>/dev/null
   echo "the server did not become SERVING; log: $LOG" >&2
   exit 1
 fi
+kill "$PROGRESS" 2>/dev/null
 .venv/bin/sluice generate --target "127.0.0.1:$PORT" --max-tokens 80 --temperature 0.8 \
   --seed 0 "$PROMPT"

@@ -359,6 +359,7 @@ class EngineClient:
             asyncio.get_running_loop().remove_reader(engine.conn.fileno())
         if not engine.ready.done():
             engine.ready.set_exception(EngineStartError(reason))
+            engine.ready.exception()  # observed: nobody waits for it when the server stops early
         stopping = self.state in (EngineState.STOPPING, EngineState.STOPPED)
         if not stopping:
             log.error("engine.lost", reason=reason, in_flight=len(self._routes))
