@@ -141,20 +141,64 @@ def serve(r: dict[str, Any]) -> str:
     return text
 
 
+def summary(folders: list[Path]) -> str:
+    """One row per result file of the headline numbers, to compare repeated runs."""
+    rows = []
+    for folder in folders:
+        for path in sorted(folder.glob("*.json")):
+            r = _load(path)
+            if r is None or r["benchmark"] not in ("offline", "decode", "serve"):
+                continue
+            m = r["machine"]
+            headline = ""
+            if r["benchmark"] == "offline" and r.get("ratio_engine_over_hf"):
+                headline = (
+                    f"engine {_list(r.get('all_engine_tokens_per_s', []))}, "
+                    f"engine/HF {r['ratio_engine_over_hf']:.2f}x"
+                )
+            elif r["benchmark"] == "decode":
+                parts = [
+                    f"batch {b['batch']} host {b['instrumented_ms']['host_fraction']:.0%}"
+                    for b in r["batches"]
+                ]
+                headline = ", ".join(parts)
+            elif r["benchmark"] == "serve" and r.get("ratio_served_over_offline"):
+                cores = [p["cpu_cores"].get("engine", math.nan) for p in r["phases"]]
+                headline = (
+                    f"served/offline {r['ratio_served_over_offline']:.2f}, engine cores "
+                    + "/".join(f"{c:.2f}" for c in cores)
+                )
+            rows.append([f"{folder.name}/{path.name}", m["date"], m.get("revision", "?")])
+            rows[-1] += [m["load_avg_1m"], headline]
+    return markdown(["result", "finished", "revision", "load avg", "headline"], rows)
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    text = path.read_text().strip()
+    if not text:
+        return None
+    result: dict[str, Any] = json.loads(text.splitlines()[-1])
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("folder", type=Path)
+    parser.add_argument("folders", type=Path, nargs="+")
+    parser.add_argument("--summary", action="store_true", help="headline numbers per file")
     args = parser.parse_args(argv)
+    if args.summary:
+        print(summary(args.folders))
+        return 0
     render = {"offline": offline, "decode": decode, "serve": serve}
-    for path in sorted(args.folder.glob("*.json")):
-        text = path.read_text().strip()
-        if not text:
-            continue
-        result = json.loads(text.splitlines()[-1])
-        m = result["machine"]
-        print(f"<!-- {path.name}: {m['date']}, load avg {m['load_avg_1m']} at the end -->")
-        print(render[result["benchmark"]](result))
-        print()
+    for folder in args.folders:
+        for path in sorted(folder.glob("*.json")):
+            result = _load(path)
+            if result is None or result.get("benchmark") not in render:
+                continue
+            m = result["machine"]
+            print(f"<!-- {path.name}: {m['date']}, load avg {m['load_avg_1m']} at the end -->")
+            print(render[result["benchmark"]](result))
+            print()
     return 0
 
 
