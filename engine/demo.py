@@ -6,9 +6,10 @@ Independence, Lincoln, Aesop, Alice, Grimm, poems and novel openings) and writes
 Hugging Face checkpoint into the cache; every later call returns that directory at once. The
 server then loads it through exactly the same code as any downloaded checkpoint.
 
-The build is deterministic (fixed seed, fixed step count) and takes about a minute and a half on
-two idle CPU cores. The directory name carries a hash of the recipe and the corpus, so a changed
-recipe builds anew beside the old one instead of reusing stale weights.
+The build is deterministic (fixed seed, fixed step count) and takes about 80 s on two idle CPU
+cores, far longer when other processes keep them busy (docs/architecture.md, "The demo model").
+The directory name carries a hash of the recipe and the corpus, so a changed recipe builds anew
+beside the old one instead of reusing stale weights.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def load_corpus() -> str:
 def build_demo_checkpoint(recipe: DemoRecipe, corpus: str, out: Path) -> None:
     """Train the tokenizer and the model and write a Hugging Face checkpoint into `out`."""
     started = time.monotonic()
-    logger.info("demo model: building in %s (a one-time cost, about 90 s on 2 cores)", out)
+    logger.info("demo model: building in %s (once; about 80 s on 2 idle cores)", out)
     tokenizer = train_tokenizer(corpus, recipe.vocab_size)
     bos, eos = _token_id(tokenizer, BOS), _token_id(tokenizer, EOS)
     config = _hf_config(recipe, bos, eos)
@@ -179,7 +180,7 @@ def train_tokenizer(corpus: str, vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_paragraphs(corpus), trainer)
+    tokenizer.train_from_iterator(paragraphs(corpus), trainer)
     bos = _token_id(tokenizer, BOS)
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos)]
@@ -193,15 +194,16 @@ def _token_id(tokenizer: Tokenizer, token: str) -> int:
     return token_id
 
 
-def _paragraphs(corpus: str) -> list[str]:
+def paragraphs(corpus: str) -> list[str]:
     return [p.strip() for p in corpus.split("\n\n") if p.strip()]
 
 
 def _token_stream(tokenizer: Tokenizer, corpus: str, recipe: DemoRecipe) -> torch.Tensor:
     """The corpus as `<s> paragraph </s>` units end to end: [tokens] int64.
 
-    Prompts are served with <s> prepended, so a prompt looks like the start of a paragraph;
-    </s> at each paragraph's end teaches the model to stop. A few words (`bare_space_rate`) are
+    Prompts are served with <s> prepended, so a prompt reads as the start of a paragraph, and
+    the model ends its paragraph with </s>. (Whole works as units read worse: the model took
+    every prompt for a title and broke off a line later.) A few words (`bare_space_rate`) are
     encoded as a bare space and then the word without its space, which is how a prompt ending in
     a space ("The ") arrives: byte-level BPE glues each space to the word after it, so a model
     that never saw a bare space before a word continues such prompts with gibberish.
@@ -210,7 +212,7 @@ def _token_stream(tokenizer: Tokenizer, corpus: str, recipe: DemoRecipe) -> torc
     bos, eos, space = (_token_id(tokenizer, t) for t in (BOS, EOS, BYTE_LEVEL_SPACE))
     rng = random.Random(recipe.seed)
     ids: list[int] = []
-    for paragraph in _paragraphs(corpus):
+    for paragraph in paragraphs(corpus):
         ids.append(bos)
         for piece, _ in pre_tokenizer.pre_tokenize_str(paragraph):
             spaced_word = piece.startswith(BYTE_LEVEL_SPACE) and len(piece) > 1

@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,15 @@ HF_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Two OpenMP threads on a busy 2-core machine run these tiny steps 20x slower than one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
