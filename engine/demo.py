@@ -140,16 +140,23 @@ def load_corpus() -> str:
 def build_demo_checkpoint(recipe: DemoRecipe, corpus: str, out: Path) -> None:
     """Train the tokenizer and the model and write a Hugging Face checkpoint into `out`."""
     started = time.monotonic()
-    logger.info("demo model: building in %s (once; about 80 s on 2 idle cores)", out)
+    logger.info("demo model: building in %s (once; two to three minutes on a CPU)", out)
     tokenizer = train_tokenizer(corpus, recipe.vocab_size)
     bos, eos = _token_id(tokenizer, BOS), _token_id(tokenizer, EOS)
     config = _hf_config(recipe, bos, eos)
     stream = _token_stream(tokenizer, corpus, recipe)
     logger.info("demo model: corpus %d chars -> %d tokens", len(corpus), len(stream))
 
-    with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
-        torch.manual_seed(recipe.seed)
-        model = _train(recipe, config, stream, started)
+    # NOTE: one thread: with two, torch's OpenMP pool slows 10-100x whenever anything else
+    # is busy on a 2-core machine (the same weights either way, measured).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
+            torch.manual_seed(recipe.seed)
+            model = _train(recipe, config, stream, started)
+    finally:
+        torch.set_num_threads(threads)
 
     state = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})

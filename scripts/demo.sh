@@ -2,7 +2,7 @@
 # The README's first command: serve the built-in demo model and stream a completion from it.
 # From a fresh clone: creates .venv, installs a CPU torch first (an unpinned torch would pull a
 # multi-GB CUDA build), installs Sluice, starts `sluice serve --model demo --port 0`, waits for
-# health SERVING (the demo model is trained on first use: about 90 s on two idle cores), streams text, stops.
+# health SERVING (the demo model is trained on first use: two to three minutes, once), streams text, stops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROMPT="${1:-Call me Ishmael. Some years ago}"
