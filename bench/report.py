@@ -135,8 +135,15 @@ def serve(r: dict[str, Any]) -> str:
                 if r.get("repeat", 1) > 1
                 else ""
             )
-            + f"; served / offline at rate inf (best runs): **{ratio:.2f}**. cores: CPU time "
-            "of each process over the phase's wall time."
+            + f"; served / offline at rate inf (best runs): **{ratio:.2f}**"
+            + (
+                " (each rate-inf phase over the offline run just before it: "
+                + ", ".join(f"{x:.2f}" for x in r["pair_ratios"])
+                + ")"
+                if r.get("pair_ratios")
+                else ""
+            )
+            + ". cores: CPU time of each process over the phase's wall time."
         )
     return text
 

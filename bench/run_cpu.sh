@@ -50,14 +50,14 @@ if [[ $MODE == smoke ]]; then
   run serve bench.serve --shape tiny --num-requests 8 --scale 0.05 --rates inf 20 \
     --max-concurrency 4 --threads 1 ${rate:+--offline-rate "$rate"}
 else
-  # --repeat 2: engine and HF runs alternate and each side's best counts; likewise the serving
-  # benchmark's offline reference and its rate-inf phase (a busy machine only slows runs down).
+  # --repeat: engine and HF runs alternate and each side's best counts; likewise the serving
+  # benchmark's offline reference runs and its rate-inf phases (a busy machine only slows runs).
   run offline bench.offline --shape tiny --scale 0.5 --hf-batch-sizes 16 64 --repeat 2 \
     --threads "$THREADS"
   run decode bench.decode --shape tiny --batches 1 8 64 256 --context 256 --steps 20 \
     --threads "$THREADS"
   run serve bench.serve --shape tiny --scale 0.5 --rates inf 8 4 --max-concurrency 64 \
-    --repeat 2 --threads "$THREADS"
+    --repeat 3 --threads "$THREADS"
 fi
 
 echo "== done in ${SECONDS} s; load average: $(cut -d' ' -f1-3 /proc/loadavg)" >&2

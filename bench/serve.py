@@ -3,9 +3,10 @@
 Sends the offline workload (same prompts as token ids, same output lengths, ignore_eos) to a
 server, one `Generate` call per request over one channel, at each `--rates` value in requests/s
 (`inf` = all at once), with at most `--max-concurrency` requests in flight. It starts
-`python -m service` (= `sluice serve`) on 127.0.0.1 port 0 unless `--target` is given, after
-measuring the offline engine rate on the same workload and settings (`python -m bench.offline
---skip-hf` in a subprocess, `max_num_seqs` = the concurrency).
+`python -m service` (= `sluice serve`) on 127.0.0.1 port 0 unless `--target` is given. The
+offline engine rate on the same workload and settings comes from `python -m bench.offline
+--skip-hf` in a subprocess (`max_num_seqs` = the concurrency): on the CPU right before each
+rate-inf phase (the server idles meanwhile), on CUDA before the server starts.
 
 Metrics as vLLM's benchmark_serving defines them: TTFT = send -> first token; TPOT per request
 = (latency - TTFT) / (output tokens - 1); ITL = the gaps between consecutive token chunks of a
@@ -59,7 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--repeat",
         type=int,
         default=1,
-        help="run the offline reference and the rate-inf phase this often; the best counts",
+        help="run the offline reference and the rate-inf phase this often (alternating on the "
+        "CPU); the best of each counts",
     )
     p.add_argument("--ready-timeout", type=float, default=300.0)
     return p.parse_args(argv)
@@ -187,7 +189,7 @@ def summarize(
 
 
 def offline_rate(args: argparse.Namespace, model_dir: Path, dtype: str) -> dict[str, Any]:
-    """The offline engine's output tokens/s on this workload, in a fresh process."""
+    """One offline engine run on this workload and settings, in a fresh process."""
     cmd = [
         sys.executable,
         "-m",
@@ -205,17 +207,13 @@ def offline_rate(args: argparse.Namespace, model_dir: Path, dtype: str) -> dict[
         "--max-num-seqs",
         str(args.max_concurrency),
         "--skip-hf",
-        "--repeat",
-        str(args.repeat),
     ]
     if args.num_requests is not None:
         cmd += ["--num-requests", str(args.num_requests)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     out = subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.PIPE, text=True).stdout
-    offline: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
-    result: dict[str, Any] = offline["engine"]  # the best of --repeat runs
-    result["all_output_tokens_per_s"] = offline["all_engine_tokens_per_s"]
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])["engine"]
     return result
 
 
@@ -328,19 +326,30 @@ def main(argv: list[str] | None = None) -> int:
     vocab = load_model_config(model_dir).vocab_size
     workload = make_workload(vocab, args.scale, args.num_requests, args.temperature)
     rates = [float(r) for r in args.rates]
-    offline = None
-    if args.offline_rate is not None:
-        offline = {"output_tokens_per_s": args.offline_rate, "given": True}
-    elif not args.skip_offline:
-        log(f"serve: offline engine rate on {workload.describe()}")
-        offline = offline_rate(args, model_dir, dtype)
-        log(f"offline engine: {offline['output_tokens_per_s']:.1f} output tokens/s")
+    offline_runs: list[dict[str, Any]] = []
 
-    phases = []
+    def measure_offline() -> None:
+        run = offline_rate(args, model_dir, dtype)
+        offline_runs.append(run)
+        log(f"offline engine: {run['output_tokens_per_s']:.1f} output tokens/s")
+
+    want_offline = args.offline_rate is None and not args.skip_offline
+    # On the CPU each offline reference run goes right before a rate-inf phase (the server
+    # idles meanwhile), so that both see the same load from the rest of the machine. On CUDA
+    # the server's engine takes most of the device memory: the offline runs come first.
+    interleave = want_offline and not args.device.startswith("cuda") and math.inf in rates
+    if want_offline and not interleave:
+        log(f"serve: offline engine rate on {workload.describe()}")
+        for _ in range(args.repeat):
+            measure_offline()
+
+    phases: list[dict[str, Any]] = []
 
     def run_all(target: str, server_pid: int | None) -> None:
         schedule = [r for rate in rates for r in [rate] * (args.repeat if math.isinf(rate) else 1)]
         for i, rate in enumerate(schedule):
+            if interleave and math.isinf(rate):
+                measure_offline()
             log(f"phase: rate {rate} req/s, max concurrency {args.max_concurrency}")
             before, start = cpu_seconds(server_pid), time.perf_counter()
             phase = asyncio.run(
@@ -364,11 +373,22 @@ def main(argv: list[str] | None = None) -> int:
         with server(args, model_dir, dtype) as (target, pid):
             run_all(target, pid)
 
-    ratio = None
+    offline: dict[str, Any] | None = None
+    if args.offline_rate is not None:
+        offline = {"output_tokens_per_s": args.offline_rate, "given": True}
+    elif offline_runs:
+        offline = dict(max(offline_runs, key=lambda r: float(r["output_tokens_per_s"])))
+        offline["all_output_tokens_per_s"] = [r["output_tokens_per_s"] for r in offline_runs]
     inf_phases = [p for p in phases if p["rate"] == "inf"]
     inf_phase = max(inf_phases, key=lambda p: float(p["output_tokens_per_s"]), default=None)
+    ratio = pair_ratios = None
     if offline is not None and inf_phase is not None:
         ratio = inf_phase["output_tokens_per_s"] / offline["output_tokens_per_s"]
+    if interleave and len(offline_runs) == len(inf_phases):
+        pair_ratios = [
+            p["output_tokens_per_s"] / o["output_tokens_per_s"]
+            for p, o in zip(inf_phases, offline_runs, strict=True)
+        ]
     result = {
         "benchmark": "serve",
         "model": args.shape if args.model is None else str(args.model),
@@ -381,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         "phases": phases,
         "repeat": args.repeat,
         "ratio_served_over_offline": ratio,  # best rate-inf phase / best offline run
+        "pair_ratios": pair_ratios,  # each rate-inf phase / the offline run just before it
         "machine": machine(),
     }
     header = ["rate", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99"]
