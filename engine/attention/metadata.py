@@ -8,6 +8,15 @@ import torch
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows attended to in one padded call: their pages gathered to the group's longest."""
+
+    rows: torch.Tensor | None  # [rows] token index of each row; None: every token, in order
+    tables: torch.Tensor  # [rows, pages]
+    mask: torch.Tensor  # [rows, 1, 1, pages * page_size] True = attend
+
+
+@dataclass
 class AttentionMetadata:
     """Where each sequence's new tokens sit in the packed batch and where its KV lives.
 
@@ -31,9 +40,7 @@ class AttentionMetadata:
     max_context_len: int = 0  # an upper bound of context_lens (graph steps: the table width)
     decode_only: bool = False  # every sequence feeds exactly one token, with a KV cache
     # Derived by the torch_ref backend's prepare(); read by every layer.
-    decode_rows: torch.Tensor | None = None  # [decodes] token index of each decode row
-    decode_tables: torch.Tensor | None = None  # [decodes, pages]
-    decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, pages * page_size] True = attend
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefill_seqs: list[tuple[int, int, int, int]] = field(default_factory=list)
     # (sequence index, first token index, query_len, context_len) of each prefill row
 

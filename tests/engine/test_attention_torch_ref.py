@@ -1,0 +1,70 @@
+"""The torch_ref paged attention equals plain attention computed per sequence in float64.
+
+Decode rows are sorted by context length into groups, each padded only to its own longest
+context; these batches are wide and spread enough to make several groups.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from paged_steps import Step
+
+from engine.attention.torch_ref import GROUP_ROWS, TorchRefAttention
+
+
+def reference(step: Step, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """Each sequence's queries against its keys read page by page from the written cache."""
+    meta = step.meta
+    assert meta.block_tables is not None
+    page_size = step.page_size
+    outs = []
+    start = 0
+    for seq, (q_len, ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
+        table = meta.block_tables[seq, : -(-ctx // page_size)].long()
+        keys = k_cache[table].flatten(0, 1)[:ctx].double()  # [ctx, kv_heads, dim]
+        values = v_cache[table].flatten(0, 1)[:ctx].double()
+        q = step.q[start : start + q_len].double()  # [q_len, heads, dim]
+        group = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, keys) * 0.25
+        visible = torch.arange(ctx)[None, :] <= torch.arange(ctx - q_len, ctx)[:, None]
+        scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
+        start += q_len
+    return torch.cat(outs).float()
+
+
+def check(step: Step) -> list:
+    backend = TorchRefAttention(0.25, step.page_size)
+    out, k_cache, v_cache = step.run(backend)
+    torch.testing.assert_close(out, reference(step, k_cache, v_cache), rtol=1e-5, atol=1e-5)
+    meta = step.meta.__class__(**{**step.meta.__dict__})
+    backend.prepare(meta)
+    return meta.decode_groups
+
+
+def test_decode_rows_of_mixed_lengths_run_in_length_groups() -> None:
+    rng = random.Random(0)
+    contexts = [rng.randint(1, 300) for _ in range(5 * GROUP_ROWS + 3)]
+    groups = check(Step(contexts, [1] * len(contexts), page_size=16))
+    assert len(groups) > 1
+    assert sum(g.tables.shape[0] for g in groups) == len(contexts)
+    widths = [g.tables.shape[1] for g in groups]
+    assert widths == sorted(widths) and widths[-1] == -(-max(contexts) // 16)
+
+
+def test_mixed_step_with_prefill_rows_between_decode_groups() -> None:
+    rng = random.Random(1)
+    contexts = [rng.randint(1, 200) for _ in range(3 * GROUP_ROWS)]
+    queries = [1] * len(contexts)
+    for i in (0, 7, 30):  # prefill chunks: a fresh prompt, and two over cached prefixes
+        queries[i] = contexts[i] if i == 0 else min(contexts[i], 9)
+    groups = check(Step(contexts, queries, page_size=4, seed=1))
+    assert len(groups) > 1 and all(g.rows is not None for g in groups)
+
+
+def test_decode_rows_of_equal_length_stay_one_call() -> None:
+    groups = check(Step([40] * (4 * GROUP_ROWS), [1] * (4 * GROUP_ROWS), seed=2))
+    assert len(groups) == 1 and groups[0].rows is None  # batch order: no scatter

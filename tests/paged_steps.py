@@ -1,0 +1,80 @@
+"""A packed attention step over a random paged cache, for the attention backends' tests."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class Step:
+    """A packed step over a random paged cache: what one layer's attention sees."""
+
+    def __init__(
+        self,
+        context_lens: list[int],
+        query_lens: list[int],
+        page_size: int = 16,
+        heads: int = 4,
+        kv_heads: int = 2,
+        head_dim: int = 16,
+        seed: int = 0,
+        page_major: bool = False,
+    ) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        rng = random.Random(seed)
+        pages_per_seq = [-(-c // page_size) for c in context_lens]
+        num_pages = sum(pages_per_seq) + 3
+        order = list(range(num_pages))
+        rng.shuffle(order)  # pages of a sequence are scattered, as in a real pool
+        tables: list[list[int]] = []
+        for n in pages_per_seq:
+            tables.append(order[:n])
+            order = order[n:]
+        width = max(pages_per_seq)
+        shape = (num_pages, page_size, kv_heads, head_dim)
+        self.k_cache = torch.randn(shape, generator=gen)
+        self.v_cache = torch.randn(shape, generator=gen)
+        tokens = sum(query_lens)
+        self.q = torch.randn(tokens, heads, head_dim, generator=gen)
+        self.k = torch.randn(tokens, kv_heads, head_dim, generator=gen)
+        self.v = torch.randn(tokens, kv_heads, head_dim, generator=gen)
+        slots = [
+            table[p // page_size] * page_size + p % page_size
+            for table, ctx, q_len in zip(tables, context_lens, query_lens, strict=True)
+            for p in range(ctx - q_len, ctx)
+        ]
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        self.page_size = page_size
+        for name in ("k_cache", "v_cache", "q", "k", "v"):
+            setattr(self, name, getattr(self, name).to(DEVICE))
+        block_tables = torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE
+        )
+        if page_major:  # a graphed step's layout: strides (1, seqs)
+            block_tables = block_tables.t().contiguous().t()
+        self.meta = AttentionMetadata(
+            query_lens=query_lens,
+            context_lens=context_lens,
+            slot_mapping=torch.tensor(slots, device=DEVICE),
+            block_tables=block_tables,
+            seq_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+            max_query_len=max(query_lens),
+            max_context_len=max(context_lens),
+            decode_only=all(n == 1 for n in query_lens),
+        )
+
+    def run(self, backend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(output, k_cache, v_cache) after the backend ran on fresh copies of the cache."""
+        k_cache, v_cache = self.k_cache.clone(), self.v_cache.clone()
+        meta = AttentionMetadata(**{**self.meta.__dict__})  # prepare() writes derived fields
+        backend.prepare(meta)
+        out = backend.forward(self.q, self.k, self.v, (k_cache, v_cache), meta)
+        return out, k_cache, v_cache
