@@ -37,6 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="HF: prompts per padded batch; with several, the ratio is against the fastest",
     )
     p.add_argument("--kv-cache-gib", type=float, help="engine KV budget (default: the engine's)")
+    p.add_argument("--disable-prefix-cache", action="store_true", help="engine: no prefix cache")
     p.add_argument("--skip-hf", action="store_true", help="engine only (no ratio)")
     p.add_argument("--repeat", type=int, default=1, help="alternate runs; each side's best")
     return p.parse_args(argv)
@@ -66,6 +67,7 @@ def run_engine(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     kv_cache_gib: float | None = None,
+    prefix_cache: bool = True,
 ) -> dict[str, Any]:
     """Time LLMEngine.generate on the whole workload (after a short warm-up)."""
     import torch
@@ -79,6 +81,7 @@ def run_engine(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         kv_cache_memory=None if kv_cache_gib is None else int(kv_cache_gib * 2**30),
+        enable_prefix_cache=prefix_cache,
     )
     start = time.perf_counter()
     engine = LLMEngine(config)
@@ -113,6 +116,7 @@ def run_engine(
         "kv_pages": stats.total_pages,
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
+        "prefix_cache": prefix_cache,
     }
 
 
@@ -219,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             args.max_num_seqs,
             args.max_num_batched_tokens,
             args.kv_cache_gib,
+            prefix_cache=not args.disable_prefix_cache,
         )
         log(f"engine: {run['output_tokens_per_s']:.1f} output tokens/s")
         engine_runs.append(run)

@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "prefix",
         "machine": machine(),
+        "model": args.shape if args.model is None else str(args.model),
+        "device": args.device,
+        "dtype": dtype,
         "threads": threads,
         "workload": {k: getattr(args, k) for k in ("groups", "waves", "prefix_len", "suffix_len")},
         "cache_on": on,

@@ -124,7 +124,8 @@ def serve(r: dict[str, Any]) -> str:
     text = (
         f"**serving over gRPC, {r['model']}** ({r['device']} {r['dtype']}, engine torch threads "
         f"{r['engine_threads']}; {w['num_requests']} requests, {w['output_tokens']} output tokens, "
-        f"at most {concurrency} in flight; latencies in ms)\n\n" + markdown(header, rows)
+        f"at most {concurrency} in flight; prefix cache off; latencies in ms)\n\n"
+        + markdown(header, rows)
     )
     if off and ratio:
         text += (
@@ -146,6 +147,30 @@ def serve(r: dict[str, Any]) -> str:
             + ". cores: CPU time of each process over the phase's wall time."
         )
     return text
+
+
+def prefix(r: dict[str, Any]) -> str:
+    w = r["workload"]
+    rows = [
+        [
+            "on" if side["prefix_cache"] else "off",
+            f"{side['hit_ratio']:.1%}",
+            f"{side['prompt_tokens_computed']:,}",
+            side["ttft_mean_s"] * 1e3,
+            side["ttft_p50_s"] * 1e3,
+            side["ttft_p99_s"] * 1e3,
+        ]
+        for side in (r["cache_on"], r["cache_off"])
+    ]
+    header = ["prefix cache", "prompt tokens found in cache", "prefill tokens computed"]
+    header += ["TTFT mean ms", "TTFT p50 ms", "TTFT p99 ms"]
+    return (
+        f"**prefix cache, {r['model']}** ({r['device']} {r['dtype']}, {r['threads']} torch threads; "
+        f"{w['groups']} groups x {w['waves']} waves, shared prefix {w['prefix_len']} tokens plus "
+        f"1..{w['suffix_len']} private; identical outputs: {r['identical_outputs']})\n\n"
+        + markdown(header, rows)
+        + f"\n\nTTFT mean, off / on: **{r['ttft_mean_ratio_off_over_on']:.2f}x**"
+    )
 
 
 def summary(folders: list[Path]) -> str:
@@ -196,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.summary:
         print(summary(args.folders))
         return 0
-    render = {"offline": offline, "decode": decode, "serve": serve}
+    render = {"offline": offline, "decode": decode, "serve": serve, "prefix": prefix}
     for folder in args.folders:
         for path in sorted(folder.glob("*.json")):
             result = _load(path)

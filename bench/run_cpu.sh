@@ -49,6 +49,8 @@ if [[ $MODE == smoke ]]; then
     "$OUT/offline.json" 2>/dev/null)
   run serve bench.serve --shape tiny --num-requests 8 --scale 0.05 --rates inf 20 \
     --max-concurrency 4 --threads 1 ${rate:+--offline-rate "$rate"}
+  run prefix bench.prefix --shape tiny --groups 2 --waves 2 --prefix-len 64 --max-tokens 2 \
+    --threads 1
 else
   # --repeat: engine and HF runs alternate and each side's best counts; likewise the serving
   # benchmark's offline reference runs and its rate-inf phases (a busy machine only slows runs).
@@ -58,6 +60,7 @@ else
     --threads "$THREADS"
   run serve bench.serve --shape tiny --scale 0.5 --rates inf 8 4 --max-concurrency 64 \
     --repeat 3 --threads "$THREADS"
+  run prefix bench.prefix --shape tiny --groups 8 --waves 4 --prefix-len 512 --threads "$THREADS"
 fi
 
 echo "== done in ${SECONDS} s; load average: $(cut -d' ' -f1-3 /proc/loadavg)" >&2

@@ -6,7 +6,10 @@ server, one `Generate` call per request over one channel, at each `--rates` valu
 `python -m service` (= `sluice serve`) on 127.0.0.1 port 0 unless `--target` is given. The
 offline engine rate on the same workload and settings comes from `python -m bench.offline
 --skip-hf` in a subprocess (`max_num_seqs` = the concurrency): on the CPU right before each
-rate-inf phase (the server idles meanwhile), on CUDA before the server starts.
+rate-inf phase (the server idles meanwhile), on CUDA before the server starts. The prefix
+cache is off in both: every phase sends the same prompts, which a cache would serve from
+memory after the first phase (bench.prefix measures the cache); give a `--target` server
+`--disable-prefix-cache` too.
 
 Metrics as vLLM's benchmark_serving defines them: TTFT = send -> first token; TPOT per request
 = (latency - TTFT) / (output tokens - 1); ITL = the gaps between consecutive token chunks of a
@@ -207,6 +210,7 @@ def offline_rate(args: argparse.Namespace, model_dir: Path, dtype: str) -> dict[
         "--max-num-seqs",
         str(args.max_concurrency),
         "--skip-hf",
+        "--disable-prefix-cache",
     ]
     if args.num_requests is not None:
         cmd += ["--num-requests", str(args.num_requests)]
@@ -264,6 +268,7 @@ def server(args: argparse.Namespace, model_dir: Path, dtype: str) -> Iterator[tu
         str(args.max_concurrency),
         "--shutdown-grace",
         "5",
+        "--disable-prefix-cache",
     ]
     env = dict(os.environ)
     if args.threads:  # the engine process inherits it: torch sizes its pool from it
