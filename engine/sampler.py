@@ -153,6 +153,8 @@ def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
 def _uniform(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
     """Uniform (0, 1) noise [rows, vocab], a pure function of (seed, counter, token id)."""
     row = _fmix32(seeds[:, 1] ^ _fmix32(seeds[:, 0] ^ _fmix32(counters & _MASK32)))
-    cols = torch.arange(vocab, device=seeds.device)
-    bits = _fmix32(_fmix32(row[:, None] ^ cols[None, :]) ^ row[:, None])
+    # Token ids times an odd constant (a bijection mod 2**32) spread over all 32 bits; one
+    # finaliser round over [rows, vocab], the one tensor that is large.
+    cols = _mul32(torch.arange(vocab, device=seeds.device), 0x9E3779B9)
+    bits = _fmix32(row[:, None] ^ cols[None, :])
     return ((bits >> 8).float() + 0.5) / float(1 << 24)

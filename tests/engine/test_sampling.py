@@ -162,3 +162,60 @@ def test_generation_stops_at_any_eos_id_of_generation_config(
         [PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     )[0]
     assert len(ignored.token_ids) == 8
+
+
+def sample_counts(probs: torch.Tensor, draws: int, **truncation: torch.Tensor) -> torch.Tensor:
+    """How often each token is drawn over `draws` rows sharing `probs`: one seed per row, at
+    successive output indices, as a long generation's steps would draw them."""
+    from engine.sampler import Sampler, SamplingBatch
+
+    seeds = torch.stack([torch.arange(draws) * 7919 + 1, torch.arange(draws) % 3], dim=1)
+    batch = SamplingBatch(
+        temperature=torch.ones(draws),
+        seeds=seeds,
+        counters=torch.arange(draws) % 97,
+        **truncation,
+    )
+    logits = probs.log().expand(draws, -1).contiguous()
+    ids = Sampler()(logits, batch).token_ids
+    return torch.bincount(ids, minlength=probs.numel()).double()
+
+
+def chi_square(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_sampled_frequencies_follow_the_distribution() -> None:
+    probs = torch.tensor([0.3, 0.2, 0.15, 0.1, 0.1, 0.08, 0.05, 0.02])
+    draws = 40_000
+    counts = sample_counts(probs, draws)
+    # 7 degrees of freedom: chi-square above 24.3 has probability 0.001 for a fair sampler.
+    assert chi_square(counts, probs.double() * draws) < 24.3
+    # A sampler that ignored the rarest token or skewed the order would be far off.
+    assert counts[-1] > 0.5 * 0.02 * draws
+
+
+def test_top_k_then_renormalised_frequencies() -> None:
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    draws = 20_000
+    counts = sample_counts(probs, draws, top_k=torch.full((draws,), 2))
+    assert counts[2:].sum() == 0
+    kept = probs[:2].double() / probs[:2].sum()
+    assert chi_square(counts[:2], kept * draws) < 10.8  # 1 degree of freedom, p = 0.001
+
+
+def test_uniform_noise_is_flat_and_uncorrelated_across_tokens_and_steps() -> None:
+    from engine.sampler import _uniform
+
+    rows, vocab = 512, 1024
+    seeds = torch.stack([torch.full((rows,), 1234), torch.zeros(rows, dtype=torch.long)], dim=1)
+    u = _uniform(seeds, torch.arange(rows), vocab).double()  # one request, 512 steps
+    assert float(u.min()) > 0.0 and float(u.max()) < 1.0
+    # Ten equal bins: chi-square with 9 degrees of freedom, p = 0.001 at 27.9.
+    counts = torch.histc(u, bins=10, min=0.0, max=1.0)
+    assert chi_square(counts, torch.full((10,), u.numel() / 10.0)) < 27.9
+    centred = u - 0.5
+    neighbours = (centred[:, 1:] * centred[:, :-1]).mean() / centred.var()
+    next_step = (centred[1:] * centred[:-1]).mean() / centred.var()
+    # Correlation of independent samples: about 1/sqrt(n) ~ 0.002; 0.02 is ten sigma.
+    assert abs(float(neighbours)) < 0.02 and abs(float(next_step)) < 0.02
