@@ -74,9 +74,9 @@ class TorchRefAttention:
         """Decode sequences sorted by context length, in groups of GROUP_ROWS or more.
 
         One padded call over a batch of mixed lengths reads and scores every row up to the
-        longest context; groups of similar lengths waste little (3-4x faster at 128 rows of
-        contexts spread over 50..1000). A group that would pad to the same page count as the
-        previous one joins it: equal lengths stay one call."""
+        longest context; groups of similar lengths waste little (several times faster at 128
+        rows of contexts spread over 50..1000). A group that would pad to the same page count
+        as the previous one joins it: equal lengths stay one call."""
         assert self.page_size is not None
         order = sorted(decodes, key=context_lens.__getitem__)
         groups: list[list[int]] = []
