@@ -71,10 +71,15 @@ class Step:
             decode_only=all(n == 1 for n in query_lens),
         )
 
+    def prepared(self, backend) -> AttentionMetadata:
+        """A copy of the step's metadata after `backend.prepare` (which writes derived fields)."""
+        meta = AttentionMetadata(**{**self.meta.__dict__})
+        backend.prepare(meta)
+        return meta
+
     def run(self, backend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(output, k_cache, v_cache) after the backend ran on fresh copies of the cache."""
         k_cache, v_cache = self.k_cache.clone(), self.v_cache.clone()
-        meta = AttentionMetadata(**{**self.meta.__dict__})  # prepare() writes derived fields
-        backend.prepare(meta)
+        meta = self.prepared(backend)
         out = backend.forward(self.q, self.k, self.v, (k_cache, v_cache), meta)
         return out, k_cache, v_cache

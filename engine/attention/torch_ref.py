@@ -37,7 +37,10 @@ class TorchRefAttention:
         if meta.block_tables is None:
             return
         assert self.page_size is not None, "a paged forward needs the backend's page_size"
-        if meta.decode_only and not meta.context_lens:  # a graphed step: lengths on the device
+        decodes = [i for i, n in enumerate(meta.query_lens) if n == 1]
+        # A graphed step has its lengths on the device only: it stays one group.
+        groups = self._split(decodes, meta.context_lens) if meta.context_lens else []
+        if meta.decode_only and len(groups) <= 1:  # the whole batch in order: no gather, no scatter
             assert meta.seq_lens is not None
             pages = -(-meta.max_context_len // self.page_size)
             meta.decode_groups = [self._group(None, meta.block_tables, meta.seq_lens, pages)]
@@ -46,24 +49,17 @@ class TorchRefAttention:
         starts = [0]
         for n in meta.query_lens[:-1]:
             starts.append(starts[-1] + n)
-        decodes = [i for i, n in enumerate(meta.query_lens) if n == 1]
         decode_set = set(decodes)
         meta.prefill_seqs = [
             (i, starts[i], meta.query_lens[i], meta.context_lens[i])
             for i in range(meta.num_seqs)
             if i not in decode_set
         ]
-        groups = self._split(decodes, meta.context_lens)
-        if len(groups) == 1:
-            groups = [decodes]  # in batch order: a decode-only batch needs no scatter
         meta.decode_groups = []
         for seqs in groups:
             lens = [meta.context_lens[i] for i in seqs]
-            rows = None
-            if len(seqs) < meta.num_tokens:
-                rows = torch.tensor([starts[i] for i in seqs], device=device)
             group = self._group(
-                rows,
+                torch.tensor([starts[i] for i in seqs], device=device),
                 meta.block_tables[torch.tensor(seqs, device=device)],
                 torch.tensor(lens, device=device),
                 -(-max(lens) // self.page_size),

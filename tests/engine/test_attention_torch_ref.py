@@ -11,6 +11,7 @@ import random
 import torch
 from paged_steps import Step
 
+from engine.attention.metadata import DecodeGroup
 from engine.attention.torch_ref import GROUP_ROWS, TorchRefAttention
 
 
@@ -36,13 +37,12 @@ def reference(step: Step, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch
     return torch.cat(outs).float()
 
 
-def check(step: Step) -> list:
+def check(step: Step) -> list[DecodeGroup]:
+    """Assert torch_ref equals the reference on this step; return the decode groups it used."""
     backend = TorchRefAttention(0.25, step.page_size)
     out, k_cache, v_cache = step.run(backend)
     torch.testing.assert_close(out, reference(step, k_cache, v_cache), rtol=1e-5, atol=1e-5)
-    meta = step.meta.__class__(**{**step.meta.__dict__})
-    backend.prepare(meta)
-    return meta.decode_groups
+    return step.prepared(backend).decode_groups
 
 
 def test_decode_rows_of_mixed_lengths_run_in_length_groups() -> None:
