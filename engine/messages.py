@@ -15,6 +15,7 @@ import enum
 from dataclasses import dataclass
 
 MAX_TOP_LOGPROBS = 20
+MAX_POLICY_VERSION = 2**64 - 1
 
 
 class FinishReason(enum.StrEnum):
@@ -311,4 +312,5 @@ __all__ = [
     "ToEngine",
     "FromEngine",
     "MAX_TOP_LOGPROBS",
+    "MAX_POLICY_VERSION",
 ]

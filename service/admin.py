@@ -2,11 +2,13 @@
 
 UpdateWeights, in order: (auth is the interceptor's) read and validate the header
 (INVALID_ARGUMENT with google.rpc.BadRequest); refuse while the engine is not serving
-(UNAVAILABLE); refuse a version not above the served one, then a second update while one is in
-flight (both FAILED_PRECONDITION); for inline tensors, assemble every chunk into one temporary
+(UNAVAILABLE); refuse a version not above the served one (FAILED_PRECONDITION) or past the
+largest uint64 (OUT_OF_RANGE), then a second update while one holds the engine client's update
+slot (FAILED_PRECONDITION); for inline tensors, assemble every chunk into one temporary
 file (TensorFileWriter); send `UpdateWeights` to the engine and relay its progress. The engine's
 FAILED becomes the call's status, after the events already sent. The update slot and the tensor
-file are released when the engine's final message arrives, not when the call ends: a caller that
+file are released when the engine's final message arrives (or at once if the update is never
+sent), not when the call ends: a caller that
 walks away mid-update cannot start a second update under the first, nor delete its file.
 """
 
@@ -26,6 +28,7 @@ from sluice.v1 import admin_pb2 as pb
 from sluice.v1 import admin_pb2_grpc
 
 from engine.messages import (
+    MAX_POLICY_VERSION,
     InflightPolicy,
     TensorRef,
     UpdateWeights,
@@ -34,7 +37,12 @@ from engine.messages import (
 )
 from service.admission import Refusal
 from service.config import ServiceConfig
-from service.engine_client import EngineClient, EngineState, EngineUnavailableError
+from service.engine_client import (
+    EngineClient,
+    EngineState,
+    EngineUnavailableError,
+    UpdateInProgressError,
+)
 from service.tensor_file import ChunkError, TensorFileWriter
 
 log = structlog.get_logger("sluice.admin")
@@ -55,7 +63,6 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self.config = config
         self.engine = engine
         self._draining = draining
-        self._busy = False  # an update is being received or applied: one at a time
 
     async def UpdateWeights(
         self,
@@ -67,7 +74,6 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         try:
             header = _validated_header(await anext(messages, None))
             self._check_accepting(header)
-            self._busy = True  # NOTE: no await since the check: the slot is ours
             progress = await self._start(update_id, header, messages)
         except Refusal as refusal:
             log.info("weights.refused", update_id=update_id, code=refusal.code.name)
@@ -97,16 +103,21 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         if self.engine.state is not EngineState.SERVING:
             raise Refusal(grpc.StatusCode.UNAVAILABLE, f"the engine is {self.engine.state.value}")
-        served = self.engine.stats.policy_version
+        served = self.engine.policy_version
         if header.policy_version and header.policy_version <= served:
             raise Refusal(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"policy_version {header.policy_version} must exceed the served version {served}",
             )
-        if self._busy or self.engine.updating_weights:
+        if not header.policy_version and served >= MAX_POLICY_VERSION:
             raise Refusal(
-                grpc.StatusCode.FAILED_PRECONDITION, "another weight update is in progress"
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"the served policy version {served} is the largest there is: no next version",
             )
+        try:
+            self.engine.claim_update()  # NOTE: no await since the checks above: they still hold
+        except UpdateInProgressError as exc:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
 
     async def _start(
         self,
@@ -183,15 +194,17 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 message=final.message,
                 seconds=seconds,
             )
-        if final.phase is WeightsPhase.APPLIED and writer is not None:
-            writer.close()  # the engine client keeps the file to replay after a restart
-            writer = None
-        self._release(writer)
+        # The slot is already free (the engine client freed it when it routed `final`).
+        if writer is not None and final.phase is WeightsPhase.APPLIED:
+            writer.close()  # the replay log owns the file now: it is replayed after a restart
+        elif writer is not None:
+            writer.delete()
 
     def _release(self, writer: TensorFileWriter | None) -> None:
+        """The update was never sent: free the slot and delete the file."""
         if writer is not None:
             writer.delete()
-        self._busy = False
+        self.engine.release_update()
 
 
 def _validated_header(first: pb.UpdateWeightsRequest | None) -> pb.UpdateWeightsHeader:

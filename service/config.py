@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.process import HEARTBEAT_INTERVAL_S
 
 MAX_REQUEST_ID_LENGTH = 256
 
@@ -14,9 +15,12 @@ class ServiceConfig:
     """Everything the gRPC server needs; the engine's own settings travel in `engine`.
 
     Timeouts in seconds. `ready_timeout` covers the engine's load (the demo model is trained on
-    first use, which takes a couple of minutes); `heartbeat_timeout` applies while nothing is in
-    flight (the engine sends a Heartbeat every second then); `stall_timeout` while requests are
-    in flight (one engine step must finish within it).
+    first use, which takes a couple of minutes) and, after a restart, the replay of the weight
+    updates applied since start; `heartbeat_timeout` applies while nothing is in flight (the
+    engine sends a Heartbeat every second then); `stall_timeout` while requests or a weight
+    update are in flight (one engine step must finish within it; a weight update reports
+    progress while it loads). `engine_exit_timeout`: how long a stopping engine may take to
+    end what is left before it is killed.
     """
 
     engine: EngineConfig
@@ -33,6 +37,10 @@ class ServiceConfig:
     restart_backoff: float = 0.5  # first delay before restarting a dead engine; doubles
     restart_backoff_max: float = 30.0
     retry_after: float = 1.0  # RetryInfo delay suggested when the waiting queue is full
+    engine_exit_timeout: float = 3.0
+    # Requests and updates queued for the engine but not yet written to its pipe; past this the
+    # engine is not keeping up (or is hung) and new requests are refused UNAVAILABLE.
+    max_pipe_backlog_bytes: int = 64 * 2**20
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -42,6 +50,8 @@ class ServiceConfig:
                 raise ValueError(f"{name}: must not be empty when set")
         if self.max_waiting < 1:
             raise ValueError("max_waiting: must be at least 1")
+        if self.max_pipe_backlog_bytes < 1:
+            raise ValueError("max_pipe_backlog_bytes: must be at least 1")
         for name in (
             "shutdown_grace",
             "ready_timeout",
@@ -50,9 +60,15 @@ class ServiceConfig:
             "restart_backoff",
             "restart_backoff_max",
             "retry_after",
+            "engine_exit_timeout",
         ):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0")
+        for name in ("heartbeat_timeout", "stall_timeout"):
+            if not getattr(self, name) > HEARTBEAT_INTERVAL_S:
+                raise ValueError(
+                    f"{name}: must exceed the engine's heartbeat interval ({HEARTBEAT_INTERVAL_S} s)"
+                )
 
     @property
     def address(self) -> str:

@@ -1,40 +1,31 @@
-"""EngineClient: the service's side of the pipe to the engine process.
+"""EngineClient: the service's one handle on the engine, whichever process currently runs it.
 
-It spawns the engine (`spawn` context), waits for `Ready`, and runs one reader on the pipe's file
-descriptor (`loop.add_reader`) that routes each StepOutput's RequestOutputs into per-request
-asyncio queues, and each WeightsProgress into its weight update's queue (by update_id). It
-supervises the engine: EngineDead, EOF, a dead process or no progress within the stall/heartbeat
-timeout all mean the engine is lost; every in-flight request then receives a final ERROR output,
-every pending weight update a final FAILED (UNAVAILABLE), and the engine is restarted with
-bounded exponential backoff. A restarted engine loads the start-up checkpoint, so the weight
-updates applied since (the last checkpoint update and the inline updates after it) are replayed
-before it serves again: the policy version never goes backwards.
+It owns the facts the rest of the service reads: the engine's state, the served policy version
+(`policy_version`, which never goes backwards), whether a weight update is in progress
+(`updating_weights`, the one update slot), and the last stats. Requests go to the engine through
+`submit` and come back through the RequestRouter; weight updates through `update_weights`.
+The engine process itself is an EngineProcess; the Supervisor replaces it when it is lost, and
+replays the ReplayLog into the new one before it serves.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
-import multiprocessing
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
+from dataclasses import dataclass, replace
 
 import structlog
 
-from engine.config import EngineConfig
 from engine.messages import (
     AbortRequests,
     AddRequest,
     EngineDead,
     EngineStats,
     FinishReason,
+    FromEngine,
     GetState,
     Heartbeat,
-    InflightPolicy,
     ModelInfo,
     Ready,
     RequestOutput,
@@ -46,41 +37,31 @@ from engine.messages import (
     WeightsProgress,
 )
 from engine.process import engine_main
-from service.tensor_file import delete_file
+from service.config import ServiceConfig
+from service.engine_process import (
+    EngineProcess,
+    EngineStartError,
+    EngineTarget,
+    EngineUnavailableError,
+)
+from service.replay_log import ReplayLog
+from service.routing import RequestRouter
+from service.supervisor import EngineState, Supervisor
 
 log = structlog.get_logger("sluice.engine_client")
 
-EngineTarget = Callable[[EngineConfig, Connection], None]
-WATCH_INTERVAL_S = 0.5
+__all__ = [
+    "EngineClient",
+    "EngineStartError",
+    "EngineState",
+    "EngineTarget",
+    "EngineUnavailableError",
+    "UpdateInProgressError",
+]
 
 
-class EngineState(enum.Enum):
-    STARTING = "starting"
-    SERVING = "serving"
-    RESTARTING = "restarting"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-
-
-class EngineUnavailableError(RuntimeError):
-    """The engine cannot take requests now (starting, restarting or stopping)."""
-
-
-class EngineStartError(RuntimeError):
-    """The engine process died or timed out before announcing Ready."""
-
-
-@dataclass
-class _Route:
-    """Where one request's outputs go, until the engine has finished every index of it."""
-
-    queue: asyncio.Queue[RequestOutput]
-    open_indices: set[int]
-    started: bool = False
-    # The handler is gone (client left, stop string matched): drop outputs, keep the id
-    # reserved until the engine reports the request finished, so a reused id never receives
-    # the old request's last output.
-    detached: bool = False
+class UpdateInProgressError(RuntimeError):
+    """The one weight-update slot is taken."""
 
 
 @dataclass
@@ -90,169 +71,165 @@ class _UpdateRoute:
     update: UpdateWeights
     queue: asyncio.Queue[WeightsProgress]
     on_final: Callable[[WeightsProgress], None] | None
-
-
-@dataclass
-class _Engine:
-    """One incarnation of the engine process."""
-
-    process: BaseProcess
-    conn: Connection
-    ready: asyncio.Future[ModelInfo]
-    lost: asyncio.Event = field(default_factory=asyncio.Event)
-    last_message: float = field(default_factory=time.monotonic)
+    replay: bool  # re-applied to a restarted engine: changes neither the version nor the log
 
 
 class EngineClient:
     def __init__(
         self,
-        config: EngineConfig,
+        config: ServiceConfig,
         *,
         target: EngineTarget = engine_main,
-        ready_timeout: float = 600.0,
-        heartbeat_timeout: float = 15.0,
-        stall_timeout: float = 120.0,
-        restart_backoff: float = 0.5,
-        restart_backoff_max: float = 30.0,
         on_state: Callable[[EngineState], None] | None = None,
     ) -> None:
         self.config = config
         self.state = EngineState.STARTING
         self.info: ModelInfo | None = None
         self.stats = EngineStats()
+        self.policy_version = config.engine.policy_version
         self.restarts = 0
+        self.router = RequestRouter()
+        self.replay_log = ReplayLog()
+        self.engine: EngineProcess | None = None
         self._target = target
-        self._ready_timeout = ready_timeout
-        self._heartbeat_timeout = heartbeat_timeout
-        self._stall_timeout = stall_timeout
-        self._backoff = restart_backoff
-        self._backoff_max = restart_backoff_max
         self._on_state = on_state
-        self._routes: dict[str, _Route] = {}
-        self._updates: dict[str, _UpdateRoute] = {}
-        # Applied updates a restarted engine must replay, oldest first. Owns their tensor files.
-        self._replay: list[UpdateWeights] = []
+        self._updates: dict[str, _UpdateRoute] = {}  # sent to the engine, no final message yet
+        self._update_claimed = False
         self._stats_waiters: list[asyncio.Future[None]] = []
-        self._engine: _Engine | None = None
         self._supervisor: asyncio.Task[None] | None = None
 
     # ---- lifecycle ----
 
     async def start(self) -> ModelInfo:
         """Spawn the engine and wait for Ready; then supervise it in the background."""
-        info = await self._launch()
-        self._set_state(EngineState.SERVING)
-        self._supervisor = asyncio.create_task(self._supervise(), name="engine-supervisor")
+        info = await self.launch()
+        self.policy_version = info.policy_version
+        self.set_state(EngineState.SERVING)
+        self._supervisor = asyncio.create_task(Supervisor(self).run(), name="engine-supervisor")
         self._supervisor.add_done_callback(_log_task_failure)
         return info
 
-    async def shutdown(self, timeout: float = 30.0) -> None:
-        """Ask the engine to abort what is left (ABORTED outputs reach the handlers) and exit."""
-        self._set_state(EngineState.STOPPING)
-        engine = self._engine
-        if engine is not None:
-            with contextlib.suppress(OSError, ValueError):
-                engine.conn.send(Shutdown())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(engine.lost.wait(), timeout)
-            await self._reap(engine)
+    async def shutdown(self, timeout: float) -> None:
+        """Ask the engine to abort what is left (ABORTED outputs reach the handlers) and exit;
+        kill it if it has not exited after `timeout` seconds. Deletes the replay log's files."""
+        self.set_state(EngineState.STOPPING)
         if self._supervisor is not None:
             self._supervisor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._supervisor
-        self._set_state(EngineState.STOPPED)
+        engine = self.engine
+        if engine is not None:
+            with contextlib.suppress(EngineUnavailableError):
+                self._send(Shutdown())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(engine.lost.wait(), timeout)
+            self.lose(engine, "the server is shutting down")
+            await engine.close(timeout=0)
+        self.replay_log.clear()
+        self.set_state(EngineState.STOPPED)
+
+    @property
+    def stopping(self) -> bool:
+        return self.state in (EngineState.STOPPING, EngineState.STOPPED)
+
+    @property
+    def busy(self) -> bool:
+        """Requests or updates are waiting on the engine: it must make progress."""
+        return bool(len(self.router) or self._updates)
 
     # ---- requests ----
 
     def has(self, request_id: str) -> bool:
-        return request_id in self._routes
+        return request_id in self.router
 
     @property
     def in_flight(self) -> int:
-        return len(self._routes)
+        return len(self.router)
 
     @property
     def waiting(self) -> int:
         """Admitted requests the engine has not produced anything for yet."""
-        return sum(not route.started for route in self._routes.values())
+        return self.router.waiting
 
     def submit(self, request: AddRequest) -> asyncio.Queue[RequestOutput]:
         """Send a request to the engine; its outputs arrive on the returned queue.
 
         The caller has checked `has(request.request_id)` is False. The last output of every
-        index has `finish_reason` set (ERROR with a message if the engine is lost).
+        index has `finish_reason` set (ERROR with a message if the engine is lost). Raises
+        EngineUnavailableError when the engine cannot take it now.
         """
-        assert request.request_id not in self._routes, request.request_id
         self._send(request)
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._routes[request.request_id] = _Route(queue, set(range(request.n)))
-        return queue
+        return self.router.add(request.request_id, request.n)
 
     def abort(self, request_ids: list[str], reason: FinishReason, index: int | None = None) -> None:
         """Abort in the engine (only sample `index` when given); each aborted sample's final
         output (with `reason`) follows as usual."""
-        ids = [rid for rid in request_ids if rid in self._routes]
+        ids = [rid for rid in request_ids if rid in self.router]
         if ids:
             with contextlib.suppress(EngineUnavailableError):
                 self._send(AbortRequests(ids, reason, index))
 
     def detach(self, request_id: str) -> None:
         """The handler stopped listening; outputs are dropped from now on."""
-        route = self._routes.get(request_id)
-        if route is not None:
-            route.detached = True
+        self.router.detach(request_id)
 
     # ---- weight updates ----
 
     @property
     def updating_weights(self) -> bool:
-        """A weight update is pending in the engine (sent, no final message yet)."""
-        return bool(self._updates) or self.stats.updating_weights
+        """A weight update holds the slot: being received, or applied by the engine."""
+        return self._update_claimed
+
+    def claim_update(self) -> None:
+        """Take the one weight-update slot; UpdateInProgressError if it is taken. It is freed
+        by the update's final message, or by `release_update` if the update is never sent."""
+        if self._update_claimed:
+            raise UpdateInProgressError("another weight update is in progress")
+        self._update_claimed = True
+
+    def release_update(self) -> None:
+        assert not any(not r.replay for r in self._updates.values()), "release a sent update"
+        self._update_claimed = False
 
     def update_weights(
         self,
         update: UpdateWeights,
         on_final: Callable[[WeightsProgress], None] | None = None,
     ) -> asyncio.Queue[WeightsProgress]:
-        """Send a weight update; its progress arrives on the returned queue, ending with one
-        final message (APPLIED, or FAILED with a gRPC status name in `error_code`; UNAVAILABLE
-        if the engine is lost meanwhile). `on_final` runs (on the event loop, synchronously)
-        when that final message is routed, also when nobody reads the queue any more.
-        Raises EngineUnavailableError if the engine cannot take it now."""
+        """Send a weight update (the caller holds the slot); its progress arrives on the
+        returned queue, ending with one final message (APPLIED, or FAILED with a gRPC status
+        name in `error_code`; UNAVAILABLE if the engine is lost meanwhile). `on_final` runs on
+        the event loop when that final message is routed, also when nobody reads the queue
+        any more; the slot is free by then. Raises EngineUnavailableError if the engine cannot
+        take it now (the caller still holds the slot)."""
+        assert self._update_claimed, "claim_update() first"
+        return self._send_update(update, on_final, replay=False)
+
+    def _send_update(
+        self,
+        update: UpdateWeights,
+        on_final: Callable[[WeightsProgress], None] | None,
+        replay: bool,
+    ) -> asyncio.Queue[WeightsProgress]:
         assert update.update_id not in self._updates, update.update_id
         self._send(update)
         queue: asyncio.Queue[WeightsProgress] = asyncio.Queue()
-        self._updates[update.update_id] = _UpdateRoute(update, queue, on_final)
+        self._updates[update.update_id] = _UpdateRoute(update, queue, on_final, replay)
         return queue
 
-    def _remember(self, update: UpdateWeights, version: int) -> None:
-        """Keep an applied update for replay. A checkpoint replaces every tensor, so it
-        supersedes (and frees the files of) everything applied before it."""
-        if update.checkpoint_dir is not None:
-            for old in self._replay:
-                if old.tensor_file is not None:
-                    delete_file(old.tensor_file)
-            self._replay = []
-        replay = replace(
-            update, policy_version=version, inflight=InflightPolicy.CONTINUE, drain_timeout=None
-        )
-        self._replay.append(replay)
-
-    async def _replay_updates(self) -> None:
-        """Re-apply the remembered updates to a freshly started engine, in order."""
-        for n, update in enumerate(self._replay):
-            queue = self.update_weights(replace(update, update_id=f"replay-{self.restarts}-{n}"))
+    async def replay(self) -> None:
+        """Re-apply the replay log to a freshly started engine, in order. Raises
+        EngineStartError if an update fails: the engine must not serve older weights."""
+        for n, entry in enumerate(self.replay_log.entries()):
+            update = replace(entry, update_id=f"replay-{self.restarts}-{n}")
+            queue = self._send_update(update, None, replay=True)
             while not (final := await queue.get()).final:
                 pass
             if final.phase is WeightsPhase.FAILED:
-                # NOTE: the engine now serves older weights, under their older version.
-                log.error(
-                    "engine.replay_failed",
-                    policy_version=update.policy_version,
-                    error=final.message,
+                raise EngineStartError(
+                    f"replaying policy version {entry.policy_version} failed: {final.message}"
                 )
-                return
-            log.info("engine.replayed", policy_version=update.policy_version)
+            log.info("engine.replayed", policy_version=entry.policy_version)
 
     def _route_progress(self, progress: WeightsProgress) -> None:
         route = self._updates.get(progress.update_id)
@@ -260,20 +237,31 @@ class EngineClient:
             log.error("engine.unknown_update", update_id=progress.update_id)
             return
         if progress.final:
-            # Published at once, before the engine's next stats arrive: a caller that saw
-            # Applied may ask for min_policy_version = the new one, or start the next update.
-            version = (
-                progress.policy_version
-                if progress.phase is WeightsPhase.APPLIED
-                else self.stats.policy_version
-            )
-            self.stats = replace(self.stats, policy_version=version, updating_weights=False)
             del self._updates[progress.update_id]
-            if progress.phase is WeightsPhase.APPLIED:
-                self._remember(route.update, progress.policy_version)
+            if not route.replay:
+                # Published at once: a caller that saw Applied may ask for
+                # min_policy_version = the new one, or start the next update.
+                if progress.phase is WeightsPhase.APPLIED:
+                    self.policy_version = progress.policy_version
+                    self.replay_log.record(route.update, progress.policy_version)
+                self._update_claimed = False
         route.queue.put_nowait(progress)
         if progress.final and route.on_final is not None:
             route.on_final(progress)
+
+    def _fail_updates(self, message: str) -> None:
+        updates, self._updates = self._updates, {}
+        for update_id, route in updates.items():
+            failed = WeightsProgress(
+                update_id, WeightsPhase.FAILED, error_code="UNAVAILABLE", message=message
+            )
+            if not route.replay:
+                self._update_claimed = False
+            route.queue.put_nowait(failed)
+            if route.on_final is not None:
+                route.on_final(failed)
+
+    # ---- stats ----
 
     async def refresh_stats(self, timeout: float = 1.0) -> EngineStats:
         """Ask for fresh stats; fall back to the last known ones after `timeout`."""
@@ -287,62 +275,6 @@ class EngineClient:
             await asyncio.wait_for(asyncio.shield(waiter), timeout)
         return self.stats
 
-    def _send(self, msg: ToEngine) -> None:
-        engine = self._engine
-        if engine is None or engine.lost.is_set():
-            raise EngineUnavailableError(f"the engine is {self.state.value}")
-        # NOTE: a blocking write; the engine drains its pipe every step, so a long prompt only
-        # blocks the event loop for as long as one engine step.
-        try:
-            engine.conn.send(msg)
-        except OSError as exc:
-            self._lose(engine, f"pipe write failed: {exc}")
-            raise EngineUnavailableError("the engine pipe is closed") from exc
-
-    # ---- the reader: one per engine incarnation, on the event loop ----
-
-    def _on_readable(self, engine: _Engine) -> None:
-        try:
-            while not engine.lost.is_set() and engine.conn.poll():
-                msg = engine.conn.recv()
-                engine.last_message = time.monotonic()
-                self._dispatch(engine, msg)
-        except (EOFError, OSError):
-            self._lose(engine, "the engine process closed its pipe")
-
-    def _dispatch(self, engine: _Engine, msg: object) -> None:
-        match msg:
-            case StepOutput(outputs=outputs, stats=stats):
-                self._update_stats(stats)
-                for output in outputs:
-                    self._route(output)
-            case Heartbeat(stats=stats):
-                self._update_stats(stats)
-            case WeightsProgress() as progress:
-                self._route_progress(progress)
-            case Ready(info=info):
-                self.info = info
-                self._update_stats(EngineStats(policy_version=info.policy_version))
-                if not engine.ready.done():
-                    engine.ready.set_result(info)
-            case EngineDead(reason=reason, traceback=tb):
-                log.error("engine.dead", reason=reason, traceback=tb)
-                self._lose(engine, reason)
-            case _:
-                log.error("engine.unexpected_message", type=type(msg).__name__)
-
-    def _route(self, output: RequestOutput) -> None:
-        route = self._routes.get(output.request_id)
-        if route is None:
-            return  # already ended by an engine failure
-        route.started = True
-        if output.finished:
-            route.open_indices.discard(output.index)
-            if not route.open_indices:
-                del self._routes[output.request_id]
-        if not route.detached:
-            route.queue.put_nowait(output)
-
     def _update_stats(self, stats: EngineStats) -> None:
         self.stats = stats
         for waiter in self._stats_waiters:
@@ -350,125 +282,80 @@ class EngineClient:
                 waiter.set_result(None)
         self._stats_waiters.clear()
 
-    def _lose(self, engine: _Engine, reason: str) -> None:
-        """The engine is gone: stop reading, end every in-flight request with ERROR."""
-        if engine.lost.is_set():
-            return
-        engine.lost.set()
-        with contextlib.suppress(ValueError, OSError):
-            asyncio.get_running_loop().remove_reader(engine.conn.fileno())
-        if not engine.ready.done():
-            engine.ready.set_exception(EngineStartError(reason))
-            engine.ready.exception()  # observed: nobody waits for it when the server stops early
-        stopping = self.state in (EngineState.STOPPING, EngineState.STOPPED)
-        if not stopping:
-            log.error("engine.lost", reason=reason, in_flight=len(self._routes))
-        message = f"the engine failed: {reason}"
-        for request_id, route in self._routes.items():
-            if route.detached:
-                continue
-            for index in sorted(route.open_indices):
-                route.queue.put_nowait(
-                    RequestOutput(
-                        request_id,
-                        index,
-                        [],
-                        self.stats.policy_version,
-                        finish_reason=FinishReason.ERROR,
-                        error=message,
-                    )
-                )
-        self._routes.clear()
-        self._fail_updates(message)
+    # ---- the engine process ----
 
-    def _fail_updates(self, message: str) -> None:
-        updates, self._updates = self._updates, {}
-        self.stats = replace(self.stats, updating_weights=False)
-        for update_id, route in updates.items():
-            failed = WeightsProgress(
-                update_id, WeightsPhase.FAILED, error_code="UNAVAILABLE", message=message
-            )
-            route.queue.put_nowait(failed)
-            if route.on_final is not None:
-                route.on_final(failed)
-
-    # ---- spawning and supervision ----
-
-    async def _launch(self) -> ModelInfo:
-        loop = asyncio.get_running_loop()
-        ctx = multiprocessing.get_context("spawn")
-        parent_conn, child_conn = ctx.Pipe(duplex=True)
-        process = ctx.Process(
-            target=self._target, args=(self.config, child_conn), name="sluice-engine", daemon=True
+    async def launch(self) -> ModelInfo:
+        """Start a new engine process and wait for its Ready; EngineStartError if it dies or
+        times out first (it is killed then)."""
+        engine = EngineProcess(
+            self.config.engine,
+            self._target,
+            on_messages=self._dispatch,
+            on_lost=self.lose,
+            max_backlog_bytes=self.config.max_pipe_backlog_bytes,
         )
-        process.start()
-        # NOTE: close the parent's copy of the child's end, or EOF never arrives when it dies.
-        child_conn.close()
-        engine = _Engine(process, parent_conn, loop.create_future())
-        self._engine = engine
-        loop.add_reader(parent_conn.fileno(), self._on_readable, engine)
-        log.info("engine.spawned", pid=process.pid, model=self.config.model)
+        self.engine = engine
+        log.info("engine.spawned", pid=engine.pid, model=self.config.engine.model)
         try:
-            info = await asyncio.wait_for(asyncio.shield(engine.ready), self._ready_timeout)
+            info = await asyncio.wait_for(asyncio.shield(engine.ready), self.config.ready_timeout)
         except (TimeoutError, EngineStartError) as exc:
-            self._lose(engine, f"no Ready: {exc or 'timed out'}")
-            await self._reap(engine, kill=True)
+            self.lose(engine, f"no Ready: {exc or 'timed out'}")
+            await engine.close(timeout=0)
             raise EngineStartError(str(exc) or "timed out waiting for Ready") from exc
+        except asyncio.CancelledError:
+            self.lose(engine, "the launch was cancelled")
+            await engine.close(timeout=0)
+            raise
         log.info("engine.ready", model=info.model, path=info.path, total_pages=info.total_pages)
         return info
 
-    async def _supervise(self) -> None:
-        while True:
-            engine = self._engine
-            assert engine is not None
-            await self._watch(engine)
-            if self.state in (EngineState.STOPPING, EngineState.STOPPED):
-                return
-            self._set_state(EngineState.RESTARTING)
-            await self._reap(engine, kill=True)
-            delay = self._backoff
-            while True:
-                log.warning("engine.restarting", in_seconds=delay)
-                await asyncio.sleep(delay)
-                try:
-                    await self._launch()
-                    await self._replay_updates()
-                    break
-                except EngineStartError as exc:
-                    log.error("engine.restart_failed", error=str(exc))
-                    delay = min(max(delay * 2, 0.1), self._backoff_max)
-            self.restarts += 1
-            self._set_state(EngineState.SERVING)
+    def lose(self, engine: EngineProcess, reason: str) -> None:
+        """`engine` is gone (or must be given up): end every in-flight request with ERROR and
+        fail every pending update. Idempotent; the Supervisor then restarts it."""
+        if engine.lost.is_set():
+            return
+        engine.lost.set()
+        if not engine.ready.done():
+            engine.ready.set_exception(EngineStartError(reason))
+            engine.ready.exception()  # observed: nobody waits for it when the server stops early
+        if engine is not self.engine:
+            return  # a replaced incarnation: what it carried was failed when it was replaced
+        if not self.stopping:
+            log.error("engine.lost", reason=reason, in_flight=len(self.router))
+        message = f"the engine failed: {reason}"
+        self.router.fail_all(message, self.policy_version)
+        self._fail_updates(message)
 
-    async def _watch(self, engine: _Engine) -> None:
-        """Return once the engine is lost (EOF, EngineDead, a dead process, or a stall)."""
-        while not engine.lost.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(engine.lost.wait(), WATCH_INTERVAL_S)
+    def _send(self, msg: ToEngine) -> None:
+        engine = self.engine
+        if engine is None or engine.lost.is_set():
+            raise EngineUnavailableError(f"the engine is {self.state.value}")
+        engine.send(msg)
+
+    def _dispatch(self, engine: EngineProcess, batch: list[FromEngine]) -> None:
+        for msg in batch:
             if engine.lost.is_set():
                 return
-            if not engine.process.is_alive():
-                self._lose(engine, f"the engine process exited ({engine.process.exitcode})")
-                return
-            silent = time.monotonic() - engine.last_message
-            busy = self._routes or self._updates
-            limit = self._stall_timeout if busy else self._heartbeat_timeout
-            if silent > limit:
-                self._lose(engine, f"no progress for {silent:.1f}s")
+            match msg:
+                case StepOutput(outputs=outputs, stats=stats):
+                    self._update_stats(stats)
+                    for output in outputs:
+                        self.router.route(output)
+                case Heartbeat(stats=stats):
+                    self._update_stats(stats)
+                case WeightsProgress() as progress:
+                    self._route_progress(progress)
+                case Ready(info=info):
+                    self.info = info
+                    if not engine.ready.done():
+                        engine.ready.set_result(info)
+                case EngineDead(reason=reason, traceback=tb):
+                    log.error("engine.dead", reason=reason, traceback=tb)
+                    self.lose(engine, reason)
+                case _:
+                    log.error("engine.unexpected_message", type=type(msg).__name__)
 
-    async def _reap(self, engine: _Engine, kill: bool = False) -> None:
-        """Make sure the process is gone (kill it if it hangs) and close our end of the pipe."""
-        if kill and engine.process.is_alive():
-            engine.process.kill()  # a stalled engine would never exit by itself
-        await asyncio.to_thread(engine.process.join, 5.0)
-        if engine.process.is_alive():
-            engine.process.kill()
-            await asyncio.to_thread(engine.process.join, 5.0)
-        with contextlib.suppress(ValueError, OSError):
-            asyncio.get_running_loop().remove_reader(engine.conn.fileno())
-        engine.conn.close()
-
-    def _set_state(self, state: EngineState) -> None:
+    def set_state(self, state: EngineState) -> None:
         if state is self.state:
             return
         log.info("engine.state", state=state.value)

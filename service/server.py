@@ -40,16 +40,7 @@ class SluiceServer:
     def __init__(self, config: ServiceConfig, engine_target: EngineTarget | None = None) -> None:
         self.config = config
         extra = {} if engine_target is None else {"target": engine_target}
-        self.engine = EngineClient(
-            config.engine,
-            ready_timeout=config.ready_timeout,
-            heartbeat_timeout=config.heartbeat_timeout,
-            stall_timeout=config.stall_timeout,
-            restart_backoff=config.restart_backoff,
-            restart_backoff_max=config.restart_backoff_max,
-            on_state=self._on_engine_state,
-            **extra,
-        )
+        self.engine = EngineClient(config, on_state=self._on_engine_state, **extra)
         self.servicer = GenerationServicer(config, self.engine)
         self.admin = AdminServicer(config, self.engine, lambda: self.servicer.draining)
         self.health = health.aio.HealthServicer()
@@ -113,7 +104,7 @@ class SluiceServer:
             self._startup.cancel()
             with contextlib.suppress(asyncio.CancelledError, EngineStartError):
                 await self._startup
-        await self.engine.shutdown()
+        await self.engine.shutdown(timeout=self.config.engine_exit_timeout)
         # NOTE: server.stop(grace) cuts streams still running when grace ends, so the engine
         # is stopped first and the handlers only need to flush their final events.
         await self.grpc.stop(FINAL_FLUSH_S)

@@ -142,7 +142,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             model=info.model,
             max_model_len=info.max_model_len,
             vocab_size=info.vocab_size,
-            policy_version=stats.policy_version,
+            policy_version=self.engine.policy_version,
             eos_token_ids=info.eos_token_ids,
             device=info.device,
             dtype=info.dtype,
@@ -168,7 +168,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             req,
             info=self.engine.info,
             tokenizer=self.tokenizer,
-            policy_version=self.engine.stats.policy_version,
+            policy_version=self.engine.policy_version,
             deadline=deadline,
         )
         # NOTE: no await from here to submit(): the duplicate and queue checks stay true.

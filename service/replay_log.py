@@ -1,0 +1,49 @@
+"""ReplayLog: the weight updates a restarted engine must re-apply to serve what was served.
+
+A restarted engine loads the start-up checkpoint, so every update applied since has to be
+replayed, in order and at its original version, before the engine serves again; otherwise a
+crash would silently roll the weights back. A checkpoint update replaces every tensor, so it
+supersedes everything recorded before it. The log owns the tensor files of inline updates:
+it deletes a file once its update is superseded, and all of them on `clear()` (clean shutdown).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from engine.messages import InflightPolicy, UpdateWeights
+from service.tensor_file import delete_file
+
+
+class ReplayLog:
+    def __init__(self) -> None:
+        self._entries: list[UpdateWeights] = []
+
+    def record(self, update: UpdateWeights, policy_version: int) -> None:
+        """A live update was applied at `policy_version` (never call this for a replay)."""
+        if update.checkpoint_dir is not None:
+            self.clear()
+        # Replayed between two steps of an engine with nothing in flight, at the same version.
+        self._entries.append(
+            replace(
+                update,
+                policy_version=policy_version,
+                inflight=InflightPolicy.CONTINUE,
+                drain_timeout=None,
+            )
+        )
+
+    def entries(self) -> tuple[UpdateWeights, ...]:
+        """A snapshot, oldest first: replaying never changes the log."""
+        return tuple(self._entries)
+
+    @property
+    def policy_version(self) -> int | None:
+        """The version the replay ends at; None when there is nothing to replay."""
+        return self._entries[-1].policy_version if self._entries else None
+
+    def clear(self) -> None:
+        for entry in self._entries:
+            if entry.tensor_file is not None:
+                delete_file(entry.tensor_file)
+        self._entries = []
