@@ -5,7 +5,9 @@ Spawnable as `fake_engine_main(config, conn)`. It "generates" by echoing the pro
 `<config.model>/fake.json`: step_delay (seconds per step), die_on_token (a prompt containing
 this id kills the engine), hold_token (a prompt containing this id stays queued, producing
 nothing, until aborted), max_model_len, vocab_size, update_delay (seconds between the progress
-messages of a weight update).
+messages of a weight update), die_after_ready_file (if that file exists at start: delete it,
+announce Ready, then exit at once — the next incarnation is healthy). Like the real engine, it
+sends a message at least every PROGRESS_S while it has work, even if nothing advanced.
 
 Weight updates: PAUSED, two LOADING, APPLIED, like the real engine; ABORT ends running requests
 ABORTED. A version not above the served one is FAILED (FAILED_PRECONDITION). A checkpoint_dir
@@ -47,6 +49,7 @@ from engine.messages import (
 TOTAL_PAGES = 64
 EOS = 1
 SLOW_UPDATE_S = 0.3
+PROGRESS_S = 0.1
 
 
 @dataclass
@@ -72,6 +75,7 @@ class _FakeEngine:
         self.requests: dict[str, _Request] = {}
         self.finished: list[RequestOutput] = []
         self.update: _Update | None = None
+        self.last_sent = time.monotonic()
 
     def info(self) -> ModelInfo:
         return ModelInfo(
@@ -115,6 +119,10 @@ class _FakeEngine:
 
     def run(self) -> None:
         self.conn.send(Ready(self.info()))
+        marker = self.knobs.get("die_after_ready_file")
+        if marker is not None and Path(marker).exists():
+            Path(marker).unlink()
+            return
         while True:
             idle_wait = 0.0 if self.requests else 0.2
             if self.update is not None:
@@ -245,11 +253,16 @@ class _FakeEngine:
         self.finished = []
         if outputs:
             self.conn.send(StepOutput(outputs, self.stats()))
+            self.last_sent = time.monotonic()
             time.sleep(self.knobs.get("step_delay", 0.0))
         elif not self.requests and self.update is None:
             self.conn.send(Heartbeat(self.stats()))
         else:
-            time.sleep(0.005)  # only held requests or a slow update: do not spin
+            # Only held requests or a slow update: do not spin, but show progress.
+            if time.monotonic() - self.last_sent > PROGRESS_S:
+                self.conn.send(StepOutput([], self.stats()))
+                self.last_sent = time.monotonic()
+            time.sleep(0.005)
 
     def generate_one(self, rid: str, req: _Request) -> RequestOutput:
         prompt = req.add.prompt_token_ids[1:] or req.add.prompt_token_ids
