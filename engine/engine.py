@@ -22,6 +22,7 @@ import torch
 from engine.attention import make_backend
 from engine.config import EngineConfig
 from engine.messages import (
+    MAX_POLICY_VERSION,
     EngineStats,
     FinishReason,
     InflightPolicy,
@@ -418,13 +419,13 @@ class LLMEngine:
         requests have finished (DRAIN). Progress goes to `weight_events`, ending with one
         APPLIED or FAILED. `tensors` is the in-process source (no file, no checkpoint)."""
         with self.lock:
-            version = msg.policy_version or self.policy_version + 1
             if self.update is not None:
                 self._weights_failed(msg, "FAILED_PRECONDITION", "an update is in progress")
                 return
-            if version <= self.policy_version:
-                why = f"policy_version {version} must exceed the served {self.policy_version}"
-                self._weights_failed(msg, "FAILED_PRECONDITION", why)
+            version = msg.policy_version or self.policy_version + 1
+            refusal = self._version_refusal(version)
+            if refusal is not None:
+                self._weights_failed(msg, *refusal)
                 return
             self.update = PendingUpdate(msg, version, time.monotonic(), tensors)
             self._weights_event(WeightsPhase.PAUSED, in_flight=len(self.scheduler.running))
@@ -441,8 +442,10 @@ class LLMEngine:
         drain_timeout: float | None = None,
     ) -> WeightsProgress:
         """In-process update from a checkpoint directory or named tensors; returns APPLIED or
-        raises WeightUpdateError. DRAIN steps running requests to completion first: their
-        outputs are returned by the next step()."""
+        raises WeightUpdateError (FAILED_PRECONDITION: the version is not above the served
+        one or another update is in progress; OUT_OF_RANGE: it would pass MAX_POLICY_VERSION;
+        INVALID_ARGUMENT: bad tensors). DRAIN steps running requests to completion first:
+        their outputs are returned by the next step()."""
         tensors = None if isinstance(source, str | Path) else source
         msg = UpdateWeights(
             update_id=f"in-process-{next(self._arrivals)}",
@@ -467,14 +470,25 @@ class LLMEngine:
         new version on exit. Holds the engine lock throughout; running requests continue on
         their KV (CONTINUE). Nothing is published if the block raises."""
         with self.lock:
+            if self.update is not None:
+                raise WeightUpdateError("FAILED_PRECONDITION", "an update is in progress")
             version = policy_version or self.policy_version + 1
-            if self.update is not None or version <= self.policy_version:
-                raise WeightUpdateError(
-                    "FAILED_PRECONDITION",
-                    f"cannot publish version {version} over {self.policy_version} now",
-                )
+            refusal = self._version_refusal(version)
+            if refusal is not None:
+                raise WeightUpdateError(*refusal)
             yield dict(self.model.named_parameters())
             self._publish_version(version, InflightPolicy.CONTINUE)
+
+    def _version_refusal(self, version: int) -> tuple[str, str] | None:
+        """(error code, why) when `version` cannot be the next served version."""
+        if version > MAX_POLICY_VERSION:
+            return "OUT_OF_RANGE", f"policy_version {version} exceeds {MAX_POLICY_VERSION}"
+        if version <= self.policy_version:
+            return (
+                "FAILED_PRECONDITION",
+                f"policy_version {version} must exceed the served {self.policy_version}",
+            )
+        return None
 
     def _advance_update(self) -> None:
         """At a step boundary: swap a draining update once nothing runs, or time it out."""

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 MAX_TOP_LOGPROBS = 20
+MAX_POLICY_VERSION = 2**64 - 1
 # Temperatures below this sample greedily (vLLM's threshold): dividing logits by less
 # overflows float32 to inf, and softmax of inf is NaN.
 GREEDY_TEMPERATURE = 1e-5
@@ -158,7 +159,7 @@ class UpdateWeights:
     """
 
     update_id: str
-    policy_version: int  # must exceed the served version; 0 = served + 1
+    policy_version: int  # must exceed the served version; 0 = served + 1; <= MAX_POLICY_VERSION
     inflight: InflightPolicy = InflightPolicy.DRAIN
     checkpoint_dir: str | None = None
     tensor_file: str | None = None
@@ -280,7 +281,8 @@ class WeightsProgress:
     continued: int = 0
     recomputed: int = 0
     seconds: float = 0.0
-    error_code: str = ""  # a grpc.StatusCode name: INVALID_ARGUMENT, FAILED_PRECONDITION, ABORTED
+    error_code: str = ""  # a grpc.StatusCode name: INVALID_ARGUMENT, FAILED_PRECONDITION,
+    # OUT_OF_RANGE (the version would pass MAX_POLICY_VERSION), ABORTED
     message: str = ""
 
     @property
@@ -330,6 +332,7 @@ __all__ = [
     "ToEngine",
     "FromEngine",
     "MAX_TOP_LOGPROBS",
+    "MAX_POLICY_VERSION",
     "GREEDY_TEMPERATURE",
     "REPETITION_PENALTY_RANGE",
 ]

@@ -9,7 +9,14 @@ import torch
 from tiny_models import make_checkpoint
 
 from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
-from engine.messages import InflightPolicy, RequestOutput, TensorRef, UpdateWeights, WeightsPhase
+from engine.messages import (
+    MAX_POLICY_VERSION,
+    InflightPolicy,
+    RequestOutput,
+    TensorRef,
+    UpdateWeights,
+    WeightsPhase,
+)
 from engine.weight_update import WeightUpdateError
 
 PROMPT = [0, 17, 42, 99, 123, 7, 88, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # > one page of 16
@@ -159,11 +166,23 @@ def bad_updates(engine: LLMEngine, tmp_path: Path) -> dict[str, tuple[dict, str]
             "FAILED_PRECONDITION",
         ),
         "unreadable checkpoint": ({"source": str(tmp_path / "nowhere")}, "INVALID_ARGUMENT"),
+        "version past the largest": (
+            {"source": {}, "policy_version": MAX_POLICY_VERSION + 1},
+            "OUT_OF_RANGE",
+        ),
     }
 
 
 @pytest.mark.parametrize(
-    "case", ["wrong shape", "unknown name", "wrong dtype", "same version", "unreadable checkpoint"]
+    "case",
+    [
+        "wrong shape",
+        "unknown name",
+        "wrong dtype",
+        "same version",
+        "unreadable checkpoint",
+        "version past the largest",
+    ],
 )
 def test_a_refused_update_changes_nothing(tiny_llama: Path, tmp_path: Path, case: str) -> None:
     engine = make_engine(tiny_llama, policy_version=5)
@@ -224,3 +243,38 @@ def test_live_weights_mutates_in_place_and_publishes_a_version(
     assert greedy(engine) == greedy(make_engine(checkpoint_b))
     with pytest.raises(WeightUpdateError), engine.live_weights(policy_version=2):
         pass
+
+
+def parameters(engine: LLMEngine) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in engine.model.named_parameters()}
+
+
+def test_the_next_version_after_the_largest_is_out_of_range_and_changes_nothing(
+    tiny_llama: Path, checkpoint_b: Path
+) -> None:
+    engine = make_engine(tiny_llama, policy_version=MAX_POLICY_VERSION)
+    before = parameters(engine)
+    for inflight in (InflightPolicy.DRAIN, InflightPolicy.CONTINUE):
+        with pytest.raises(WeightUpdateError) as err:
+            engine.update_weights(checkpoint_b, inflight=inflight)  # 0 = served + 1
+        assert err.value.code == "OUT_OF_RANGE"
+    with pytest.raises(WeightUpdateError) as err, engine.live_weights() as params:
+        params["model.norm.weight"].zero_()  # never reached
+    assert err.value.code == "OUT_OF_RANGE"
+    stats = engine.stats()
+    assert stats.policy_version == MAX_POLICY_VERSION and not stats.updating_weights
+    assert all(torch.equal(p, before[name]) for name, p in parameters(engine).items())
+    assert engine.generate([PROMPT], GREEDY)[0].policy_versions == [MAX_POLICY_VERSION] * 12
+
+
+def test_the_largest_version_itself_is_accepted(tiny_llama: Path, checkpoint_b: Path) -> None:
+    engine = make_engine(tiny_llama, policy_version=MAX_POLICY_VERSION - 1)
+    applied = engine.update_weights(checkpoint_b)
+    assert applied.policy_version == engine.stats().policy_version == MAX_POLICY_VERSION
+
+
+def test_a_start_version_outside_the_range_is_refused() -> None:
+    for version in (-1, MAX_POLICY_VERSION + 1):
+        with pytest.raises(ValueError, match="policy_version"):
+            EngineConfig(model="demo", policy_version=version)
+    assert EngineConfig(model="demo", policy_version=MAX_POLICY_VERSION).policy_version
