@@ -12,7 +12,7 @@ import itertools
 import random
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,7 +125,12 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._arrivals = itertools.count()
         self.update: PendingUpdate | None = None
-        self.weight_events: list[WeightsProgress] = []  # for the process loop to publish
+        # Weight-update progress goes to `weights_sink` as it happens when one is installed
+        # (the process loop sends it down the pipe, so a long staging is never silent), else
+        # it collects in `weight_events`.
+        self.weights_sink: Callable[[WeightsProgress], None] | None = None
+        self.weight_events: list[WeightsProgress] = []
+        self.last_final: WeightsProgress | None = None  # the last APPLIED or FAILED
         self.lock = threading.RLock()  # step() and weight mutation from a trainer thread
         name = "demo" if config.model == "demo" else Path(config.model).name
         self.info = ModelInfo(
@@ -416,8 +421,9 @@ class LLMEngine:
         self, msg: UpdateWeights, tensors: Mapping[str, torch.Tensor] | None = None
     ) -> None:
         """Accept an update; it applies now (ABORT, CONTINUE, RECOMPUTE) or once running
-        requests have finished (DRAIN). Progress goes to `weight_events`, ending with one
-        APPLIED or FAILED. `tensors` is the in-process source (no file, no checkpoint)."""
+        requests have finished (DRAIN). Progress goes to `weights_sink` (or `weight_events`),
+        ending with one APPLIED or FAILED. `tensors` is the in-process source (no file, no
+        checkpoint)."""
         with self.lock:
             if self.update is not None:
                 self._weights_failed(msg, "FAILED_PRECONDITION", "an update is in progress")
@@ -457,9 +463,9 @@ class LLMEngine:
         self.start_weight_update(msg, tensors)
         while self.update is not None and self.update.msg is msg:
             self.pending += self.step()
-        mine = [e for e in self.weight_events if e.update_id == msg.update_id]
         self.weight_events = [e for e in self.weight_events if e.update_id != msg.update_id]
-        final = mine[-1]
+        final = self.last_final
+        assert final is not None and final.update_id == msg.update_id
         if final.phase is WeightsPhase.FAILED:
             raise WeightUpdateError(final.error_code, final.message)
         return final
@@ -576,7 +582,7 @@ class LLMEngine:
         event = WeightsProgress(
             update.msg.update_id, phase, policy_version=update.version, **fields
         )
-        self.weight_events.append(event)
+        self._emit(event)
 
     def _end_update(self, phase: WeightsPhase, **fields: Any) -> None:
         assert self.update is not None
@@ -588,7 +594,15 @@ class LLMEngine:
         failed = WeightsProgress(
             msg.update_id, WeightsPhase.FAILED, error_code=code, message=message
         )
-        self.weight_events.append(failed)
+        self._emit(failed)
+
+    def _emit(self, event: WeightsProgress) -> None:
+        if event.final:
+            self.last_final = event
+        if self.weights_sink is not None:
+            self.weights_sink(event)
+        else:
+            self.weight_events.append(event)
 
     # ---- batch API ----
 

@@ -3,6 +3,13 @@
 Started by the service with the 'spawn' context as `engine_main(config, conn)`. The loop:
 1. drain the pipe (block only when idle), 2. step, 3. publish one StepOutput per step.
 This module imports torch only inside `engine_main`, so the service can name it as a target.
+
+The service declares the engine hung when nothing arrives for its stall timeout while work is
+in flight, so the engine is never silent for long: every loop iteration sends something (a
+StepOutput for each step, a Heartbeat when idle, at least every HEARTBEAT_INTERVAL_S), and a
+weight update's progress goes down the pipe while its tensors load, not after.
+NOTE: one step (a forward of at most max_num_batched_tokens) and the staging of one tensor
+must each fit in the stall timeout; nothing is sent in the middle of either.
 """
 
 from __future__ import annotations
@@ -55,6 +62,9 @@ def engine_main(config: EngineConfig, conn: Connection) -> None:
 
 
 def _serve(engine: LLMEngine, conn: Connection) -> None:
+    # Weight-update progress is sent as it happens (throttled by the engine), also from
+    # inside a long staging; a swap at a step's start is announced before that step's tokens.
+    engine.weights_sink = conn.send
     while True:
         # 1. Drain every waiting message; block (up to a heartbeat) only when idle.
         timeout = 0.0 if engine.has_work() else HEARTBEAT_INTERVAL_S
@@ -65,21 +75,14 @@ def _serve(engine: LLMEngine, conn: Connection) -> None:
                 conn.send(StepOutput(engine.step(), engine.stats()))
                 return
             _handle(engine, conn, msg)
-            _publish_weight_events(engine, conn)
             timeout = 0.0
         if not engine.has_work():
             conn.send(Heartbeat(engine.stats()))
             continue
-        # 2. Step, 3. publish (a weight swap at the step's start is announced before its tokens).
+        # 2. Step, 3. publish: one StepOutput per step, even an empty one (it is also the
+        # engine's sign of life while it works).
         outputs = engine.step()
-        _publish_weight_events(engine, conn)
         conn.send(StepOutput(outputs, engine.stats()))
-
-
-def _publish_weight_events(engine: LLMEngine, conn: Connection) -> None:
-    events, engine.weight_events = engine.weight_events, []
-    for event in events:
-        conn.send(event)
 
 
 def _handle(engine: LLMEngine, conn: Connection, msg: ToEngine) -> None:

@@ -16,6 +16,7 @@ from engine.messages import (
     TensorRef,
     UpdateWeights,
     WeightsPhase,
+    WeightsProgress,
 )
 from engine.weight_update import WeightUpdateError
 
@@ -278,3 +279,15 @@ def test_a_start_version_outside_the_range_is_refused() -> None:
         with pytest.raises(ValueError, match="policy_version"):
             EngineConfig(model="demo", policy_version=version)
     assert EngineConfig(model="demo", policy_version=MAX_POLICY_VERSION).policy_version
+
+
+def test_progress_goes_to_an_installed_sink_and_update_weights_still_answers(
+    tiny_llama: Path, checkpoint_b: Path
+) -> None:
+    engine = make_engine(tiny_llama)
+    received: list[WeightsProgress] = []
+    engine.weights_sink = received.append
+    applied = engine.update_weights(checkpoint_b)
+    assert applied.phase == WeightsPhase.APPLIED and received[-1] == applied
+    assert [e.phase for e in received[:2]] == [WeightsPhase.PAUSED, WeightsPhase.LOADING]
+    assert engine.weight_events == []
