@@ -99,7 +99,7 @@ def engine_main(config: EngineConfig, conn: Connection) -> None:
 def _serve(engine: LLMEngine, conn: Connection) -> None:
     # Weight-update progress is sent as it happens (throttled by the engine), also from
     # inside a long staging; a swap at a step's start is announced before that step's tokens.
-    engine.weights_sink = conn.send
+    engine.updater.sink = conn.send
     while True:
         # 1. Drain every waiting message; block (up to a heartbeat) only when idle.
         timeout = 0.0 if engine.has_work() else HEARTBEAT_INTERVAL_S

@@ -129,7 +129,7 @@ def test_drain_lets_running_requests_finish_on_the_old_weights_and_holds_new_one
     new = [o for o in outputs if o.request_id == "new"]
     assert {o.policy_version for o in old} == {0} and {o.policy_version for o in new} == {1}
     assert [t for o in new for t in o.new_token_ids] == greedy(make_engine(checkpoint_b))
-    phases = [e.phase for e in engine.weight_events]
+    phases = [e.phase for e in engine.updater.events]
     assert phases[0] == WeightsPhase.PAUSED and phases[-1] == WeightsPhase.APPLIED
 
 
@@ -215,7 +215,7 @@ def test_a_tensor_file_update_changes_exactly_the_tensors_it_names(
         "file", 5, InflightPolicy.CONTINUE, tensor_file=str(path), tensors=tuple(refs)
     )
     engine.start_weight_update(msg)
-    assert engine.weight_events[-1].phase == WeightsPhase.APPLIED
+    assert engine.updater.events[-1].phase == WeightsPhase.APPLIED
     assert engine.stats().policy_version == 5
     for name, param in engine.model.named_parameters():
         expected = new.get(name, before[name])
@@ -286,8 +286,8 @@ def test_progress_goes_to_an_installed_sink_and_update_weights_still_answers(
 ) -> None:
     engine = make_engine(tiny_llama)
     received: list[WeightsProgress] = []
-    engine.weights_sink = received.append
+    engine.updater.sink = received.append
     applied = engine.update_weights(checkpoint_b)
     assert applied.phase == WeightsPhase.APPLIED and received[-1] == applied
     assert [e.phase for e in received[:2]] == [WeightsPhase.PAUSED, WeightsPhase.LOADING]
-    assert engine.weight_events == []
+    assert engine.updater.events == []
