@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
+from engine.generation_result import GenerationResult
 from engine.messages import FinishReason, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
-    from engine.engine import GenerationResult, LLMEngine
+    from engine.engine import LLMEngine
 
 __all__ = [
     "EngineConfig",
@@ -25,8 +26,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("LLMEngine", "GenerationResult"):
-        from engine import engine as _engine_module
+    if name == "LLMEngine":
+        from engine.engine import LLMEngine
 
-        return getattr(_engine_module, name)
+        return LLMEngine
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

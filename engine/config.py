@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.messages import MAX_POLICY_VERSION
+
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch_ref", "triton")
@@ -53,5 +55,5 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}: must be at least 1 when set")
-        if self.policy_version < 0:
-            raise ValueError("policy_version: must be >= 0")
+        if not 0 <= self.policy_version <= MAX_POLICY_VERSION:
+            raise ValueError(f"policy_version: must be in [0, {MAX_POLICY_VERSION}]")

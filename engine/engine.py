@@ -1,8 +1,10 @@
 """LLMEngine: the in-process API over the model, KV cache, scheduler and sampler.
 
 Usable directly by a trainer in the same process (`generate`), and by the engine process's
-pipe loop (`add_request` / `abort` / `step`). `step()` is: expire deadlines, schedule, run,
-postprocess. Every request ends with exactly one output whose `finish_reason` is set.
+pipe loop (`add_request` / `abort` / `step`). `step()` is: schedule (after step-boundary work:
+expired deadlines, a pending weight swap), run, postprocess. Every request ends with exactly one
+output whose `finish_reason` is set. Weight updates are WeightUpdater's (engine/weight_updater.py);
+`generate`'s results are GenerationResult (engine/generation_result.py).
 """
 
 from __future__ import annotations
@@ -13,14 +15,13 @@ import random
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from engine.attention import make_backend
 from engine.config import EngineConfig
+from engine.generation_result import GenerationResult
 from engine.messages import (
     EngineStats,
     FinishReason,
@@ -30,7 +31,6 @@ from engine.messages import (
     RequestOutput,
     SamplingParams,
     UpdateWeights,
-    WeightsPhase,
     WeightsProgress,
 )
 from engine.model_runner import ModelRunner, Sampled
@@ -38,46 +38,12 @@ from engine.models.hf_config import load_model_config
 from engine.page_pool import PagePool
 from engine.prefix_cache import PrefixCache
 from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler
-from engine.weight_update import (
-    StagedWeights,
-    WeightUpdateError,
-    stage_checkpoint,
-    stage_tensor_file,
-    stage_tensors,
-)
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.weight_updater import WeightUpdater
 from engine.weights import build_model
 
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on the CPU
 GPU_MEMORY_FRACTION = 0.9  # of the memory free after loading weights, for KV on CUDA
-
-
-@dataclass
-class PendingUpdate:
-    """A weight update accepted but not yet applied (DRAIN waits for running requests)."""
-
-    msg: UpdateWeights
-    version: int  # the version it will publish
-    started: float  # time.monotonic()
-    tensors: Mapping[str, torch.Tensor] | None = None  # in-process source
-    last_progress: float = 0.0
-
-
-@dataclass
-class GenerationResult:
-    """One completion from `LLMEngine.generate`."""
-
-    prompt_token_ids: list[int]
-    index: int = 0
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = None
-    top_logprobs: list[tuple[list[int], list[float]]] | None = None
-    policy_versions: list[int] = field(default_factory=list)  # one per token
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
 
 
 class LLMEngine:
@@ -115,7 +81,6 @@ class LLMEngine:
             self.runner.attach_graphs(capture=True, compile=config.compile)
         elif config.compile:
             self.runner.attach_graphs(capture=False, compile=True)
-        self.policy_version = config.policy_version
         self.scheduler.policy_version = config.policy_version
         self.requests: dict[str, list[Request]] = {}  # request id -> its n sequences
         self.pending: list[RequestOutput] = []  # produced outside step(): errors, aborts
@@ -123,8 +88,7 @@ class LLMEngine:
         self.prompt_tokens_computed = 0
         self._rng = random.Random(config.seed)
         self._arrivals = itertools.count()
-        self.update: PendingUpdate | None = None
-        self.weight_events: list[WeightsProgress] = []  # for the process loop to publish
+        self.updater = WeightUpdater(self.model, self.scheduler, self.cache, self.abort)
         self.lock = threading.RLock()  # step() and weight mutation from a trainer thread
         name = "demo" if config.model == "demo" else Path(config.model).name
         self.info = ModelInfo(
@@ -232,8 +196,13 @@ class LLMEngine:
     def abort_all(self, reason: FinishReason, message: str | None = None) -> int:
         return self.abort(list(self.requests), reason, message)
 
+    @property
+    def policy_version(self) -> int:
+        """The version of the served weights (the scheduler holds it: it hashes prefixes)."""
+        return self.scheduler.policy_version
+
     def has_work(self) -> bool:
-        return bool(self.pending) or self.scheduler.has_work() or self.update is not None
+        return bool(self.pending) or self.scheduler.has_work() or self.updater.in_progress
 
     # ---- the step ----
 
@@ -243,18 +212,27 @@ class LLMEngine:
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
+        batch = self._schedule()
+        outputs, self.pending = self.pending, []  # ended outside the batch: aborts, errors
+        if batch:
+            outputs += self._postprocess(batch, self.runner.run(batch))
+        return outputs
+
+    def _schedule(self) -> ScheduledBatch:
+        """Step-boundary work (deadlines, a pending weight swap), then the next batch."""
         self._expire_deadlines()
-        self._advance_update()
+        self.updater.advance()
         batch = self.scheduler.schedule()
         self._end_too_big()
-        outputs, self.pending = self.pending, []
-        if not batch:
-            return outputs
         now = time.monotonic()
         for req in batch.requests:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-        sampled = self.runner.run(batch)
+        return batch
+
+    def _postprocess(self, batch: ScheduledBatch, sampled: Sampled) -> list[RequestOutput]:
+        """Count the computed tokens, publish full pages to the prefix cache, append the
+        sampled tokens; returns one output per sampled row."""
         for req, num_tokens in zip(batch.requests, batch.query_lens, strict=True):
             req.num_computed_tokens += num_tokens
             if req.num_computed_tokens <= req.prompt_len:
@@ -267,8 +245,7 @@ class LLMEngine:
                     req.num_computed_tokens,
                     req.page_hashes,
                 )
-        outputs += self._append_sampled(sampled)
-        return outputs
+        return self._append_sampled(sampled)
 
     def _append_sampled(self, sampled: Sampled) -> list[RequestOutput]:
         # NOTE: siblings fork before any token is appended: a leader that stops at its first
@@ -406,32 +383,20 @@ class LLMEngine:
             prefix_cache_queries=self.scheduler.prefix_queries,
             prefix_cache_hits=self.scheduler.prefix_hits,
             preemptions=self.scheduler.num_preemptions,
-            updating_weights=self.update is not None,
+            updating_weights=self.updater.in_progress,
         )
 
-    # ---- weight updates ----
+    # ---- weight updates (the state machine is WeightUpdater's) ----
 
     def start_weight_update(
         self, msg: UpdateWeights, tensors: Mapping[str, torch.Tensor] | None = None
     ) -> None:
         """Accept an update; it applies now (ABORT, CONTINUE, RECOMPUTE) or once running
-        requests have finished (DRAIN). Progress goes to `weight_events`, ending with one
-        APPLIED or FAILED. `tensors` is the in-process source (no file, no checkpoint)."""
+        requests have finished (DRAIN). Progress goes to `updater.sink` (or `updater.events`),
+        ending with one APPLIED or FAILED. `tensors` is the in-process source (no file, no
+        checkpoint)."""
         with self.lock:
-            version = msg.policy_version or self.policy_version + 1
-            if self.update is not None:
-                self._weights_failed(msg, "FAILED_PRECONDITION", "an update is in progress")
-                return
-            if version <= self.policy_version:
-                why = f"policy_version {version} must exceed the served {self.policy_version}"
-                self._weights_failed(msg, "FAILED_PRECONDITION", why)
-                return
-            self.update = PendingUpdate(msg, version, time.monotonic(), tensors)
-            self._weights_event(WeightsPhase.PAUSED, in_flight=len(self.scheduler.running))
-            if msg.inflight is InflightPolicy.DRAIN:
-                self.scheduler.admitting = False  # new requests wait; _advance_update swaps
-            else:
-                self._swap_weights()
+            self.updater.start(msg, tensors)
 
     def update_weights(
         self,
@@ -441,8 +406,10 @@ class LLMEngine:
         drain_timeout: float | None = None,
     ) -> WeightsProgress:
         """In-process update from a checkpoint directory or named tensors; returns APPLIED or
-        raises WeightUpdateError. DRAIN steps running requests to completion first: their
-        outputs are returned by the next step()."""
+        raises WeightUpdateError (FAILED_PRECONDITION: the version is not above the served
+        one or another update is in progress; OUT_OF_RANGE: it would pass MAX_POLICY_VERSION;
+        INVALID_ARGUMENT: bad tensors). DRAIN steps running requests to completion first:
+        their outputs are returned by the next step()."""
         tensors = None if isinstance(source, str | Path) else source
         msg = UpdateWeights(
             update_id=f"in-process-{next(self._arrivals)}",
@@ -452,129 +419,17 @@ class LLMEngine:
             drain_timeout=drain_timeout,
         )
         self.start_weight_update(msg, tensors)
-        while self.update is not None and self.update.msg is msg:
+        while self.updater.is_pending(msg):
             self.pending += self.step()
-        mine = [e for e in self.weight_events if e.update_id == msg.update_id]
-        self.weight_events = [e for e in self.weight_events if e.update_id != msg.update_id]
-        final = mine[-1]
-        if final.phase is WeightsPhase.FAILED:
-            raise WeightUpdateError(final.error_code, final.message)
-        return final
+        return self.updater.outcome(msg)
 
     @contextlib.contextmanager
     def live_weights(self, policy_version: int = 0) -> Iterator[dict[str, torch.Tensor]]:
         """Mutate the served parameters in place (a trainer in this process), then publish the
         new version on exit. Holds the engine lock throughout; running requests continue on
         their KV (CONTINUE). Nothing is published if the block raises."""
-        with self.lock:
-            version = policy_version or self.policy_version + 1
-            if self.update is not None or version <= self.policy_version:
-                raise WeightUpdateError(
-                    "FAILED_PRECONDITION",
-                    f"cannot publish version {version} over {self.policy_version} now",
-                )
-            yield dict(self.model.named_parameters())
-            self._publish_version(version, InflightPolicy.CONTINUE)
-
-    def _advance_update(self) -> None:
-        """At a step boundary: swap a draining update once nothing runs, or time it out."""
-        update = self.update
-        if update is None or update.msg.inflight is not InflightPolicy.DRAIN:
-            return
-        if not self.scheduler.running:
-            self._swap_weights()
-        elif update.msg.drain_timeout is not None:
-            waited = time.monotonic() - update.started
-            if waited > update.msg.drain_timeout:
-                running = len(self.scheduler.running)
-                why = f"drain timed out after {waited:.1f}s with {running} requests running"
-                self._end_update(WeightsPhase.FAILED, error_code="ABORTED", message=why)
-
-    def _swap_weights(self) -> None:
-        """Stage (validate) the new tensors, handle running requests, swap, publish."""
-        update = self.update
-        assert update is not None
-        try:
-            staged = self._stage(update)
-        except WeightUpdateError as exc:
-            self._end_update(WeightsPhase.FAILED, error_code=exc.code, message=exc.message)
-            return
-        running = list(self.scheduler.running)
-        counts = {"aborted": 0, "continued": 0, "recomputed": 0}
-        match update.msg.inflight:
-            case InflightPolicy.ABORT:
-                why = f"aborted by a weight update to policy version {update.version}"
-                ids = list(dict.fromkeys(req.request_id for req in running))
-                counts["aborted"] = self.abort(ids, FinishReason.ABORTED, why)
-            case InflightPolicy.RECOMPUTE:
-                counts["recomputed"] = len(running)
-                for req in running:
-                    self.scheduler.preempt(req)
-            case InflightPolicy.CONTINUE:
-                counts["continued"] = len(running)
-        staged.apply()
-        previous = self.policy_version
-        self._publish_version(update.version, update.msg.inflight)
-        self._end_update(WeightsPhase.APPLIED, previous_version=previous, **counts)
-
-    def _stage(self, update: PendingUpdate) -> StagedWeights:
-        params = dict(self.model.named_parameters())
-        msg = update.msg
-
-        def progress(bytes_done: int, tensors_done: int) -> None:
-            now = time.monotonic()
-            if now - update.last_progress >= 0.1:
-                update.last_progress = now
-                self._weights_event(
-                    WeightsPhase.LOADING, bytes_done=bytes_done, tensors_done=tensors_done
-                )
-
-        if update.tensors is not None:
-            staged = stage_tensors(params, update.tensors)
-        elif msg.checkpoint_dir is not None:
-            staged = stage_checkpoint(params, msg.checkpoint_dir, progress)
-        elif msg.tensor_file is not None:
-            staged = stage_tensor_file(params, msg.tensor_file, msg.tensors, progress)
-        else:
-            raise WeightUpdateError("INVALID_ARGUMENT", "the update names no source")
-        total, count = staged.nbytes, len(staged.tensors)
-        self._weights_event(
-            WeightsPhase.LOADING,
-            bytes_done=total,
-            bytes_total=total,
-            tensors_done=count,
-            tensors_total=count,
-        )
-        return staged
-
-    def _publish_version(self, version: int, inflight: InflightPolicy) -> None:
-        """Make `version` the served one. Cached prefixes of older weights are dropped; the KV
-        that running requests keep (CONTINUE) mixes versions, so it is never published."""
-        self.policy_version = self.scheduler.policy_version = version
-        self.cache.clear()
-        if inflight is InflightPolicy.CONTINUE:
-            for req in self.scheduler.running:
-                req.publish_pages = False
-
-    def _weights_event(self, phase: WeightsPhase, **fields: Any) -> None:
-        update = self.update
-        assert update is not None
-        event = WeightsProgress(
-            update.msg.update_id, phase, policy_version=update.version, **fields
-        )
-        self.weight_events.append(event)
-
-    def _end_update(self, phase: WeightsPhase, **fields: Any) -> None:
-        assert self.update is not None
-        self._weights_event(phase, seconds=time.monotonic() - self.update.started, **fields)
-        self.update = None
-        self.scheduler.admitting = True
-
-    def _weights_failed(self, msg: UpdateWeights, code: str, message: str) -> None:
-        failed = WeightsProgress(
-            msg.update_id, WeightsPhase.FAILED, error_code=code, message=message
-        )
-        self.weight_events.append(failed)
+        with self.lock, self.updater.live(policy_version) as params:
+            yield params
 
     # ---- batch API ----
 
@@ -600,7 +455,7 @@ class LLMEngine:
                 result = results.get((out.request_id, out.index))
                 if result is None:
                     continue  # another caller's request
-                _accumulate(result, out)
+                result.add(out)
                 remaining -= out.finished
         return [results[(rid, i)] for rid in ids for i in range(n)]
 
@@ -623,21 +478,6 @@ class LLMEngine:
         if pages < 1:
             raise ValueError(f"kv_cache_memory: {budget} bytes hold no {per_page}-byte page")
         return pages
-
-
-def _accumulate(result: GenerationResult, out: RequestOutput) -> None:
-    result.token_ids += out.new_token_ids
-    result.policy_versions += [out.policy_version] * len(out.new_token_ids)
-    if out.logprobs is not None:
-        result.logprobs = (result.logprobs or []) + out.logprobs
-    if out.top_logprobs is not None:
-        result.top_logprobs = (result.top_logprobs or []) + out.top_logprobs
-    result.prompt_tokens = out.prompt_tokens
-    result.completion_tokens = out.completion_tokens
-    result.cached_tokens = out.cached_tokens
-    if out.finished:
-        result.finish_reason = out.finish_reason
-        result.error = out.error
 
 
 def _resolve_device(name: str) -> torch.device:

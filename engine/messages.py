@@ -12,10 +12,18 @@ of a dying engine).
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 MAX_TOP_LOGPROBS = 20
 MAX_POLICY_VERSION = 2**64 - 1
+# Temperatures below this sample greedily (vLLM's threshold): dividing logits by less
+# overflows float32 to inf, and softmax of inf is NaN.
+GREEDY_TEMPERATURE = 1e-5
+# Repetition penalty scales a logit by at most 1000x; with temperature >= 1e-5 (1e5x) a logit
+# stays finite in float32 (3.4e38) unless it already exceeds 3.4e30, far above any model's.
+REPETITION_PENALTY_RANGE = (0.001, 1000.0)
+_FLOAT32_MAX = 3.4028234663852886e38  # finite Python floats above this are inf on the device
 
 
 class FinishReason(enum.StrEnum):
@@ -32,9 +40,10 @@ class FinishReason(enum.StrEnum):
 class SamplingParams:
     """Per-request sampling and stopping parameters, as the engine applies them.
 
-    temperature 0 is greedy. Log-probabilities are log_softmax of the logits after penalties
-    (and min_tokens suppression) divided by temperature (0 counts as 1), before top-k/top-p/min-p;
-    with raw_logprobs, log_softmax of the unmodified logits.
+    A temperature below GREEDY_TEMPERATURE (0 included) is greedy. Log-probabilities are
+    log_softmax of the logits after penalties (and min_tokens suppression) divided by
+    temperature (a greedy one counts as 1), before top-k/top-p/min-p; with raw_logprobs,
+    log_softmax of the unmodified logits. Every float field must be finite in float32.
     """
 
     temperature: float = 1.0
@@ -55,24 +64,34 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """The one rule for "this request samples greedily"; the engine decides by it alone."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     def errors(self, vocab_size: int | None = None) -> list[tuple[str, str]]:
-        """Every invalid field as (field name, description); empty when the params are valid."""
+        """Every invalid field as (field name, description); empty when the params are valid.
+
+        The names are SamplingParams field names; the service maps them to its request's."""
         errs: list[tuple[str, str]] = []
-        if not self.temperature >= 0.0:  # also catches NaN
-            errs.append(("temperature", "must be >= 0"))
-        if not 0.0 < self.top_p <= 1.0:
-            errs.append(("top_p", "must be in (0, 1]"))
+        low, high = REPETITION_PENALTY_RANGE
+        ranges = {
+            "temperature": (self.temperature >= 0.0, "must be >= 0"),
+            "top_p": (0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            "min_p": (0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            "frequency_penalty": (-2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            "presence_penalty": (-2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            "repetition_penalty": (
+                low <= self.repetition_penalty <= high,
+                f"must be in [{low:g}, {high:g}]",
+            ),
+        }
+        for name, (in_range, why) in ranges.items():
+            value = getattr(self, name)
+            if not (math.isfinite(value) and abs(value) <= _FLOAT32_MAX):
+                errs.append((name, "must be finite (as a float32)"))
+            elif not in_range:
+                errs.append((name, why))
         if self.top_k < 0:
             errs.append(("top_k", "must be >= 0 (0 disables top-k)"))
-        if not 0.0 <= self.min_p <= 1.0:
-            errs.append(("min_p", "must be in [0, 1]"))
-        for name in ("frequency_penalty", "presence_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                errs.append((name, "must be in [-2, 2]"))
-        if not self.repetition_penalty > 0.0:
-            errs.append(("repetition_penalty", "must be > 0"))
         if self.seed is not None and not 0 <= self.seed < 2**64:
             errs.append(("seed", "must be in [0, 2**64)"))
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -140,7 +159,7 @@ class UpdateWeights:
     """
 
     update_id: str
-    policy_version: int  # must exceed the served version; 0 = served + 1
+    policy_version: int  # must exceed the served version; 0 = served + 1; <= MAX_POLICY_VERSION
     inflight: InflightPolicy = InflightPolicy.DRAIN
     checkpoint_dir: str | None = None
     tensor_file: str | None = None
@@ -262,7 +281,8 @@ class WeightsProgress:
     continued: int = 0
     recomputed: int = 0
     seconds: float = 0.0
-    error_code: str = ""  # a grpc.StatusCode name: INVALID_ARGUMENT, FAILED_PRECONDITION, ABORTED
+    error_code: str = ""  # a grpc.StatusCode name: INVALID_ARGUMENT, FAILED_PRECONDITION,
+    # OUT_OF_RANGE (the version would pass MAX_POLICY_VERSION), ABORTED
     message: str = ""
 
     @property
@@ -313,4 +333,6 @@ __all__ = [
     "FromEngine",
     "MAX_TOP_LOGPROBS",
     "MAX_POLICY_VERSION",
+    "GREEDY_TEMPERATURE",
+    "REPETITION_PENALTY_RANGE",
 ]

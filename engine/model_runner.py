@@ -250,7 +250,8 @@ class ModelRunner:
         for row, r in enumerate(reqs):
             p = r.params
             num_output = len(r.token_ids) - r.prompt_len
-            floats += (p.temperature, p.top_p, p.min_p)
+            # Greedy rows go to the sampler as temperature 0: `greedy` is the only rule.
+            floats += (0.0 if p.greedy else p.temperature, p.top_p, p.min_p)
             ints += (r.seed & 0xFFFFFFFF, r.seed >> 32, num_output, p.top_k)
             if num_output < p.min_tokens:
                 banned += ((row, token) for token in self._stop_ids(r))

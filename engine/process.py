@@ -3,12 +3,24 @@
 Started by the service with the 'spawn' context as `engine_main(config, conn)`. The loop:
 1. drain the pipe (block only when idle), 2. step, 3. publish one StepOutput per step.
 This module imports torch only inside `engine_main`, so the service can name it as a target.
+
+The service declares the engine hung when nothing arrives for its stall timeout while work is
+in flight, so the engine is never silent for long: every loop iteration sends something (a
+StepOutput for each step, a Heartbeat when idle, at least every HEARTBEAT_INTERVAL_S), and a
+weight update's progress goes down the pipe while its tensors load, not after.
+NOTE: one step (a forward of at most max_num_batched_tokens) and the staging of one tensor
+must each fit in the stall timeout; nothing is sent in the middle of either.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import multiprocessing
+import os
+import signal
+import sys
 import traceback
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
@@ -32,10 +44,40 @@ if TYPE_CHECKING:
     from engine.engine import LLMEngine
 
 HEARTBEAT_INTERVAL_S = 1.0
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+log = logging.getLogger(__name__)
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent dies, or exit now if it already has.
+
+    EOF on the pipe ends a running engine whose service is gone, but not a stopped (SIGSTOP) or
+    hung one: without this it would be left orphaned forever after a `kill -9` of the service.
+    Linux only; elsewhere a no-op (the pipe's EOF remains the only way out).
+
+    NOTE: the signal fires when the parent *thread* that started this process exits, not the
+    whole parent process. The service starts the engine from its main (event-loop) thread, which
+    lives as long as the service; starting it from a worker thread (asyncio.to_thread, an
+    executor) would kill the engine as soon as that thread ends.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(err))
+        return
+    # The parent may have died before prctl: this process is then already re-parented (to init
+    # or a subreaper) and the signal will never come.
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        raise SystemExit(f"the parent process {parent.pid} is gone")
 
 
 def engine_main(config: EngineConfig, conn: Connection) -> None:
     """Process entry point: load the model, announce Ready, serve until Shutdown or EOF."""
+    die_with_parent()
     # Plain lines on stderr (the service's log stream): the demo model's one-time build
     # reports its progress here.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -55,6 +97,9 @@ def engine_main(config: EngineConfig, conn: Connection) -> None:
 
 
 def _serve(engine: LLMEngine, conn: Connection) -> None:
+    # Weight-update progress is sent as it happens (throttled by the engine), also from
+    # inside a long staging; a swap at a step's start is announced before that step's tokens.
+    engine.updater.sink = conn.send
     while True:
         # 1. Drain every waiting message; block (up to a heartbeat) only when idle.
         timeout = 0.0 if engine.has_work() else HEARTBEAT_INTERVAL_S
@@ -65,21 +110,14 @@ def _serve(engine: LLMEngine, conn: Connection) -> None:
                 conn.send(StepOutput(engine.step(), engine.stats()))
                 return
             _handle(engine, conn, msg)
-            _publish_weight_events(engine, conn)
             timeout = 0.0
         if not engine.has_work():
             conn.send(Heartbeat(engine.stats()))
             continue
-        # 2. Step, 3. publish (a weight swap at the step's start is announced before its tokens).
+        # 2. Step, 3. publish: one StepOutput per step, even an empty one (it is also the
+        # engine's sign of life while it works).
         outputs = engine.step()
-        _publish_weight_events(engine, conn)
         conn.send(StepOutput(outputs, engine.stats()))
-
-
-def _publish_weight_events(engine: LLMEngine, conn: Connection) -> None:
-    events, engine.weight_events = engine.weight_events, []
-    for event in events:
-        conn.send(event)
 
 
 def _handle(engine: LLMEngine, conn: Connection, msg: ToEngine) -> None:

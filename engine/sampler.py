@@ -2,7 +2,7 @@
 
 Order of operations per row (DESIGN §3):
   raw logits -> penalties (repetition, frequency, presence) and min_tokens suppression
-  -> divide by temperature (0 counts as 1)              => "processed" logits, logprobs here
+  -> divide by temperature (greedy counts as 1)         => "processed" logits, logprobs here
   -> top-k, top-p, min-p truncation -> sample (greedy rows: argmax of processed logits).
 
 Randomness is counter-based: row noise is a hash of (request seed, output index, token id),
@@ -23,7 +23,9 @@ _MASK32 = 0xFFFFFFFF
 class SamplingBatch:
     """Per-row sampling inputs for one step, built on the host, tensors on the device."""
 
-    temperature: torch.Tensor  # [rows] float; 0 = greedy
+    # [rows] float; 0 = greedy. NOTE: 0 exactly: the model runner writes 0 for every row whose
+    # params are `greedy` (a tiny temperature included), so the rule lives in SamplingParams.
+    temperature: torch.Tensor
     seeds: torch.Tensor  # [rows, 2] int64: low and high 32 bits of each request's seed
     counters: torch.Tensor  # [rows] int64: index of the token being sampled
     top_k: torch.Tensor | None = None  # [rows] int64, 0 = off; None when no row uses it

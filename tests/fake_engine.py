@@ -45,6 +45,7 @@ from engine.messages import (
     WeightsPhase,
     WeightsProgress,
 )
+from engine.process import die_with_parent
 
 TOTAL_PAGES = 64
 EOS = 1
@@ -292,4 +293,5 @@ class _FakeEngine:
 
 
 def fake_engine_main(config: EngineConfig, conn: Connection) -> None:
+    die_with_parent()  # like the real engine: never outlive the service
     _FakeEngine(config, conn).run()

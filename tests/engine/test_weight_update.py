@@ -9,7 +9,15 @@ import torch
 from tiny_models import make_checkpoint
 
 from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
-from engine.messages import InflightPolicy, RequestOutput, TensorRef, UpdateWeights, WeightsPhase
+from engine.messages import (
+    MAX_POLICY_VERSION,
+    InflightPolicy,
+    RequestOutput,
+    TensorRef,
+    UpdateWeights,
+    WeightsPhase,
+    WeightsProgress,
+)
 from engine.weight_update import WeightUpdateError
 
 PROMPT = [0, 17, 42, 99, 123, 7, 88, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # > one page of 16
@@ -121,7 +129,7 @@ def test_drain_lets_running_requests_finish_on_the_old_weights_and_holds_new_one
     new = [o for o in outputs if o.request_id == "new"]
     assert {o.policy_version for o in old} == {0} and {o.policy_version for o in new} == {1}
     assert [t for o in new for t in o.new_token_ids] == greedy(make_engine(checkpoint_b))
-    phases = [e.phase for e in engine.weight_events]
+    phases = [e.phase for e in engine.updater.events]
     assert phases[0] == WeightsPhase.PAUSED and phases[-1] == WeightsPhase.APPLIED
 
 
@@ -159,11 +167,23 @@ def bad_updates(engine: LLMEngine, tmp_path: Path) -> dict[str, tuple[dict, str]
             "FAILED_PRECONDITION",
         ),
         "unreadable checkpoint": ({"source": str(tmp_path / "nowhere")}, "INVALID_ARGUMENT"),
+        "version past the largest": (
+            {"source": {}, "policy_version": MAX_POLICY_VERSION + 1},
+            "OUT_OF_RANGE",
+        ),
     }
 
 
 @pytest.mark.parametrize(
-    "case", ["wrong shape", "unknown name", "wrong dtype", "same version", "unreadable checkpoint"]
+    "case",
+    [
+        "wrong shape",
+        "unknown name",
+        "wrong dtype",
+        "same version",
+        "unreadable checkpoint",
+        "version past the largest",
+    ],
 )
 def test_a_refused_update_changes_nothing(tiny_llama: Path, tmp_path: Path, case: str) -> None:
     engine = make_engine(tiny_llama, policy_version=5)
@@ -195,7 +215,7 @@ def test_a_tensor_file_update_changes_exactly_the_tensors_it_names(
         "file", 5, InflightPolicy.CONTINUE, tensor_file=str(path), tensors=tuple(refs)
     )
     engine.start_weight_update(msg)
-    assert engine.weight_events[-1].phase == WeightsPhase.APPLIED
+    assert engine.updater.events[-1].phase == WeightsPhase.APPLIED
     assert engine.stats().policy_version == 5
     for name, param in engine.model.named_parameters():
         expected = new.get(name, before[name])
@@ -224,3 +244,50 @@ def test_live_weights_mutates_in_place_and_publishes_a_version(
     assert greedy(engine) == greedy(make_engine(checkpoint_b))
     with pytest.raises(WeightUpdateError), engine.live_weights(policy_version=2):
         pass
+
+
+def parameters(engine: LLMEngine) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in engine.model.named_parameters()}
+
+
+def test_the_next_version_after_the_largest_is_out_of_range_and_changes_nothing(
+    tiny_llama: Path, checkpoint_b: Path
+) -> None:
+    engine = make_engine(tiny_llama, policy_version=MAX_POLICY_VERSION)
+    before = parameters(engine)
+    for inflight in (InflightPolicy.DRAIN, InflightPolicy.CONTINUE):
+        with pytest.raises(WeightUpdateError) as err:
+            engine.update_weights(checkpoint_b, inflight=inflight)  # 0 = served + 1
+        assert err.value.code == "OUT_OF_RANGE"
+    with pytest.raises(WeightUpdateError) as err, engine.live_weights() as params:
+        params["model.norm.weight"].zero_()  # never reached
+    assert err.value.code == "OUT_OF_RANGE"
+    stats = engine.stats()
+    assert stats.policy_version == MAX_POLICY_VERSION and not stats.updating_weights
+    assert all(torch.equal(p, before[name]) for name, p in parameters(engine).items())
+    assert engine.generate([PROMPT], GREEDY)[0].policy_versions == [MAX_POLICY_VERSION] * 12
+
+
+def test_the_largest_version_itself_is_accepted(tiny_llama: Path, checkpoint_b: Path) -> None:
+    engine = make_engine(tiny_llama, policy_version=MAX_POLICY_VERSION - 1)
+    applied = engine.update_weights(checkpoint_b)
+    assert applied.policy_version == engine.stats().policy_version == MAX_POLICY_VERSION
+
+
+def test_a_start_version_outside_the_range_is_refused() -> None:
+    for version in (-1, MAX_POLICY_VERSION + 1):
+        with pytest.raises(ValueError, match="policy_version"):
+            EngineConfig(model="demo", policy_version=version)
+    assert EngineConfig(model="demo", policy_version=MAX_POLICY_VERSION).policy_version
+
+
+def test_progress_goes_to_an_installed_sink_and_update_weights_still_answers(
+    tiny_llama: Path, checkpoint_b: Path
+) -> None:
+    engine = make_engine(tiny_llama)
+    received: list[WeightsProgress] = []
+    engine.updater.sink = received.append
+    applied = engine.update_weights(checkpoint_b)
+    assert applied.phase == WeightsPhase.APPLIED and received[-1] == applied
+    assert [e.phase for e in received[:2]] == [WeightsPhase.PAUSED, WeightsPhase.LOADING]
+    assert engine.updater.events == []
