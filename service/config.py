@@ -26,13 +26,14 @@ class ServiceConfig:
     admin_token: str | None = None  # Admin needs it; unset = every Admin call PERMISSION_DENIED
     weights_dir: str | None = None  # where inline weight tensors are assembled; None = temp dir
     max_waiting: int = 1024  # admitted requests not yet started by the engine
+    max_concurrent_rpcs: int = 2048  # Generation calls running at once (Cancel not counted)
     shutdown_grace: float = 30.0  # SIGTERM: how long in-flight requests may keep running
     ready_timeout: float = 600.0
     heartbeat_timeout: float = 15.0
     stall_timeout: float = 120.0
     restart_backoff: float = 0.5  # first delay before restarting a dead engine; doubles
     restart_backoff_max: float = 30.0
-    retry_after: float = 1.0  # RetryInfo delay suggested when the waiting queue is full
+    retry_after: float = 1.0  # RetryInfo delay suggested when the queue or the call limit is full
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -42,6 +43,8 @@ class ServiceConfig:
                 raise ValueError(f"{name}: must not be empty when set")
         if self.max_waiting < 1:
             raise ValueError("max_waiting: must be at least 1")
+        if self.max_concurrent_rpcs < 1:
+            raise ValueError("max_concurrent_rpcs: must be at least 1")
         for name in (
             "shutdown_grace",
             "ready_timeout",

@@ -19,6 +19,7 @@ from sluice.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_
 
 from service.admin import AdminServicer
 from service.auth import BearerTokenInterceptor
+from service.call_limit import CallLimit
 from service.config import ServiceConfig
 from service.engine_client import EngineClient, EngineStartError, EngineState, EngineTarget
 from service.servicer import GenerationServicer
@@ -31,6 +32,16 @@ ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 HEALTH_SERVICES = ("", GENERATION_SERVICE)
 FINAL_FLUSH_S = 2.0  # after the engine stops: time for handlers to send their final events
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # long prompts, top-logprob chunks, weight tensor chunks
+# NOTE: gRPC core keeps calls that no handler has picked up yet in a pending queue. Past 1,000 of
+# them (certainly past 3,000) it cancels new ones at random, and it cancels any that waited
+# there 30 s: the caller sees CANCELLED and nothing is logged. Core must never shed load;
+# CallLimit does, with RESOURCE_EXHAUSTED, and the caller's deadline bounds the wait.
+UNBOUNDED = 2**31 - 1
+CORE_PENDING_OPTIONS = [
+    ("grpc.server.max_pending_requests", UNBOUNDED),
+    ("grpc.server.max_pending_requests_hard_limit", UNBOUNDED),
+    ("grpc.server_max_unrequested_time_in_server", UNBOUNDED),  # seconds
+]
 
 
 class SluiceServer:
@@ -55,11 +66,14 @@ class SluiceServer:
         self.health = health.aio.HealthServicer()
         # Always installed: with no admin token it is what refuses Admin (PERMISSION_DENIED).
         auth = BearerTokenInterceptor(config.api_token, config.admin_token)
+        # After auth: a call refused for its token never takes a slot.
+        self.call_limit = CallLimit(config.max_concurrent_rpcs, config.retry_after)
         self.grpc = grpc.aio.server(
-            interceptors=[auth],
+            interceptors=[auth, self.call_limit],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                *CORE_PENDING_OPTIONS,
             ],
         )
         generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.grpc)
