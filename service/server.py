@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import signal
+import socket
 import time
 
 import grpc
@@ -44,6 +46,13 @@ CORE_PENDING_OPTIONS = [
 ]
 
 
+class BindError(OSError):
+    """The server cannot listen on its address."""
+
+    def __init__(self, address: str, reason: str) -> None:
+        super().__init__(f"cannot listen on {address}: {reason}")
+
+
 class SluiceServer:
     """The grpc.aio server plus the engine it fronts. `start` returns at once; health turns
     SERVING when the engine is Ready and its tokenizer loaded (`wait_ready` waits for that)."""
@@ -74,6 +83,9 @@ class SluiceServer:
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 *CORE_PENDING_OPTIONS,
+                # A second server on a used port must fail, not share it: the two would split
+                # the connections, so a Cancel or UpdateWeights would reach only one of them.
+                ("grpc.so_reuseport", 0),
             ],
         )
         generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.grpc)
@@ -88,10 +100,11 @@ class SluiceServer:
         self._health_updates: set[asyncio.Task[None]] = set()
 
     def bind(self) -> int:
-        port = self.grpc.add_insecure_port(self.config.address)
-        if port == 0:
-            raise OSError(f"could not bind {self.config.address}")
-        return port
+        """Listen on the configured address; raises BindError if it cannot (in use, say)."""
+        try:
+            return self.grpc.add_insecure_port(self.config.address)
+        except RuntimeError as exc:  # gRPC says only that it failed, not why
+            raise BindError(self.config.address, _bind_failure(self.config)) from exc
 
     async def start(self) -> None:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -162,6 +175,22 @@ class SluiceServer:
             await self.health.set(service, status)
 
 
+def _bind_failure(config: ServiceConfig) -> str:
+    """Why the address cannot be bound, found by binding a plain socket to it."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            config.host.strip("[]"), config.port, type=socket.SOCK_STREAM
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(address)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        if exc.errno == errno.EADDRINUSE:
+            reason += " (is another server running on this port?)"
+        return reason
+    return "gRPC could not bind it"
+
+
 def create_server(
     config: ServiceConfig, engine_target: EngineTarget | None = None
 ) -> tuple[SluiceServer, int]:
@@ -174,7 +203,11 @@ def create_server(
 
 async def serve(config: ServiceConfig) -> int:
     """Run until SIGTERM or SIGINT, then drain and stop. Returns the process exit code."""
-    server, port = create_server(config)
+    try:
+        server, port = create_server(config)
+    except BindError as exc:
+        log.error("server.bind_failed", address=config.address, error=str(exc))
+        return 1
     await server.start()
     log.info("server.listening", host=config.host, port=port, address=f"{config.host}:{port}")
     stop = asyncio.Event()
