@@ -30,13 +30,14 @@ class ServiceConfig:
     admin_token: str | None = None  # Admin needs it; unset = every Admin call PERMISSION_DENIED
     weights_dir: str | None = None  # where inline weight tensors are assembled; None = temp dir
     max_waiting: int = 1024  # admitted requests not yet started by the engine
+    max_concurrent_rpcs: int = 2048  # Generation calls running at once (Cancel not counted)
     shutdown_grace: float = 30.0  # SIGTERM: how long in-flight requests may keep running
     ready_timeout: float = 600.0
     heartbeat_timeout: float = 15.0
     stall_timeout: float = 120.0
     restart_backoff: float = 0.5  # first delay before restarting a dead engine; doubles
     restart_backoff_max: float = 30.0
-    retry_after: float = 1.0  # RetryInfo delay suggested when the waiting queue is full
+    retry_after: float = 1.0  # RetryInfo delay suggested when the queue or the call limit is full
     engine_exit_timeout: float = 3.0
     # Requests and updates queued for the engine but not yet written to its pipe; past this the
     # engine is not keeping up (or is hung) and new requests are refused UNAVAILABLE.
@@ -52,6 +53,8 @@ class ServiceConfig:
             raise ValueError("max_waiting: must be at least 1")
         if self.max_pipe_backlog_bytes < 1:
             raise ValueError("max_pipe_backlog_bytes: must be at least 1")
+        if self.max_concurrent_rpcs < 1:
+            raise ValueError("max_concurrent_rpcs: must be at least 1")
         for name in (
             "shutdown_grace",
             "ready_timeout",

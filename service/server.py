@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import signal
+import socket
 import time
 
 import grpc
@@ -19,6 +21,7 @@ from sluice.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_
 
 from service.admin import AdminServicer
 from service.auth import BearerTokenInterceptor
+from service.call_limit import CallLimit
 from service.config import ServiceConfig
 from service.engine_client import EngineClient, EngineStartError, EngineState, EngineTarget
 from service.servicer import GenerationServicer
@@ -31,6 +34,23 @@ ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 HEALTH_SERVICES = ("", GENERATION_SERVICE)
 FINAL_FLUSH_S = 2.0  # after the engine stops: time for handlers to send their final events
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # long prompts, top-logprob chunks, weight tensor chunks
+# NOTE: gRPC core keeps calls that no handler has picked up yet in a pending queue. Past 1,000 of
+# them (certainly past 3,000) it cancels new ones at random, and it cancels any that waited
+# there 30 s: the caller sees CANCELLED and nothing is logged. Core must never shed load;
+# CallLimit does, with RESOURCE_EXHAUSTED, and the caller's deadline bounds the wait.
+UNBOUNDED = 2**31 - 1
+CORE_PENDING_OPTIONS = [
+    ("grpc.server.max_pending_requests", UNBOUNDED),
+    ("grpc.server.max_pending_requests_hard_limit", UNBOUNDED),
+    ("grpc.server_max_unrequested_time_in_server", UNBOUNDED),  # seconds
+]
+
+
+class BindError(OSError):
+    """The server cannot listen on its address."""
+
+    def __init__(self, address: str, reason: str) -> None:
+        super().__init__(f"cannot listen on {address}: {reason}")
 
 
 class SluiceServer:
@@ -46,11 +66,17 @@ class SluiceServer:
         self.health = health.aio.HealthServicer()
         # Always installed: with no admin token it is what refuses Admin (PERMISSION_DENIED).
         auth = BearerTokenInterceptor(config.api_token, config.admin_token)
+        # After auth: a call refused for its token never takes a slot.
+        self.call_limit = CallLimit(config.max_concurrent_rpcs, config.retry_after)
         self.grpc = grpc.aio.server(
-            interceptors=[auth],
+            interceptors=[auth, self.call_limit],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                *CORE_PENDING_OPTIONS,
+                # A second server on a used port must fail, not share it: the two would split
+                # the connections, so a Cancel or UpdateWeights would reach only one of them.
+                ("grpc.so_reuseport", 0),
             ],
         )
         generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.grpc)
@@ -65,10 +91,11 @@ class SluiceServer:
         self._health_updates: set[asyncio.Task[None]] = set()
 
     def bind(self) -> int:
-        port = self.grpc.add_insecure_port(self.config.address)
-        if port == 0:
-            raise OSError(f"could not bind {self.config.address}")
-        return port
+        """Listen on the configured address; raises BindError if it cannot (in use, say)."""
+        try:
+            return self.grpc.add_insecure_port(self.config.address)
+        except RuntimeError as exc:  # gRPC says only that it failed, not why
+            raise BindError(self.config.address, _bind_failure(self.config)) from exc
 
     async def start(self) -> None:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -139,6 +166,22 @@ class SluiceServer:
             await self.health.set(service, status)
 
 
+def _bind_failure(config: ServiceConfig) -> str:
+    """Why the address cannot be bound, found by binding a plain socket to it."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            config.host.strip("[]"), config.port, type=socket.SOCK_STREAM
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(address)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        if exc.errno == errno.EADDRINUSE:
+            reason += " (is another server running on this port?)"
+        return reason
+    return "gRPC could not bind it"
+
+
 def create_server(
     config: ServiceConfig, engine_target: EngineTarget | None = None
 ) -> tuple[SluiceServer, int]:
@@ -151,7 +194,11 @@ def create_server(
 
 async def serve(config: ServiceConfig) -> int:
     """Run until SIGTERM or SIGINT, then drain and stop. Returns the process exit code."""
-    server, port = create_server(config)
+    try:
+        server, port = create_server(config)
+    except BindError as exc:
+        log.error("server.bind_failed", address=config.address, error=str(exc))
+        return 1
     await server.start()
     log.info("server.listening", host=config.host, port=port, address=f"{config.host}:{port}")
     stop = asyncio.Event()

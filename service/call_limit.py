@@ -1,0 +1,128 @@
+"""CallLimit: a bound on the Generation calls the server runs at once.
+
+A call over the bound ends at once with RESOURCE_EXHAUSTED and google.rpc.RetryInfo, and is
+logged. Without this bound a burst piles up in gRPC core, which sheds what it cannot queue by
+cancelling calls before they reach a handler: the caller sees CANCELLED and nothing is logged.
+
+Health, reflection and Admin are not counted (probes and operators must get through an
+overload), nor is Generation's Cancel, which frees capacity rather than taking it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+
+from service.admission import Refusal
+
+log = structlog.get_logger("sluice.call_limit")
+
+LIMITED_PREFIX = "/sluice.v1.Generation/"
+EXEMPT_METHODS = frozenset({"/sluice.v1.Generation/Cancel"})
+
+
+class CallLimit(grpc.aio.ServerInterceptor):
+    """Counts the limited calls that are running; refuses a new one when `limit` are.
+
+    A call takes its slot when its handler starts and gives it back when the handler ends, by
+    any path: done, refused, failed, or cancelled because the client left. A call whose request
+    could not even be decoded never starts its handler and so never takes a slot.
+    """
+
+    def __init__(self, limit: int, retry_after: float) -> None:
+        assert limit >= 1
+        self.limit = limit
+        self.retry_after = retry_after
+        self.in_use = 0  # limited calls whose handler is running now
+        self.refused = 0  # calls refused since start
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method: str = handler_call_details.method
+        if handler is None or not method.startswith(LIMITED_PREFIX) or method in EXEMPT_METHODS:
+            return handler
+        return self._counted(handler, method)
+
+    def _take(self, method: str) -> grpc.Status | None:
+        """Take a slot, or return the status that refuses the call. No await: the check and
+        the increment are one step on the event loop."""
+        if self.in_use < self.limit:
+            self.in_use += 1
+            return None
+        self.refused += 1
+        log.warning(
+            "request.refused",
+            code="RESOURCE_EXHAUSTED",
+            method=method,
+            limit=self.limit,
+            refused=self.refused,
+        )
+        refusal = Refusal(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"the server is running its limit of {self.limit} calls (--max-concurrent-rpcs)",
+            retry_after=self.retry_after,
+        )
+        return refusal.to_status()
+
+    def _release(self) -> None:
+        assert self.in_use > 0
+        self.in_use -= 1
+
+    def _counted(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        """A handler of the same streaming kind as `handler` that holds a slot while it runs.
+
+        Streaming responses must come from an async generator (as every Generation handler
+        does), not from `context.write`."""
+
+        def unary(inner: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+            async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                refusal = self._take(method)
+                if refusal is not None:
+                    await context.abort_with_status(refusal)
+                try:
+                    return await inner(request, context)
+                finally:
+                    self._release()
+
+            return behavior
+
+        def streaming(
+            inner: Callable[..., AsyncIterator[Any]],
+        ) -> Callable[..., AsyncIterator[Any]]:
+            async def behavior(
+                request: Any, context: grpc.aio.ServicerContext
+            ) -> AsyncIterator[Any]:
+                refusal = self._take(method)
+                if refusal is not None:
+                    await context.abort_with_status(refusal)
+                try:
+                    # NOTE: a client that leaves cancels the task iterating this generator;
+                    # the CancelledError passes through here and `finally` gives the slot back.
+                    async for response in inner(request, context):
+                        yield response
+                finally:
+                    self._release()
+
+            return behavior
+
+        des, ser = handler.request_deserializer, handler.response_serializer
+        match handler.request_streaming, handler.response_streaming:
+            case False, False:
+                return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), des, ser)
+            case False, True:
+                return grpc.unary_stream_rpc_method_handler(
+                    streaming(handler.unary_stream), des, ser
+                )
+            case True, False:
+                return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), des, ser)
+            case _:
+                return grpc.stream_stream_rpc_method_handler(
+                    streaming(handler.stream_stream), des, ser
+                )
