@@ -108,6 +108,19 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="Generation calls running at once; more are RESOURCE_EXHAUSTED (Cancel exempt)",
     )
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds, on SIGTERM")
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=120.0,
+        help="seconds without engine progress while work is in flight before it is restarted "
+        "(must exceed the longest engine step)",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=15.0,
+        help="seconds without a heartbeat from an idle engine before it is restarted",
+    )
     p.add_argument("--policy-version", type=int, default=0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -145,6 +158,8 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         max_waiting=args.max_waiting,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
         shutdown_grace=args.shutdown_grace,
+        stall_timeout=args.stall_timeout,
+        heartbeat_timeout=args.heartbeat_timeout,
     )
 
 
@@ -157,7 +172,12 @@ def run_serve(args: argparse.Namespace) -> int:
     from service.server import serve
 
     configure_logging(args.log_level)
-    return asyncio.run(serve(service_config(args)))
+    try:
+        config = service_config(args)
+    except (ValueError, OSError) as exc:  # a bad flag value or an unreadable token file
+        print(f"sluice serve: {exc}", file=sys.stderr)
+        return 1
+    return asyncio.run(serve(config))
 
 
 def run_generate(args: argparse.Namespace) -> int:
