@@ -51,6 +51,8 @@ if [[ $MODE == smoke ]]; then
     --max-concurrency 4 --threads 1 ${rate:+--offline-rate "$rate"}
   run prefix bench.prefix --shape tiny --groups 2 --waves 2 --prefix-len 64 --max-tokens 2 \
     --threads 1
+  # 18 s of mixed traffic: a checkpoint update, an inline update, then an engine kill -9.
+  run soak bench.soak --minutes 0.3 --update-every 8 --kill-every 15
 else
   # --repeat: engine and HF runs alternate and each side's best counts; likewise the serving
   # benchmark's offline reference runs and its rate-inf phases (a busy machine only slows runs).
