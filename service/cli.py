@@ -101,6 +101,12 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--weights-dir", help="where inline weight updates are assembled (temp dir)")
     p.add_argument("--max-waiting", type=int, default=1024, help="waiting queue bound")
+    p.add_argument(
+        "--max-message-bytes",
+        type=parse_bytes,
+        default="16M",
+        help="largest request message (prompt, weight chunk); larger ones: RESOURCE_EXHAUSTED",
+    )
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds, on SIGTERM")
     p.add_argument("--policy-version", type=int, default=0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -137,6 +143,7 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         admin_token=_read_token(args.admin_token_file),
         weights_dir=args.weights_dir,
         max_waiting=args.max_waiting,
+        max_message_bytes=args.max_message_bytes,
         shutdown_grace=args.shutdown_grace,
     )
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 
 MAX_REQUEST_ID_LENGTH = 256
+MIN_MESSAGE_BYTES = 64 * 1024  # below this even ordinary requests and weight chunks break
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class ServiceConfig:
     restart_backoff: float = 0.5  # first delay before restarting a dead engine; doubles
     restart_backoff_max: float = 30.0
     retry_after: float = 1.0  # RetryInfo delay suggested when the waiting queue is full
+    # The largest request message: a prompt of a million tokens is about 5 MiB as ids (4 MiB as
+    # text); the clients send inline weights in chunks of 4 MiB.
+    max_message_bytes: int = 16 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -42,6 +46,8 @@ class ServiceConfig:
                 raise ValueError(f"{name}: must not be empty when set")
         if self.max_waiting < 1:
             raise ValueError("max_waiting: must be at least 1")
+        if self.max_message_bytes < MIN_MESSAGE_BYTES:
+            raise ValueError(f"max_message_bytes: must be at least {MIN_MESSAGE_BYTES}")
         for name in (
             "shutdown_grace",
             "ready_timeout",

@@ -30,7 +30,7 @@ GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].fu
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 HEALTH_SERVICES = ("", GENERATION_SERVICE)
 FINAL_FLUSH_S = 2.0  # after the engine stops: time for handlers to send their final events
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # long prompts, top-logprob chunks, weight tensor chunks
+MAX_SEND_MESSAGE_BYTES = 64 * 1024 * 1024  # a chunk of many tokens with top logprobs
 
 
 class SluiceServer:
@@ -58,8 +58,9 @@ class SluiceServer:
         self.grpc = grpc.aio.server(
             interceptors=[auth],
             options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                # Larger messages are refused (RESOURCE_EXHAUSTED) before they are parsed.
+                ("grpc.max_receive_message_length", config.max_message_bytes),
+                ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES),
             ],
         )
         generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.grpc)

@@ -17,7 +17,7 @@ from sluice.v1 import generation_pb2 as pb
 from sluice.v1 import generation_pb2_grpc
 
 from engine.messages import FinishReason, RequestOutput
-from service.admission import Admission, Refusal, admit
+from service.admission import Admission, Refusal, admit, invalid_argument, text_violations
 from service.completion import Completion
 from service.config import ServiceConfig
 from service.engine_client import EngineClient, EngineState, EngineUnavailableError
@@ -122,9 +122,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        if self.tokenizer is None:
+        if self.tokenizer is None or self.engine.info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is not loaded yet")
-        assert self.tokenizer is not None
+        assert self.tokenizer is not None and self.engine.info is not None
+        # A text that could not be a prompt is not encoded either (the work grows with it).
+        violations = text_violations(request.text, self.engine.info, self.tokenizer)
+        if violations:
+            await context.abort_with_status(invalid_argument(violations).to_status())
         ids = await self.tokenizer.encode(request.text, request.add_special_tokens)
         return pb.TokenizeResponse(token_ids=ids)
 

@@ -22,8 +22,10 @@ from sluice.v1 import admin_pb2 as apb
 from sluice.v1 import admin_pb2_grpc
 from sluice.v1 import generation_pb2 as pb
 from sluice_client import AsyncClient, Client, build_header, build_request
+from sluice_client.weights import DEFAULT_CHUNK_BYTES
 
 from service import cli
+from service.config import ServiceConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -351,6 +353,24 @@ async def test_the_client_library_splits_inline_tensors_into_chunks(admin, model
     assert applied.policy_version > 0
     described = json.loads((model_dir / "last_update.json").read_text())
     assert described["big"]["sha256"] == hashlib.sha256(data).hexdigest()
+
+
+async def test_the_clients_default_chunks_fit_under_the_default_receive_limit(admin, model_dir):
+    data = bytes(range(256)) * (DEFAULT_CHUNK_BYTES // 256 + 1)  # one full chunk and a bit
+    applied = await asyncio.to_thread(
+        admin.update_weights_inline, {"big": ("F32", [len(data) // 4], data)}
+    )
+    assert applied.policy_version > 0
+    described = json.loads((model_dir / "last_update.json").read_text())
+    assert described["big"]["sha256"] == hashlib.sha256(data).hexdigest()
+    assert ServiceConfig.max_message_bytes >= DEFAULT_CHUNK_BYTES * 2  # room to spare
+
+
+async def test_sluice_serve_takes_the_receive_limit_as_a_size():
+    config = cli.service_config(cli.build_parser().parse_args(["serve"]))
+    assert config.max_message_bytes == 16 * 2**20
+    args = cli.build_parser().parse_args(["serve", "--max-message-bytes", "8MiB"])
+    assert cli.service_config(args).max_message_bytes == 8 * 2**20
 
 
 @pytest.mark.parametrize(

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
 import pytest_asyncio
+from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from service_harness import make_fake_model, running_server
 from sluice.v1 import generation_pb2 as pb
@@ -183,6 +185,13 @@ BAD_REQUESTS = [
     ("n zero", build_request("a", n=0), "n"),
     ("n above max_num_seqs", build_request("a", n=9), "n"),
     ("empty stop string", build_request("a", stop=[""]), "stop.stop"),
+    ("33 stop strings", build_request("a", stop=[f"s{i}" for i in range(33)]), "stop.stop"),
+    ("257-character stop string", build_request("a", stop=["s" * 257]), "stop.stop"),
+    ("257 stop token ids", build_request("a", stop_token_ids=[2] * 257), "stop.stop_token_ids"),
+    # 64 tokens of at most 7 bytes (the tiny tokenizer's longest, "unhappy") are 448 bytes.
+    ("text longer than the context can hold", build_request("a" * 449), "text"),
+    # Judged by length before any id is looked at.
+    ("as many ids as the context", build_request([0] * 63 + [999]), "prompt"),
     ("long request id", build_request("a", request_id="x" * 300), "request_id"),
     ("prompt too long", build_request([0] * 64), "prompt"),
 ]
@@ -195,13 +204,52 @@ async def test_bad_field_is_invalid_argument_naming_it(client, name, request_, f
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await client.complete(request_)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    status = rpc_status.from_call(err.value)
-    assert status is not None
-    from google.rpc import error_details_pb2
+    assert field in violated_fields(err.value)
 
+
+def violated_fields(error: grpc.aio.AioRpcError) -> list[str]:
+    """The fields a refusal's google.rpc.BadRequest names."""
+    status = rpc_status.from_call(error)
+    assert status is not None
     bad = error_details_pb2.BadRequest()
     assert status.details[0].Unpack(bad)
-    assert field in [v.field for v in bad.field_violations]
+    return [v.field for v in bad.field_violations]
+
+
+@pytest.fixture
+def tokenizing_fails(server, monkeypatch):
+    """Encoding any text in the server raises: a test passes only if nothing was encoded."""
+
+    async def encode(text, add_special_tokens=True):
+        raise AssertionError(f"{len(text)} characters were encoded")
+
+    monkeypatch.setattr(server[0].servicer.tokenizer, "encode", encode)
+
+
+async def test_a_10_mb_prompt_is_refused_without_tokenizing_it(client, tokenizing_fails):
+    started = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.complete("unhappy " * (10 * 2**20 // 8), max_tokens=1)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "text" in violated_fields(err.value)
+    assert time.monotonic() - started < 2.0
+
+
+async def test_tokenize_refuses_a_text_that_could_not_be_a_prompt(client, tokenizing_fails):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.tokenize("x" * 100_000)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert violated_fields(err.value) == ["text"]
+
+
+async def test_a_message_above_the_receive_limit_is_refused_and_the_server_serves_on(
+    client, tokenizing_fails
+):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.complete("x" * (17 * 2**20), max_tokens=1)  # default limit: 16 MiB
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    completion = await client.complete([0, 9], max_tokens=2)
+    assert completion.reason == "LENGTH"
 
 
 async def test_newer_min_policy_version_is_failed_precondition(client):
