@@ -20,6 +20,7 @@ from sluice.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_
 from service.admin import AdminServicer
 from service.auth import BearerTokenInterceptor
 from service.config import ServiceConfig
+from service.decoding import DecodingInterceptor
 from service.engine_client import EngineClient, EngineStartError, EngineState, EngineTarget
 from service.servicer import GenerationServicer
 from service.tokenizer import Tokenizer
@@ -56,7 +57,8 @@ class SluiceServer:
         # Always installed: with no admin token it is what refuses Admin (PERMISSION_DENIED).
         auth = BearerTokenInterceptor(config.api_token, config.admin_token)
         self.grpc = grpc.aio.server(
-            interceptors=[auth],
+            # In this order: a caller without the token gets its refusal before any parsing.
+            interceptors=[auth, DecodingInterceptor()],
             options=[
                 # Larger messages are refused (RESOURCE_EXHAUSTED) before they are parsed.
                 ("grpc.max_receive_message_length", config.max_message_bytes),

@@ -383,6 +383,8 @@ async def test_sluice_serve_takes_the_receive_limit_as_a_size():
         ([chunk("w", 0, b"\0" * 4, "F32", [2]), chunk("w", 4, b"\0" * 4, "F16")], "tensor.dtype"),
         ([], "tensor"),
         ([chunk("w", 0, b"\0" * 4, "F32", [1]), header(inline_tensors=True)], "header"),
+        ([chunk("w", 2**63, b"\0" * 4, "F32", [2**62])], "tensor.shape"),  # 2**64 bytes
+        ([chunk("w", 0, b"\0" * 4, "F32", [1] * 9)], "tensor.shape"),
     ],
 )
 async def test_bad_chunks_are_invalid_argument_and_leave_nothing_behind(
