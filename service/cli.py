@@ -107,6 +107,12 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         default="16M",
         help="largest request message (prompt, weight chunk); larger ones: RESOURCE_EXHAUSTED",
     )
+    p.add_argument(
+        "--update-idle-timeout",
+        type=float,
+        default=60.0,
+        help="seconds UpdateWeights waits for the caller's next message before failing (ABORTED)",
+    )
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds, on SIGTERM")
     p.add_argument("--policy-version", type=int, default=0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -144,6 +150,7 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         weights_dir=args.weights_dir,
         max_waiting=args.max_waiting,
         max_message_bytes=args.max_message_bytes,
+        update_idle_timeout=args.update_idle_timeout,
         shutdown_grace=args.shutdown_grace,
     )
 

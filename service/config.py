@@ -37,6 +37,9 @@ class ServiceConfig:
     # The largest request message: a prompt of a million tokens is about 5 MiB as ids (4 MiB as
     # text); the clients send inline weights in chunks of 4 MiB.
     max_message_bytes: int = 16 * 1024 * 1024
+    # UpdateWeights: the longest wait for the caller's next message (header, chunk, or the end
+    # of its stream); a stalled upload must not hold the update slot.
+    update_idle_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -48,6 +51,8 @@ class ServiceConfig:
             raise ValueError("max_waiting: must be at least 1")
         if self.max_message_bytes < MIN_MESSAGE_BYTES:
             raise ValueError(f"max_message_bytes: must be at least {MIN_MESSAGE_BYTES}")
+        if not self.update_idle_timeout > 0:
+            raise ValueError("update_idle_timeout: must be > 0")
         for name in (
             "shutdown_grace",
             "ready_timeout",

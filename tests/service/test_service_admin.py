@@ -10,7 +10,9 @@ import asyncio
 import hashlib
 import json
 import struct
-from collections.abc import Iterable
+import threading
+import time
+from collections.abc import Iterable, Iterator
 
 import grpc
 import pytest
@@ -315,6 +317,49 @@ async def test_an_engine_death_mid_update_ends_it_unavailable(model_dir):
         async with AsyncClient(target) as client:
             assert await served_version(client) == 7
         assert (await update(target, header(checkpoint_dir="/ckpt/b"))).code == grpc.StatusCode.OK
+
+
+def _stalling_call(target: str, requests: list[apb.UpdateWeightsRequest]) -> tuple[Outcome, float]:
+    """Send `requests`, then neither another message nor the end of the stream until the
+    call ends; how it ended, and after how many seconds."""
+    release = threading.Event()
+
+    def stalling() -> Iterator[apb.UpdateWeightsRequest]:
+        yield from requests
+        release.wait(timeout=30)
+
+    outcome, started = Outcome(), time.monotonic()
+    with grpc.insecure_channel(target) as channel:
+        try:
+            for event in admin_pb2_grpc.AdminStub(channel).UpdateWeights(
+                stalling(), metadata=(("authorization", f"Bearer {ADMIN_TOKEN}"),), timeout=30
+            ):
+                outcome.events.append(event)
+        except grpc.RpcError as err:
+            outcome.code, outcome.details = err.code(), err.details()
+        finally:
+            release.set()
+    return outcome, time.monotonic() - started
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [[], [header(inline_tensors=True), chunk("w", 0, floats(1.0), "F32", [2])]],
+    ids=["nothing", "header and one chunk"],
+)
+async def test_a_stalled_update_is_aborted_after_the_idle_timeout_and_frees_the_slot(
+    model_dir, tmp_path, sent
+):
+    async with running_server(
+        model_dir, admin_token=ADMIN_TOKEN, weights_dir=str(tmp_path), update_idle_timeout=0.5
+    ) as (_, target):
+        outcome, seconds = await asyncio.to_thread(_stalling_call, target, sent)
+        assert outcome.code == grpc.StatusCode.ABORTED and "idle-timeout" in outcome.details
+        assert 0.4 < seconds < 5.0
+        assert list(tmp_path.iterdir()) == []  # the half-sent tensor file is gone
+        assert (
+            await update(target, header(checkpoint_dir="/ckpt/next"))
+        ).code == grpc.StatusCode.OK
 
 
 # ---- inline tensors ----
