@@ -45,7 +45,8 @@ class _Pump:
 
 class GenerateStreamCall:
     """Reads `start` and `cancel_request_id` messages, runs each admitted request in a task of
-    its own (a pump), and merges their events into one stream.
+    its own (a pump), and merges their events into one stream. A refused start yields one
+    `refused` event (with its index among the stream's starts), never a `finished`.
 
     Every admitted request gets exactly one `finished` per index, however the stream ends. When
     reading the request stream fails (a message that does not parse, or a bug), no more starts
@@ -99,14 +100,17 @@ class GenerateStreamCall:
             await asyncio.wait(tasks, timeout=5.0)
 
     async def _read(self, requests: AsyncIterator[pb.GenerateStreamRequest]) -> None:
+        starts = 0
         async for message in requests:
             match message.WhichOneof("action"):
                 case "start":
+                    start_index, starts = starts, starts + 1
                     try:
                         admitted = await self.start(message.start)
                     except Refusal as refusal:
-                        log.info("request.refused", code=refusal.code.name)
-                        self._events.put_nowait(_refusal_event(message.start.request_id, refusal))
+                        log.info("request.refused", code=refusal.code.name, start=start_index)
+                        refused = _refused_event(message.start.request_id, start_index, refusal)
+                        self._events.put_nowait(refused)
                         continue
                     pump = _Pump(
                         admitted.request_id, admitted.prompt_tokens, set(range(admitted.n))
@@ -167,8 +171,13 @@ def _failure(reader: asyncio.Task[None]) -> Refusal | None:
     return Refusal(grpc.StatusCode.INTERNAL, f"reading the request stream failed: {error!r}")
 
 
-def _refusal_event(request_id: str, refusal: Refusal) -> pb.GenerateResponse:
-    finished = pb.Finished(
-        reason=pb.FINISH_REASON_ERROR, message=f"{refusal.code.name}: {refusal.message}"
+def _refused_event(request_id: str, start_index: int, refusal: Refusal) -> pb.GenerateResponse:
+    refused = pb.Refused(
+        code=refusal.code.value[0],  # grpc.StatusCode values are (google.rpc.Code, name)
+        message=refusal.message,
+        field_violations=[pb.FieldViolation(field=f, description=d) for f, d in refusal.violations],
+        start_index=start_index,
     )
-    return pb.GenerateResponse(request_id=request_id, finished=finished)
+    if refusal.retry_after is not None:
+        refused.retry_delay_ms = round(refusal.retry_after * 1000)
+    return pb.GenerateResponse(request_id=request_id, refused=refused)

@@ -70,9 +70,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Many requests over one stream (GenerateStreamCall). A refused `start` yields one
-        `finished` event (reason ERROR, message "<STATUS_CODE>: <why>") for its request id
-        instead of ending the stream. A request stream that fails (a message that does not
-        parse) ends the call with its status, after the `finished` of every admitted request."""
+        `refused` event instead of ending the stream. A request stream that fails (a message
+        that does not parse) ends the call with its status, after the `finished` of every
+        admitted request."""
         deadline = _deadline(context)
 
         async def start(request: pb.GenerateRequest) -> Admitted:

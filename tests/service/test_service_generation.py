@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 import pytest_asyncio
-from google.rpc import error_details_pb2
+from google.rpc import code_pb2, error_details_pb2
 from grpc_status import rpc_status
 from service_harness import make_fake_model, running_server
 from sluice.v1 import generation_pb2 as pb
@@ -164,10 +164,75 @@ async def test_generate_stream_multiplexes_and_cancels_by_id(client):
         "s2": "LENGTH",
         "s3": "LENGTH",
         "s-held": "CANCELLED",
-        "s-bad": "ERROR",
     }
-    bad = collector.completions[("s-bad", 0)]
-    assert bad.started is None and bad.finished.message.startswith("INVALID_ARGUMENT")
+    (bad,) = collector.refused
+    assert bad.request_id == "s-bad" and bad.reason == "REFUSED"
+    assert bad.refused.code == code_pb2.INVALID_ARGUMENT and bad.refused.start_index == 5
+    assert [v.field for v in bad.refused.field_violations] == ["sampling.temperature"]
+
+
+async def stream_events(client, *actions) -> list[pb.GenerateResponse]:  # type: ignore[no-untyped-def]
+    """Send ("start", request) and ("cancel", id) actions over one GenerateStream; every event."""
+    stream = client.stream()
+    for kind, value in actions:
+        if kind == "start":
+            await stream.start(value)
+        else:
+            await asyncio.sleep(0.2)  # let what came before reach the engine
+            await stream.cancel(value)
+    await stream.done_sending()
+    return [event async for event in stream]
+
+
+async def test_a_start_reusing_an_id_in_flight_is_refused_without_touching_the_original(client):
+    events = await stream_events(
+        client,
+        ("start", build_request([0, HOLD], request_id="twice", max_tokens=2)),
+        ("start", build_request([0, 5], request_id="twice", max_tokens=2)),
+        ("cancel", "twice"),
+    )
+    kinds = [e.WhichOneof("event") for e in events if e.request_id == "twice"]
+    assert sorted(kinds) == ["finished", "refused", "started"]
+    (refused,) = [e.refused for e in events if e.HasField("refused")]
+    assert refused.code == code_pb2.ALREADY_EXISTS and refused.start_index == 1
+    (finished,) = [e.finished for e in events if e.HasField("finished")]
+    assert finished.reason == pb.FINISH_REASON_CANCELLED  # the original's, from the engine
+    collector = Collector()
+    for event in events:
+        collector.add(event)
+    assert collector.completions[("twice", 0)].reason == "CANCELLED"
+    assert [c.reason for c in collector.refused] == ["REFUSED"]
+
+
+async def test_a_refused_start_without_an_id_is_known_by_its_start_index(client):
+    events = await stream_events(
+        client,
+        ("start", build_request([0, 5], request_id="first", max_tokens=1)),
+        ("cancel", "nothing-to-cancel"),  # cancels are not counted
+        ("start", build_request([0, 5], max_tokens=1)),
+        ("start", build_request([0, 5], temperature=-1.0)),
+    )
+    (refused,) = [e for e in events if e.HasField("refused")]
+    assert refused.request_id == "" and refused.refused.start_index == 2
+    assert refused.refused.code == code_pb2.INVALID_ARGUMENT
+    assert "sampling.temperature" in refused.refused.message
+    finished = [e.request_id for e in events if e.HasField("finished")]
+    assert len(finished) == 2 and "first" in finished and "" not in finished
+
+
+async def test_a_refusal_for_a_full_queue_carries_the_retry_delay(model_dir):
+    async with (
+        running_server(model_dir, max_waiting=1, retry_after=0.25) as (_, target),
+        AsyncClient(target) as client,
+    ):
+        events = await stream_events(
+            client,
+            ("start", build_request([0, HOLD], request_id="waits", max_tokens=1)),
+            ("start", build_request([0, 5], request_id="full", max_tokens=1)),
+            ("cancel", "waits"),
+        )
+    (refused,) = [e.refused for e in events if e.HasField("refused")]
+    assert refused.code == code_pb2.RESOURCE_EXHAUSTED and refused.retry_delay_ms == 250
 
 
 BAD_REQUESTS = [
