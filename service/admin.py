@@ -69,7 +69,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         request_iterator: AsyncIterator[pb.UpdateWeightsRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.UpdateWeightsProgress]:
-        messages = aiter(request_iterator)
+        messages = _arriving_within(request_iterator, self.config.update_idle_timeout)
         update_id = uuid.uuid4().hex
         try:
             header = _validated_header(await anext(messages, None))
@@ -236,6 +236,26 @@ async def _receive(
         return writer.finish()
     except ChunkError as exc:
         _invalid(exc.field, exc.message)
+
+
+async def _arriving_within(
+    messages: AsyncIterator[pb.UpdateWeightsRequest], timeout: float
+) -> AsyncIterator[pb.UpdateWeightsRequest]:
+    """`messages`, as long as each (or the end of the stream) arrives within `timeout` seconds
+    of the one before; then Refusal ABORTED. A stalled caller must not hold the update slot."""
+    iterator = aiter(messages)
+    while True:
+        try:
+            message = await asyncio.wait_for(anext(iterator), timeout)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise Refusal(
+                grpc.StatusCode.ABORTED,
+                f"the update was abandoned: no message from the caller for {timeout:g} s "
+                "(--update-idle-timeout)",
+            ) from None
+        yield message
 
 
 def _invalid(field_name: str, description: str) -> NoReturn:

@@ -22,6 +22,14 @@ from service.completion import OutputSettings
 from service.config import MAX_REQUEST_ID_LENGTH
 from service.tokenizer import Tokenizer
 
+# Stop strings are matched on every token's text. OpenAI and TGI (by default) take 4; 32 of up
+# to 256 characters leave room for chat and tool-call markers and keep matching cheap.
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 256
+# Stop token ids are checked at every step (and suppressed until min_tokens); eos variants and
+# turn markers are a handful.
+MAX_STOP_TOKEN_IDS = 256
+
 # engine.messages.SamplingParams field -> the proto field path callers see.
 FIELD_PATHS = {
     **{
@@ -119,8 +127,11 @@ def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
     )
 
 
-def field_violations(req: pb.GenerateRequest, info: ModelInfo) -> list[tuple[str, str]]:
-    """Every invalid field of a request that can be judged without tokenizing."""
+def field_violations(
+    req: pb.GenerateRequest, info: ModelInfo, tokenizer: Tokenizer
+) -> list[tuple[str, str]]:
+    """Every invalid field of a request that can be judged without tokenizing. Each check
+    costs little next to receiving the request: a prompt that cannot fit is refused here."""
     errors: list[tuple[str, str]] = []
     if len(req.request_id) > MAX_REQUEST_ID_LENGTH:
         errors.append(("request_id", f"must be at most {MAX_REQUEST_ID_LENGTH} characters"))
@@ -129,16 +140,52 @@ def field_violations(req: pb.GenerateRequest, info: ModelInfo) -> list[tuple[str
             errors.append(("prompt", "set text or token_ids"))
         case "text" if not req.text:
             errors.append(("text", "must not be empty"))
+        case "text":
+            errors += text_violations(req.text, info, tokenizer)
         case "token_ids" if not req.token_ids.ids:
             errors.append(("token_ids.ids", "must not be empty"))
+        case "token_ids" if len(req.token_ids.ids) >= info.max_model_len:
+            errors.append(("prompt", _no_room(len(req.token_ids.ids), info)))
         case "token_ids" if max(req.token_ids.ids) >= info.vocab_size:
             errors.append(("token_ids.ids", f"every id must be in [0, {info.vocab_size})"))
     if req.HasField("n") and not 1 <= req.n <= info.max_num_seqs:
         errors.append(("n", f"must be in [1, {info.max_num_seqs}] (max_num_seqs)"))
-    if any(not s for s in req.stop.stop):
-        errors.append(("stop.stop", "stop strings must not be empty"))
+    errors += _stop_violations(req.stop)
     params = sampling_params(req)
     errors += [(FIELD_PATHS.get(f, f), d) for f, d in params.errors(info.vocab_size)]
+    return errors
+
+
+def text_violations(text: str, info: ModelInfo, tokenizer: Tokenizer) -> list[tuple[str, str]]:
+    """`text` if it is too long to be a prompt, judged by its size alone (not encoded)."""
+    limit = tokenizer.max_text_bytes(info.max_model_len)
+    # A character is 1 to 4 UTF-8 bytes: most texts need no encode (a copy) to be judged.
+    if len(text) <= limit // 4:
+        return []
+    size = len(text.encode())
+    if size <= limit:
+        return []
+    return [
+        (
+            "text",
+            f"{size} bytes cannot fit in the context of {info.max_model_len} tokens "
+            f"(at most {limit} bytes for this tokenizer)",
+        )
+    ]
+
+
+def _stop_violations(stop: pb.StopParams) -> list[tuple[str, str]]:
+    errors: list[tuple[str, str]] = []
+    if len(stop.stop) > MAX_STOP_STRINGS:
+        errors.append(("stop.stop", f"at most {MAX_STOP_STRINGS} stop strings"))
+    elif any(not s for s in stop.stop):
+        errors.append(("stop.stop", "stop strings must not be empty"))
+    elif any(len(s) > MAX_STOP_STRING_CHARS for s in stop.stop):
+        errors.append(
+            ("stop.stop", f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
+        )
+    if len(stop.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        errors.append(("stop.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids"))
     return errors
 
 
@@ -154,19 +201,15 @@ async def admit(
     made right before submitting (no await in between)."""
     if deadline is not None and deadline <= time.time():
         raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline has already passed")
-    violations = field_violations(req, info)
+    violations = field_violations(req, info, tokenizer)
     if violations:
-        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, _describe(violations), violations)
+        raise invalid_argument(violations)
     if req.WhichOneof("prompt") == "text":
         prompt = await tokenizer.encode(req.text, add_special_tokens=True)
     else:
         prompt = list(req.token_ids.ids)
     if len(prompt) >= info.max_model_len:
-        violation = (
-            "prompt",
-            f"{len(prompt)} prompt tokens leave no room in the context of "
-            f"{info.max_model_len} tokens",
-        )
+        violation = ("prompt", _no_room(len(prompt), info))
         raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, violation[1], [violation])
     if req.HasField("min_policy_version") and req.min_policy_version > policy_version:
         raise Refusal(
@@ -193,5 +236,13 @@ async def admit(
     return Admission(request, output)
 
 
-def _describe(violations: list[tuple[str, str]]) -> str:
-    return "invalid request: " + "; ".join(f"{f}: {d}" for f, d in violations)
+def invalid_argument(violations: list[tuple[str, str]]) -> Refusal:
+    """The refusal of a request with these (field, description) violations."""
+    description = "; ".join(f"{f}: {d}" for f, d in violations)
+    return Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {description}", violations)
+
+
+def _no_room(prompt_tokens: int, info: ModelInfo) -> str:
+    return (
+        f"{prompt_tokens} prompt tokens leave no room in the context of {info.max_model_len} tokens"
+    )

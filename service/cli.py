@@ -107,6 +107,18 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         default=2048,
         help="Generation calls running at once; more are RESOURCE_EXHAUSTED (Cancel exempt)",
     )
+    p.add_argument(
+        "--max-message-bytes",
+        type=parse_bytes,
+        default="16M",
+        help="largest request message (prompt, weight chunk); larger ones: RESOURCE_EXHAUSTED",
+    )
+    p.add_argument(
+        "--update-idle-timeout",
+        type=float,
+        default=60.0,
+        help="seconds UpdateWeights waits for the caller's next message before failing (ABORTED)",
+    )
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds, on SIGTERM")
     p.add_argument(
         "--stall-timeout",
@@ -157,6 +169,8 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         weights_dir=args.weights_dir,
         max_waiting=args.max_waiting,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
+        max_message_bytes=args.max_message_bytes,
+        update_idle_timeout=args.update_idle_timeout,
         shutdown_grace=args.shutdown_grace,
         stall_timeout=args.stall_timeout,
         heartbeat_timeout=args.heartbeat_timeout,

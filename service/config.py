@@ -8,6 +8,7 @@ from engine.config import EngineConfig
 from engine.process import HEARTBEAT_INTERVAL_S
 
 MAX_REQUEST_ID_LENGTH = 256
+MIN_MESSAGE_BYTES = 64 * 1024  # below this even ordinary requests and weight chunks break
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,12 @@ class ServiceConfig:
     # Requests and updates queued for the engine but not yet written to its pipe; past this the
     # engine is not keeping up (or is hung) and new requests are refused UNAVAILABLE.
     max_pipe_backlog_bytes: int = 64 * 2**20
+    # The largest request message: a prompt of a million tokens is about 5 MiB as ids (4 MiB as
+    # text); the clients send inline weights in chunks of 4 MiB.
+    max_message_bytes: int = 16 * 1024 * 1024
+    # UpdateWeights: the longest wait for the caller's next message (header, chunk, or the end
+    # of its stream); a stalled upload must not hold the update slot.
+    update_idle_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -55,6 +62,10 @@ class ServiceConfig:
             raise ValueError("max_pipe_backlog_bytes: must be at least 1")
         if self.max_concurrent_rpcs < 1:
             raise ValueError("max_concurrent_rpcs: must be at least 1")
+        if self.max_message_bytes < MIN_MESSAGE_BYTES:
+            raise ValueError(f"max_message_bytes: must be at least {MIN_MESSAGE_BYTES}")
+        if not self.update_idle_timeout > 0:
+            raise ValueError("update_idle_timeout: must be > 0")
         for name in (
             "shutdown_grace",
             "ready_timeout",

@@ -23,6 +23,7 @@ from service.admin import AdminServicer
 from service.auth import BearerTokenInterceptor
 from service.call_limit import CallLimit
 from service.config import ServiceConfig
+from service.decoding import DecodingInterceptor
 from service.engine_client import EngineClient, EngineStartError, EngineState, EngineTarget
 from service.servicer import GenerationServicer
 from service.tokenizer import Tokenizer
@@ -33,7 +34,7 @@ GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].fu
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 HEALTH_SERVICES = ("", GENERATION_SERVICE)
 FINAL_FLUSH_S = 2.0  # after the engine stops: time for handlers to send their final events
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # long prompts, top-logprob chunks, weight tensor chunks
+MAX_SEND_MESSAGE_BYTES = 64 * 1024 * 1024  # a chunk of many tokens with top logprobs
 # NOTE: gRPC core keeps calls that no handler has picked up yet in a pending queue. Past 1,000 of
 # them (certainly past 3,000) it cancels new ones at random, and it cancels any that waited
 # there 30 s: the caller sees CANCELLED and nothing is logged. Core must never shed load;
@@ -69,10 +70,13 @@ class SluiceServer:
         # After auth: a call refused for its token never takes a slot.
         self.call_limit = CallLimit(config.max_concurrent_rpcs, config.retry_after)
         self.grpc = grpc.aio.server(
-            interceptors=[auth, self.call_limit],
+            # In this order: a caller without the token is refused before it takes a slot or is
+            # parsed; a call over the limit is refused before it is parsed.
+            interceptors=[auth, self.call_limit, DecodingInterceptor()],
             options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                # Larger messages are refused (RESOURCE_EXHAUSTED) before they are parsed.
+                ("grpc.max_receive_message_length", self.config.max_message_bytes),
+                ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES),
                 *CORE_PENDING_OPTIONS,
                 # A second server on a used port must fail, not share it: the two would split
                 # the connections, so a Cancel or UpdateWeights would reach only one of them.

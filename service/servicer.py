@@ -17,10 +17,11 @@ from sluice.v1 import generation_pb2 as pb
 from sluice.v1 import generation_pb2_grpc
 
 from engine.messages import FinishReason, RequestOutput
-from service.admission import Admission, Refusal, admit
+from service.admission import Admission, Refusal, admit, invalid_argument, text_violations
 from service.completion import Completion
 from service.config import ServiceConfig
 from service.engine_client import EngineClient, EngineState, EngineUnavailableError
+from service.generate_stream import Admitted, GenerateStreamCall
 from service.tokenizer import Tokenizer
 
 log = structlog.get_logger("sluice.servicer")
@@ -68,48 +69,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request_iterator: AsyncIterator[pb.GenerateStreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """Many requests over one stream. A refused `start` yields one `finished` event (reason
-        ERROR, message "<STATUS_CODE>: <why>") for its request id instead of ending the stream."""
+        """Many requests over one stream (GenerateStreamCall). A refused `start` yields one
+        `refused` event instead of ending the stream. A request stream that fails (a message
+        that does not parse) ends the call with its status, after the `finished` of every
+        admitted request."""
         deadline = _deadline(context)
-        events: asyncio.Queue[pb.GenerateResponse | asyncio.Task[None]] = asyncio.Queue()
-        tasks: set[asyncio.Task[None]] = set()
 
-        def spawn(coro: object) -> None:
-            task: asyncio.Task[None] = asyncio.create_task(coro)  # type: ignore[arg-type]
-            tasks.add(task)
-            task.add_done_callback(events.put_nowait)  # the main loop collects it
+        async def start(request: pb.GenerateRequest) -> Admitted:
+            submitted = await self._submit(request, deadline)
+            added = submitted.admission.request
+            events = self._run(submitted)
+            return Admitted(added.request_id, added.n, len(added.prompt_token_ids), events)
 
-        async def pump(submitted: _Submitted) -> None:
-            async for event in self._run(submitted):
-                events.put_nowait(event)
-
-        async def read() -> None:
-            async for message in request_iterator:
-                match message.WhichOneof("action"):
-                    case "start":
-                        try:
-                            spawn(pump(await self._submit(message.start, deadline)))
-                        except Refusal as refusal:
-                            log.info("request.refused", code=refusal.code.name)
-                            events.put_nowait(_refusal_event(message.start.request_id, refusal))
-                    case "cancel_request_id":
-                        self._cancel([message.cancel_request_id])
-
-        spawn(read())
-        try:
-            while tasks:
-                item = await events.get()
-                if isinstance(item, asyncio.Task):
-                    tasks.discard(item)
-                    item.result()  # a failed pump or reader is a bug: surface it (INTERNAL)
-                else:
-                    yield item
-        finally:
-            # Client gone or a bug: cancelling each pump aborts its request in the engine.
-            for task in tasks:
-                task.cancel()
-            if tasks:
-                await asyncio.wait(tasks, timeout=5.0)
+        call = GenerateStreamCall(start, self._cancel)
+        async for event in call.run(request_iterator):
+            yield event
+        if call.failure is not None:
+            await context.abort_with_status(call.failure.to_status())
 
     async def Cancel(
         self, request: pb.CancelRequest, context: grpc.aio.ServicerContext
@@ -122,9 +98,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        if self.tokenizer is None:
+        if self.tokenizer is None or self.engine.info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is not loaded yet")
-        assert self.tokenizer is not None
+        assert self.tokenizer is not None and self.engine.info is not None
+        # A text that could not be a prompt is not encoded either (the work grows with it).
+        violations = text_violations(request.text, self.engine.info, self.tokenizer)
+        if violations:
+            await context.abort_with_status(invalid_argument(violations).to_status())
         ids = await self.tokenizer.encode(request.text, request.add_special_tokens)
         return pb.TokenizeResponse(token_ids=ids)
 
@@ -261,10 +241,3 @@ def _started_event(request_id: str, first: RequestOutput) -> pb.GenerateResponse
         policy_version=first.policy_version,
     )
     return pb.GenerateResponse(request_id=request_id, started=started)
-
-
-def _refusal_event(request_id: str, refusal: Refusal) -> pb.GenerateResponse:
-    finished = pb.Finished(
-        reason=pb.FINISH_REASON_ERROR, message=f"{refusal.code.name}: {refusal.message}"
-    )
-    return pb.GenerateResponse(request_id=request_id, finished=finished)

@@ -24,6 +24,11 @@ from engine.messages import TensorRef
 
 DTYPE_SIZES = {"F32": 4, "F16": 2, "BF16": 2}
 ALIGNMENT = 64  # each tensor starts on a 64-byte boundary: memory-mapped views stay aligned
+# Explicit bounds keep file offsets far inside a signed 64-bit off_t (shape and offset are
+# uint64 on the wire): the largest tensor of a real checkpoint is a few GiB, a whole update
+# below 16 TiB; weights have few dimensions.
+MAX_UPDATE_BYTES = 2**44
+MAX_DIMS = 8
 
 
 class ChunkError(ValueError):
@@ -95,13 +100,19 @@ class TensorFileWriter:
                 f"tensor {name!r}: dtype {dtype!r} is not one of {', '.join(DTYPE_SIZES)} "
                 "(required on a tensor's first chunk)",
             )
-        if not shape or any(d < 1 for d in shape):
+        if not 1 <= len(shape) <= MAX_DIMS or any(d < 1 for d in shape):
             raise ChunkError(
                 "tensor.shape",
-                f"tensor {name!r}: shape {shape} must have dimensions >= 1 "
-                "(required on a tensor's first chunk)",
+                f"tensor {name!r}: shape {shape[: MAX_DIMS + 1]} must have 1 to {MAX_DIMS} "
+                "dimensions, each >= 1 (required on a tensor's first chunk)",
             )
         nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
+        if nbytes > MAX_UPDATE_BYTES - self._end:
+            raise ChunkError(
+                "tensor.shape",
+                f"tensor {name!r}: shape {shape} is {nbytes} bytes; an update holds at most "
+                f"{MAX_UPDATE_BYTES} bytes ({self._end} taken)",
+            )
         ref = TensorRef(name, dtype, tuple(shape), self._end, nbytes)
         self._end += -(-nbytes // ALIGNMENT) * ALIGNMENT
         tensor = self._tensors[name] = _Tensor(ref)

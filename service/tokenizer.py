@@ -11,6 +11,9 @@ from tokenizers.decoders import DecodeStream
 # Encoding this many characters or more goes to a worker thread; shorter ones cost less than
 # the thread hop. `encode` holds the GIL even in a thread, `encode_batch` releases it.
 OFF_LOOP_ENCODE_CHARS = 2048
+# The most a normalizer shrinks text, in UTF-8 bytes: NFKC maps a 4-byte mathematical letter
+# (U+1D400) to a 1-byte ASCII one; lowercasing and the other Unicode forms shrink less.
+NORMALIZER_SHRINK = 4
 
 
 class Tokenizer:
@@ -19,10 +22,28 @@ class Tokenizer:
     def __init__(self, checkpoint_dir: str | Path) -> None:
         self.path = Path(checkpoint_dir) / "tokenizer.json"
         self._tok = tokenizers.Tokenizer.from_file(str(self.path))
+        # The longest token string in UTF-8 bytes bounds how much input one token consumes: a
+        # byte-level BPE token's characters stand for one byte each and encode to >= 1 byte; a
+        # metaspace "▁" is 3 bytes for a space, a byte-fallback "<0x41>" 6 for one byte.
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.max_token_bytes = max((len(s.encode()) for s in vocab), default=1)
 
     @property
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def max_text_bytes(self, max_tokens: int) -> int:
+        """A text longer than this many UTF-8 bytes encodes to more than `max_tokens` tokens:
+        callers refuse it without encoding it.
+
+        Assumes every token consumes at most `max_token_bytes` of normalized text and a
+        normalizer shrinks text by at most NORMALIZER_SHRINK. What breaks that (a normalizer that
+        deletes text, added tokens that swallow the whitespace around them, an unknown-token
+        that stands for a whole word) can only refuse a freak text that would have fit; it never
+        admits one that does not.
+        """
+        shrink = 1 if self._tok.normalizer is None else NORMALIZER_SHRINK
+        return max_tokens * self.max_token_bytes * shrink
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; long texts are encoded off the event loop."""

@@ -10,7 +10,9 @@ import asyncio
 import hashlib
 import json
 import struct
-from collections.abc import Iterable
+import threading
+import time
+from collections.abc import Iterable, Iterator
 
 import grpc
 import pytest
@@ -22,8 +24,10 @@ from sluice.v1 import admin_pb2 as apb
 from sluice.v1 import admin_pb2_grpc
 from sluice.v1 import generation_pb2 as pb
 from sluice_client import AsyncClient, Client, build_header, build_request
+from sluice_client.weights import DEFAULT_CHUNK_BYTES
 
 from service import cli
+from service.config import ServiceConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -315,6 +319,49 @@ async def test_an_engine_death_mid_update_ends_it_unavailable(model_dir):
         assert (await update(target, header(checkpoint_dir="/ckpt/b"))).code == grpc.StatusCode.OK
 
 
+def _stalling_call(target: str, requests: list[apb.UpdateWeightsRequest]) -> tuple[Outcome, float]:
+    """Send `requests`, then neither another message nor the end of the stream until the
+    call ends; how it ended, and after how many seconds."""
+    release = threading.Event()
+
+    def stalling() -> Iterator[apb.UpdateWeightsRequest]:
+        yield from requests
+        release.wait(timeout=30)
+
+    outcome, started = Outcome(), time.monotonic()
+    with grpc.insecure_channel(target) as channel:
+        try:
+            for event in admin_pb2_grpc.AdminStub(channel).UpdateWeights(
+                stalling(), metadata=(("authorization", f"Bearer {ADMIN_TOKEN}"),), timeout=30
+            ):
+                outcome.events.append(event)
+        except grpc.RpcError as err:
+            outcome.code, outcome.details = err.code(), err.details()
+        finally:
+            release.set()
+    return outcome, time.monotonic() - started
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [[], [header(inline_tensors=True), chunk("w", 0, floats(1.0), "F32", [2])]],
+    ids=["nothing", "header and one chunk"],
+)
+async def test_a_stalled_update_is_aborted_after_the_idle_timeout_and_frees_the_slot(
+    model_dir, tmp_path, sent
+):
+    async with running_server(
+        model_dir, admin_token=ADMIN_TOKEN, weights_dir=str(tmp_path), update_idle_timeout=0.5
+    ) as (_, target):
+        outcome, seconds = await asyncio.to_thread(_stalling_call, target, sent)
+        assert outcome.code == grpc.StatusCode.ABORTED and "idle-timeout" in outcome.details
+        assert 0.4 < seconds < 5.0
+        assert list(tmp_path.iterdir()) == []  # the half-sent tensor file is gone
+        assert (
+            await update(target, header(checkpoint_dir="/ckpt/next"))
+        ).code == grpc.StatusCode.OK
+
+
 # ---- inline tensors ----
 
 
@@ -353,6 +400,24 @@ async def test_the_client_library_splits_inline_tensors_into_chunks(admin, model
     assert described["big"]["sha256"] == hashlib.sha256(data).hexdigest()
 
 
+async def test_the_clients_default_chunks_fit_under_the_default_receive_limit(admin, model_dir):
+    data = bytes(range(256)) * (DEFAULT_CHUNK_BYTES // 256 + 1)  # one full chunk and a bit
+    applied = await asyncio.to_thread(
+        admin.update_weights_inline, {"big": ("F32", [len(data) // 4], data)}
+    )
+    assert applied.policy_version > 0
+    described = json.loads((model_dir / "last_update.json").read_text())
+    assert described["big"]["sha256"] == hashlib.sha256(data).hexdigest()
+    assert ServiceConfig.max_message_bytes >= DEFAULT_CHUNK_BYTES * 2  # room to spare
+
+
+async def test_sluice_serve_takes_the_receive_limit_as_a_size():
+    config = cli.service_config(cli.build_parser().parse_args(["serve"]))
+    assert config.max_message_bytes == 16 * 2**20
+    args = cli.build_parser().parse_args(["serve", "--max-message-bytes", "8MiB"])
+    assert cli.service_config(args).max_message_bytes == 8 * 2**20
+
+
 @pytest.mark.parametrize(
     ("chunks", "field"),
     [
@@ -363,6 +428,8 @@ async def test_the_client_library_splits_inline_tensors_into_chunks(admin, model
         ([chunk("w", 0, b"\0" * 4, "F32", [2]), chunk("w", 4, b"\0" * 4, "F16")], "tensor.dtype"),
         ([], "tensor"),
         ([chunk("w", 0, b"\0" * 4, "F32", [1]), header(inline_tensors=True)], "header"),
+        ([chunk("w", 2**63, b"\0" * 4, "F32", [2**62])], "tensor.shape"),  # 2**64 bytes
+        ([chunk("w", 0, b"\0" * 4, "F32", [1] * 9)], "tensor.shape"),
     ],
 )
 async def test_bad_chunks_are_invalid_argument_and_leave_nothing_behind(

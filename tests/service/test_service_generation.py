@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
 import pytest_asyncio
+from google.rpc import code_pb2, error_details_pb2
 from grpc_status import rpc_status
 from service_harness import make_fake_model, running_server
 from sluice.v1 import generation_pb2 as pb
@@ -130,7 +132,10 @@ async def test_duplicate_request_id_in_flight_is_already_exists(client):
 async def test_client_disconnect_aborts_the_request_in_the_engine(client, server):
     events = client.generate(build_request([0, HOLD], request_id="gone", max_tokens=5))
     waiting = asyncio.ensure_future(anext(events))  # held: no event ever comes
-    await asyncio.sleep(0.2)
+    for _ in range(250):  # on a loaded machine the call may take a while to reach the engine
+        if server[0].engine.has("gone"):
+            break
+        await asyncio.sleep(0.02)
     assert server[0].engine.has("gone")
     waiting.cancel()  # the client walks away: the iterator closes and cancels the call
     with pytest.raises(asyncio.CancelledError):
@@ -162,10 +167,74 @@ async def test_generate_stream_multiplexes_and_cancels_by_id(client):
         "s2": "LENGTH",
         "s3": "LENGTH",
         "s-held": "CANCELLED",
-        "s-bad": "ERROR",
     }
-    bad = collector.completions[("s-bad", 0)]
-    assert bad.started is None and bad.finished.message.startswith("INVALID_ARGUMENT")
+    (bad,) = collector.refused
+    assert bad.request_id == "s-bad" and bad.reason == "REFUSED"
+    assert bad.refused.code == code_pb2.INVALID_ARGUMENT and bad.refused.start_index == 5
+    assert [v.field for v in bad.refused.field_violations] == ["sampling.temperature"]
+
+
+async def stream_events(client, *actions) -> list[pb.GenerateResponse]:  # type: ignore[no-untyped-def]
+    """Send ("start", request) and ("cancel", id) actions over one GenerateStream; every event."""
+    stream = client.stream()
+    for kind, value in actions:
+        if kind == "start":
+            await stream.start(value)
+        else:  # read after every start before it is admitted or refused
+            await stream.cancel(value)
+    await stream.done_sending()
+    return [event async for event in stream]
+
+
+async def test_a_start_reusing_an_id_in_flight_is_refused_without_touching_the_original(client):
+    events = await stream_events(
+        client,
+        ("start", build_request([0, HOLD], request_id="twice", max_tokens=2)),
+        ("start", build_request([0, 5], request_id="twice", max_tokens=2)),
+        ("cancel", "twice"),
+    )
+    kinds = [e.WhichOneof("event") for e in events if e.request_id == "twice"]
+    assert sorted(kinds) == ["finished", "refused", "started"]
+    (refused,) = [e.refused for e in events if e.HasField("refused")]
+    assert refused.code == code_pb2.ALREADY_EXISTS and refused.start_index == 1
+    (finished,) = [e.finished for e in events if e.HasField("finished")]
+    assert finished.reason == pb.FINISH_REASON_CANCELLED  # the original's, from the engine
+    collector = Collector()
+    for event in events:
+        collector.add(event)
+    assert collector.completions[("twice", 0)].reason == "CANCELLED"
+    assert [c.reason for c in collector.refused] == ["REFUSED"]
+
+
+async def test_a_refused_start_without_an_id_is_known_by_its_start_index(client):
+    events = await stream_events(
+        client,
+        ("start", build_request([0, 5], request_id="first", max_tokens=1)),
+        ("cancel", "nothing-to-cancel"),  # cancels are not counted
+        ("start", build_request([0, 5], max_tokens=1)),
+        ("start", build_request([0, 5], temperature=-1.0)),
+    )
+    (refused,) = [e for e in events if e.HasField("refused")]
+    assert refused.request_id == "" and refused.refused.start_index == 2
+    assert refused.refused.code == code_pb2.INVALID_ARGUMENT
+    assert "sampling.temperature" in refused.refused.message
+    finished = [e.request_id for e in events if e.HasField("finished")]
+    assert len(finished) == 2 and "first" in finished and "" not in finished
+
+
+async def test_a_refusal_for_a_full_queue_carries_the_retry_delay(model_dir):
+    async with (
+        running_server(model_dir, max_waiting=1, retry_after=0.25) as (_, target),
+        AsyncClient(target) as client,
+    ):
+        events = await stream_events(
+            client,
+            ("start", build_request([0, HOLD], request_id="waits", max_tokens=1)),
+            ("start", build_request([0, 5], request_id="full", max_tokens=1)),
+            ("cancel", "waits"),
+        )
+    (refused,) = [e.refused for e in events if e.HasField("refused")]
+    assert refused.code == code_pb2.RESOURCE_EXHAUSTED and refused.retry_delay_ms == 250
 
 
 BAD_REQUESTS = [
@@ -183,6 +252,13 @@ BAD_REQUESTS = [
     ("n zero", build_request("a", n=0), "n"),
     ("n above max_num_seqs", build_request("a", n=9), "n"),
     ("empty stop string", build_request("a", stop=[""]), "stop.stop"),
+    ("33 stop strings", build_request("a", stop=[f"s{i}" for i in range(33)]), "stop.stop"),
+    ("257-character stop string", build_request("a", stop=["s" * 257]), "stop.stop"),
+    ("257 stop token ids", build_request("a", stop_token_ids=[2] * 257), "stop.stop_token_ids"),
+    # 64 tokens of at most 7 bytes (the tiny tokenizer's longest, "unhappy") are 448 bytes.
+    ("text longer than the context can hold", build_request("a" * 449), "text"),
+    # Judged by length before any id is looked at.
+    ("as many ids as the context", build_request([0] * 63 + [999]), "prompt"),
     ("long request id", build_request("a", request_id="x" * 300), "request_id"),
     ("prompt too long", build_request([0] * 64), "prompt"),
 ]
@@ -195,13 +271,52 @@ async def test_bad_field_is_invalid_argument_naming_it(client, name, request_, f
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await client.complete(request_)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    status = rpc_status.from_call(err.value)
-    assert status is not None
-    from google.rpc import error_details_pb2
+    assert field in violated_fields(err.value)
 
+
+def violated_fields(error: grpc.aio.AioRpcError) -> list[str]:
+    """The fields a refusal's google.rpc.BadRequest names."""
+    status = rpc_status.from_call(error)
+    assert status is not None
     bad = error_details_pb2.BadRequest()
     assert status.details[0].Unpack(bad)
-    assert field in [v.field for v in bad.field_violations]
+    return [v.field for v in bad.field_violations]
+
+
+@pytest.fixture
+def tokenizing_fails(server, monkeypatch):
+    """Encoding any text in the server raises: a test passes only if nothing was encoded."""
+
+    async def encode(text, add_special_tokens=True):
+        raise AssertionError(f"{len(text)} characters were encoded")
+
+    monkeypatch.setattr(server[0].servicer.tokenizer, "encode", encode)
+
+
+async def test_a_10_mb_prompt_is_refused_without_tokenizing_it(client, tokenizing_fails):
+    started = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.complete("unhappy " * (10 * 2**20 // 8), max_tokens=1)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "text" in violated_fields(err.value)
+    assert time.monotonic() - started < 2.0
+
+
+async def test_tokenize_refuses_a_text_that_could_not_be_a_prompt(client, tokenizing_fails):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.tokenize("x" * 100_000)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert violated_fields(err.value) == ["text"]
+
+
+async def test_a_message_above_the_receive_limit_is_refused_and_the_server_serves_on(
+    client, tokenizing_fails
+):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.complete("x" * (17 * 2**20), max_tokens=1)  # default limit: 16 MiB
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    completion = await client.complete([0, 9], max_tokens=2)
+    assert completion.reason == "LENGTH"
 
 
 async def test_newer_min_policy_version_is_failed_precondition(client):

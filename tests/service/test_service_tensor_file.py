@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from service.tensor_file import ALIGNMENT, ChunkError, TensorFileWriter
+from service.tensor_file import (
+    ALIGNMENT,
+    MAX_DIMS,
+    MAX_UPDATE_BYTES,
+    ChunkError,
+    TensorFileWriter,
+)
 
 
 def floats(*values: float) -> bytes:
@@ -77,6 +83,23 @@ async def test_overlapping_and_out_of_range_chunks_are_refused(writer):
         await writer.add("w", "F32", [4], 12, b"\0" * 8)
     with pytest.raises(ChunkError, match="empty"):
         await writer.add("w", "F32", [4], 0, b"")
+
+
+async def test_a_tensor_too_large_for_an_update_is_refused_before_any_write(writer):
+    with pytest.raises(ChunkError, match="at most") as err:
+        await writer.add("w", "F32", [2**62], 2**63, b"\0" * 4)  # 2**64 bytes
+    assert err.value.field == "tensor.shape"
+    await writer.add("a", "F32", [MAX_UPDATE_BYTES // 8], 0, b"\0" * 4)  # half the bound
+    with pytest.raises(ChunkError, match="taken") as err:
+        await writer.add("b", "F32", [MAX_UPDATE_BYTES // 8 + 1], 0, b"\0" * 4)
+    assert err.value.field == "tensor.shape"
+    assert os.path.getsize(writer.path) <= 4 + ALIGNMENT  # nothing written past the first chunk
+
+
+async def test_a_shape_of_more_than_max_dims_is_refused(writer):
+    with pytest.raises(ChunkError) as err:
+        await writer.add("w", "F32", [1] * (MAX_DIMS + 1), 0, b"\0" * 4)
+    assert err.value.field == "tensor.shape"
 
 
 async def test_a_tensor_with_a_gap_is_incomplete(writer):

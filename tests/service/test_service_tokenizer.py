@@ -45,3 +45,31 @@ async def test_long_texts_encode_off_the_loop_to_the_same_ids(tokenizer):
     text = "The quick brown fox. " * (OFF_LOOP_ENCODE_CHARS // 10)
     fast = tokenizer._tok.encode(text).ids
     assert await tokenizer.encode(text) == fast
+
+
+def test_max_token_bytes_is_the_longest_token_string_in_utf8(tokenizer):
+    vocab = tokenizer._tok.get_vocab(with_added_tokens=True)
+    assert tokenizer.max_token_bytes == max(len(s.encode()) for s in vocab) == len("unhappy")
+
+
+@pytest.mark.parametrize(
+    "text", ["unhappy " * 30, "unhappyunhappy" * 20, "日本語 😀 " * 20, "x" * 500, "  \n\t " * 50]
+)
+async def test_no_text_encodes_to_fewer_tokens_than_its_size_allows(tokenizer, text):
+    ids = await tokenizer.encode(text, add_special_tokens=False)
+    assert len(text.encode()) <= tokenizer.max_text_bytes(len(ids))
+
+
+def test_a_normalizer_that_shrinks_text_widens_the_bound(tmp_path):
+    from tokenizers import normalizers
+
+    tok = make_tokenizer()
+    tok.normalizer = normalizers.NFKC()  # mathematical bold letters (4 bytes) become ASCII
+    tok.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = Tokenizer(tmp_path)
+    # "unhappy " in mathematical bold letters (U+1D400 block), each 4 bytes in UTF-8
+    text = "".join(chr(0x1D41A + ord(c) - ord("a")) for c in "unhappy") + " "
+    text *= 20
+    tokens = len(tok.encode(text, add_special_tokens=False).ids)
+    assert len(text.encode()) > tokens * tokenizer.max_token_bytes  # one token, many bytes
+    assert len(text.encode()) <= tokenizer.max_text_bytes(tokens)

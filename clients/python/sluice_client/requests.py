@@ -78,7 +78,8 @@ def build_request(
 
 @dataclass
 class Completion:
-    """Everything one request (one index) streamed back, put together."""
+    """Everything one request (one index) streamed back, put together; or, with `refused`
+    set, a GenerateStream start that was refused before admission (nothing else follows)."""
 
     request_id: str
     index: int = 0
@@ -88,10 +89,14 @@ class Completion:
     logprobs: list[float] = field(default_factory=list)
     policy_versions: list[int] = field(default_factory=list)  # one per token
     finished: pb.Finished | None = None
+    refused: pb.Refused | None = None
 
     @property
     def reason(self) -> str:
-        """The finish reason's short name ("STOP", "LENGTH", ...), or "" while running."""
+        """The finish reason's short name ("STOP", "LENGTH", ...), "REFUSED" for a refused
+        start, or "" while running."""
+        if self.refused is not None:
+            return "REFUSED"
         if self.finished is None:
             return ""
         return pb.FinishReason.Name(self.finished.reason).removeprefix("FINISH_REASON_")
@@ -108,15 +113,27 @@ class Completion:
                 self.policy_versions.extend([chunk.policy_version] * len(chunk.token_ids))
             case "finished":
                 self.finished = event.finished
+            case "refused":
+                self.refused = event.refused
 
 
 class Collector:
-    """Groups events by (request_id, index) into Completions."""
+    """Groups events by (request_id, index) into Completions.
+
+    A `refused` event is not part of any request, even one with the same id in flight: each
+    gets a Completion of its own in `refused`, in the order received (its `refused.start_index`
+    says which start of the stream it was).
+    """
 
     def __init__(self) -> None:
         self.completions: dict[tuple[str, int], Completion] = {}
+        self.refused: list[Completion] = []
 
     def add(self, event: pb.GenerateResponse) -> Completion:
+        if event.WhichOneof("event") == "refused":
+            refusal = Completion(event.request_id, event.index, refused=event.refused)
+            self.refused.append(refusal)
+            return refusal
         key = (event.request_id, event.index)
         completion = self.completions.get(key)
         if completion is None:

@@ -356,7 +356,11 @@ class GenerateResponse(_message.Message):
     STARTED_FIELD_NUMBER: _builtins.int
     TOKENS_FIELD_NUMBER: _builtins.int
     FINISHED_FIELD_NUMBER: _builtins.int
+    REFUSED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
+    """The request the event belongs to (the server's id when the request left it empty). For
+    `refused`: the refused start's request_id as sent, possibly empty; see Refused.start_index.
+    """
     index: _builtins.int
     """Which of the n samples this event belongs to."""
     @_builtins.property
@@ -365,6 +369,10 @@ class GenerateResponse(_message.Message):
     def tokens(self) -> Global___TokenChunk: ...
     @_builtins.property
     def finished(self) -> Global___Finished: ...
+    @_builtins.property
+    def refused(self) -> Global___Refused:
+        """GenerateStream only: a `start` refused before admission."""
+
     def __init__(
         self,
         *,
@@ -373,16 +381,91 @@ class GenerateResponse(_message.Message):
         started: Global___Started | None = ...,
         tokens: Global___TokenChunk | None = ...,
         finished: Global___Finished | None = ...,
+        refused: Global___Refused | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "finished", b"finished", "started", b"started", "tokens", b"tokens"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "finished", b"finished", "refused", b"refused", "started", b"started", "tokens", b"tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "finished", b"finished", "index", b"index", "request_id", b"request_id", "started", b"started", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "finished", b"finished", "index", b"index", "refused", b"refused", "request_id", b"request_id", "started", b"started", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["started", "tokens", "finished"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["started", "tokens", "finished", "refused"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
+
+@_typing.final
+class Refused(_message.Message):
+    """A GenerateStream `start` refused before admission: the status a Generate call would have
+    ended with. A refusal is never an event of a request in flight, even one with the same id (a
+    start reusing the id of a request in flight is refused ALREADY_EXISTS): that request's events
+    are untouched, and no `started`, `tokens` or `finished` ever follow a `refused`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    FIELD_VIOLATIONS_FIELD_NUMBER: _builtins.int
+    RETRY_DELAY_MS_FIELD_NUMBER: _builtins.int
+    START_INDEX_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """The status code as a google.rpc.Code number: 3 INVALID_ARGUMENT, 4 DEADLINE_EXCEEDED,
+    6 ALREADY_EXISTS, 8 RESOURCE_EXHAUSTED, 9 FAILED_PRECONDITION, 14 UNAVAILABLE.
+    """
+    message: _builtins.str
+    retry_delay_ms: _builtins.int
+    """Set when retrying later may succeed (RESOURCE_EXHAUSTED: the waiting queue is full), like
+    google.rpc.RetryInfo for Generate.
+    """
+    start_index: _builtins.int
+    """Which `start` of this stream was refused: 0 for its first `start` message, 1 for the second,
+    and so on (`cancel_request_id` messages are not counted). Attributes a start without an id.
+    """
+    @_builtins.property
+    def field_violations(self) -> _containers.RepeatedCompositeFieldContainer[Global___FieldViolation]:
+        """The invalid fields (INVALID_ARGUMENT), as google.rpc.BadRequest names them for Generate."""
+
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        field_violations: _abc.Iterable[Global___FieldViolation] | None = ...,
+        retry_delay_ms: _builtins.int | None = ...,
+        start_index: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_retry_delay_ms", b"_retry_delay_ms", "retry_delay_ms", b"retry_delay_ms"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_retry_delay_ms", b"_retry_delay_ms", "code", b"code", "field_violations", b"field_violations", "message", b"message", "retry_delay_ms", b"retry_delay_ms", "start_index", b"start_index"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__retry_delay_ms: _TypeAlias = _typing.Literal["retry_delay_ms"]  # noqa: Y015
+    _WhichOneofArgType__retry_delay_ms: _TypeAlias = _typing.Literal["_retry_delay_ms", b"_retry_delay_ms"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__retry_delay_ms) -> _WhichOneofReturnType__retry_delay_ms | None: ...
+
+Global___Refused: _TypeAlias = Refused  # noqa: Y015
+
+@_typing.final
+class FieldViolation(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FIELD_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    field: _builtins.str
+    """The field's path in the request, e.g. "sampling.temperature" or "stop.stop"."""
+    description: _builtins.str
+    def __init__(
+        self,
+        *,
+        field: _builtins.str = ...,
+        description: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "field", b"field"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FieldViolation: _TypeAlias = FieldViolation  # noqa: Y015
 
 @_typing.final
 class Started(_message.Message):

@@ -76,6 +76,9 @@ class GenerationServicer:
 
     def GenerateStream(self, request_iterator, context):
         """Many requests multiplexed over one bidirectional stream; responses carry their request_id.
+        A `start` refused before admission yields one `refused` event (never `finished`) and the
+        stream goes on. A message that does not parse ends the stream INVALID_ARGUMENT, after every
+        request it started has had its `finished`.
         Reuses GenerateResponse on purpose: one event type, one client handler for both RPCs.
         buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         buf:lint:ignore RPC_RESPONSE_STANDARD_NAME

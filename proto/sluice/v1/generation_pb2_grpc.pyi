@@ -43,6 +43,9 @@ class GenerationStub:
     """
     GenerateStream: _grpc.StreamStreamMultiCallable[_generation_pb2.GenerateStreamRequest, _generation_pb2.GenerateResponse]
     """Many requests multiplexed over one bidirectional stream; responses carry their request_id.
+    A `start` refused before admission yields one `refused` event (never `finished`) and the
+    stream goes on. A message that does not parse ends the stream INVALID_ARGUMENT, after every
+    request it started has had its `finished`.
     Reuses GenerateResponse on purpose: one event type, one client handler for both RPCs.
     buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
     buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
@@ -67,6 +70,9 @@ class GenerationAsyncStub(GenerationStub):
     """
     GenerateStream: _aio.StreamStreamMultiCallable[_generation_pb2.GenerateStreamRequest, _generation_pb2.GenerateResponse]  # type: ignore[assignment]
     """Many requests multiplexed over one bidirectional stream; responses carry their request_id.
+    A `start` refused before admission yields one `refused` event (never `finished`) and the
+    stream goes on. A message that does not parse ends the stream INVALID_ARGUMENT, after every
+    request it started has had its `finished`.
     Reuses GenerateResponse on purpose: one event type, one client handler for both RPCs.
     buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
     buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
@@ -100,6 +106,9 @@ class GenerationServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_generation_pb2.GenerateResponse], _abc.AsyncIterator[_generation_pb2.GenerateResponse]]:
         """Many requests multiplexed over one bidirectional stream; responses carry their request_id.
+        A `start` refused before admission yields one `refused` event (never `finished`) and the
+        stream goes on. A message that does not parse ends the stream INVALID_ARGUMENT, after every
+        request it started has had its `finished`.
         Reuses GenerateResponse on purpose: one event type, one client handler for both RPCs.
         buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         buf:lint:ignore RPC_RESPONSE_STANDARD_NAME

@@ -1,0 +1,183 @@
+"""GenerateStreamCall: many requests multiplexed over one GenerateStream call."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from sluice.v1 import generation_pb2 as pb
+
+from service.admission import Refusal
+
+log = structlog.get_logger("sluice.servicer")
+
+# After the request stream fails: how long the engine may take to confirm the aborts of the
+# stream's requests before the service ends them itself.
+FINALS_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request handed to the engine, and the events it will produce."""
+
+    request_id: str
+    n: int
+    prompt_tokens: int
+    events: AsyncIterator[pb.GenerateResponse]
+
+
+Start = Callable[[pb.GenerateRequest], Awaitable[Admitted]]  # raises Refusal
+Cancel = Callable[[list[str]], object]  # aborts requests in the engine (reason CANCELLED)
+
+
+@dataclass
+class _Pump:
+    """What one admitted request still owes the caller."""
+
+    request_id: str
+    prompt_tokens: int
+    unfinished: set[int]
+    started: bool = False
+
+
+class GenerateStreamCall:
+    """Reads `start` and `cancel_request_id` messages, runs each admitted request in a task of
+    its own (a pump), and merges their events into one stream. A refused start yields one
+    `refused` event (with its index among the stream's starts), never a `finished`.
+
+    Every admitted request gets exactly one `finished` per index, however the stream ends. When
+    reading the request stream fails (a message that does not parse, or a bug), no more starts
+    are read; every request still running is cancelled in the engine and its `finished`
+    (reason CANCELLED) delivered; if the engine has not confirmed within FINALS_TIMEOUT, the
+    service sends those `finished` events itself (without usage). Then `failure` holds the
+    status the call must end with (INVALID_ARGUMENT for an undecodable message, INTERNAL for a
+    bug); it stays None when the caller closed its side and every request finished.
+    """
+
+    def __init__(self, start: Start, cancel: Cancel) -> None:
+        self.start = start
+        self.cancel = cancel
+        self.failure: Refusal | None = None
+        # Events to send, and finished tasks (the reader's and the pumps') to collect.
+        self._events: asyncio.Queue[pb.GenerateResponse | asyncio.Task[None]] = asyncio.Queue()
+        self._pumps: dict[asyncio.Task[None], _Pump] = {}
+
+    async def run(
+        self, requests: AsyncIterator[pb.GenerateStreamRequest]
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.create_task(self._read(requests))
+        reader.add_done_callback(self._events.put_nowait)  # collected below, like a pump
+        reading, give_up_at = True, None
+        try:
+            while reading or self._pumps:
+                timeout = None if give_up_at is None else max(0.0, give_up_at - loop.time())
+                try:
+                    item = await asyncio.wait_for(self._events.get(), timeout)
+                except TimeoutError:
+                    for event in self._end_unconfirmed():
+                        yield event
+                    return
+                if isinstance(item, pb.GenerateResponse):
+                    yield item
+                elif item is reader:
+                    reading = False
+                    self.failure = _failure(reader)
+                    if self.failure is not None:
+                        self.cancel([pump.request_id for pump in self._pumps.values()])
+                        give_up_at = loop.time() + FINALS_TIMEOUT
+                else:
+                    del self._pumps[item]
+                    item.result()  # a failed pump is a bug: surface it
+        finally:
+            # Client gone, the engine too slow, or a bug: cancelling a pump aborts its request.
+            tasks = {reader, *self._pumps}
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks, timeout=5.0)
+
+    async def _read(self, requests: AsyncIterator[pb.GenerateStreamRequest]) -> None:
+        starts = 0
+        async for message in requests:
+            match message.WhichOneof("action"):
+                case "start":
+                    start_index, starts = starts, starts + 1
+                    try:
+                        admitted = await self.start(message.start)
+                    except Refusal as refusal:
+                        log.info("request.refused", code=refusal.code.name, start=start_index)
+                        refused = _refused_event(message.start.request_id, start_index, refusal)
+                        self._events.put_nowait(refused)
+                        continue
+                    pump = _Pump(
+                        admitted.request_id, admitted.prompt_tokens, set(range(admitted.n))
+                    )
+                    task = asyncio.create_task(self._pump(admitted.events, pump))
+                    self._pumps[task] = pump
+                    task.add_done_callback(self._events.put_nowait)
+                case "cancel_request_id":
+                    self.cancel([message.cancel_request_id])
+
+    async def _pump(self, events: AsyncIterator[pb.GenerateResponse], pump: _Pump) -> None:
+        async for event in events:
+            match event.WhichOneof("event"):
+                case "started":
+                    pump.started = True
+                case "finished":
+                    pump.unfinished.discard(event.index)
+            self._events.put_nowait(event)
+
+    def _end_unconfirmed(self) -> list[pb.GenerateResponse]:
+        """The events still queued, then those the requests still running owe, made without
+        the engine; their pumps are cancelled first, so that nothing follows a `finished`."""
+        events: list[pb.GenerateResponse] = []
+        while not self._events.empty():  # NOTE: wait_for can time out with items queued
+            match self._events.get_nowait():
+                case pb.GenerateResponse() as event:
+                    events.append(event)
+                case task if task in self._pumps:
+                    del self._pumps[task]
+                    if not task.cancelled() and task.exception() is not None:
+                        log.error("stream.pump_failed", exc_info=task.exception())
+        for task, pump in self._pumps.items():
+            task.cancel()
+            log.warning("request.unconfirmed_abort", request_id=pump.request_id)
+            if not pump.started:
+                started = pb.Started(prompt_tokens=pump.prompt_tokens)
+                events.append(pb.GenerateResponse(request_id=pump.request_id, started=started))
+            for index in sorted(pump.unfinished):
+                finished = pb.Finished(
+                    reason=pb.FINISH_REASON_CANCELLED,
+                    message="the stream failed; the engine did not confirm the abort in time",
+                )
+                events.append(
+                    pb.GenerateResponse(request_id=pump.request_id, index=index, finished=finished)
+                )
+        return events
+
+
+def _failure(reader: asyncio.Task[None]) -> Refusal | None:
+    """How the call must end after reading the request stream ended; None: normally."""
+    error = None if reader.cancelled() else reader.exception()
+    if error is None:
+        return None
+    if isinstance(error, Refusal):
+        log.info("stream.failed", code=error.code.name, message=error.message)
+        return error
+    log.error("stream.reader_failed", exc_info=error)
+    return Refusal(grpc.StatusCode.INTERNAL, f"reading the request stream failed: {error!r}")
+
+
+def _refused_event(request_id: str, start_index: int, refusal: Refusal) -> pb.GenerateResponse:
+    refused = pb.Refused(
+        code=refusal.code.value[0],  # grpc.StatusCode values are (google.rpc.Code, name)
+        message=refusal.message,
+        field_violations=[pb.FieldViolation(field=f, description=d) for f, d in refusal.violations],
+        start_index=start_index,
+    )
+    if refusal.retry_after is not None:
+        refused.retry_delay_ms = round(refusal.retry_after * 1000)
+    return pb.GenerateResponse(request_id=request_id, refused=refused)
