@@ -5,8 +5,7 @@ Spawnable as `fake_engine_main(config, conn)`. It "generates" by echoing the pro
 `<config.model>/fake.json`: step_delay (seconds per step), die_on_token (a prompt containing
 this id kills the engine), hold_token (a prompt containing this id stays queued, producing
 nothing, until aborted), max_model_len, vocab_size, update_delay (seconds between the progress
-messages of a weight update), die_after_ready_file (if that file exists at start: delete it,
-announce Ready, then exit at once — the next incarnation is healthy). Like the real engine, it
+messages of a weight update). Like the real engine, it
 sends a message at least every PROGRESS_S while it has work, even if nothing advanced.
 
 Weight updates: PAUSED, two LOADING, APPLIED, like the real engine; ABORT ends running requests
@@ -120,10 +119,6 @@ class _FakeEngine:
 
     def run(self) -> None:
         self.conn.send(Ready(self.info()))
-        marker = self.knobs.get("die_after_ready_file")
-        if marker is not None and Path(marker).exists():
-            Path(marker).unlink()
-            return
         while True:
             idle_wait = 0.0 if self.requests else 0.2
             if self.update is not None:

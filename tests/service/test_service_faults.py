@@ -133,13 +133,11 @@ async def test_a_stalled_engine_with_streams_in_flight_is_replaced_within_the_st
 
 
 @pytest.mark.timeout(60)
-async def test_an_engine_lost_while_its_replacement_replays_the_updates_is_restarted_again(
-    model_dir,
+async def test_an_engine_killed_before_its_replacement_replays_the_updates_is_restarted_again(
+    model_dir, monkeypatch
 ):
-    """The first replacement dies right after Ready, before or while the applied update is
-    replayed into it; the supervisor keeps going and serves the updated version again."""
-    marker = model_dir / "die-after-ready"
-    make_fake_model(model_dir, step_delay=0.01, die_after_ready_file=str(marker))
+    """The first replacement is SIGKILLed after Ready, and its loss is seen, before the applied
+    update is replayed into it: the supervisor must carry on and serve the updated version."""
     async with (
         running_server(model_dir, admin_token=ADMIN_TOKEN, restart_backoff=0.1) as (
             server,
@@ -150,10 +148,22 @@ async def test_an_engine_lost_while_its_replacement_replays_the_updates_is_resta
         with Client(target, admin_token=ADMIN_TOKEN) as admin:
             applied = await asyncio.to_thread(admin.update_weights, "/checkpoints/b")
         assert applied.policy_version == 1
-        marker.touch()
+        replay = server.engine.replay
+        killed: list[int] = []
+
+        async def kill_then_replay() -> None:
+            if not killed:
+                engine = server.engine.engine
+                assert engine is not None and engine.pid is not None
+                killed.append(engine.pid)
+                os.kill(engine.pid, signal.SIGKILL)
+                await wait_until(engine.lost.is_set, 10)
+            await replay()
+
+        monkeypatch.setattr(server.engine, "replay", kill_then_replay)
         os.kill(engine_pid(server), signal.SIGKILL)
-        await wait_until(lambda: not marker.exists(), 15)  # the doomed replacement started
-        await wait_until(lambda: server.engine.state.value == "serving", 20)
+        await wait_until(lambda: killed and server.engine.state.value == "serving", 20)
+        assert server.engine.restarts == 1
         info = await client.info()
         assert info.policy_version == 1 and server.engine.stats.policy_version == 1
         assert (await client.complete([0, 5], max_tokens=1)).token_ids == [5]
