@@ -9,6 +9,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from google.rpc import code_pb2
 from sluice_client import pb
 
 # Protocol violations, by kind: these are "duplicated", the others "out of order".
@@ -18,8 +19,8 @@ DUPLICATES = ("duplicate_started", "duplicate_finished", "event_after_finished")
 class RequestCheck:
     """The events of one request (all its n indices), checked as they arrive.
 
-    A `finished` without `started` is a refusal (GenerateStream answers a refused start that
-    way: reason ERROR, message "<STATUS>: why"); anything else out of order is a violation.
+    A `refused` event (GenerateStream's answer to a start refused before admission) must be
+    the only event of its request; anything else out of order is a violation.
     """
 
     def __init__(self, request_id: str, n: int, logprobs: bool = False) -> None:
@@ -31,20 +32,13 @@ class RequestCheck:
         self.versions: dict[int, list[int]] = {i: [] for i in range(n)}  # one per chunk
         self.reasons: dict[int, str] = {}
         self.messages: dict[int, str] = {}
+        self.refusal: str | None = None  # the status of a refused start ("UNAVAILABLE")
         self.violations: Counter[str] = Counter()
 
     @property
     def done(self) -> bool:
-        """Every index finished; a refusal answers all of them with one `finished`."""
+        """Every index finished, or the start was refused (one `refused` answers them all)."""
         return len(self.reasons) == self.n or self.refusal is not None
-
-    @property
-    def refusal(self) -> str | None:
-        """The status a refused start was answered with ("UNAVAILABLE"), else None."""
-        if self.started or self.reasons.get(0) != "ERROR":
-            return None
-        code = self.messages.get(0, "").split(":", 1)[0]
-        return code if code.isupper() else None
 
     def add(self, event: Any) -> None:
         index = event.index
@@ -66,7 +60,7 @@ class RequestCheck:
                 chunk = event.tokens
                 if index in self.reasons:
                     self.violations["event_after_finished"] += 1
-                if not self.started:
+                if not self.started or self.refusal is not None:
                     self.violations["tokens_before_started"] += 1
                 if self.logprobs and len(chunk.logprobs) != len(chunk.token_ids):
                     self.violations["logprobs_length"] += 1
@@ -79,8 +73,12 @@ class RequestCheck:
                 reason = pb.FinishReason.Name(event.finished.reason)
                 self.reasons[index] = reason.removeprefix("FINISH_REASON_")
                 self.messages[index] = event.finished.message
-                if not self.started and self.refusal is None:
+                if not self.started:
                     self.violations["finished_before_started"] += 1
+            case "refused":
+                if self.started or self.reasons or self.refusal is not None:
+                    self.violations["refused_after_events"] += 1
+                self.refusal = code_pb2.Code.Name(event.refused.code)
             case _:
                 self.violations["empty_event"] += 1
 

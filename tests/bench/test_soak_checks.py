@@ -76,11 +76,21 @@ def test_tokens_before_started_and_an_unexplained_finished_are_out_of_order():
     assert failed.violations == {"finished_before_started": 1}
 
 
-def test_a_refused_stream_start_answers_every_sample_with_one_finished():
-    refused = finished(pb.FINISH_REASON_ERROR, message="UNAVAILABLE: the engine is restarting")
-    check = check_of(refused, n=2)
+def refused(code: int) -> pb.GenerateResponse:
+    return pb.GenerateResponse(request_id="r", refused=pb.Refused(code=code, message="no"))
+
+
+def test_a_refused_stream_start_answers_every_sample_with_one_refused_event():
+    check = check_of(refused(14), n=2)  # 14: UNAVAILABLE
     assert check.done and not check.violations
     assert Record("r", "stream", check).outcome == "refused.UNAVAILABLE"
+
+
+def test_a_refusal_after_other_events_of_the_request_is_a_violation():
+    check = check_of(started(), refused(6), n=1)
+    assert check.violations == {"refused_after_events": 1}
+    old_style = check_of(finished(pb.FINISH_REASON_ERROR, message="UNAVAILABLE: restarting"))
+    assert old_style.violations == {"finished_before_started": 1}
 
 
 def test_a_call_that_never_ended_is_lost_and_one_that_ended_early_is_missing_a_finished():
