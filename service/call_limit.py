@@ -28,8 +28,8 @@ class CallLimit(grpc.aio.ServerInterceptor):
     """Counts the limited calls that are running; refuses a new one when `limit` are.
 
     A call takes its slot when its handler starts and gives it back when the handler ends, by
-    any path: done, refused, failed, or cancelled because the client left. A call whose request
-    could not even be decoded never starts its handler and so never takes a slot.
+    any path: done, refused, failed (a request that does not parse included), or cancelled
+    because the client left.
     """
 
     def __init__(self, limit: int, retry_after: float) -> None:
