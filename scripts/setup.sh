@@ -8,8 +8,9 @@ extras="${1:-}"
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install --quiet torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
+# The client package (./clients/python, `sluice-client`) first: the server depends on it.
 if [ "$extras" = "dev" ]; then
-  .venv/bin/pip install --quiet -e ".[dev]"
+  .venv/bin/pip install --quiet -e ./clients/python -e ".[dev]"
 else
-  .venv/bin/pip install --quiet -e .
+  .venv/bin/pip install --quiet -e ./clients/python -e .
 fi

@@ -6,5 +6,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev
 echo "== ruff" && .venv/bin/ruff check . && .venv/bin/ruff format --check .
 echo "== mypy" && .venv/bin/mypy
-echo "== stubs" && bash scripts/gen_protos.sh && git diff --exit-code -- proto/
+echo "== stubs" && bash scripts/gen_protos.sh && git diff --exit-code -- clients/python/sluice/
 echo "== pytest" && .venv/bin/python -m pytest -q "$@"

@@ -7,4 +7,4 @@ import sys
 from service.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["serve", *sys.argv[1:]]))
+    sys.exit(main())

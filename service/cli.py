@@ -1,6 +1,7 @@
-"""The `sluice` command: `serve` runs the server; `generate`, `info`, `health` and
-`update-weights` are clients.
+"""`sluice serve`: the server's flags and start.
 
+The `sluice` command itself belongs to the client package (`sluice_client.cli`, the client verbs);
+this distribution adds `serve` to it through the `sluice.commands` entry point (`register`).
 `python -m service [flags]` is `sluice serve [flags]`.
 """
 
@@ -8,70 +9,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import re
 import sys
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from sluice_client.cli import parse_bytes, read_token
 
 from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig
 
 if TYPE_CHECKING:
-    from sluice.v1 import admin_pb2
-
     from service.config import ServiceConfig
 
-UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
-
-def parse_bytes(text: str) -> int:
-    """'4096', '512M', '2GiB', '1.5g' -> bytes."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
-    if match is None:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 2GiB)")
-    return int(float(match.group(1)) * UNITS[match.group(2)])
+def register(verbs: Any) -> None:
+    """The `sluice.commands` entry point: adds `serve` to the `sluice` command's verbs."""
+    serve = verbs.add_parser("serve", help="run the gRPC server")
+    add_serve_flags(serve)
+    serve.set_defaults(run=run_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sluice", description=__doc__)
-    verbs = parser.add_subparsers(dest="verb", required=True)
-    add_serve_flags(verbs.add_parser("serve", help="run the gRPC server"))
-
-    gen = verbs.add_parser("generate", help="stream a completion to stdout")
-    add_client_flags(gen)
-    gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float)
-    gen.add_argument("--top-p", type=float)
-    gen.add_argument("--top-k", type=int)
-    gen.add_argument("--seed", type=int)
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
-
-    info = verbs.add_parser("info", help="print the server's model and state as JSON")
-    add_client_flags(info)
-
-    health = verbs.add_parser("health", help="exit 0 once the server is SERVING")
-    add_client_flags(health)
-    health.add_argument("--wait", type=float, default=0.0, help="seconds to keep trying")
-
-    update = verbs.add_parser(
-        "update-weights", help="swap the served weights live; prints Applied as JSON"
-    )
-    update.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT")
-    source = update.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", help="HF checkpoint directory on the server's machine")
-    source.add_argument(
-        "--tensors", type=Path, help="a local .safetensors file: its tensors are sent inline"
-    )
-    update.add_argument(
-        "--inflight", choices=["drain", "abort", "continue", "recompute"], default="drain"
-    )
-    update.add_argument("--version", type=int, default=0, help="new policy version (0 = +1)")
-    update.add_argument("--drain-timeout-ms", type=int, help="DRAIN: fail after this long")
-    update.add_argument("--chunk-bytes", type=parse_bytes, default="4M", help="--tensors chunks")
-    update.add_argument("--admin-token-file", type=Path)
+    """The parser of `sluice serve`'s flags alone (`python -m service`)."""
+    parser = argparse.ArgumentParser(prog="sluice serve", description=__doc__)
+    add_serve_flags(parser)
     return parser
 
 
@@ -137,11 +97,6 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
-def add_client_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT")
-    p.add_argument("--api-token-file", type=Path)
-
-
 def service_config(args: argparse.Namespace) -> ServiceConfig:
     from service.config import ServiceConfig
 
@@ -164,8 +119,8 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         engine=engine,
         host=args.host,
         port=args.port,
-        api_token=_read_token(args.api_token_file),
-        admin_token=_read_token(args.admin_token_file),
+        api_token=read_token(args.api_token_file),
+        admin_token=read_token(args.admin_token_file),
         weights_dir=args.weights_dir,
         max_waiting=args.max_waiting,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
@@ -175,10 +130,6 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         stall_timeout=args.stall_timeout,
         heartbeat_timeout=args.heartbeat_timeout,
     )
-
-
-def _read_token(path: Path | None) -> str | None:
-    return None if path is None else path.read_text().strip()
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -194,131 +145,8 @@ def run_serve(args: argparse.Namespace) -> int:
     return asyncio.run(serve(config))
 
 
-def run_generate(args: argparse.Namespace) -> int:
-    from sluice_client import Client
-
-    with Client(args.target, api_token=_read_token(args.api_token_file)) as client:
-        events = client.generate(
-            args.prompt,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            stop=args.stop,
-            ignore_eos=args.ignore_eos,
-        )
-        sys.stdout.write(args.prompt)
-        for event in events:
-            match event.WhichOneof("event"):
-                case "tokens":
-                    sys.stdout.write(event.tokens.text)
-                    sys.stdout.flush()
-                case "finished":
-                    from sluice_client import pb
-
-                    reason = pb.FinishReason.Name(event.finished.reason)
-                    print(file=sys.stdout)
-                    print(
-                        f"[{reason} {event.finished.message}]".replace(" ]", "]"), file=sys.stderr
-                    )
-                    return 0 if event.finished.reason != pb.FINISH_REASON_ERROR else 1
-    return 1
-
-
-def run_info(args: argparse.Namespace) -> int:
-    from google.protobuf import json_format
-    from sluice_client import Client
-
-    with Client(args.target, api_token=_read_token(args.api_token_file)) as client:
-        info = client.info()
-    print(json.dumps(json_format.MessageToDict(info), indent=2))
-    return 0
-
-
-def run_health(args: argparse.Namespace) -> int:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    end = time.monotonic() + args.wait
-    with grpc.insecure_channel(args.target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            try:
-                response = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
-                status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
-            except grpc.RpcError as exc:
-                status = f"unreachable ({exc.code().name})"
-            if status == "SERVING":
-                print(status)
-                return 0
-            if time.monotonic() >= end:
-                print(status, file=sys.stderr)
-                return 1
-            time.sleep(0.5)
-
-
-def run_update_weights(args: argparse.Namespace) -> int:
-    import grpc
-    from google.protobuf import json_format
-    from sluice_client import Client, admin_pb, read_safetensors
-
-    def show(event: admin_pb.UpdateWeightsProgress) -> None:
-        match event.WhichOneof("event"):
-            case "paused":
-                print(f"paused: {event.paused.in_flight} requests in flight", file=sys.stderr)
-            case "loading":
-                end = "\r" if sys.stderr.isatty() else "\n"
-                print(_progress_bar(event.loading), end=end, file=sys.stderr, flush=True)
-            case "applied":
-                print(file=sys.stderr)
-
-    options = {
-        "policy_version": args.version,
-        "inflight": args.inflight,
-        "drain_timeout_ms": args.drain_timeout_ms,
-        "on_progress": show,
-    }
-    with Client(args.target, admin_token=_read_token(args.admin_token_file)) as client:
-        try:
-            if args.checkpoint is not None:
-                applied = client.update_weights(args.checkpoint, **options)
-            else:
-                tensors = read_safetensors(args.tensors)
-                applied = client.update_weights_inline(
-                    tensors, chunk_bytes=args.chunk_bytes, **options
-                )
-        except grpc.RpcError as exc:
-            print(f"{exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 1
-    fields = json_format.MessageToDict(applied, always_print_fields_with_no_presence=True)
-    print(json.dumps(fields, indent=2))
-    return 0
-
-
-def _progress_bar(loading: admin_pb2.Loading, width: int = 30) -> str:
-    """`loading [#########.....]  60%  12.0/20.0 MiB  3/5 tensors`"""
-    done, total = loading.bytes_done, loading.bytes_total
-    fraction = done / total if total else 0.0
-    filled = int(fraction * width)
-    mib = 2**20
-    return (
-        f"loading [{'#' * filled}{'.' * (width - filled)}] {fraction:4.0%}  "
-        f"{done / mib:.1f}/{total / mib:.1f} MiB  "
-        f"{loading.tensors_done}/{loading.tensors_total} tensors"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    runners = {
-        "serve": run_serve,
-        "generate": run_generate,
-        "info": run_info,
-        "health": run_health,
-        "update-weights": run_update_weights,
-    }
-    return runners[args.verb](args)
+    return run_serve(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

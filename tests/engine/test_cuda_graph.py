@@ -213,14 +213,14 @@ def test_a_page_major_table_keeps_each_rows_first_pages_in_one_prefix() -> None:
 def test_serve_flags_reach_the_engine_config() -> None:
     from service.cli import build_parser, service_config
 
-    argv = ["serve", "--attention-backend", "triton", "--enforce-eager", "--compile"]
+    argv = ["--attention-backend", "triton", "--enforce-eager", "--compile"]
     engine = service_config(build_parser().parse_args(argv)).engine
     assert (engine.attention_backend, engine.enforce_eager, engine.compile) == (
         "triton",
         True,
         True,
     )
-    defaults = service_config(build_parser().parse_args(["serve"])).engine
+    defaults = service_config(build_parser().parse_args([])).engine
     assert (defaults.attention_backend, defaults.enforce_eager, defaults.compile) == (
         "auto",
         False,

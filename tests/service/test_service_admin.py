@@ -23,10 +23,10 @@ from service_harness import make_fake_model, running_server
 from sluice.v1 import admin_pb2 as apb
 from sluice.v1 import admin_pb2_grpc
 from sluice.v1 import generation_pb2 as pb
-from sluice_client import AsyncClient, Client, build_header, build_request
+from sluice_client import AsyncClient, Client, build_header, build_request, cli
 from sluice_client.weights import DEFAULT_CHUNK_BYTES
 
-from service import cli
+from service import cli as serve_cli
 from service.config import ServiceConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -412,10 +412,10 @@ async def test_the_clients_default_chunks_fit_under_the_default_receive_limit(ad
 
 
 async def test_sluice_serve_takes_the_receive_limit_as_a_size():
-    config = cli.service_config(cli.build_parser().parse_args(["serve"]))
+    config = serve_cli.service_config(serve_cli.build_parser().parse_args([]))
     assert config.max_message_bytes == 16 * 2**20
-    args = cli.build_parser().parse_args(["serve", "--max-message-bytes", "8MiB"])
-    assert cli.service_config(args).max_message_bytes == 8 * 2**20
+    args = serve_cli.build_parser().parse_args(["--max-message-bytes", "8MiB"])
+    assert serve_cli.service_config(args).max_message_bytes == 8 * 2**20
 
 
 @pytest.mark.parametrize(

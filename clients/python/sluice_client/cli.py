@@ -1,0 +1,245 @@
+"""The `sluice` command's client verbs: generate, info, health, tokenize, cancel, update-weights.
+
+They need only this package (no torch). The server distribution adds `serve` to the same command
+through the `sluice.commands` entry point group: each entry point is a function that adds its
+verbs to the subparsers it is given, with `set_defaults(run=...)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sluice.v1 import admin_pb2
+
+UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def parse_bytes(text: str) -> int:
+    """'4096', '512M', '2GiB', '1.5g' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 2GiB)")
+    return int(float(match.group(1)) * UNITS[match.group(2)])
+
+
+def read_token(path: Path | None) -> str | None:
+    return None if path is None else path.read_text().strip()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sluice", description="Sluice: text generation over gRPC."
+    )
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    for entry in entry_points(group="sluice.commands"):
+        entry.load()(verbs)
+
+    gen = verbs.add_parser("generate", help="stream a completion to stdout")
+    add_client_flags(gen)
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.set_defaults(run=run_generate)
+
+    info = verbs.add_parser("info", help="print the server's model and state as JSON")
+    add_client_flags(info)
+    info.set_defaults(run=run_info)
+
+    health = verbs.add_parser("health", help="exit 0 once the server is SERVING")
+    add_client_flags(health)
+    health.add_argument("--wait", type=float, default=0.0, help="seconds to keep trying")
+    health.set_defaults(run=run_health)
+
+    tokenize = verbs.add_parser("tokenize", help="print the token ids of a text as JSON")
+    add_client_flags(tokenize)
+    tokenize.add_argument("text")
+    tokenize.add_argument("--add-special-tokens", action="store_true")
+    tokenize.set_defaults(run=run_tokenize)
+
+    cancel = verbs.add_parser("cancel", help="cancel requests by id (from any connection)")
+    add_client_flags(cancel)
+    cancel.add_argument("request_ids", nargs="+", metavar="REQUEST_ID")
+    cancel.set_defaults(run=run_cancel)
+
+    update = verbs.add_parser(
+        "update-weights", help="swap the served weights live; prints Applied as JSON"
+    )
+    update.add_argument("--target", default=DEFAULT_TARGET, help="HOST:PORT")
+    source = update.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="HF checkpoint directory on the server's machine")
+    source.add_argument(
+        "--tensors", type=Path, help="a local .safetensors file: its tensors are sent inline"
+    )
+    update.add_argument(
+        "--inflight", choices=["drain", "abort", "continue", "recompute"], default="drain"
+    )
+    update.add_argument("--version", type=int, default=0, help="new policy version (0 = +1)")
+    update.add_argument("--drain-timeout-ms", type=int, help="DRAIN: fail after this long")
+    update.add_argument("--chunk-bytes", type=parse_bytes, default="4M", help="--tensors chunks")
+    update.add_argument("--admin-token-file", type=Path)
+    update.set_defaults(run=run_update_weights)
+    return parser
+
+
+def add_client_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET, help="HOST:PORT")
+    p.add_argument("--api-token-file", type=Path)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from sluice_client import Client, pb
+
+    with Client(args.target, api_token=read_token(args.api_token_file)) as client:
+        events = client.generate(
+            args.prompt,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=args.stop,
+            ignore_eos=args.ignore_eos,
+        )
+        sys.stdout.write(args.prompt)
+        for event in events:
+            match event.WhichOneof("event"):
+                case "tokens":
+                    sys.stdout.write(event.tokens.text)
+                    sys.stdout.flush()
+                case "finished":
+                    reason = pb.FinishReason.Name(event.finished.reason)
+                    print(file=sys.stdout)
+                    print(
+                        f"[{reason} {event.finished.message}]".replace(" ]", "]"), file=sys.stderr
+                    )
+                    return 0 if event.finished.reason != pb.FINISH_REASON_ERROR else 1
+    return 1
+
+
+def run_info(args: argparse.Namespace) -> int:
+    from google.protobuf import json_format
+
+    from sluice_client import Client
+
+    with Client(args.target, api_token=read_token(args.api_token_file)) as client:
+        info = client.info()
+    print(json.dumps(json_format.MessageToDict(info), indent=2))
+    return 0
+
+
+def run_tokenize(args: argparse.Namespace) -> int:
+    from sluice_client import Client
+
+    with Client(args.target, api_token=read_token(args.api_token_file)) as client:
+        ids = client.tokenize(args.text, add_special_tokens=args.add_special_tokens)
+    print(json.dumps(ids))
+    return 0
+
+
+def run_cancel(args: argparse.Namespace) -> int:
+    """Prints which ids were cancelled and which the server did not know (finished, or never)."""
+    from sluice_client import Client
+
+    with Client(args.target, api_token=read_token(args.api_token_file)) as client:
+        response = client.cancel(args.request_ids)
+    print(
+        json.dumps({"cancelled": list(response.cancelled), "not_found": list(response.not_found)})
+    )
+    return 0
+
+
+def run_health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    end = time.monotonic() + args.wait
+    with grpc.insecure_channel(args.target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                response = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+            except grpc.RpcError as exc:
+                status = f"unreachable ({exc.code().name})"
+            if status == "SERVING":
+                print(status)
+                return 0
+            if time.monotonic() >= end:
+                print(status, file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+
+
+def run_update_weights(args: argparse.Namespace) -> int:
+    from google.protobuf import json_format
+
+    from sluice_client import Client, admin_pb, read_safetensors
+
+    def show(event: admin_pb.UpdateWeightsProgress) -> None:
+        match event.WhichOneof("event"):
+            case "paused":
+                print(f"paused: {event.paused.in_flight} requests in flight", file=sys.stderr)
+            case "loading":
+                end = "\r" if sys.stderr.isatty() else "\n"
+                print(_progress_bar(event.loading), end=end, file=sys.stderr, flush=True)
+            case "applied":
+                print(file=sys.stderr)
+
+    options = {
+        "policy_version": args.version,
+        "inflight": args.inflight,
+        "drain_timeout_ms": args.drain_timeout_ms,
+        "on_progress": show,
+    }
+    with Client(args.target, admin_token=read_token(args.admin_token_file)) as client:
+        if args.checkpoint is not None:
+            applied = client.update_weights(args.checkpoint, **options)
+        else:
+            tensors = read_safetensors(args.tensors)
+            applied = client.update_weights_inline(tensors, chunk_bytes=args.chunk_bytes, **options)
+    fields = json_format.MessageToDict(applied, always_print_fields_with_no_presence=True)
+    print(json.dumps(fields, indent=2))
+    return 0
+
+
+def _progress_bar(loading: admin_pb2.Loading, width: int = 30) -> str:
+    """`loading [#########.....]  60%  12.0/20.0 MiB  3/5 tensors`"""
+    done, total = loading.bytes_done, loading.bytes_total
+    fraction = done / total if total else 0.0
+    filled = int(fraction * width)
+    mib = 2**20
+    return (
+        f"loading [{'#' * filled}{'.' * (width - filled)}] {fraction:4.0%}  "
+        f"{done / mib:.1f}/{total / mib:.1f} MiB  "
+        f"{loading.tensors_done}/{loading.tensors_total} tensors"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit 0 on success; a failed call prints `CODE: details` on stderr and exits 1."""
+    import grpc
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except grpc.RpcError as exc:
+        print(f"{exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
