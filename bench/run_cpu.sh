@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CPU benchmark suite (DESIGN.md §5) on random-weight checkpoints built on first use.
+# The CPU benchmark suite (docs/benchmarks.md) on random-weight checkpoints built on first use.
 #   bash bench/run_cpu.sh            # the full suite: under 10 minutes on 2 cores
 #   bash bench/run_cpu.sh --smoke    # the CI smoke: under a minute; exits 1 if a benchmark fails
 # One JSON file per benchmark under $OUT (default bench/results/cpu-<mode>-<time>), tables on

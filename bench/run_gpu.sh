@@ -2,10 +2,12 @@
 # The GPU suite, for one H200 (under 8 minutes): random-weight checkpoints of real shapes are
 # generated on the device (not carried), then offline vs HF, decode step time against the
 # bandwidth roofline, and serving over gRPC. Prints as it goes; JSON per benchmark under $OUT.
-# On the lent machine (see ../shared/DEVICE.md), carry .whl and run from the checkout:
+# Run from the checkout on a machine with one CUDA GPU:
 #   bash bench/run_gpu.sh                 # BUDGET_S=450 by default: later steps are skipped
-# Needs torch with CUDA and transformers (installed there); .whl/*.whl, when present, are
-# installed into /tmp/site first (structlog, grpcio extras, protobuf, ...).
+# Needs torch with CUDA, Triton and transformers installed. Sluice's other dependencies may come
+# as wheels in .whl/ (structlog, grpcio and its health/reflection/status packages, protobuf,
+# googleapis-common-protos, prometheus-client): when present they are installed into /tmp/site
+# first, without an index, for a machine with no network.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

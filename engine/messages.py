@@ -129,7 +129,7 @@ class AbortRequests:
 
 
 class InflightPolicy(enum.StrEnum):
-    """What a weight update does to requests already running (see DESIGN §3)."""
+    """What a weight update does to requests already running (the table in docs/service.md)."""
 
     DRAIN = "drain"  # admit nothing new, let running requests finish, then swap
     ABORT = "abort"  # end running requests (ABORTED, partial output kept), then swap

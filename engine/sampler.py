@@ -1,6 +1,6 @@
 """Batched sampling with per-row parameters and no host sync.
 
-Order of operations per row (DESIGN §3):
+Order of operations per row (it defines the logprobs callers get, docs/service.md):
   raw logits -> penalties (repetition, frequency, presence) and min_tokens suppression
   -> divide by temperature (greedy counts as 1)         => "processed" logits, logprobs here
   -> top-k, top-p, min-p truncation -> sample (greedy rows: argmax of processed logits).

@@ -1,6 +1,7 @@
 """Admission control: turn a GenerateRequest into an engine AddRequest, or refuse it.
 
-Every refusal before admission is a `Refusal` with one deliberate status code (DESIGN §3):
+Every refusal before admission is a `Refusal` with one deliberate status code (the table in
+docs/service.md):
 UNAVAILABLE, DEADLINE_EXCEEDED, INVALID_ARGUMENT (with google.rpc.BadRequest naming fields),
 FAILED_PRECONDITION, ALREADY_EXISTS, RESOURCE_EXHAUSTED (with google.rpc.RetryInfo).
 """

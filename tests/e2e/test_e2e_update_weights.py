@@ -3,7 +3,8 @@
 One server for the module, serving checkpoint A (tiny_llama); B has the same shapes and other
 weights. Tests set the weights they start from (`serve`), so their order does not matter.
 References come from in-process engines on A and B. Admin calls use the synchronous client in a
-thread (DESIGN §7) beside the event loop that runs the server and the streaming clients.
+thread (the aio client can misreport an early refusal as INTERNAL, grpc/grpc#36066) beside the
+event loop that runs the server and the streaming clients.
 """
 
 from __future__ import annotations

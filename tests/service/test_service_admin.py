@@ -1,7 +1,7 @@
 """The Admin service (UpdateWeights) over a real grpc.aio server and a fake engine process.
 
 Admin calls go through the synchronous client (the aio client may misreport an early refusal
-of a client-streaming call, DESIGN §7), run in a thread beside the server's event loop.
+of a client-streaming call, grpc/grpc#36066), run in a thread beside the server's event loop.
 """
 
 from __future__ import annotations

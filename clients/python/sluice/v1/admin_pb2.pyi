@@ -3,9 +3,9 @@
 isort:skip_file
 Sluice: operator actions on a running server.
 
-The public contract of the Admin service (DESIGN.md section 3). Every Admin call needs the
-admin token (`authorization: Bearer <token>`); with no admin token configured on the server,
-every call is refused with PERMISSION_DENIED.
+The public contract of the Admin service. Every Admin call needs the admin token
+(`authorization: Bearer <token>`); with no admin token configured on the server, every call
+is refused with PERMISSION_DENIED.
 """
 
 from collections import abc as _abc

@@ -3,8 +3,8 @@
 isort:skip_file
 Sluice: LLM text generation over gRPC.
 
-The public contract of the Generation service. Names follow DESIGN.md section 3; renaming
-or dropping a field here breaks callers. Every scalar whose default matters is `optional`.
+The public contract of the Generation service: callers depend on these names, so renaming
+or dropping a field here breaks them. Every scalar whose default matters is `optional`.
 """
 
 from collections import abc as _abc
