@@ -61,7 +61,7 @@ class ServerLog:
         if name == "server.listening":
             self.port = int(event["port"])
         elif name == "engine.spawned":
-            self.engine_pids.append(int(event["pid"]))
+            self.engine_pids.append(int(event["engine_pid"]))
         level = event.get("level", "")
         if level in ("warning", "error", "critical"):
             key = f"{level} {name}"
