@@ -15,12 +15,13 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from server_process import REPO, server_process
+from server_process import REPO, ServerProcess, server_process
 from sluice_client import AsyncClient, build_request, pb
 
 pytestmark = pytest.mark.slow
@@ -65,7 +66,9 @@ def refused_request(request_id: str) -> pb.GenerateRequest:
     return build_request([0, 5, 6], request_id=request_id, temperature=-1.0)
 
 
-async def first_token_then(client: AsyncClient, request_id: str, act: Any) -> str:
+async def first_token_then(
+    client: AsyncClient, request_id: str, act: Callable[[], Awaitable[None]] | None
+) -> str:
     """Runs a long request, calls `act()` once its first token arrives; its finish reason."""
     async for event in client.generate(long_request(request_id)):
         if event.HasField("tokens") and act is not None:
@@ -76,7 +79,7 @@ async def first_token_then(client: AsyncClient, request_id: str, act: Any) -> st
     raise AssertionError(f"{request_id} ended without a finished event")
 
 
-async def workload(server: Any, client: AsyncClient) -> None:
+async def workload(server: ServerProcess, client: AsyncClient) -> None:
     """A refused request (unary and streamed), one cancelled by Cancel and one by its caller,
     one streamed to its end, one in flight when the engine is killed, one after the restart."""
     with pytest.raises(grpc.aio.AioRpcError) as refused:
