@@ -28,7 +28,7 @@ class ServerLog:
         self.engine_pids: list[int] = []
         self.problems: Counter[str] = Counter()  # "error engine.lost" -> count
         self.examples: dict[str, str] = {}  # the first message of each problem
-        self.other_lines = 0  # not JSON: tracebacks, warnings of libraries
+        self.other_lines = 0  # lines that are not one JSON event (there should be none)
 
     def poll(self) -> None:
         with open(self.path, "rb") as f:
@@ -61,7 +61,7 @@ class ServerLog:
         if name == "server.listening":
             self.port = int(event["port"])
         elif name == "engine.spawned":
-            self.engine_pids.append(int(event["pid"]))
+            self.engine_pids.append(int(event["engine_pid"]))
         level = event.get("level", "")
         if level in ("warning", "error", "critical"):
             key = f"{level} {name}"

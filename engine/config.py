@@ -9,6 +9,8 @@ from engine.messages import MAX_POLICY_VERSION
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch_ref", "triton")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("json", "console")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,9 @@ class EngineConfig:
     compile: bool = False  # torch.compile the decode step
     seed: int = 0  # seeds the per-request seeds of unseeded requests
     policy_version: int = 0  # version of the weights loaded at start
+    # The engine process logs as the service does (engine/logs.py): same level, same format.
+    log_level: str = "info"  # one of LOG_LEVELS
+    log_format: str = "json"  # json: one object per line; console: for a person at a terminal
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -48,6 +53,10 @@ class EngineConfig:
                 f"attention_backend: expected one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
             )
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level: expected one of {LOG_LEVELS}, got {self.log_level!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format: expected one of {LOG_FORMATS}, got {self.log_format!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1")

@@ -16,16 +16,19 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import multiprocessing
 import os
 import signal
 import sys
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
+import structlog
+
 from engine.config import EngineConfig
+from engine.logs import configure_logging
 from engine.messages import (
     AbortRequests,
     AddRequest,
@@ -46,7 +49,7 @@ if TYPE_CHECKING:
 HEARTBEAT_INTERVAL_S = 1.0
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger("sluice.engine")
 
 
 def die_with_parent() -> None:
@@ -66,34 +69,53 @@ def die_with_parent() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         err = ctypes.get_errno()
-        log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(err))
+        log.warning("engine.prctl_failed", option="PR_SET_PDEATHSIG", error=os.strerror(err))
         return
     # The parent may have died before prctl: this process is then already re-parented (to init
     # or a subreaper) and the signal will never come.
     parent = multiprocessing.parent_process()
     if parent is not None and os.getppid() != parent.pid:
-        raise SystemExit(f"the parent process {parent.pid} is gone")
+        log.error("engine.orphaned", parent_pid=parent.pid)
+        raise SystemExit(1)
 
 
 def engine_main(config: EngineConfig, conn: Connection) -> None:
-    """Process entry point: load the model, announce Ready, serve until Shutdown or EOF."""
+    """Process entry point: load the model, announce Ready, serve until Shutdown or EOF.
+
+    Any exception ends the process with exit status 1, after an EngineDead to the service and
+    one `engine.crashed` log line that carries the traceback.
+    """
+    # Before anything can log: the engine's lines share the service's stderr and its format.
+    configure_logging(config.log_level, config.log_format, process="engine")
     die_with_parent()
-    # Plain lines on stderr (the service's log stream): the demo model's one-time build
-    # reports its progress here.
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         from engine.engine import LLMEngine
 
+        started = time.monotonic()
         engine = LLMEngine(config)
-        conn.send(Ready(engine.info))
+        info = engine.info
+        log.info(
+            "engine.loaded",
+            model=info.model,
+            device=info.device,
+            dtype=info.dtype,
+            total_pages=info.total_pages,
+            seconds=round(time.monotonic() - started, 3),
+        )
+        conn.send(Ready(info))
         _serve(engine, conn)
     except (EOFError, BrokenPipeError):
-        return  # the service went away; nobody is left to tell
+        log.info("engine.exiting", reason="the service closed the pipe")
+        return  # nobody is left to tell
     except BaseException as exc:  # the last message of a dying engine, then die loudly
         reason = f"{type(exc).__name__}: {exc}"
+        # Logged first: once told, the service may kill this process at any moment.
+        log.critical("engine.crashed", reason=reason, exc_info=exc)
         with contextlib.suppress(OSError, EOFError):
             conn.send(EngineDead(reason=reason, traceback=traceback.format_exc()))
-        raise
+        # NOTE: not re-raised: multiprocessing would print it again, as raw traceback lines.
+        raise SystemExit(1) from None
+    log.info("engine.exiting", reason="shutdown")
 
 
 def _serve(engine: LLMEngine, conn: Connection) -> None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from sluice_client.cli import parse_bytes, read_token
 
-from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig
+from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LOG_FORMATS, LOG_LEVELS, EngineConfig
 
 if TYPE_CHECKING:
     from service.config import ServiceConfig
@@ -94,7 +94,13 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="seconds without a heartbeat from an idle engine before it is restarted",
     )
     p.add_argument("--policy-version", type=int, default=0)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="both processes")
+    p.add_argument(
+        "--log-format",
+        default="json",
+        choices=LOG_FORMATS,
+        help="stderr of both processes: json (one object per line) or console (for a terminal)",
+    )
 
 
 def service_config(args: argparse.Namespace) -> ServiceConfig:
@@ -114,6 +120,8 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         enforce_eager=args.enforce_eager,
         compile=args.compile,
         policy_version=args.policy_version,
+        log_level=args.log_level,
+        log_format=args.log_format,
     )
     return ServiceConfig(
         engine=engine,
@@ -133,14 +141,16 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from service.logs import configure_logging
+    import structlog
+
+    from engine.logs import configure_logging
     from service.server import serve
 
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format, process="service")
     try:
         config = service_config(args)
     except (ValueError, OSError) as exc:  # a bad flag value or an unreadable token file
-        print(f"sluice serve: {exc}", file=sys.stderr)
+        structlog.get_logger("sluice.cli").error("serve.bad_config", error=str(exc))
         return 1
     return asyncio.run(serve(config))
 

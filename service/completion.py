@@ -54,6 +54,7 @@ class Completion:
         self.index = index
         self.finished = False
         self.finished_early = False
+        self.finish_reason: str | None = None  # "length", "stop_string", ... once finished
         self._detokenizer = tokenizer.detokenizer(settings.skip_special_tokens)
         self._stops = StopStringMatcher(list(settings.stop), settings.include_stop_str_in_output)
         self._completion_tokens = 0
@@ -140,6 +141,7 @@ class Completion:
         self, reason: pb.FinishReason.ValueType, matched: str = "", message: str = ""
     ) -> pb.GenerateResponse:
         self.finished = True
+        self.finish_reason = pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
         finished = pb.Finished(
             reason=reason,
             matched_stop=matched,

@@ -295,7 +295,7 @@ class EngineClient:
             max_backlog_bytes=self.config.max_pipe_backlog_bytes,
         )
         self.engine = engine
-        log.info("engine.spawned", pid=engine.pid, model=self.config.engine.model)
+        log.info("engine.spawned", engine_pid=engine.pid, model=self.config.engine.model)
         try:
             info = await asyncio.wait_for(asyncio.shield(engine.ready), self.config.ready_timeout)
         except (TimeoutError, EngineStartError) as exc:

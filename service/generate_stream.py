@@ -105,21 +105,33 @@ class GenerateStreamCall:
             match message.WhichOneof("action"):
                 case "start":
                     start_index, starts = starts, starts + 1
-                    try:
-                        admitted = await self.start(message.start)
-                    except Refusal as refusal:
-                        log.info("request.refused", code=refusal.code.name, start=start_index)
-                        refused = _refused_event(message.start.request_id, start_index, refusal)
-                        self._events.put_nowait(refused)
-                        continue
-                    pump = _Pump(
-                        admitted.request_id, admitted.prompt_tokens, set(range(admitted.n))
-                    )
-                    task = asyncio.create_task(self._pump(admitted.events, pump))
-                    self._pumps[task] = pump
-                    task.add_done_callback(self._events.put_nowait)
+                    # The request's log lines carry its id: its refusal here, and (the pump's
+                    # task copies this context) every line of its run. `start` rebinds it when
+                    # the server assigns the id.
+                    with structlog.contextvars.bound_contextvars(
+                        request_id=message.start.request_id
+                    ):
+                        await self._start(message.start, start_index)
                 case "cancel_request_id":
                     self.cancel([message.cancel_request_id])
+
+    async def _start(self, request: pb.GenerateRequest, start_index: int) -> None:
+        """Admit one request and start its pump, or queue its `refused` event."""
+        try:
+            admitted = await self.start(request)
+        except Refusal as refusal:
+            log.info(
+                "request.refused",
+                code=refusal.code.name,
+                message=refusal.message,
+                start=start_index,
+            )
+            self._events.put_nowait(_refused_event(request.request_id, start_index, refusal))
+            return
+        pump = _Pump(admitted.request_id, admitted.prompt_tokens, set(range(admitted.n)))
+        task = asyncio.create_task(self._pump(admitted.events, pump))
+        self._pumps[task] = pump
+        task.add_done_callback(self._events.put_nowait)
 
     async def _pump(self, events: AsyncIterator[pb.GenerateResponse], pump: _Pump) -> None:
         async for event in events:
@@ -139,9 +151,13 @@ class GenerateStreamCall:
                 case pb.GenerateResponse() as event:
                     events.append(event)
                 case task if task in self._pumps:
-                    del self._pumps[task]
+                    pump = self._pumps.pop(task)
                     if not task.cancelled() and task.exception() is not None:
-                        log.error("stream.pump_failed", exc_info=task.exception())
+                        log.error(
+                            "stream.pump_failed",
+                            request_id=pump.request_id,
+                            exc_info=task.exception(),
+                        )
         for task, pump in self._pumps.items():
             task.cancel()
             log.warning("request.unconfirmed_abort", request_id=pump.request_id)

@@ -54,6 +54,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        # NOTE: grpc.aio runs each call in a task of its own, so this binding is this call's
+        # alone; _submit rebinds it to the id the server assigns when the caller gave none.
+        structlog.contextvars.bind_contextvars(request_id=request.request_id)
         deadline = _deadline(context)
         try:
             submitted = await self._submit(request, deadline)
@@ -154,6 +157,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # NOTE: no await from here to submit(): the duplicate and queue checks stay true.
         self._check_available()
         request_id = admission.request.request_id
+        structlog.contextvars.bind_contextvars(request_id=request_id)  # maybe just assigned
         if self.engine.has(request_id):
             raise Refusal(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is in flight")
         if self.engine.waiting >= self.config.max_waiting:
@@ -188,6 +192,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         }
         started_at = time.monotonic()
         started = False
+        abandoned: FinishReason | None = None
         try:
             while not all(c.finished for c in completions.values()):
                 outputs = [await submitted.queue.get()]
@@ -207,21 +212,28 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                             self.engine.abort([rid], FinishReason.CANCELLED, index)
         except BaseException:
             # Client disconnect, deadline, or the stream's end (asyncio.CancelledError in
-            # grpc.aio, not context.cancelled()): abort in the engine, then re-raise.
-            expired = request.deadline is not None and time.time() >= request.deadline
-            reason = FinishReason.DEADLINE_EXCEEDED if expired else FinishReason.CANCELLED
-            self.engine.abort([rid], reason)
-            log.info("request.abandoned", request_id=rid, reason=reason.value)
+            # grpc.aio, not context.cancelled()): abort in the engine, then re-raise. Unless
+            # every sample had finished: a caller may leave as soon as it has the last event.
+            if not all(c.finished for c in completions.values()):
+                expired = request.deadline is not None and time.time() >= request.deadline
+                abandoned = FinishReason.DEADLINE_EXCEEDED if expired else FinishReason.CANCELLED
+                self.engine.abort([rid], abandoned)
             raise
         finally:
             self.engine.detach(rid)
-        log.info(
-            "request.finished",
-            request_id=rid,
-            prompt_tokens=len(request.prompt_token_ids),
-            completion_tokens=sum(c.completion_tokens for c in completions.values()),
-            seconds=round(time.monotonic() - started_at, 4),
-        )
+            # NOTE: request_id passed explicitly: a generator closed by the garbage collector
+            # runs this in whatever context is current then.
+            if abandoned is not None:
+                log.info("request.abandoned", request_id=rid, reason=abandoned.value)
+            else:
+                log.info(
+                    "request.finished",
+                    request_id=rid,
+                    finish_reasons=[c.finish_reason for c in completions.values()],
+                    prompt_tokens=len(request.prompt_token_ids),
+                    completion_tokens=sum(c.completion_tokens for c in completions.values()),
+                    seconds=round(time.monotonic() - started_at, 4),
+                )
 
     def _cancel(self, request_ids: list[str]) -> list[str]:
         found = [rid for rid in request_ids if self.engine.has(rid)]

@@ -59,7 +59,7 @@ class ServerProcess:
         return f"127.0.0.1:{self.wait_for('server.listening')['port']}"
 
     def engine_pid(self, incarnation: int = 1) -> int:
-        return int(self.wait_for("engine.spawned", incarnation)["pid"])
+        return int(self.wait_for("engine.spawned", incarnation)["engine_pid"])
 
     def health(self) -> str:
         with grpc.insecure_channel(self.target) as channel:
