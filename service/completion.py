@@ -19,6 +19,7 @@ FINISH_REASONS: dict[FinishReason, pb.FinishReason.ValueType] = {
     FinishReason.ABORTED: pb.FINISH_REASON_ABORTED,
     FinishReason.ERROR: pb.FINISH_REASON_ERROR,
 }
+REASONS = {code: reason for reason, code in FINISH_REASONS.items()}
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class Completion:
         self.request_id = request_id
         self.index = index
         self.finished = False
+        self.finish_reason: FinishReason | None = None  # the reason its `finished` event gives
         self.finished_early = False
         self._detokenizer = tokenizer.detokenizer(settings.skip_special_tokens)
         self._stops = StopStringMatcher(list(settings.stop), settings.include_stop_str_in_output)
@@ -140,6 +142,7 @@ class Completion:
         self, reason: pb.FinishReason.ValueType, matched: str = "", message: str = ""
     ) -> pb.GenerateResponse:
         self.finished = True
+        self.finish_reason = REASONS[reason]
         finished = pb.Finished(
             reason=reason,
             matched_stop=matched,
