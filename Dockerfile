@@ -40,9 +40,7 @@ COPY . /src
 WORKDIR /src
 # The Python client is its own distribution (sluice-client, in clients/python) that the server
 # depends on: install it from this tree before the server, so pip never looks for it on an index.
-# NOTE: the `[ -f ... ]` guard lets this file build on a tree where the client is still packaged
-# inside the server's distribution (no clients/python/pyproject.toml).
-RUN if [ -f clients/python/pyproject.toml ]; then pip install ./clients/python; fi \
+RUN pip install ./clients/python \
     && pip install . \
     && cd / && python -c "import torch, service.server, sluice_client; print('torch', torch.__version__)"
 

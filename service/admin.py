@@ -43,6 +43,7 @@ from service.engine_client import (
     EngineUnavailableError,
     UpdateInProgressError,
 )
+from service.metrics import Metrics
 from service.tensor_file import ChunkError, TensorFileWriter
 
 log = structlog.get_logger("sluice.admin")
@@ -58,10 +59,15 @@ INFLIGHT_POLICIES = {
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
     def __init__(
-        self, config: ServiceConfig, engine: EngineClient, draining: Callable[[], bool]
+        self,
+        config: ServiceConfig,
+        engine: EngineClient,
+        metrics: Metrics,
+        draining: Callable[[], bool],
     ) -> None:
         self.config = config
         self.engine = engine
+        self.metrics = metrics
         self._draining = draining
 
     async def UpdateWeights(
@@ -77,8 +83,12 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             progress = await self._start(update_id, header, messages)
         except Refusal as refusal:
             log.info("weights.refused", update_id=update_id, code=refusal.code.name)
+            self.metrics.weight_update_ended("refused")
             await context.abort_with_status(refusal.to_status())
             return
+        except asyncio.CancelledError:
+            self.metrics.weight_update_ended("abandoned")  # the caller left before sending it all
+            raise
         try:
             while True:
                 event = await progress.get()
@@ -174,8 +184,11 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     def _finished(
         self, final: WeightsProgress, writer: TensorFileWriter | None, started: float
     ) -> None:
-        seconds = round(time.monotonic() - started, 3)
-        if final.phase is WeightsPhase.APPLIED:
+        elapsed = time.monotonic() - started
+        seconds = round(elapsed, 3)
+        applied = final.phase is WeightsPhase.APPLIED
+        self.metrics.weight_update_ended("applied" if applied else "failed", elapsed)
+        if applied:
             log.info(
                 "weights.applied",
                 update_id=final.update_id,

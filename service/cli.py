@@ -93,6 +93,13 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         default=15.0,
         help="seconds without a heartbeat from an idle engine before it is restarted",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics over HTTP at /metrics on this port (0 = any free port, "
+        "logged); off by default",
+    )
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics port")
     p.add_argument("--policy-version", type=int, default=0)
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="both processes")
     p.add_argument(
@@ -137,6 +144,8 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         shutdown_grace=args.shutdown_grace,
         stall_timeout=args.stall_timeout,
         heartbeat_timeout=args.heartbeat_timeout,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
     )
 
 

@@ -19,6 +19,7 @@ FINISH_REASONS: dict[FinishReason, pb.FinishReason.ValueType] = {
     FinishReason.ABORTED: pb.FINISH_REASON_ABORTED,
     FinishReason.ERROR: pb.FINISH_REASON_ERROR,
 }
+REASONS = {code: reason for reason, code in FINISH_REASONS.items()}
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,8 @@ class Completion:
         self.request_id = request_id
         self.index = index
         self.finished = False
+        self.finish_reason: FinishReason | None = None  # the reason its `finished` event gives
         self.finished_early = False
-        self.finish_reason: str | None = None  # "length", "stop_string", ... once finished
         self._detokenizer = tokenizer.detokenizer(settings.skip_special_tokens)
         self._stops = StopStringMatcher(list(settings.stop), settings.include_stop_str_in_output)
         self._completion_tokens = 0
@@ -141,7 +142,7 @@ class Completion:
         self, reason: pb.FinishReason.ValueType, matched: str = "", message: str = ""
     ) -> pb.GenerateResponse:
         self.finished = True
-        self.finish_reason = pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+        self.finish_reason = REASONS[reason]
         finished = pb.Finished(
             reason=reason,
             matched_stop=matched,

@@ -49,10 +49,15 @@ class ServiceConfig:
     # UpdateWeights: the longest wait for the caller's next message (header, chunk, or the end
     # of its stream); a stalled upload must not hold the update slot.
     update_idle_timeout: float = 60.0
+    # Prometheus metrics over HTTP at /metrics: None = off, 0 = any free port (logged).
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError("port: must be in [0, 65535]")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError("metrics_port: must be in [0, 65535]")
         for name in ("api_token", "admin_token"):
             if getattr(self, name) == "":
                 raise ValueError(f"{name}: must not be empty when set")

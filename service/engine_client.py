@@ -44,6 +44,7 @@ from service.engine_process import (
     EngineTarget,
     EngineUnavailableError,
 )
+from service.metrics import Metrics
 from service.replay_log import ReplayLog
 from service.routing import RequestRouter
 from service.supervisor import EngineState, Supervisor
@@ -78,11 +79,13 @@ class EngineClient:
     def __init__(
         self,
         config: ServiceConfig,
+        metrics: Metrics,
         *,
         target: EngineTarget = engine_main,
         on_state: Callable[[EngineState], None] | None = None,
     ) -> None:
         self.config = config
+        self.metrics = metrics
         self.state = EngineState.STARTING
         self.info: ModelInfo | None = None
         self.stats = EngineStats()
@@ -277,6 +280,7 @@ class EngineClient:
 
     def _update_stats(self, stats: EngineStats) -> None:
         self.stats = stats
+        self.metrics.engine_stats(stats)
         for waiter in self._stats_waiters:
             if not waiter.done():
                 waiter.set_result(None)
@@ -287,6 +291,7 @@ class EngineClient:
     async def launch(self) -> ModelInfo:
         """Start a new engine process and wait for its Ready; EngineStartError if it dies or
         times out first (it is killed then)."""
+        self.metrics.engine_started()
         engine = EngineProcess(
             self.config.engine,
             self._target,
@@ -320,6 +325,7 @@ class EngineClient:
             engine.ready.exception()  # observed: nobody waits for it when the server stops early
         if engine is not self.engine:
             return  # a replaced incarnation: what it carried was failed when it was replaced
+        self.stats = EngineStats()  # nothing runs or waits in a lost engine
         if not self.stopping:
             log.error("engine.lost", reason=reason, in_flight=len(self.router))
         message = f"the engine failed: {reason}"
@@ -340,7 +346,10 @@ class EngineClient:
                 case StepOutput(outputs=outputs, stats=stats):
                     self._update_stats(stats)
                     for output in outputs:
-                        self.router.route(output)
+                        if self.router.route(output):
+                            self.metrics.request_started(output.prompt_tokens)
+                        if output.metrics is not None:
+                            self.metrics.request_ended(output)
                 case Heartbeat(stats=stats):
                     self._update_stats(stats)
                 case WeightsProgress() as progress:

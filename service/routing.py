@@ -55,11 +55,13 @@ class RequestRouter:
         if route is not None:
             route.detached = True
 
-    def route(self, output: RequestOutput) -> None:
+    def route(self, output: RequestOutput) -> bool:
+        """Deliver `output`; True when it is the request's first (it started the request)."""
         route = self._routes.get(output.request_id)
         if route is None:
-            return  # already ended by fail_all (an engine failure)
-        if not route.started:
+            return False  # already ended by fail_all (an engine failure)
+        first = not route.started
+        if first:
             route.started = True
             self._not_started -= 1
         if output.finished:
@@ -68,6 +70,7 @@ class RequestRouter:
                 del self._routes[output.request_id]
         if not route.detached:
             route.queue.put_nowait(output)
+        return first
 
     def fail_all(self, message: str, policy_version: int) -> None:
         """End every open index of every route with ERROR `message`; forget them all."""

@@ -22,9 +22,12 @@ from sluice.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_
 from service.admin import AdminServicer
 from service.auth import BearerTokenInterceptor
 from service.call_limit import CallLimit
+from service.call_metrics import CallMetrics
 from service.config import ServiceConfig
 from service.decoding import DecodingInterceptor
 from service.engine_client import EngineClient, EngineStartError, EngineState, EngineTarget
+from service.metrics import Gauges, Metrics
+from service.metrics_http import MetricsHttpServer
 from service.servicer import GenerationServicer
 from service.tokenizer import Tokenizer
 
@@ -52,6 +55,7 @@ class BindError(OSError):
 
     def __init__(self, address: str, reason: str) -> None:
         super().__init__(f"cannot listen on {address}: {reason}")
+        self.address = address
 
 
 class SluiceServer:
@@ -60,19 +64,25 @@ class SluiceServer:
 
     def __init__(self, config: ServiceConfig, engine_target: EngineTarget | None = None) -> None:
         self.config = config
+        self.metrics = Metrics()
         extra = {} if engine_target is None else {"target": engine_target}
-        self.engine = EngineClient(config, on_state=self._on_engine_state, **extra)
-        self.servicer = GenerationServicer(config, self.engine)
-        self.admin = AdminServicer(config, self.engine, lambda: self.servicer.draining)
+        self.engine = EngineClient(config, self.metrics, on_state=self._on_engine_state, **extra)
+        self.servicer = GenerationServicer(config, self.engine, self.metrics)
+        self.admin = AdminServicer(
+            config, self.engine, self.metrics, lambda: self.servicer.draining
+        )
+        self.metrics.watch(self._gauges)
+        self.metrics_http: MetricsHttpServer | None = None  # bound by bind() when configured
         self.health = health.aio.HealthServicer()
         # Always installed: with no admin token it is what refuses Admin (PERMISSION_DENIED).
         auth = BearerTokenInterceptor(config.api_token, config.admin_token)
         # After auth: a call refused for its token never takes a slot.
         self.call_limit = CallLimit(config.max_concurrent_rpcs, config.retry_after)
         self.grpc = grpc.aio.server(
-            # In this order: a caller without the token is refused before it takes a slot or is
-            # parsed; a call over the limit is refused before it is parsed.
-            interceptors=[auth, self.call_limit, DecodingInterceptor()],
+            # In this order: every call is counted, refused ones included; a caller without the
+            # token is refused before it takes a slot or is parsed; a call over the limit is
+            # refused before it is parsed.
+            interceptors=[CallMetrics(self.metrics), auth, self.call_limit, DecodingInterceptor()],
             options=[
                 # Larger messages are refused (RESOURCE_EXHAUSTED) before they are parsed.
                 ("grpc.max_receive_message_length", self.config.max_message_bytes),
@@ -95,15 +105,28 @@ class SluiceServer:
         self._health_updates: set[asyncio.Task[None]] = set()
 
     def bind(self) -> int:
-        """Listen on the configured address; raises BindError if it cannot (in use, say)."""
+        """Listen on the configured address, and the metrics one when configured; raises
+        BindError if either cannot be bound (in use, say). Returns the gRPC port."""
         try:
-            return self.grpc.add_insecure_port(self.config.address)
+            port = self.grpc.add_insecure_port(self.config.address)
         except RuntimeError as exc:  # gRPC says only that it failed, not why
             raise BindError(self.config.address, _bind_failure(self.config)) from exc
+        if self.config.metrics_port is not None:
+            host, metrics_port = self.config.metrics_host, self.config.metrics_port
+            try:
+                self.metrics_http = MetricsHttpServer(self.metrics.registry, host, metrics_port)
+            except OSError as exc:
+                reason = exc.strerror or str(exc)
+                if exc.errno == errno.EADDRINUSE:
+                    reason += " (is another server running on this port?)"
+                raise BindError(f"{host}:{metrics_port} (metrics)", reason) from exc
+        return port
 
     async def start(self) -> None:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc.start()
+        if self.metrics_http is not None:
+            self.metrics_http.start()
         self._startup = asyncio.create_task(self._start_engine(), name="engine-startup")
 
     async def wait_ready(self, timeout: float | None = None) -> None:
@@ -141,7 +164,23 @@ class SluiceServer:
         await self.grpc.stop(FINAL_FLUSH_S)
         for task in list(self._health_updates):
             task.cancel()
+        if self.metrics_http is not None:
+            await asyncio.to_thread(self.metrics_http.stop)
         log.info("server.stopped")
+
+    def _gauges(self) -> Gauges:
+        """Read on the metrics thread at each scrape: attribute reads only."""
+        stats = self.engine.stats
+        in_use = stats.total_pages - stats.free_pages - stats.cached_pages
+        state = generation_pb2.ServingState.Name(self.servicer.serving_state())
+        return Gauges(
+            running=stats.running,
+            waiting=stats.waiting,
+            kv_cache_usage=in_use / stats.total_pages if stats.total_pages else 0.0,
+            policy_version=self.engine.policy_version,
+            serving_state=state.removeprefix("SERVING_STATE_").lower(),
+            engine_up=self.engine.state is EngineState.SERVING,
+        )
 
     def _on_engine_state(self, state: EngineState) -> None:
         serving = (
@@ -201,7 +240,7 @@ async def serve(config: ServiceConfig) -> int:
     try:
         server, port = create_server(config)
     except BindError as exc:
-        log.error("server.bind_failed", address=config.address, error=str(exc))
+        log.error("server.bind_failed", address=exc.address, error=str(exc))
         return 1
     await server.start()
     log.info("server.listening", host=config.host, port=port, address=f"{config.host}:{port}")

@@ -22,6 +22,7 @@ from service.completion import Completion
 from service.config import ServiceConfig
 from service.engine_client import EngineClient, EngineState, EngineUnavailableError
 from service.generate_stream import Admitted, GenerateStreamCall
+from service.metrics import Metrics
 from service.tokenizer import Tokenizer
 
 log = structlog.get_logger("sluice.servicer")
@@ -43,9 +44,10 @@ class _Submitted:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, config: ServiceConfig, engine: EngineClient) -> None:
+    def __init__(self, config: ServiceConfig, engine: EngineClient, metrics: Metrics) -> None:
         self.config = config
         self.engine = engine
+        self.metrics = metrics
         self.tokenizer: Tokenizer | None = None  # set once the engine is first Ready
         self.draining = False  # SIGTERM: refuse new requests, let in-flight ones finish
 
@@ -116,9 +118,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> pb.ServerInfo:
         stats = await self.engine.refresh_stats(timeout=1.0)
         info = self.engine.info
-        state = pb.SERVING_STATE_DRAINING if self.draining else SERVING_STATES[self.engine.state]
-        if state == pb.SERVING_STATE_SERVING and self.engine.updating_weights:
-            state = pb.SERVING_STATE_UPDATING_WEIGHTS
+        state = self.serving_state()
         if info is None:
             return pb.ServerInfo(model=self.config.engine.model, state=state)
         return pb.ServerInfo(
@@ -140,6 +140,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             running=stats.running,
             waiting=stats.waiting,
         )
+
+    def serving_state(self) -> pb.ServingState.ValueType:
+        """The state GetServerInfo reports. Only reads attributes: the metrics thread calls it."""
+        state = pb.SERVING_STATE_DRAINING if self.draining else SERVING_STATES[self.engine.state]
+        if state == pb.SERVING_STATE_SERVING and self.engine.updating_weights:
+            state = pb.SERVING_STATE_UPDATING_WEIGHTS
+        return state
 
     # ---- admission and streaming ----
 
@@ -204,7 +211,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 for index, completion in completions.items():
                     mine = [o for o in outputs if o.index == index]
                     if mine and not completion.finished:
-                        for event in completion.absorb(mine):
+                        events = completion.absorb(mine)
+                        if completion.finish_reason is not None:
+                            self.metrics.completion_finished(completion.finish_reason.value)
+                        for event in events:
                             yield event
                         if completion.finished_early:
                             # A stop string matched: the engine is still generating this
@@ -218,6 +228,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 expired = request.deadline is not None and time.time() >= request.deadline
                 abandoned = FinishReason.DEADLINE_EXCEEDED if expired else FinishReason.CANCELLED
                 self.engine.abort([rid], abandoned)
+                for completion in completions.values():
+                    if not completion.finished:
+                        self.metrics.completion_finished(abandoned.value)
             raise
         finally:
             self.engine.detach(rid)

@@ -54,6 +54,7 @@ class Supervisor:
             await engine.close(timeout=0)
             await self._restart()
             self.client.restarts += 1
+            self.client.metrics.engine_restarted()
             self.client.set_state(EngineState.SERVING)
 
     async def _watch(self, engine: EngineProcess) -> None:

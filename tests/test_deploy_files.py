@@ -17,15 +17,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from sluice_client.cli import build_parser as sluice_parser
 
-from service.cli import build_parser
+from service.cli import build_parser as serve_parser
 
 ROOT = Path(__file__).resolve().parents[1]
-
-# Flags the deploy files use that another change of the same issue adds (metrics, issue 12
-# item 1). They are left out of the parse check until they exist; the test below fails as soon
-# as they do, so that this set is emptied and they are checked too.
-PENDING_SERVE_FLAGS = {"--metrics-port", "--metrics-host"}
 
 
 def dockerfile_instructions() -> list[tuple[str, str]]:
@@ -57,27 +53,15 @@ def service(name: str) -> dict:
     return compose()["services"][name]
 
 
-def without_pending(args: list[str]) -> list[str]:
-    """`args` less the pending flags and their values (`--flag=v` or `--flag v`)."""
-    kept: list[str] = []
-    skip_value = False
-    for arg in args:
-        if skip_value:
-            skip_value = False
-            continue
-        name = arg.split("=", 1)[0]
-        if name in PENDING_SERVE_FLAGS:
-            skip_value = "=" not in arg
-            continue
-        kept.append(arg)
-    return kept
-
-
 def parse(argv: list[str], capsys: pytest.CaptureFixture[str]) -> argparse.Namespace:
+    """`argv` of `sluice serve` (the flags alone) or of another `sluice` verb, parsed."""
+    parser, command = (
+        (sluice_parser(), "sluice") if argv[0] == "health" else (serve_parser(), "sluice serve")
+    )
     try:
-        return build_parser().parse_args(argv)
+        return parser.parse_args(argv)
     except SystemExit:
-        pytest.fail(f"`sluice {shlex.join(argv)}` does not parse: {capsys.readouterr().err}")
+        pytest.fail(f"`{command} {shlex.join(argv)}` does not parse: {capsys.readouterr().err}")
 
 
 def serve_commands() -> dict[str, list[str]]:
@@ -114,25 +98,8 @@ def test_every_serve_command_in_the_deploy_files_parses(capsys: pytest.CaptureFi
     commands = serve_commands()
     assert set(commands) >= {"Dockerfile CMD", "compose sluice", "compose sluice-cpu"}
     for args in commands.values():
-        parsed = parse(["serve", *without_pending(args)], capsys)
+        parsed = parse(args, capsys)
         assert parsed.host == "0.0.0.0", "a server in a container must listen beyond loopback"
-
-
-def serve_knows(flag: str) -> bool:
-    try:
-        _, unknown = build_parser().parse_known_args(["serve", f"{flag}=0"])
-    except SystemExit:  # known, but "0" is not a value it takes
-        return True
-    return not unknown
-
-
-def test_pending_flags_are_still_pending():
-    assert serve_knows("--port") and not serve_knows("--no-such-flag")
-    arrived = {flag for flag in PENDING_SERVE_FLAGS if serve_knows(flag)}
-    assert not arrived, (
-        f"sluice serve now has {sorted(arrived)}: remove them from PENDING_SERVE_FLAGS in "
-        "tests/test_deploy_files.py so the deploy files' use of them is checked"
-    )
 
 
 def test_every_health_check_probes_its_own_server(capsys: pytest.CaptureFixture[str]):
@@ -140,7 +107,7 @@ def test_every_health_check_probes_its_own_server(capsys: pytest.CaptureFixture[
     for where, check in health_checks().items():
         assert check[:2] == ["sluice", "health"], where
         parsed = parse(check[1:], capsys)
-        port = parse(["serve", *without_pending(commands[where])], capsys).port
+        port = parse(commands[where], capsys).port
         assert parsed.target == f"127.0.0.1:{port}", where
         assert parsed.wait == 0, f"{where}: the check's own timeout bounds it, not --wait"
 

@@ -17,6 +17,7 @@ from sluice_client import AsyncClient, Collector, build_request
 from engine.messages import FinishReason, RequestOutput
 from service.admission import AddRequest, Admission, SamplingParams
 from service.completion import OutputSettings
+from service.metrics import Metrics
 from service.servicer import GenerationServicer, _Submitted
 from service.tokenizer import Tokenizer
 
@@ -366,6 +367,7 @@ async def test_every_waiting_token_goes_out_as_one_chunk(model_dir):
     servicer = GenerationServicer.__new__(GenerationServicer)
     servicer.engine = _EngineStub()  # type: ignore[assignment]
     servicer.tokenizer = Tokenizer(model_dir)
+    servicer.metrics = Metrics()
     queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
     for i, token in enumerate([36, 66, 71]):
         queue.put_nowait(
