@@ -1,0 +1,286 @@
+// Types of @sluice/client (the implementation is plain ESM JavaScript under src/).
+
+import type { ChannelOptions, Metadata, status } from '@grpc/grpc-js';
+
+export { status } from '@grpc/grpc-js';
+
+/** A prompt: text (tokenized by the server, with special tokens such as BOS) or token ids. */
+export type Prompt = string | readonly number[] | Uint32Array;
+
+export interface ClientOptions {
+  /** Sent on Generation calls as `authorization: Bearer <apiToken>`. */
+  apiToken?: string;
+  /** Sent on Admin calls as `authorization: Bearer <adminToken>`. */
+  adminToken?: string;
+  /** true: TLS with the system roots; an object: PEM Buffers or file paths (cert + key = mTLS). */
+  tls?: boolean | TlsOptions;
+  /** The default retry policy (DEFAULT_SERVICE_CONFIG); default true. */
+  retry?: boolean;
+  /** Default deadline of every call, in milliseconds from its start; a call's own wins. */
+  deadlineMs?: number | null;
+  /** Extra grpc-js channel options (they win over the client's own). */
+  channelOptions?: ChannelOptions;
+}
+
+export interface TlsOptions {
+  ca?: Buffer | string;
+  cert?: Buffer | string;
+  key?: Buffer | string;
+}
+
+export interface CallOptions {
+  /** Deadline in milliseconds from the call's start. */
+  deadlineMs?: number | null;
+}
+
+/** GenerateRequest fields (unset: the server's default). See proto/sluice/v1/generation.proto. */
+export interface GenerateOptions extends CallOptions {
+  requestId?: string;
+  maxTokens?: number;
+  minTokens?: number;
+  temperature?: number;
+  topP?: number;
+  topK?: number;
+  minP?: number;
+  frequencyPenalty?: number;
+  presencePenalty?: number;
+  repetitionPenalty?: number;
+  seed?: number | string;
+  stop?: readonly string[];
+  stopTokenIds?: readonly number[];
+  ignoreEos?: boolean;
+  includeStopStrInOutput?: boolean;
+  logprobs?: boolean;
+  topLogprobs?: number;
+  rawLogprobs?: boolean;
+  skipSpecialTokens?: boolean;
+  n?: number;
+  minPolicyVersion?: number;
+  priority?: number;
+}
+
+export type FinishReason =
+  | 'UNSPECIFIED'
+  | 'STOP'
+  | 'STOP_STRING'
+  | 'LENGTH'
+  | 'CANCELLED'
+  | 'DEADLINE_EXCEEDED'
+  | 'ABORTED'
+  | 'ERROR';
+
+interface EventBase {
+  requestId: string;
+  /** Which of the n samples. */
+  index: number;
+}
+
+export interface StartedEvent extends EventBase {
+  type: 'started';
+  promptTokens: number;
+  cachedTokens: number;
+  policyVersion: number;
+}
+
+export interface TokensEvent extends EventBase {
+  type: 'tokens';
+  tokenIds: number[];
+  /** The text these tokens complete; may be empty while a character is incomplete. */
+  text: string;
+  /** logprobs[i] belongs to tokenIds[i] (when requested). */
+  logprobs: number[];
+  topLogprobs: { tokenIds: number[]; logprobs: number[] }[];
+  /** The weights version that produced these tokens. */
+  policyVersion: number;
+}
+
+export interface FinishedEvent extends EventBase {
+  type: 'finished';
+  reason: FinishReason;
+  /** Why the request failed (reasons ERROR and ABORTED). */
+  message: string;
+  matchedStop: string;
+  usage: { promptTokens: number; completionTokens: number; cachedTokens: number };
+  versionSpans: { policyVersion: number; start: number; end: number }[];
+}
+
+export type GenerateEvent = StartedEvent | TokensEvent | FinishedEvent;
+
+export interface FieldViolation {
+  field: string;
+  description: string;
+}
+
+/** A call that ended with a non-OK status, or a GenerateStream start the server refused. */
+export class SluiceError extends Error {
+  name: 'SluiceError';
+  /** The gRPC status code (compare with `status.RESOURCE_EXHAUSTED` etc.). */
+  code: status;
+  /** The code's name, e.g. "INVALID_ARGUMENT". */
+  codeName: string;
+  /** The server's message (`message` is prefixed with the code name). */
+  serverMessage: string;
+  /** Every google.rpc.Status detail, decoded (unknown types: their raw `value`). */
+  details: ({ typeUrl: string } & Record<string, unknown>)[];
+  /** From google.rpc.BadRequest (INVALID_ARGUMENT). */
+  fieldViolations: FieldViolation[];
+  /** From google.rpc.RetryInfo, else the grpc-retry-pushback-ms trailer; null when absent. */
+  retryDelayMs: number | null;
+  /** The call's trailers (null for a GenerateStream refusal). */
+  metadata: Metadata | null;
+  constructor(fields: {
+    code: status;
+    message: string;
+    details?: ({ typeUrl: string } & Record<string, unknown>)[];
+    fieldViolations?: FieldViolation[];
+    retryDelayMs?: number | null;
+    metadata?: Metadata | null;
+  });
+}
+
+export function codeName(code: number): string;
+
+/** Everything one sample streamed back, put together. */
+export class Completion {
+  requestId: string;
+  index: number;
+  started: StartedEvent | null;
+  tokenIds: number[];
+  text: string;
+  logprobs: number[];
+  /** One per token. */
+  policyVersions: number[];
+  finished: FinishedEvent | null;
+  /** The finish reason, or "" while running. */
+  readonly reason: FinishReason | '';
+  add(event: GenerateEvent): void;
+}
+
+/** Reads events to their end: one Completion per (request id, index). */
+export function collect(events: AsyncIterable<GenerateEvent>): Promise<Completion[]>;
+
+/** The GenerateRequest message (proto-loader's camelCase form) for a prompt and options. */
+export function buildRequest(prompt: Prompt, options?: GenerateOptions): Record<string, unknown>;
+
+export class GenerateStream {
+  /** Settles when the call ends; rejects with the call's SluiceError. */
+  readonly closed: Promise<void>;
+  /** Sends a request (an id is made up when options.requestId is not given). */
+  start(prompt: Prompt, options?: Omit<GenerateOptions, 'deadlineMs'>): StreamRequest;
+  /** Cancels one request of this stream by id. */
+  cancel(requestId: string): void;
+  /** Half-closes: the call ends once every started request has. */
+  end(): void;
+  /** Ends the whole call now. */
+  abort(): void;
+}
+
+/** One request of a GenerateStream; iterating it yields its events, then ends (or throws). */
+export class StreamRequest implements AsyncIterable<GenerateEvent> {
+  readonly stream: GenerateStream;
+  readonly requestId: string;
+  /** Which start of its stream this is, counting from 0. */
+  readonly startIndex: number;
+  [Symbol.asyncIterator](): AsyncIterator<GenerateEvent>;
+  cancel(): void;
+  /** The Completion of sample 0. */
+  complete(): Promise<Completion>;
+}
+
+export type ServingState = 'UNSPECIFIED' | 'STARTING' | 'SERVING' | 'UPDATING_WEIGHTS' | 'RESTARTING' | 'DRAINING';
+
+export interface ServerInfo {
+  model: string;
+  maxModelLen: number;
+  vocabSize: number;
+  policyVersion: number;
+  eosTokenIds: number[];
+  device: string;
+  dtype: string;
+  state: ServingState;
+  kvCache: {
+    pageSize: number;
+    totalPages: number;
+    freePages: number;
+    cachedPages: number;
+    prefixCacheHitRatio: number;
+  };
+  running: number;
+  waiting: number;
+}
+
+export interface CancelResult {
+  cancelled: string[];
+  notFound: string[];
+}
+
+export type InflightPolicy = 'drain' | 'abort' | 'continue' | 'recompute';
+
+/** A tensor held in memory: raw row-major little-endian bytes of the served dtype. */
+export interface InlineTensor {
+  dtype: 'F32' | 'F16' | 'BF16';
+  shape: readonly number[];
+  data: ArrayBufferView;
+}
+
+export type WeightsSource =
+  | { checkpoint: string; tensors?: undefined }
+  | { tensors: string | Record<string, InlineTensor>; checkpoint?: undefined };
+
+export type UpdateProgress =
+  | { type: 'paused'; inFlight: number }
+  | { type: 'loading'; bytesDone: number; bytesTotal: number; tensorsDone: number; tensorsTotal: number }
+  | AppliedEvent;
+
+export interface AppliedEvent {
+  type: 'applied';
+  previousVersion: number;
+  policyVersion: number;
+  aborted: number;
+  continued: number;
+  recomputed: number;
+  seconds: number;
+}
+
+export interface UpdateWeightsOptions extends CallOptions {
+  /** Must exceed the served version; 0 (default) = served + 1. */
+  policyVersion?: number;
+  inflight?: InflightPolicy;
+  drainTimeoutMs?: number;
+  /** Bytes per TensorChunk for inline tensors; default 4 MiB. */
+  chunkBytes?: number;
+  onProgress?: (event: UpdateProgress) => void;
+}
+
+/** The gRPC service config used unless `retry: false`. */
+export const DEFAULT_SERVICE_CONFIG: {
+  readonly methodConfig: readonly {
+    name: readonly { service: string; method?: string }[];
+    retryPolicy: {
+      maxAttempts: number;
+      initialBackoff: string;
+      maxBackoff: string;
+      backoffMultiplier: number;
+      retryableStatusCodes: readonly string[];
+    };
+  }[];
+};
+
+export class Client {
+  constructor(target: string, options?: ClientOptions);
+  close(): void;
+  /** The events of one request; a refusal or failure throws SluiceError; break cancels. */
+  generate(prompt: Prompt, options?: GenerateOptions): AsyncIterable<GenerateEvent>;
+  /** Runs one request to its end: the Completion of sample 0. */
+  complete(prompt: Prompt, options?: GenerateOptions): Promise<Completion>;
+  stream(options?: CallOptions): GenerateStream;
+  cancel(requestIds: string | readonly string[], options?: CallOptions): Promise<CancelResult>;
+  tokenize(text: string, options?: CallOptions & { addSpecialTokens?: boolean }): Promise<number[]>;
+  info(options?: CallOptions): Promise<ServerInfo>;
+  updateWeights(source: WeightsSource, options?: UpdateWeightsOptions): Promise<AppliedEvent>;
+}
+
+/** The tensors of a .safetensors file: names, dtypes, shapes and absolute byte ranges. */
+export function readSafetensorsIndex(
+  path: string,
+): Promise<{ name: string; dtype: string; shape: number[]; begin: number; end: number }[]>;

@@ -1,0 +1,149 @@
+// Client: the Generation and Admin services of one Sluice server over one channel.
+
+import { readFileSync } from 'node:fs';
+
+import * as grpc from '@grpc/grpc-js';
+
+import { toSluiceError } from './errors.js';
+import { sluiceServices } from './protos.js';
+import { EventQueue } from './queue.js';
+import { buildRequest, collect, toEvent } from './requests.js';
+import { GenerateStream } from './stream.js';
+import { runUpdate } from './update_weights.js';
+
+/**
+ * The gRPC service config a Client uses unless `retry: false`: Generation calls refused with
+ * RESOURCE_EXHAUSTED (queue full) or UNAVAILABLE (engine starting or restarting) are tried
+ * again, up to 5 attempts, after the server's `grpc-retry-pushback-ms` when it sends one, else
+ * after an exponential backoff. gRPC retries a streaming call only until its first response,
+ * so no event is ever delivered twice. Admin calls are never retried.
+ */
+export const DEFAULT_SERVICE_CONFIG = Object.freeze({
+  methodConfig: [
+    {
+      name: [{ service: 'sluice.v1.Generation' }],
+      retryPolicy: {
+        maxAttempts: 5,
+        initialBackoff: '0.25s',
+        maxBackoff: '4s',
+        backoffMultiplier: 2,
+        retryableStatusCodes: ['RESOURCE_EXHAUSTED', 'UNAVAILABLE'],
+      },
+    },
+  ],
+});
+
+export class Client {
+  #generation;
+  #admin;
+  #metadata;
+  #adminMetadata;
+  #deadlineMs;
+
+  /**
+   * `target`: "host:port". Options: `apiToken` (Generation) and `adminToken` (Admin), sent as
+   * `authorization: Bearer <token>`; `tls`: true (system roots) or {ca, cert, key} (PEM
+   * Buffers or file paths; cert and key for mTLS), absent = plaintext; `retry` (default true):
+   * the DEFAULT_SERVICE_CONFIG retry policy; `deadlineMs`: default deadline of every call (a
+   * call's own `deadlineMs` wins); `channelOptions`: extra grpc-js channel options.
+   */
+  constructor(target, options = {}) {
+    const { apiToken, adminToken, tls, retry = true, deadlineMs = null, channelOptions = {} } = options;
+    const { Generation, Admin } = sluiceServices();
+    const retryOptions = retry
+      ? { 'grpc.enable_retries': 1, 'grpc.service_config': JSON.stringify(DEFAULT_SERVICE_CONFIG) }
+      : { 'grpc.enable_retries': 0 };
+    this.#generation = new Generation(target, credentials(tls), { ...retryOptions, ...channelOptions });
+    this.#admin = new Admin(target, null, { channelOverride: this.#generation.getChannel() });
+    this.#metadata = bearer(apiToken);
+    this.#adminMetadata = bearer(adminToken);
+    this.#deadlineMs = deadlineMs;
+  }
+
+  close() {
+    this.#generation.close();
+  }
+
+  /**
+   * The events of one request, as they arrive: `for await (const event of client.generate(...))`.
+   * A refused or failed call throws a SluiceError; leaving the loop early cancels the call.
+   */
+  generate(prompt, options = {}) {
+    const call = this.#generation.Generate(buildRequest(prompt, options), this.#metadata.clone(), this.#callOptions(options));
+    const queue = new EventQueue(() => call.cancel());
+    call.on('data', (response) => queue.push(toEvent(response)));
+    call.on('error', (error) => queue.fail(toSluiceError(error)));
+    call.on('status', (status) => status.code === 0 && queue.close());
+    return queue;
+  }
+
+  /** Runs one request to its end: the Completion of sample 0 (all samples: collect(generate())). */
+  async complete(prompt, options = {}) {
+    const [first] = await collect(this.generate(prompt, options));
+    return first;
+  }
+
+  /** A GenerateStream call (see GenerateStream); `deadlineMs` bounds the whole call. */
+  stream(options = {}) {
+    return new GenerateStream(this.#generation.GenerateStream(this.#metadata.clone(), this.#callOptions(options)));
+  }
+
+  /** Cancels requests by id, from any connection: {cancelled, notFound}. */
+  async cancel(requestIds, options = {}) {
+    const ids = typeof requestIds === 'string' ? [requestIds] : [...requestIds];
+    return this.#unary('Cancel', { requestIds: ids }, options);
+  }
+
+  async tokenize(text, options = {}) {
+    const request = { text, addSpecialTokens: options.addSpecialTokens ?? false };
+    return (await this.#unary('Tokenize', request, options)).tokenIds;
+  }
+
+  /** The served model and the engine's state; `state` is a short name ("SERVING", ...). */
+  async info(options = {}) {
+    const info = await this.#unary('GetServerInfo', {}, options);
+    return { ...info, state: String(info.state).replace(/^SERVING_STATE_/, '') };
+  }
+
+  /**
+   * Swaps the served weights: `{checkpoint: dir}` (on the server's file system) or
+   * `{tensors: path to a .safetensors file | {name: {dtype, shape, data}}}` sent inline.
+   * Options: policyVersion (0 = served + 1), inflight (drain | abort | continue | recompute),
+   * drainTimeoutMs, chunkBytes (default 4 MiB), onProgress(event), deadlineMs. Resolves with the
+   * applied event; rejects with a SluiceError when the server refuses or the update fails.
+   */
+  async updateWeights(source, options = {}) {
+    const call = this.#admin.UpdateWeights(this.#adminMetadata.clone(), this.#callOptions(options));
+    return runUpdate(call, source, options);
+  }
+
+  #unary(method, request, options) {
+    return new Promise((resolve, reject) => {
+      this.#generation[method](request, this.#metadata.clone(), this.#callOptions(options), (error, response) =>
+        error ? reject(toSluiceError(error)) : resolve(response),
+      );
+    });
+  }
+
+  #callOptions(options) {
+    const deadlineMs = options.deadlineMs ?? this.#deadlineMs;
+    return deadlineMs === null || deadlineMs === undefined ? {} : { deadline: Date.now() + deadlineMs };
+  }
+}
+
+function bearer(token) {
+  const metadata = new grpc.Metadata();
+  if (token !== undefined && token !== null) metadata.set('authorization', `Bearer ${token}`);
+  return metadata;
+}
+
+function credentials(tls) {
+  if (!tls) return grpc.credentials.createInsecure();
+  if (tls === true) return grpc.credentials.createSsl();
+  return grpc.credentials.createSsl(pem(tls.ca), pem(tls.key), pem(tls.cert));
+}
+
+function pem(value) {
+  if (value === undefined || value === null) return null;
+  return typeof value === 'string' ? readFileSync(value) : Buffer.from(value);
+}

@@ -1,0 +1,135 @@
+// GenerateRequest messages from options, and GenerateResponse messages as events.
+
+/** A GenerateRequest (proto-loader's camelCase form); unset options leave fields unset. */
+export function buildRequest(prompt, options = {}) {
+  const sampling = pick(options, [
+    'temperature',
+    'topP',
+    'topK',
+    'minP',
+    'frequencyPenalty',
+    'presencePenalty',
+    'repetitionPenalty',
+    'seed',
+  ]);
+  const stop = pick(options, ['maxTokens', 'minTokens', 'ignoreEos', 'includeStopStrInOutput']);
+  if (options.stop !== undefined) stop.stop = [...options.stop];
+  if (options.stopTokenIds !== undefined) stop.stopTokenIds = [...options.stopTokenIds];
+  const output = pick(options, ['logprobs', 'topLogprobs', 'rawLogprobs', 'skipSpecialTokens']);
+  const request = {
+    requestId: options.requestId ?? '',
+    sampling,
+    stop,
+    output,
+    ...pick(options, ['n', 'minPolicyVersion', 'priority']),
+  };
+  if (typeof prompt === 'string') {
+    request.text = prompt;
+  } else if (Array.isArray(prompt) || ArrayBuffer.isView(prompt)) {
+    request.tokenIds = { ids: Array.from(prompt) };
+  } else {
+    throw new TypeError('prompt: a string or an array of token ids');
+  }
+  return request;
+}
+
+function pick(options, names) {
+  const picked = {};
+  for (const name of names) {
+    if (options[name] !== undefined && options[name] !== null) picked[name] = options[name];
+  }
+  return picked;
+}
+
+/** The short name of a FinishReason ("FINISH_REASON_STOP" -> "STOP"). */
+function shortReason(name) {
+  return String(name).replace(/^FINISH_REASON_/, '');
+}
+
+/** A GenerateResponse as an event object; `refused` events are returned as they are. */
+export function toEvent(response) {
+  const { requestId, index } = response;
+  switch (response.event) {
+    case 'started': {
+      const { promptTokens, cachedTokens, policyVersion } = response.started;
+      return { type: 'started', requestId, index, promptTokens, cachedTokens, policyVersion };
+    }
+    case 'tokens': {
+      const { tokenIds, text, logprobs, topLogprobs, policyVersion } = response.tokens;
+      return { type: 'tokens', requestId, index, tokenIds, text, logprobs, topLogprobs, policyVersion };
+    }
+    case 'finished': {
+      const { reason, matchedStop, usage, versionSpans, message } = response.finished;
+      return {
+        type: 'finished',
+        requestId,
+        index,
+        reason: shortReason(reason),
+        message,
+        matchedStop,
+        usage: usage ?? { promptTokens: 0, completionTokens: 0, cachedTokens: 0 },
+        versionSpans,
+      };
+    }
+    case 'refused': {
+      const { code, message, fieldViolations, retryDelayMs, startIndex } = response.refused;
+      return { type: 'refused', requestId, index, code, message, fieldViolations, retryDelayMs, startIndex };
+    }
+    default:
+      throw new Error(`unknown GenerateResponse event: ${response.event}`);
+  }
+}
+
+/** Everything one sample (request id, index) streamed back, put together. */
+export class Completion {
+  constructor(requestId, index = 0) {
+    this.requestId = requestId;
+    this.index = index;
+    this.started = null;
+    this.tokenIds = [];
+    this.text = '';
+    this.logprobs = [];
+    this.policyVersions = []; // one per token
+    this.finished = null;
+  }
+
+  /** The finish reason's short name ("STOP", "LENGTH", ...), or "" while running. */
+  get reason() {
+    return this.finished?.reason ?? '';
+  }
+
+  add(event) {
+    switch (event.type) {
+      case 'started':
+        this.started = event;
+        break;
+      case 'tokens':
+        this.tokenIds.push(...event.tokenIds);
+        this.text += event.text;
+        this.logprobs.push(...event.logprobs);
+        for (let i = 0; i < event.tokenIds.length; i++) this.policyVersions.push(event.policyVersion);
+        break;
+      case 'finished':
+        this.finished = event;
+        break;
+    }
+  }
+}
+
+/**
+ * Reads events to their end and returns one Completion per (request id, index), in order of
+ * first appearance. `started` comes once per request (index 0) and is shared by its samples.
+ */
+export async function collect(events) {
+  const completions = new Map();
+  const started = new Map();
+  for await (const event of events) {
+    if (event.type === 'started') started.set(event.requestId, event);
+    const key = `${event.index}\u0000${event.requestId}`;
+    let completion = completions.get(key);
+    if (completion === undefined) completions.set(key, (completion = new Completion(event.requestId, event.index)));
+    completion.add(event);
+  }
+  for (const completion of completions.values()) completion.started ??= started.get(completion.requestId) ?? null;
+  return [...completions.values()];
+}

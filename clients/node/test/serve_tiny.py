@@ -1,0 +1,66 @@
+"""A live Sluice server on tiny random checkpoints, for the Node client's tests.
+
+Writes checkpoint A (served) and checkpoint B (same shapes, other weights) into a temp dir,
+starts `python -m service` on A with an API token, an admin token and any extra flags given
+here, waits until it is SERVING, then prints one JSON line: {"target", "checkpointA",
+"checkpointB", "tensorsA" (A's .safetensors file), "apiToken", "adminToken"}. Runs until stdin closes or SIGTERM, then
+stops the server and removes the temp dir.
+
+Usage: python clients/node/test/serve_tiny.py [extra `sluice serve` flags]
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path[:0] = [str(REPO / "tests"), str(REPO)]
+
+from server_process import server_process  # noqa: E402
+from tiny_models import make_checkpoint  # noqa: E402
+
+API_TOKEN = "node-test-api"
+ADMIN_TOKEN = "node-test-admin"
+
+
+def main(extra_flags: list[str]) -> int:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with tempfile.TemporaryDirectory(prefix="sluice-node-") as tmp:
+        root = Path(tmp)
+        checkpoint_a = make_checkpoint(root / "a", "llama", seed=0)
+        checkpoint_b = make_checkpoint(root / "b", "llama", seed=1)
+        (root / "api-token").write_text(API_TOKEN)
+        (root / "admin-token").write_text(ADMIN_TOKEN)
+        flags = ["--model", str(checkpoint_a), "--device", "cpu", "--dtype", "float32"]
+        flags += ["--api-token-file", str(root / "api-token")]
+        flags += ["--admin-token-file", str(root / "admin-token"), *extra_flags]
+        with server_process(root / "server.log", *flags) as server:
+            server.wait_health("SERVING")
+            ready = {
+                "target": server.target,
+                "checkpointA": str(checkpoint_a),
+                "checkpointB": str(checkpoint_b),
+                "tensorsA": str(checkpoint_a / "model.safetensors"),
+                "apiToken": API_TOKEN,
+                "adminToken": ADMIN_TOKEN,
+            }
+            print(json.dumps(ready), flush=True)
+            # The parent closing our stdin (or dying) is the signal to stop.
+            threading.Thread(target=_wait_stdin_closed, args=(stop,), daemon=True).start()
+            stop.wait()
+    return 0
+
+
+def _wait_stdin_closed(stop: threading.Event) -> None:
+    sys.stdin.read()
+    stop.set()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,65 @@
+// Compiled (never run) by `tsc -p test/tsconfig.json`: the README's usage must type-check
+// against index.d.ts, and misuse marked @ts-expect-error must not.
+import { Client, SluiceError, collect, status, type Completion, type GenerateEvent } from '@sluice/client';
+
+export async function usage(target: string): Promise<void> {
+  const client = new Client(target, { apiToken: 't', adminToken: 'a', retry: false, deadlineMs: 5000 });
+  for await (const event of client.generate('Hello', { maxTokens: 8, temperature: 0 })) {
+    if (event.type === 'tokens') {
+      const ids: number[] = event.tokenIds;
+      const version: number = event.policyVersion;
+      void [ids, version, event.text, event.logprobs];
+    } else if (event.type === 'finished') {
+      const reason: 'STOP' | 'STOP_STRING' | 'LENGTH' | 'CANCELLED' | 'DEADLINE_EXCEEDED' | 'ABORTED' | 'ERROR' | 'UNSPECIFIED' =
+        event.reason;
+      void [reason, event.message];
+    }
+  }
+  const completion: Completion = await client.complete([0, 1, 2], { n: 1, seed: 7 });
+  void completion.tokenIds;
+  const all: Completion[] = await collect(client.generate('x', { n: 2 }));
+  void all;
+
+  const stream = client.stream({ deadlineMs: 10_000 });
+  const request = stream.start('Hi', { maxTokens: 4 });
+  stream.cancel(request.requestId);
+  stream.end();
+  for await (const event of request) {
+    const e: GenerateEvent = event;
+    void e;
+  }
+  await stream.closed;
+
+  const { cancelled, notFound } = await client.cancel(['a', 'b']);
+  void [cancelled, notFound];
+  const ids: number[] = await client.tokenize('Hello', { addSpecialTokens: true });
+  void ids;
+  const info = await client.info();
+  const serving: boolean = info.state === 'SERVING';
+  void [serving, info.kvCache.freePages];
+
+  const applied = await client.updateWeights({ checkpoint: '/ckpt' }, { inflight: 'abort', policyVersion: 3 });
+  const next: number = applied.policyVersion;
+  void next;
+  await client.updateWeights(
+    { tensors: { 'model.norm.weight': { dtype: 'F32', shape: [64], data: new Float32Array(64) } } },
+    { onProgress: (p) => void (p.type === 'loading' ? p.bytesDone : 0) },
+  );
+  try {
+    await client.info();
+  } catch (error) {
+    if (error instanceof SluiceError && error.code === status.INVALID_ARGUMENT) {
+      for (const { field, description } of error.fieldViolations) void [field, description];
+      const delay: number | null = error.retryDelayMs;
+      void delay;
+    }
+  }
+
+  // @ts-expect-error: exactly one source
+  await client.updateWeights({ checkpoint: '/a', tensors: '/b' });
+  // @ts-expect-error: not an in-flight policy
+  await client.updateWeights({ checkpoint: '/a' }, { inflight: 'later' });
+  // @ts-expect-error: a prompt is text or token ids
+  client.generate({ text: 'x' });
+  client.close();
+}

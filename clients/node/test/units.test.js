@@ -1,0 +1,200 @@
+// Parts of the client that need no server: request building, the event queue, the
+// safetensors reader, error decoding, and the packed package's protos.
+
+import assert from 'node:assert/strict';
+import { execFile } from 'node:child_process';
+import { mkdtemp, rm, symlink, writeFile } from 'node:fs/promises';
+import { tmpdir } from 'node:os';
+import { dirname, join } from 'node:path';
+import { test } from 'node:test';
+import { fileURLToPath } from 'node:url';
+import { promisify } from 'node:util';
+
+import { Metadata } from '@grpc/grpc-js';
+
+import { buildRequest, readSafetensorsIndex } from '../index.js';
+import { toSluiceError } from '../src/errors.js';
+import { rpcStatusTypes } from '../src/protos.js';
+import { EventQueue } from '../src/queue.js';
+import { safetensorsChunks } from '../src/safetensors.js';
+import { buildHeader } from '../src/update_weights.js';
+
+const PACKAGE_ROOT = dirname(dirname(fileURLToPath(import.meta.url)));
+const run = promisify(execFile);
+
+async function withTempDir(body) {
+  const dir = await mkdtemp(join(tmpdir(), 'sluice-node-unit-'));
+  try {
+    return await body(dir);
+  } finally {
+    await rm(dir, { recursive: true, force: true });
+  }
+}
+
+/** A .safetensors file: 8-byte little-endian header length, JSON header, then the data. */
+async function writeSafetensors(path, tensors) {
+  const header = { __metadata__: { format: 'pt' } };
+  const blobs = [];
+  let offset = 0;
+  for (const [name, { dtype, shape, data }] of Object.entries(tensors)) {
+    const bytes = Buffer.from(data.buffer, data.byteOffset, data.byteLength);
+    header[name] = { dtype, shape, data_offsets: [offset, offset + bytes.length] };
+    blobs.push(bytes);
+    offset += bytes.length;
+  }
+  const json = Buffer.from(JSON.stringify(header));
+  const length = Buffer.alloc(8);
+  length.writeBigUInt64LE(BigInt(json.length));
+  await writeFile(path, Buffer.concat([length, json, ...blobs]));
+}
+
+test('buildRequest sends explicit zeros of optional fields (temperature 0 is greedy)', () => {
+  const request = buildRequest([0, 5, 6], { temperature: 0, maxTokens: 4, stop: ['\n'], n: 2 });
+  assert.deepEqual(request.tokenIds, { ids: [0, 5, 6] });
+  assert.equal(request.sampling.temperature, 0);
+  assert.deepEqual(request.stop, { maxTokens: 4, stop: ['\n'] });
+  assert.equal(request.n, 2);
+  assert.ok(!('topP' in request.sampling), 'unset options stay unset');
+  assert.equal(buildRequest('Hi').text, 'Hi');
+  assert.throws(() => buildRequest({ text: 'Hi' }), TypeError);
+});
+
+test('buildHeader needs exactly one source and a known in-flight policy', () => {
+  assert.deepEqual(buildHeader({ checkpoint: '/c' }, { policyVersion: 3, inflight: 'abort', drainTimeoutMs: 50 }), {
+    policyVersion: 3,
+    inflight: 'INFLIGHT_POLICY_ABORT',
+    checkpointDir: '/c',
+    drainTimeoutMs: 50,
+  });
+  assert.equal(buildHeader({ tensors: '/t.safetensors' }).inlineTensors, true);
+  assert.throws(() => buildHeader({ checkpoint: '/c', tensors: '/t' }), /exactly one source/);
+  assert.throws(() => buildHeader({}), /exactly one source/);
+  assert.throws(() => buildHeader({ checkpoint: '/c' }, { inflight: 'later' }), /inflight/);
+});
+
+test('EventQueue delivers pushed values, then the failure; an early exit runs onReturn once', async () => {
+  const failing = new EventQueue();
+  failing.push(1);
+  failing.push(2);
+  failing.fail(new Error('boom'));
+  const seen = [];
+  await assert.rejects(async () => {
+    for await (const value of failing) seen.push(value);
+  }, /boom/);
+  assert.deepEqual(seen, [1, 2]);
+
+  let returns = 0;
+  const queue = new EventQueue(() => returns++);
+  setTimeout(() => queue.push('a'), 5);
+  for await (const value of queue) {
+    assert.equal(value, 'a');
+    break;
+  }
+  queue.push('ignored after the reader left');
+  assert.equal(returns, 1);
+  assert.ok(queue.ended);
+});
+
+test('safetensors: the index has absolute offsets and the chunks rebuild every tensor', async () => {
+  await withTempDir(async (dir) => {
+    const path = join(dir, 'model.safetensors');
+    const weight = Float32Array.from({ length: 300 }, (_, i) => i / 7);
+    const norm = Float32Array.from({ length: 5 }, (_, i) => -i);
+    await writeSafetensors(path, {
+      'layer.weight': { dtype: 'F32', shape: [20, 15], data: weight },
+      'norm.weight': { dtype: 'F32', shape: [5], data: norm },
+    });
+    const index = await readSafetensorsIndex(path);
+    assert.deepEqual(
+      index.map(({ name, shape, end, begin }) => [name, shape, end - begin]),
+      [
+        ['layer.weight', [20, 15], 1200],
+        ['norm.weight', [5], 20],
+      ],
+    );
+    const chunks = [];
+    for await (const { tensor } of safetensorsChunks(path, 512)) chunks.push(tensor);
+    assert.deepEqual(
+      chunks.map((c) => [c.name, c.offset, c.data.length, c.dtype, c.shape]),
+      [
+        ['layer.weight', 0, 512, 'F32', [20, 15]],
+        ['layer.weight', 512, 512, undefined, undefined],
+        ['layer.weight', 1024, 176, undefined, undefined],
+        ['norm.weight', 0, 20, 'F32', [5]],
+      ],
+    );
+    const rebuilt = Buffer.concat(chunks.filter((c) => c.name === 'layer.weight').map((c) => c.data));
+    assert.deepEqual(new Float32Array(rebuilt.buffer, rebuilt.byteOffset, 300), weight);
+  });
+});
+
+test('safetensors: a file that is not one is refused with its path named', async () => {
+  await withTempDir(async (dir) => {
+    const short = join(dir, 'short.safetensors');
+    await writeFile(short, Buffer.from([1, 2, 3]));
+    await assert.rejects(readSafetensorsIndex(short), /short\.safetensors: not a safetensors file/);
+    const huge = join(dir, 'huge.safetensors');
+    const length = Buffer.alloc(8);
+    length.writeBigUInt64LE(1n << 40n);
+    await writeFile(huge, Buffer.concat([length, Buffer.from('{}')]));
+    await assert.rejects(readSafetensorsIndex(huge), /header length/);
+    const outside = join(dir, 'outside.safetensors');
+    const json = Buffer.from(JSON.stringify({ t: { dtype: 'F32', shape: [4], data_offsets: [0, 16] } }));
+    length.writeBigUInt64LE(BigInt(json.length));
+    await writeFile(outside, Buffer.concat([length, json, Buffer.alloc(8)]));
+    await assert.rejects(readSafetensorsIndex(outside), /tensor t: data_offsets \[0,16\] outside the file/);
+  });
+});
+
+test('toSluiceError decodes BadRequest and RetryInfo from grpc-status-details-bin', () => {
+  const { Status, BadRequest, RetryInfo } = rpcStatusTypes();
+  // google.protobuf.Any is built into protobufjs with its proto field names (type_url).
+  const any = (type, value) => ({
+    type_url: `type.googleapis.com/${type.fullName.slice(1)}`,
+    value: type.encode(type.fromObject(value)).finish(),
+  });
+  const status = Status.encode(
+    Status.fromObject({
+      code: 8,
+      message: 'queue full',
+      details: [
+        any(BadRequest, { fieldViolations: [{ field: 'n', description: 'too many' }] }),
+        any(RetryInfo, { retryDelay: { seconds: 1, nanos: 500_000_000 } }),
+      ],
+    }),
+  ).finish();
+  const metadata = new Metadata();
+  metadata.set('grpc-status-details-bin', Buffer.from(status));
+  const error = toSluiceError({ code: 8, details: 'queue full', metadata });
+  assert.equal(error.codeName, 'RESOURCE_EXHAUSTED');
+  assert.equal(error.serverMessage, 'queue full');
+  assert.deepEqual(error.fieldViolations, [{ field: 'n', description: 'too many' }]);
+  assert.equal(error.retryDelayMs, 1500);
+
+  const pushback = new Metadata();
+  pushback.set('grpc-retry-pushback-ms', '250');
+  assert.equal(toSluiceError({ code: 14, details: 'restarting', metadata: pushback }).retryDelayMs, 250);
+  assert.equal(toSluiceError({ code: 14, details: 'x', metadata: new Metadata() }).retryDelayMs, null);
+});
+
+test('a packed tarball carries the sluice.v1 protos and loads them from its own copy', async () => {
+  await withTempDir(async (dir) => {
+    const { stdout } = await run('npm', ['pack', '--pack-destination', dir, '--json', '--ignore-scripts=false'], {
+      cwd: PACKAGE_ROOT,
+    });
+    const [{ filename, files }] = JSON.parse(stdout);
+    const paths = files.map((f) => f.path);
+    for (const proto of ['proto/sluice/v1/generation.proto', 'proto/sluice/v1/admin.proto', 'proto/google/rpc/status.proto']) {
+      assert.ok(paths.includes(proto), `${proto} is packed`);
+    }
+    await run('tar', ['-xzf', join(dir, filename), '-C', dir]);
+    await symlink(join(PACKAGE_ROOT, 'node_modules'), join(dir, 'package', 'node_modules'));
+    const probe =
+      "import('./src/protos.js').then((p) => { console.log(p.sluiceProtoRoot()); " +
+      'console.log(Object.keys(p.sluiceServices().Generation.service).join()); })';
+    const loaded = await run(process.execPath, ['--input-type=module', '-e', probe], { cwd: join(dir, 'package') });
+    const [root, methods] = loaded.stdout.trim().split('\n');
+    assert.equal(root, join(dir, 'package', 'proto'));
+    assert.equal(methods, 'Generate,GenerateStream,Cancel,Tokenize,GetServerInfo');
+  });
+});
