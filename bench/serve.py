@@ -9,7 +9,7 @@ offline engine rate on the same workload and settings comes from `python -m benc
 rate-inf phase (the server idles meanwhile), on CUDA before the server starts. The prefix
 cache is off in both: every phase sends the same prompts, which a cache would serve from
 memory after the first phase (bench.prefix measures the cache); give a `--target` server
-`--disable-prefix-cache` too.
+`--no-enable-prefix-cache` too.
 
 Metrics as vLLM's benchmark_serving defines them: TTFT = send -> first token; TPOT per request
 = (latency - TTFT) / (output tokens - 1); ITL = the gaps between consecutive token chunks of a
@@ -210,7 +210,7 @@ def offline_rate(args: argparse.Namespace, model_dir: Path, dtype: str) -> dict[
         "--max-num-seqs",
         str(args.max_concurrency),
         "--skip-hf",
-        "--disable-prefix-cache",
+        "--no-enable-prefix-cache",
     ]
     if args.num_requests is not None:
         cmd += ["--num-requests", str(args.num_requests)]
@@ -268,7 +268,7 @@ def server(args: argparse.Namespace, model_dir: Path, dtype: str) -> Iterator[tu
         str(args.max_concurrency),
         "--shutdown-grace",
         "5",
-        "--disable-prefix-cache",
+        "--no-enable-prefix-cache",
     ]
     env = dict(os.environ)
     if args.threads:  # the engine process inherits it: torch sizes its pool from it

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.messages import MAX_POLICY_VERSION
+from engine.settings import EXECUTION, MODEL, OBSERVABILITY, SCHEDULING, setting
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -19,27 +20,71 @@ class EngineConfig:
 
     `model` is a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json).
     The KV cache is sized by `num_kv_pages` if given, else by `kv_cache_memory` bytes, else by
-    a default budget for the device; never by max_num_seqs x max_model_len.
+    a default budget for the device; never by max_num_seqs x max_model_len. Each field's help
+    (its `sluice serve` flag's) is in its `setting`.
     """
 
-    model: str
-    device: str = "auto"  # auto = cuda when available, else cpu
-    dtype: str = "auto"  # auto = bfloat16 on cuda, float32 on cpu
-    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
-    max_num_seqs: int = 128  # running requests per step
-    max_num_batched_tokens: int = 2048  # token budget per step (prefill chunks + decodes)
-    page_size: int = 16  # tokens per KV page
-    kv_cache_memory: int | None = None  # bytes for K and V pages
-    num_kv_pages: int | None = None  # overrides kv_cache_memory
-    enable_prefix_cache: bool = True
-    attention_backend: str = "auto"  # auto = triton on CUDA when importable, else torch_ref
-    enforce_eager: bool = False  # no CUDA graphs for decode steps
-    compile: bool = False  # torch.compile the decode step
-    seed: int = 0  # seeds the per-request seeds of unseeded requests
-    policy_version: int = 0  # version of the weights loaded at start
+    model: str = setting(
+        "demo", "Hugging Face checkpoint directory, or 'demo' (trained on first use)", group=MODEL
+    )
+    device: str = setting(
+        "auto", "auto = cuda when available, else cpu", group=MODEL, choices=DEVICES
+    )
+    dtype: str = setting(
+        "auto", "auto = bfloat16 on cuda, float32 on cpu", group=MODEL, choices=DTYPES
+    )
+    seed: int = setting(0, "seeds the per-request seeds of requests that give none", group=MODEL)
+    policy_version: int = setting(0, "policy version of the weights loaded at start", group=MODEL)
+    max_model_len: int | None = setting(
+        None, "context length in tokens (default: the checkpoint's)", group=SCHEDULING
+    )
+    max_num_seqs: int = setting(128, "sequences running at once per step", group=SCHEDULING)
+    max_num_batched_tokens: int = setting(
+        2048, "tokens per step: prompt chunks plus one per decoding sequence", group=SCHEDULING
+    )
+    page_size: int = setting(16, "tokens per KV cache page", group=SCHEDULING)
+    kv_cache_memory: int | None = setting(
+        None,
+        "bytes for the KV cache, e.g. 2GiB (default: see --gpu-memory-utilization; 1 GiB "
+        "at most on the CPU)",
+        group=SCHEDULING,
+        size=True,
+    )
+    num_kv_pages: int | None = setting(
+        None, "KV cache pages; overrides --kv-cache-memory", group=SCHEDULING
+    )
+    gpu_memory_utilization: float = setting(
+        0.9,
+        "CUDA without --kv-cache-memory: the fraction of the GPU memory still free after "
+        "the weights are loaded that the KV cache takes, in (0, 1]",
+        group=SCHEDULING,
+    )
+    enable_prefix_cache: bool = setting(
+        True, "reuse the KV pages of shared prompt prefixes", group=SCHEDULING
+    )
+    attention_backend: str = setting(
+        "auto",
+        "auto = triton on CUDA when installed, else torch_ref",
+        group=EXECUTION,
+        choices=ATTENTION_BACKENDS,
+    )
+    enforce_eager: bool = setting(False, "no CUDA graphs for decode steps", group=EXECUTION)
+    compile: bool = setting(False, "torch.compile the decode step", group=EXECUTION)
+    # NOTE: torch's default is one thread per core; on a small machine its pool slows down
+    # 10-100x whenever another process (the server, a client) is busy on the same cores.
+    cpu_threads: int | None = setting(
+        None,
+        "the engine process's torch threads (default: torch's, one per core)",
+        group=EXECUTION,
+    )
     # The engine process logs as the service does (engine/logs.py): same level, same format.
-    log_level: str = "info"  # one of LOG_LEVELS
-    log_format: str = "json"  # json: one object per line; console: for a person at a terminal
+    log_level: str = setting("info", "both processes", group=OBSERVABILITY, choices=LOG_LEVELS)
+    log_format: str = setting(
+        "json",
+        "json: one object per line; console: for a person at a terminal",
+        group=OBSERVABILITY,
+        choices=LOG_FORMATS,
+    )
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -60,9 +105,11 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1")
-        for name in ("max_model_len", "kv_cache_memory", "num_kv_pages"):
+        for name in ("max_model_len", "kv_cache_memory", "num_kv_pages", "cpu_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}: must be at least 1 when set")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization: must be in (0, 1]")
         if not 0 <= self.policy_version <= MAX_POLICY_VERSION:
             raise ValueError(f"policy_version: must be in [0, {MAX_POLICY_VERSION}]")

@@ -43,7 +43,6 @@ from engine.weight_updater import WeightUpdater
 from engine.weights import build_model
 
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on the CPU
-GPU_MEMORY_FRACTION = 0.9  # of the memory free after loading weights, for KV on CUDA
 
 
 class LLMEngine:
@@ -469,7 +468,7 @@ class LLMEngine:
         budget = config.kv_cache_memory
         if budget is None and self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * GPU_MEMORY_FRACTION)
+            budget = int(free * config.gpu_memory_utilization)
         elif budget is None:
             # Enough for every sequence at full length, within a fixed CPU budget.
             full = config.max_num_seqs * -(-cfg.max_model_len // config.page_size)

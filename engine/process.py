@@ -89,8 +89,12 @@ def engine_main(config: EngineConfig, conn: Connection) -> None:
     configure_logging(config.log_level, config.log_format, process="engine")
     die_with_parent()
     try:
+        import torch
+
         from engine.engine import LLMEngine
 
+        if config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
         started = time.monotonic()
         engine = LLMEngine(config)
         info = engine.info
@@ -100,6 +104,7 @@ def engine_main(config: EngineConfig, conn: Connection) -> None:
             device=info.device,
             dtype=info.dtype,
             total_pages=info.total_pages,
+            cpu_threads=torch.get_num_threads(),
             seconds=round(time.monotonic() - started, 3),
         )
         conn.send(Ready(info))

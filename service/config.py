@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.process import HEARTBEAT_INTERVAL_S
+from engine.settings import (
+    MODEL,
+    NETWORK,
+    OBSERVABILITY,
+    SECURITY,
+    SUPERVISION,
+    WEIGHTS,
+    setting,
+)
 
 MAX_REQUEST_ID_LENGTH = 256
 MIN_MESSAGE_BYTES = 64 * 1024  # below this even ordinary requests and weight chunks break
@@ -24,34 +33,125 @@ class ServiceConfig:
     end what is left before it is killed.
     """
 
-    engine: EngineConfig
-    host: str = "127.0.0.1"
-    port: int = 50051  # 0 = any free port
-    api_token: str | None = None  # when set, Generation needs `authorization: Bearer <token>`
-    admin_token: str | None = None  # Admin needs it; unset = every Admin call PERMISSION_DENIED
-    weights_dir: str | None = None  # where inline weight tensors are assembled; None = temp dir
-    max_waiting: int = 1024  # admitted requests not yet started by the engine
-    max_concurrent_rpcs: int = 2048  # Generation calls running at once (Cancel not counted)
-    shutdown_grace: float = 30.0  # SIGTERM: how long in-flight requests may keep running
-    ready_timeout: float = 600.0
-    heartbeat_timeout: float = 15.0
-    stall_timeout: float = 120.0
-    restart_backoff: float = 0.5  # first delay before restarting a dead engine; doubles
-    restart_backoff_max: float = 30.0
-    retry_after: float = 1.0  # RetryInfo delay suggested when the queue or the call limit is full
-    engine_exit_timeout: float = 3.0
-    # Requests and updates queued for the engine but not yet written to its pipe; past this the
-    # engine is not keeping up (or is hung) and new requests are refused UNAVAILABLE.
-    max_pipe_backlog_bytes: int = 64 * 2**20
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    served_model_name: str | None = setting(
+        None,
+        "the model name GetServerInfo reports (default: the checkpoint directory's name)",
+        group=MODEL,
+    )
+    host: str = setting(
+        "127.0.0.1", "address to listen on (0.0.0.0: every interface)", group=NETWORK
+    )
+    port: int = setting(50051, "gRPC port; 0 picks a free one (logged)", group=NETWORK)
     # The largest request message: a prompt of a million tokens is about 5 MiB as ids (4 MiB as
     # text); the clients send inline weights in chunks of 4 MiB.
-    max_message_bytes: int = 16 * 1024 * 1024
+    max_message_bytes: int = setting(
+        16 * 2**20,
+        "largest request message (prompt, weight chunk); larger: RESOURCE_EXHAUSTED",
+        group=NETWORK,
+        size=True,
+    )
+    max_concurrent_rpcs: int = setting(
+        2048,
+        "Generation calls running at once; more are RESOURCE_EXHAUSTED (Cancel exempt)",
+        group=NETWORK,
+    )
+    max_concurrent_streams: int | None = setting(
+        None,
+        "HTTP/2 streams (calls) at once per connection (default: gRPC's, no limit)",
+        group=NETWORK,
+    )
+    keepalive_time: float = setting(
+        7200.0, "seconds of connection silence before the server pings the client", group=NETWORK
+    )
+    keepalive_timeout: float = setting(
+        20.0,
+        "seconds the server waits for a ping's answer before closing the connection",
+        group=NETWORK,
+    )
+    keepalive_min_ping_interval: float = setting(
+        300.0,
+        "the shortest interval between client pings the server accepts, seconds; a client "
+        "pinging more often is disconnected (set your clients' keepalive time above it)",
+        group=NETWORK,
+    )
+    api_token: str | None = setting(
+        None,
+        "file with the token Generation calls must send as 'authorization: Bearer <it>'",
+        group=SECURITY,
+        from_file=True,
+    )
+    admin_token: str | None = setting(
+        None,
+        "file with Admin's token; without it every Admin call is PERMISSION_DENIED",
+        group=SECURITY,
+        from_file=True,
+    )
+    weights_dir: str | None = setting(
+        None,
+        "where inline weight updates are assembled (default: a temporary directory)",
+        group=WEIGHTS,
+    )
     # UpdateWeights: the longest wait for the caller's next message (header, chunk, or the end
     # of its stream); a stalled upload must not hold the update slot.
-    update_idle_timeout: float = 60.0
-    # Prometheus metrics over HTTP at /metrics: None = off, 0 = any free port (logged).
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
+    update_idle_timeout: float = setting(
+        60.0,
+        "seconds UpdateWeights waits for the caller's next message before ABORTED",
+        group=WEIGHTS,
+    )
+    max_waiting: int = setting(
+        1024,
+        "admitted requests not yet started by the engine; more are RESOURCE_EXHAUSTED",
+        group=SUPERVISION,
+    )
+    retry_after: float = setting(
+        1.0, "the retry delay (seconds) suggested with RESOURCE_EXHAUSTED", group=SUPERVISION
+    )
+    # Requests and updates queued for the engine but not yet written to its pipe; past this the
+    # engine is not keeping up (or is hung) and new requests are refused UNAVAILABLE.
+    max_pipe_backlog_bytes: int = setting(
+        64 * 2**20,
+        "bytes queued for the engine's pipe before requests are UNAVAILABLE",
+        group=SUPERVISION,
+        size=True,
+    )
+    shutdown_grace: float = setting(
+        30.0, "seconds in-flight requests may run on after SIGTERM", group=SUPERVISION
+    )
+    ready_timeout: float = setting(
+        600.0,
+        "seconds the engine may take to load (and replay updates after a restart)",
+        group=SUPERVISION,
+    )
+    heartbeat_timeout: float = setting(
+        15.0,
+        "seconds without a heartbeat from an idle engine before it is restarted",
+        group=SUPERVISION,
+    )
+    stall_timeout: float = setting(
+        120.0,
+        "seconds without engine progress while work is in flight before it is restarted "
+        "(must exceed the longest engine step)",
+        group=SUPERVISION,
+    )
+    restart_backoff: float = setting(
+        0.5,
+        "seconds before restarting a dead engine; doubles per failed restart",
+        group=SUPERVISION,
+    )
+    restart_backoff_max: float = setting(
+        30.0, "the longest delay between restarts, seconds", group=SUPERVISION
+    )
+    engine_exit_timeout: float = setting(
+        3.0, "seconds a stopping engine may take to exit before it is killed", group=SUPERVISION
+    )
+    metrics_port: int | None = setting(
+        None,
+        "serve Prometheus metrics at http://HOST:PORT/metrics; 0 picks a free port "
+        "(logged); default off",
+        group=OBSERVABILITY,
+    )
+    metrics_host: str = setting("127.0.0.1", "address of the metrics port", group=OBSERVABILITY)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -67,10 +167,20 @@ class ServiceConfig:
             raise ValueError("max_pipe_backlog_bytes: must be at least 1")
         if self.max_concurrent_rpcs < 1:
             raise ValueError("max_concurrent_rpcs: must be at least 1")
+        if self.max_concurrent_streams is not None and self.max_concurrent_streams < 1:
+            raise ValueError("max_concurrent_streams: must be at least 1 when set")
+        if self.served_model_name == "":
+            raise ValueError("served_model_name: must not be empty when set")
         if self.max_message_bytes < MIN_MESSAGE_BYTES:
             raise ValueError(f"max_message_bytes: must be at least {MIN_MESSAGE_BYTES}")
-        if not self.update_idle_timeout > 0:
-            raise ValueError("update_idle_timeout: must be > 0")
+        for name in (
+            "update_idle_timeout",
+            "keepalive_time",
+            "keepalive_timeout",
+            "keepalive_min_ping_interval",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0")
         for name in (
             "shutdown_grace",
             "ready_timeout",

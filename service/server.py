@@ -88,6 +88,7 @@ class SluiceServer:
                 ("grpc.max_receive_message_length", self.config.max_message_bytes),
                 ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES),
                 *CORE_PENDING_OPTIONS,
+                *_connection_options(config),
                 # A second server on a used port must fail, not share it: the two would split
                 # the connections, so a Cancel or UpdateWeights would reach only one of them.
                 ("grpc.so_reuseport", 0),
@@ -260,3 +261,20 @@ async def serve(config: ServiceConfig) -> int:
     log.info("server.signal", action="draining")
     await server.stop()
     return 0
+
+
+def _connection_options(config: ServiceConfig) -> list[tuple[str, int]]:
+    """Keepalive pings and the per-connection stream limit, from the config's seconds."""
+    options = [
+        ("grpc.keepalive_time_ms", round(config.keepalive_time * 1000)),
+        ("grpc.keepalive_timeout_ms", round(config.keepalive_timeout * 1000)),
+        (
+            "grpc.http2.min_ping_interval_without_data_ms",
+            round(config.keepalive_min_ping_interval * 1000),
+        ),
+        # Clients may ping an idle connection (no call in flight) too, at the interval above.
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+    if config.max_concurrent_streams is not None:
+        options.append(("grpc.max_concurrent_streams", config.max_concurrent_streams))
+    return options

@@ -119,10 +119,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         stats = await self.engine.refresh_stats(timeout=1.0)
         info = self.engine.info
         state = self.serving_state()
+        name = self.config.served_model_name
         if info is None:
-            return pb.ServerInfo(model=self.config.engine.model, state=state)
+            return pb.ServerInfo(model=name or self.config.engine.model, state=state)
         return pb.ServerInfo(
-            model=info.model,
+            model=name or info.model,
             max_model_len=info.max_model_len,
             vocab_size=info.vocab_size,
             policy_version=self.engine.policy_version,

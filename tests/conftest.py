@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
+import structlog
 from tiny_models import make_checkpoint
+
+# In-process servers log to stderr, as `sluice serve` does: structlog's default is stdout, where
+# their lines would mix with the output of the CLI verbs under test.
+structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
 
 
 @pytest.fixture(scope="session")

@@ -123,7 +123,7 @@ async def test_every_line_of_both_processes_is_one_json_event_with_request_ids(
     tiny_llama, tmp_path
 ):
     log = tmp_path / "server.log"
-    with server_process(log, *flags(tiny_llama)) as server:
+    with server_process(log, *flags(tiny_llama, "--cpu-threads", "1")) as server:
         await asyncio.to_thread(server.wait_health, "SERVING")
         async with AsyncClient(server.target) as client:
             await workload(server, client)
@@ -135,6 +135,7 @@ async def test_every_line_of_both_processes_is_one_json_event_with_request_ids(
     loaded = [e for e in events if e["event"] == "engine.loaded"]
     assert len(loaded) == 2 and {e["pid"] for e in loaded} == engine_pids, loaded
     assert all(e["process"] == "engine" and e["logger"] == "sluice.engine" for e in loaded)
+    assert [e["cpu_threads"] for e in loaded] == [1, 1]  # --cpu-threads reached the engine
     assert {e["pid"] for e in events if e["process"] == "service"} == {server.proc.pid}
 
     refused = by_request(events, "request.refused")

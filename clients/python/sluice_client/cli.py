@@ -12,6 +12,7 @@ import json
 import re
 import sys
 import time
+import typing
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,10 +36,15 @@ def read_token(path: Path | None) -> str | None:
     return None if path is None else path.read_text().strip()
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A usage error is one line on stderr and exit 1 (argparse's own: the usage, then exit 2)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(1, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="sluice", description="Sluice: text generation over gRPC."
-    )
+    parser = CommandParser(prog="sluice", description="Sluice: text generation over gRPC.")
     verbs = parser.add_subparsers(dest="verb", required=True)
     for entry in entry_points(group="sluice.commands"):
         entry.load()(verbs)
