@@ -59,6 +59,12 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--admin-token-file", type=Path, help="enables Admin (UpdateWeights) with this token"
     )
+    p.add_argument("--tls-cert-file", help="serve TLS with this PEM certificate (chain)")
+    p.add_argument("--tls-key-file", help="the certificate's PEM private key (unencrypted)")
+    p.add_argument(
+        "--tls-client-ca-file",
+        help="require client certificates signed by a CA in this PEM file (mTLS)",
+    )
     p.add_argument("--weights-dir", help="where inline weight updates are assembled (temp dir)")
     p.add_argument("--max-waiting", type=int, default=1024, help="waiting queue bound")
     p.add_argument(
@@ -137,6 +143,9 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         api_token=read_token(args.api_token_file),
         admin_token=read_token(args.admin_token_file),
         weights_dir=args.weights_dir,
+        tls_cert_file=args.tls_cert_file,
+        tls_key_file=args.tls_key_file,
+        tls_client_ca_file=args.tls_client_ca_file,
         max_waiting=args.max_waiting,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
         max_message_bytes=args.max_message_bytes,

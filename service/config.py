@@ -9,6 +9,7 @@ from engine.process import HEARTBEAT_INTERVAL_S
 
 MAX_REQUEST_ID_LENGTH = 256
 MIN_MESSAGE_BYTES = 64 * 1024  # below this even ordinary requests and weight chunks break
+TLS_FILES = ("tls_cert_file", "tls_key_file", "tls_client_ca_file")
 
 
 @dataclass(frozen=True)
@@ -52,15 +53,25 @@ class ServiceConfig:
     # Prometheus metrics over HTTP at /metrics: None = off, 0 = any free port (logged).
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    # TLS: PEM files, read and checked at start. Certificate and key together, or neither
+    # (plaintext). A client CA file needs them too, and then every client must present a
+    # certificate that one of its CAs signed (mTLS). Tokens still apply on top.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError("port: must be in [0, 65535]")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError("metrics_port: must be in [0, 65535]")
-        for name in ("api_token", "admin_token"):
+        for name in ("api_token", "admin_token", *TLS_FILES):
             if getattr(self, name) == "":
                 raise ValueError(f"{name}: must not be empty when set")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file: give both or neither")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file: needs tls_cert_file and tls_key_file")
         if self.max_waiting < 1:
             raise ValueError("max_waiting: must be at least 1")
         if self.max_pipe_backlog_bytes < 1:
@@ -92,3 +103,10 @@ class ServiceConfig:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def tls_mode(self) -> str:
+        """ "off" (plaintext), "tls", or "mtls" (client certificates required)."""
+        if self.tls_cert_file is None:
+            return "off"
+        return "tls" if self.tls_client_ca_file is None else "mtls"
