@@ -1,4 +1,4 @@
-"""TLS and mTLS: the server's --tls-* flags and the Python client's TlsConfig.
+"""TLS and mTLS: the server's --tls-* flags, the Python client's TlsConfig and the CLI's flags.
 
 Certificates are made at test time with the `openssl` command: a CA, a server certificate for
 localhost and 127.0.0.1, a client certificate, and a second CA with a client certificate of its
@@ -20,7 +20,7 @@ import pytest_asyncio
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from service_harness import health_status, make_fake_model, running_server
-from sluice_client import AsyncClient, TlsConfig
+from sluice_client import AsyncClient, TlsConfig, cli
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 REPO = Path(__file__).resolve().parents[2]
@@ -184,6 +184,71 @@ async def test_mtls_refuses_health_checks_without_a_certificate(mtls_target, pki
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await health_status(channel)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+# ---- the CLI ----
+
+
+async def run(capsys, *argv: str) -> tuple[int, str, str]:
+    """`sluice ARGV` in this process: exit code, stdout, stderr."""
+    # NOTE: the in-process server's log lines go to this process's stdout too (a request's
+    # `request.finished` can come just after its last event): drop what came before.
+    capsys.readouterr()
+    code = await asyncio.to_thread(cli.main, list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+async def test_cli_health_and_generate_over_tls(tls_target, pki, tmp_path, capsys):
+    token = tmp_path / "token"
+    token.write_text(API_TOKEN)
+    tls = ("--target", tls_target, "--tls-ca-file", str(pki.ca))
+    code, out, err = await run(capsys, "health", *tls)
+    assert (code, out) == (0, "SERVING\n"), err
+    code, out, err = await run(capsys, "generate", *tls, "--api-token-file", str(token), "ab")
+    assert code == 0 and out.startswith("ab") and "[FINISH_REASON_LENGTH]" in err
+    code, out, err = await run(capsys, "health", "--target", tls_target)  # plaintext
+    assert code == 1 and err.startswith("unreachable (UNAVAILABLE)")
+
+
+async def test_cli_health_and_generate_over_mtls(mtls_target, pki, capsys):
+    tls = ("--target", mtls_target, "--tls-ca-file", str(pki.ca))
+    client = ("--tls-cert-file", str(pki.client_cert), "--tls-key-file", str(pki.client_key))
+    code, out, err = await run(capsys, "health", *tls, *client)
+    assert (code, out) == (0, "SERVING\n"), err
+    code, out, err = await run(capsys, "generate", *tls, *client, "ab", "--max-tokens", "2")
+    assert code == 0 and out.startswith("ab") and "[FINISH_REASON_LENGTH]" in err
+    code, out, err = await run(capsys, "health", *tls)  # no client certificate
+    assert code == 1 and err.startswith("unreachable (UNAVAILABLE)")
+
+
+@pytest.mark.parametrize(
+    "verb", [["info"], ["tokenize", "hello"], ["cancel", "no-such-request"]], ids=lambda v: v[0]
+)
+async def test_every_cli_verb_takes_the_tls_flags(mtls_target, pki, capsys, verb):
+    client = ("--tls-cert-file", str(pki.client_cert), "--tls-key-file", str(pki.client_key))
+    flags = ("--target", mtls_target, "--tls-ca-file", str(pki.ca), *client)
+    code, out, err = await run(capsys, *verb, *flags)
+    assert code == 0 and json.loads(out), err
+
+
+async def test_cli_update_weights_reaches_the_server_over_mtls(mtls_target, pki, capsys):
+    # The server has no admin token, so the call gets through TLS and is then refused by it.
+    flags = ("--target", mtls_target, "--tls-ca-file", str(pki.ca), "--checkpoint", "/nowhere")
+    client = ("--tls-cert-file", str(pki.client_cert), "--tls-key-file", str(pki.client_key))
+    code, _, err = await run(capsys, "update-weights", *flags, *client)
+    assert code == 1 and err.startswith("PERMISSION_DENIED: "), err
+    code, _, err = await run(capsys, "update-weights", *flags)  # no client certificate
+    assert code == 1 and err.startswith("UNAVAILABLE: "), err
+
+
+async def test_cli_tls_flag_errors_are_one_line_and_exit_1(pki, capsys):
+    code, out, err = await run(capsys, "health", "--tls-ca-file", str(pki.ca.parent / "nope.pem"))
+    assert code == 1 and out == "" and err.startswith("error: ") and "nope.pem" in err
+    assert len(err.splitlines()) == 1
+    code, out, err = await run(capsys, "generate", "--tls-cert-file", str(pki.client_cert), "x")
+    assert code == 1 and out == "" and len(err.splitlines()) == 1
+    assert err.startswith("error: TLS: give a client certificate and its key together")
 
 
 async def test_a_client_certificate_without_its_key_is_refused():
