@@ -18,6 +18,7 @@ from engine.settings import (
 
 MAX_REQUEST_ID_LENGTH = 256
 MIN_MESSAGE_BYTES = 64 * 1024  # below this even ordinary requests and weight chunks break
+TLS_FILES = ("tls_cert_file", "tls_key_file", "tls_client_ca_file")
 
 
 @dataclass(frozen=True)
@@ -152,15 +153,33 @@ class ServiceConfig:
         group=OBSERVABILITY,
     )
     metrics_host: str = setting("127.0.0.1", "address of the metrics port", group=OBSERVABILITY)
+    # TLS: PEM files, read and checked at start. Certificate and key together, or neither
+    # (plaintext). A client CA file needs them too, and then every client must present a
+    # certificate that one of its CAs signed (mTLS). Tokens still apply on top.
+    tls_cert_file: str | None = setting(
+        None, "PEM certificate (chain) of the server: serve TLS", group=SECURITY
+    )
+    tls_key_file: str | None = setting(
+        None, "PEM private key of --tls-cert-file (unencrypted)", group=SECURITY
+    )
+    tls_client_ca_file: str | None = setting(
+        None,
+        "PEM CA certificates: require client certificates they signed (mTLS)",
+        group=SECURITY,
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError("port: must be in [0, 65535]")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError("metrics_port: must be in [0, 65535]")
-        for name in ("api_token", "admin_token"):
+        for name in ("api_token", "admin_token", *TLS_FILES):
             if getattr(self, name) == "":
                 raise ValueError(f"{name}: must not be empty when set")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file: give both or neither")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file: needs tls_cert_file and tls_key_file")
         if self.max_waiting < 1:
             raise ValueError("max_waiting: must be at least 1")
         if self.max_pipe_backlog_bytes < 1:
@@ -202,3 +221,10 @@ class ServiceConfig:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def tls_mode(self) -> str:
+        """ "off" (plaintext), "tls", or "mtls" (client certificates required)."""
+        if self.tls_cert_file is None:
+            return "off"
+        return "tls" if self.tls_client_ca_file is None else "mtls"

@@ -29,6 +29,7 @@ from service.engine_client import EngineClient, EngineStartError, EngineState, E
 from service.metrics import Gauges, Metrics
 from service.metrics_http import MetricsHttpServer
 from service.servicer import GenerationServicer
+from service.tls import TlsError, server_credentials
 from service.tokenizer import Tokenizer
 
 log = structlog.get_logger("sluice.server")
@@ -107,9 +108,14 @@ class SluiceServer:
 
     def bind(self) -> int:
         """Listen on the configured address, and the metrics one when configured; raises
-        BindError if either cannot be bound (in use, say). Returns the gRPC port."""
+        TlsError if a TLS file is unusable, BindError if an address cannot be bound (in use,
+        say). Returns the gRPC port. Health and reflection share the port, and its TLS."""
+        credentials = server_credentials(self.config)  # before binding: nothing half started
         try:
-            port = self.grpc.add_insecure_port(self.config.address)
+            if credentials is None:
+                port = self.grpc.add_insecure_port(self.config.address)
+            else:
+                port = self.grpc.add_secure_port(self.config.address, credentials)
         except RuntimeError as exc:  # gRPC says only that it failed, not why
             raise BindError(self.config.address, _bind_failure(self.config)) from exc
         if self.config.metrics_port is not None:
@@ -243,8 +249,17 @@ async def serve(config: ServiceConfig) -> int:
     except BindError as exc:
         log.error("server.bind_failed", address=exc.address, error=str(exc))
         return 1
+    except TlsError as exc:
+        log.error("server.tls_invalid", error=str(exc))
+        return 1
     await server.start()
-    log.info("server.listening", host=config.host, port=port, address=f"{config.host}:{port}")
+    log.info(
+        "server.listening",
+        host=config.host,
+        port=port,
+        address=f"{config.host}:{port}",
+        tls=config.tls_mode,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

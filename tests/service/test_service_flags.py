@@ -64,6 +64,14 @@ def other_value(flag: Flag, tmp_path: Path) -> tuple[str, Any]:
     return str(value), value
 
 
+# Settings valid only with others: a certificate needs its key, a client CA both.
+COMPANIONS = {
+    "tls_cert_file": ["--tls-key-file", "key.pem"],
+    "tls_key_file": ["--tls-cert-file", "cert.pem"],
+    "tls_client_ca_file": ["--tls-cert-file", "cert.pem", "--tls-key-file", "key.pem"],
+}
+
+
 @pytest.mark.parametrize("flag", FLAGS, ids=[flag.option for flag in FLAGS])
 def test_each_flag_and_its_variable_reach_the_config(flag: Flag, tmp_path: Path):
     text, expected = other_value(flag, tmp_path)
@@ -71,10 +79,14 @@ def test_each_flag_and_its_variable_reach_the_config(flag: Flag, tmp_path: Path)
         argv = [flag.option if expected else "--no-" + flag.option.removeprefix("--")]
     else:
         argv = [flag.option, text]
+    companions = COMPANIONS.get(flag.field.name, [])
     default_config = service_config(build_parser().parse_args([]))
     assert value_at(default_config, flag.path) != expected
-    assert value_at(service_config(build_parser().parse_args(argv)), flag.path) == expected
-    from_env = config_from_args(ServiceConfig, build_parser().parse_args([]), {flag.env: text})
+    parsed = build_parser().parse_args([*argv, *companions])
+    assert value_at(service_config(parsed), flag.path) == expected
+    from_env = config_from_args(
+        ServiceConfig, build_parser().parse_args(companions), {flag.env: text}
+    )
     assert value_at(from_env, flag.path) == expected
 
 

@@ -12,6 +12,7 @@ from sluice.v1 import admin_pb2 as admin_pb
 from sluice.v1 import generation_pb2 as pb
 
 from sluice_client.aio import AsyncClient, AsyncGenerateStream
+from sluice_client.channels import TlsConfig
 from sluice_client.requests import Collector, Completion, build_request
 from sluice_client.sync import Client, GenerateStream
 from sluice_client.weights import build_header, read_safetensors, tensor_chunks
@@ -23,6 +24,7 @@ __all__ = [
     "Collector",
     "Completion",
     "GenerateStream",
+    "TlsConfig",
     "admin_pb",
     "build_header",
     "build_request",

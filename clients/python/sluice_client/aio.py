@@ -10,6 +10,7 @@ import grpc
 from sluice.v1 import generation_pb2 as pb
 from sluice.v1 import generation_pb2_grpc
 
+from sluice_client.channels import TlsConfig, aio_secure_or_insecure
 from sluice_client.requests import Collector, Completion, build_request
 
 Prompt = str | Sequence[int]
@@ -19,6 +20,7 @@ class AsyncClient:
     """`async with AsyncClient("host:port") as client: async for event in client.generate(...)`.
 
     Keyword arguments of `generate`/`complete`/`generate_many` are those of `build_request`.
+    `tls` (a TlsConfig) connects over TLS, as for Client.
     """
 
     def __init__(
@@ -26,9 +28,10 @@ class AsyncClient:
         target: str,
         *,
         api_token: str | None = None,
+        tls: TlsConfig | None = None,
         channel: grpc.aio.Channel | None = None,
     ) -> None:
-        self.channel = channel or grpc.aio.insecure_channel(target)
+        self.channel = channel or aio_secure_or_insecure(target, tls)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.metadata = () if api_token is None else (("authorization", f"Bearer {api_token}"),)
 

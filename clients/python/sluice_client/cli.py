@@ -20,6 +20,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from sluice.v1 import admin_pb2
 
+    from sluice_client import Client
+    from sluice_client.channels import TlsConfig
+
 UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -97,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     update.add_argument("--drain-timeout-ms", type=int, help="DRAIN: fail after this long")
     update.add_argument("--chunk-bytes", type=parse_bytes, default="4M", help="--tensors chunks")
     update.add_argument("--admin-token-file", type=Path)
+    add_tls_flags(update)
     update.set_defaults(run=run_update_weights)
     return parser
 
@@ -104,12 +108,46 @@ def build_parser() -> argparse.ArgumentParser:
 def add_client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="HOST:PORT")
     p.add_argument("--api-token-file", type=Path)
+    add_tls_flags(p)
+
+
+def add_tls_flags(p: argparse.ArgumentParser) -> None:
+    tls = p.add_argument_group("TLS (on when any of these is given)")
+    tls.add_argument("--tls", action="store_true", help="TLS, trusting gRPC's public roots")
+    tls.add_argument(
+        "--tls-ca-file", type=Path, help="PEM roots the server's certificate must chain to"
+    )
+    tls.add_argument("--tls-cert-file", type=Path, help="client certificate (PEM), for mTLS")
+    tls.add_argument("--tls-key-file", type=Path, help="its private key (PEM)")
+    tls.add_argument(
+        "--tls-server-name", help="the name the server's certificate holds, if not the target's"
+    )
+
+
+def connect(args: argparse.Namespace) -> Client:
+    """A Client from the flags of `add_client_flags`."""
+    from sluice_client import Client
+
+    return Client(args.target, api_token=read_token(args.api_token_file), tls=client_tls(args))
+
+
+def client_tls(args: argparse.Namespace) -> TlsConfig | None:
+    """The TlsConfig of the TLS flags, None (plaintext) when none is given."""
+    from sluice_client.channels import TlsConfig
+
+    tls = TlsConfig(
+        ca_file=args.tls_ca_file,
+        cert_file=args.tls_cert_file,
+        key_file=args.tls_key_file,
+        server_name=args.tls_server_name,
+    )
+    return tls if args.tls or tls != TlsConfig() else None
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from sluice_client import Client, pb
+    from sluice_client import pb
 
-    with Client(args.target, api_token=read_token(args.api_token_file)) as client:
+    with connect(args) as client:
         events = client.generate(
             args.prompt,
             max_tokens=args.max_tokens,
@@ -139,18 +177,14 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_info(args: argparse.Namespace) -> int:
     from google.protobuf import json_format
 
-    from sluice_client import Client
-
-    with Client(args.target, api_token=read_token(args.api_token_file)) as client:
+    with connect(args) as client:
         info = client.info()
     print(json.dumps(json_format.MessageToDict(info), indent=2))
     return 0
 
 
 def run_tokenize(args: argparse.Namespace) -> int:
-    from sluice_client import Client
-
-    with Client(args.target, api_token=read_token(args.api_token_file)) as client:
+    with connect(args) as client:
         ids = client.tokenize(args.text, add_special_tokens=args.add_special_tokens)
     print(json.dumps(ids))
     return 0
@@ -158,9 +192,7 @@ def run_tokenize(args: argparse.Namespace) -> int:
 
 def run_cancel(args: argparse.Namespace) -> int:
     """Prints which ids were cancelled and which the server did not know (finished, or never)."""
-    from sluice_client import Client
-
-    with Client(args.target, api_token=read_token(args.api_token_file)) as client:
+    with connect(args) as client:
         response = client.cancel(args.request_ids)
     print(
         json.dumps({"cancelled": list(response.cancelled), "not_found": list(response.not_found)})
@@ -172,8 +204,10 @@ def run_health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from sluice_client.channels import secure_or_insecure
+
     end = time.monotonic() + args.wait
-    with grpc.insecure_channel(args.target) as channel:
+    with secure_or_insecure(args.target, client_tls(args)) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
@@ -211,7 +245,8 @@ def run_update_weights(args: argparse.Namespace) -> int:
         "drain_timeout_ms": args.drain_timeout_ms,
         "on_progress": show,
     }
-    with Client(args.target, admin_token=read_token(args.admin_token_file)) as client:
+    admin_token = read_token(args.admin_token_file)
+    with Client(args.target, admin_token=admin_token, tls=client_tls(args)) as client:
         if args.checkpoint is not None:
             applied = client.update_weights(args.checkpoint, **options)
         else:
@@ -236,7 +271,8 @@ def _progress_bar(loading: admin_pb2.Loading, width: int = 30) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit 0 on success; a failed call prints `CODE: details` on stderr and exits 1."""
+    """Exit 0 on success; a failed call prints `CODE: details` on stderr and exits 1, a file
+    that cannot be read (a token, a TLS file) or a bad value `error: ...`."""
     import grpc
 
     args = build_parser().parse_args(argv)
@@ -244,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.run(args))
     except grpc.RpcError as exc:
         print(f"{exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 1
 
 

@@ -17,6 +17,7 @@ from sluice.v1 import admin_pb2 as admin_pb
 from sluice.v1 import admin_pb2_grpc, generation_pb2_grpc
 from sluice.v1 import generation_pb2 as pb
 
+from sluice_client.channels import TlsConfig, secure_or_insecure
 from sluice_client.requests import Collector, Completion, build_request
 from sluice_client.weights import DEFAULT_CHUNK_BYTES, Tensors, build_header, tensor_chunks
 
@@ -29,6 +30,8 @@ class Client:
 
     Keyword arguments of `generate`/`complete`/`generate_many` are those of `build_request`.
     `admin_token` is for the Admin calls (`update_weights`, `update_weights_inline`).
+    `tls` (a TlsConfig) connects over TLS, with a client certificate if it names one; without
+    it the channel is plaintext. Tokens are sent either way.
     """
 
     def __init__(
@@ -37,9 +40,10 @@ class Client:
         *,
         api_token: str | None = None,
         admin_token: str | None = None,
+        tls: TlsConfig | None = None,
         channel: grpc.Channel | None = None,
     ) -> None:
-        self.channel = channel or grpc.insecure_channel(target)
+        self.channel = channel or secure_or_insecure(target, tls)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.admin_stub = admin_pb2_grpc.AdminStub(self.channel)
         self.metadata = _bearer(api_token)
