@@ -13,7 +13,7 @@ import asyncio
 import sys
 from typing import Any
 
-from sluice_client.cli import CommandParser
+from sluice_client.cli import CommandParser, quiet_grpc_core
 
 from service.config import ServiceConfig
 from service.flags import add_config_flags, config_from_args
@@ -60,6 +60,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_grpc_core()
     return run_serve(build_parser().parse_args(argv))
 
 

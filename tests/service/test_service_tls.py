@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -358,3 +361,44 @@ async def test_a_bad_tls_file_is_exit_1_with_one_line_before_any_engine(
     line = json.loads(lines[0])
     assert line["event"] == event and line["level"] == "error"
     assert error in line["error"]
+
+
+@pytest.mark.timeout(120)
+async def test_failed_handshakes_leave_sluice_serves_stderr_all_json(pki, tiny_llama, tmp_path):
+    """gRPC's C core logs each failed handshake as plain text unless told not to before gRPC is
+    imported: `sluice serve` (the client package's command, as installed) does so."""
+    log = tmp_path / "server.log"
+    flags = ["serve", "--model", str(tiny_llama), "--device", "cpu", "--port", "0"]
+    flags += ["--tls-cert-file", str(pki.server_cert), "--tls-key-file", str(pki.server_key)]
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    with log.open("w") as stderr:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "sluice_client.cli", *flags],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+    try:
+        port = await asyncio.to_thread(wait_for_port, log, server)
+        target = f"127.0.0.1:{port}"
+        assert await refusal(target, None) == "UNAVAILABLE"  # plaintext: a failed handshake
+        assert await complete(target, TlsConfig(ca_file=pki.ca)) == "LENGTH"
+    finally:
+        server.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(server.wait, 30)
+    lines = log.read_text().splitlines()
+    assert lines and all(isinstance(json.loads(line), dict) for line in lines), lines
+
+
+def wait_for_port(log: Path, server: subprocess.Popen[bytes]) -> int:
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        assert server.poll() is None, log.read_text()
+        for line in log.read_text().splitlines():
+            if '"server.serving"' in line:
+                events = [json.loads(x) for x in log.read_text().splitlines() if "listening" in x]
+                return int(events[0]["port"])
+        time.sleep(0.1)
+    raise AssertionError(f"not serving within 60 s: {log.read_text()}")

@@ -4,19 +4,42 @@ from sluice_client import Client
 with Client("127.0.0.1:50051") as client:
     for event in client.generate("Once upon a time", max_tokens=32):
         print(event.tokens.text, end="", flush=True)
+
+The names below are imported on first use: `sluice_client.cli` must be importable without
+importing grpc, so that the `sluice` command can set gRPC's log level before gRPC starts.
 """
 
 from __future__ import annotations
 
-from sluice.v1 import admin_pb2 as admin_pb
-from sluice.v1 import generation_pb2 as pb
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from sluice_client.aio import AsyncClient, AsyncGenerateStream
-from sluice_client.channels import TlsConfig
-from sluice_client.requests import Collector, Completion, build_request
-from sluice_client.sync import Client, GenerateStream
-from sluice_client.weights import build_header, read_safetensors, tensor_chunks
+if TYPE_CHECKING:
+    from sluice.v1 import admin_pb2 as admin_pb
+    from sluice.v1 import generation_pb2 as pb
 
+    from sluice_client.aio import AsyncClient, AsyncGenerateStream
+    from sluice_client.channels import TlsConfig
+    from sluice_client.requests import Collector, Completion, build_request
+    from sluice_client.sync import Client, GenerateStream
+    from sluice_client.weights import build_header, read_safetensors, tensor_chunks
+
+# name -> (module, attribute; None = the module itself)
+_EXPORTS: dict[str, tuple[str, str | None]] = {
+    "AsyncClient": ("sluice_client.aio", "AsyncClient"),
+    "AsyncGenerateStream": ("sluice_client.aio", "AsyncGenerateStream"),
+    "Client": ("sluice_client.sync", "Client"),
+    "Collector": ("sluice_client.requests", "Collector"),
+    "Completion": ("sluice_client.requests", "Completion"),
+    "GenerateStream": ("sluice_client.sync", "GenerateStream"),
+    "TlsConfig": ("sluice_client.channels", "TlsConfig"),
+    "admin_pb": ("sluice.v1.admin_pb2", None),
+    "build_header": ("sluice_client.weights", "build_header"),
+    "build_request": ("sluice_client.requests", "build_request"),
+    "pb": ("sluice.v1.generation_pb2", None),
+    "read_safetensors": ("sluice_client.weights", "read_safetensors"),
+    "tensor_chunks": ("sluice_client.weights", "tensor_chunks"),
+}
 __all__ = [
     "AsyncClient",
     "AsyncGenerateStream",
@@ -32,3 +55,14 @@ __all__ = [
     "read_safetensors",
     "tensor_chunks",
 ]
+assert sorted(__all__) == sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'sluice_client' has no attribute {name!r}")
+    module_name, attribute = _EXPORTS[name]
+    module = importlib.import_module(module_name)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value  # once
+    return value

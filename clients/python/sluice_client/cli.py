@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -25,6 +26,14 @@ if TYPE_CHECKING:
 
 UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def quiet_grpc_core() -> None:
+    """Only errors from gRPC's C core on stderr: at its default level it writes a plain-text line
+    per failed TLS handshake (a plaintext or untrusted client), which would break the server's
+    one-JSON-object-per-line stderr. Read when gRPC is imported, so call this before (a
+    GRPC_VERBOSITY already set wins)."""
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
 def parse_bytes(text: str) -> int:
@@ -273,6 +282,7 @@ def _progress_bar(loading: admin_pb2.Loading, width: int = 30) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 on success; a failed call prints `CODE: details` on stderr and exits 1, a file
     that cannot be read (a token, a TLS file) or a bad value `error: ...`."""
+    quiet_grpc_core()
     import grpc
 
     args = build_parser().parse_args(argv)
