@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from sluice_client.cli import parse_bytes, read_token
 
 from engine.settings import GROUPS, is_setting
+from service.config import ServiceConfig
 
 ENV_PREFIX = "SLUICE_"
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -145,3 +146,31 @@ def _build(cls: type[C], path: tuple[str, ...], values: dict[tuple[str, ...], An
         elif here in values:
             kwargs[field.name] = values[here]
     return cls(**kwargs)
+
+
+def flag_tables() -> str:
+    """Markdown: one table of flags per --help group (docs/service.md holds this text; a test
+    checks it is current). `python -m service.flags` prints it."""
+    rows: dict[str, list[str]] = {group: [] for group in GROUPS}
+    for flag in config_flags(ServiceConfig):
+        meta, default = flag.field.metadata, flag.field.default
+        option = flag.option + (" FILE" if meta["from_file"] else "")
+        if flag.kind is bool:
+            option = f"{flag.option} / --no-{flag.option.removeprefix('--')}"
+        if default is None:
+            shown = "-"
+        elif meta["size"]:
+            shown = f"{default // 2**20} MiB"
+        else:
+            shown = str(default)
+        rows[meta["group"]].append(f"| `{option}` | {shown} | {meta['help']} |")
+    tables = [
+        f"**{group[0].upper()}{group[1:]}**\n\n| Flag | Default | |\n|---|---|---|\n"
+        + "\n".join(rows[group])
+        for group in GROUPS
+    ]
+    return "\n\n".join(tables) + "\n"
+
+
+if __name__ == "__main__":
+    print(flag_tables(), end="")

@@ -19,7 +19,7 @@ from sluice_client import AsyncClient
 from engine.config import EngineConfig
 from service.cli import build_parser, service_config
 from service.config import ServiceConfig
-from service.flags import Flag, config_flags, config_from_args
+from service.flags import Flag, config_flags, config_from_args, flag_tables
 
 REPO = Path(__file__).resolve().parents[2]
 FLAGS = list(config_flags(ServiceConfig))
@@ -150,3 +150,9 @@ async def test_served_model_name_and_the_per_connection_stream_limit(tmp_path):
             await other.cancel(["held"])
             assert (await first).WhichOneof("event") == "started"
             assert [e async for e in held][-1].finished.reason == pb.FINISH_REASON_CANCELLED
+
+
+def test_the_flag_tables_in_the_docs_are_current():
+    text = (REPO / "docs" / "service.md").read_text()
+    documented = text.split("<!-- flags: begin -->\n")[1].split("<!-- flags: end -->")[0]
+    assert documented == flag_tables(), "regenerate with: python -m service.flags"

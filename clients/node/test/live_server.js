@@ -1,4 +1,4 @@
-// Starting test/serve_tiny.py (a live Sluice server on a tiny checkpoint) from Node tests.
+// Starting tests/serve_tiny.py (a live Sluice server on a tiny checkpoint) from Node tests.
 //
 // The interpreter is $SLUICE_PYTHON, else the repository's .venv; the repository's packages
 // are put first on PYTHONPATH so a checkout's code is what runs.
@@ -15,7 +15,7 @@ export const PYTHON = process.env.SLUICE_PYTHON || join(REPO, '.venv', 'bin', 'p
 const STARTUP_MS = 120_000;
 
 export function pythonEnv() {
-  const paths = [REPO, join(REPO, 'proto'), join(REPO, 'clients', 'python')];
+  const paths = [REPO, join(REPO, 'clients', 'python')];
   if (process.env.PYTHONPATH) paths.push(process.env.PYTHONPATH);
   return { ...process.env, PYTHONPATH: paths.join(':') };
 }
@@ -25,7 +25,7 @@ export function pythonEnv() {
  * {target, checkpointA, checkpointB, tensorsA, adminToken, apiToken}, plus `stop()`.
  */
 export async function startServer(...flags) {
-  const child = spawn(PYTHON, [join(TEST_DIR, 'serve_tiny.py'), ...flags], {
+  const child = spawn(PYTHON, [join(REPO, 'tests', 'serve_tiny.py'), ...flags], {
     env: pythonEnv(),
     stdio: ['pipe', 'pipe', 'pipe'],
   });

@@ -1,4 +1,5 @@
-"""A live Sluice server on tiny random checkpoints, for the Node client's tests.
+"""A live Sluice server on tiny random checkpoints, for the clients' tests (the Node client's,
+and scripts/check_client_package.sh's client-only install).
 
 Writes checkpoint A (served) and checkpoint B (same shapes, other weights) into a temp dir,
 starts `python -m service` on A with an API token, an admin token and any extra flags given
@@ -6,7 +7,7 @@ here, waits until it is SERVING, then prints one JSON line: {"target", "checkpoi
 "checkpointB", "tensorsA" (A's .safetensors file), "apiToken", "adminToken"}. Runs until stdin closes or SIGTERM, then
 stops the server and removes the temp dir.
 
-Usage: python clients/node/test/serve_tiny.py [extra `sluice serve` flags]
+Usage: python tests/serve_tiny.py [extra `sluice serve` flags]
 """
 
 from __future__ import annotations
@@ -18,20 +19,20 @@ import tempfile
 import threading
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests"), str(REPO)]
 
 from server_process import server_process  # noqa: E402
 from tiny_models import make_checkpoint  # noqa: E402
 
-API_TOKEN = "node-test-api"
-ADMIN_TOKEN = "node-test-admin"
+API_TOKEN = "tiny-test-api"
+ADMIN_TOKEN = "tiny-test-admin"
 
 
 def main(extra_flags: list[str]) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with tempfile.TemporaryDirectory(prefix="sluice-node-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="sluice-tiny-") as tmp:
         root = Path(tmp)
         checkpoint_a = make_checkpoint(root / "a", "llama", seed=0)
         checkpoint_b = make_checkpoint(root / "b", "llama", seed=1)
