@@ -157,7 +157,7 @@ def flag_tables() -> str:
         option = flag.option + (" FILE" if meta["from_file"] else "")
         if flag.kind is bool:
             option = f"{flag.option} / --no-{flag.option.removeprefix('--')}"
-        if default is None:
+        if default is None or default is dataclasses.MISSING:
             shown = "-"
         elif meta["size"]:
             shown = f"{default // 2**20} MiB"
