@@ -38,7 +38,9 @@ class ServiceConfig:
     stall_timeout: float = 120.0
     restart_backoff: float = 0.5  # first delay before restarting a dead engine; doubles
     restart_backoff_max: float = 30.0
-    retry_after: float = 1.0  # RetryInfo delay suggested when the queue or the call limit is full
+    # Seconds a Generation call refused RESOURCE_EXHAUSTED or UNAVAILABLE is told to wait before
+    # retrying (RetryInfo and grpc-retry-pushback-ms), times a random 1 to 1.5 (jitter).
+    retry_after: float = 1.0
     engine_exit_timeout: float = 3.0
     # Requests and updates queued for the engine but not yet written to its pipe; past this the
     # engine is not keeping up (or is hung) and new requests are refused UNAVAILABLE.

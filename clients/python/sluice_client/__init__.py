@@ -13,6 +13,7 @@ from sluice.v1 import generation_pb2 as pb
 
 from sluice_client.aio import AsyncClient, AsyncGenerateStream
 from sluice_client.requests import Collector, Completion, build_request
+from sluice_client.retry import DEFAULT_SERVICE_CONFIG
 from sluice_client.sync import Client, GenerateStream
 from sluice_client.weights import build_header, read_safetensors, tensor_chunks
 
@@ -22,6 +23,7 @@ __all__ = [
     "Client",
     "Collector",
     "Completion",
+    "DEFAULT_SERVICE_CONFIG",
     "GenerateStream",
     "admin_pb",
     "build_header",

@@ -11,6 +11,7 @@ from sluice.v1 import generation_pb2 as pb
 from sluice.v1 import generation_pb2_grpc
 
 from sluice_client.requests import Collector, Completion, build_request
+from sluice_client.retry import Retry, channel_options
 
 Prompt = str | Sequence[int]
 
@@ -19,6 +20,7 @@ class AsyncClient:
     """`async with AsyncClient("host:port") as client: async for event in client.generate(...)`.
 
     Keyword arguments of `generate`/`complete`/`generate_many` are those of `build_request`.
+    `retry`: as for `Client` (gRPC retries refused Generation calls unless False).
     """
 
     def __init__(
@@ -27,8 +29,9 @@ class AsyncClient:
         *,
         api_token: str | None = None,
         channel: grpc.aio.Channel | None = None,
+        retry: Retry = True,
     ) -> None:
-        self.channel = channel or grpc.aio.insecure_channel(target)
+        self.channel = channel or grpc.aio.insecure_channel(target, options=channel_options(retry))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.metadata = () if api_token is None else (("authorization", f"Bearer {api_token}"),)
 

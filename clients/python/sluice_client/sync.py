@@ -18,6 +18,7 @@ from sluice.v1 import admin_pb2_grpc, generation_pb2_grpc
 from sluice.v1 import generation_pb2 as pb
 
 from sluice_client.requests import Collector, Completion, build_request
+from sluice_client.retry import Retry, channel_options
 from sluice_client.weights import DEFAULT_CHUNK_BYTES, Tensors, build_header, tensor_chunks
 
 Prompt = str | Sequence[int]
@@ -29,6 +30,9 @@ class Client:
 
     Keyword arguments of `generate`/`complete`/`generate_many` are those of `build_request`.
     `admin_token` is for the Admin calls (`update_weights`, `update_weights_inline`).
+    `retry`: gRPC retries refused Generation calls by DEFAULT_SERVICE_CONFIG (sluice_client.retry);
+    False turns that off, a mapping is a gRPC service config used instead. Neither applies to
+    a `channel` passed in.
     """
 
     def __init__(
@@ -38,8 +42,9 @@ class Client:
         api_token: str | None = None,
         admin_token: str | None = None,
         channel: grpc.Channel | None = None,
+        retry: Retry = True,
     ) -> None:
-        self.channel = channel or grpc.insecure_channel(target)
+        self.channel = channel or grpc.insecure_channel(target, options=channel_options(retry))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.admin_stub = admin_pb2_grpc.AdminStub(self.channel)
         self.metadata = _bearer(api_token)
