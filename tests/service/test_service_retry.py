@@ -23,7 +23,7 @@ PUSHBACK_S = 0.5
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_fake_model(tmp_path_factory.mktemp("fake"), hold_token=HOLD, step_delay=0.01)
+    return make_fake_model(tmp_path_factory.mktemp("fake"), hold_token=HOLD, step_delay=0.05)
 
 
 def refusal_delays(err: grpc.aio.AioRpcError) -> tuple[int | None, int | None]:
@@ -55,9 +55,10 @@ async def burst(target: str, **client_options) -> list[str]:
 async def test_a_burst_refused_in_part_without_retries_completes_with_the_default_policy(
     model_dir,
 ):
-    # A waiting queue of 2 sheds most of a burst of 12; the jittered pushback (0.2 to 0.3 s)
-    # spreads the retries over many engine steps of 10 ms, each of which frees the queue.
-    async with running_server(model_dir, max_waiting=2, retry_after=0.2) as (_, target):
+    # A waiting queue of 4 sheds most of a burst of 12 that arrives within one engine step
+    # (50 ms); the jittered pushback (0.2 to 0.3 s) spreads each round of retries over two
+    # steps or more, each of which empties the queue.
+    async with running_server(model_dir, max_waiting=4, retry_after=0.2) as (_, target):
         without = await burst(target, retry=False)
         assert "RESOURCE_EXHAUSTED" in without and "LENGTH" in without, without
         assert set(without) == {"RESOURCE_EXHAUSTED", "LENGTH"}
