@@ -2,12 +2,14 @@
 
 Every refusal before admission is a `Refusal` with one deliberate status code (the table in
 docs/service.md):
-UNAVAILABLE, DEADLINE_EXCEEDED, INVALID_ARGUMENT (with google.rpc.BadRequest naming fields),
-FAILED_PRECONDITION, ALREADY_EXISTS, RESOURCE_EXHAUSTED (with google.rpc.RetryInfo).
+UNAVAILABLE and RESOURCE_EXHAUSTED (with google.rpc.RetryInfo and the grpc-retry-pushback-ms
+trailer), DEADLINE_EXCEEDED, INVALID_ARGUMENT (with google.rpc.BadRequest naming fields),
+FAILED_PRECONDITION, ALREADY_EXISTS.
 """
 
 from __future__ import annotations
 
+import random
 import time
 import uuid
 from dataclasses import dataclass
@@ -50,9 +52,22 @@ FIELD_PATHS = {
     "top_logprobs": "output.top_logprobs",
 }
 
+# gRPC's standard trailer: a client's retry policy waits this many milliseconds before its next
+# attempt (instead of its own backoff). gRPC clients honour it for these codes only.
+PUSHBACK_KEY = "grpc-retry-pushback-ms"
+PUSHBACK_CODES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
+# The delay a refusal suggests is retry_after times a random factor in [1, RETRY_JITTER): calls
+# refused in the same instant, all told the same delay, would all come back in the same instant.
+RETRY_JITTER = 1.5
+
 
 class Refusal(Exception):
-    """A request refused before admission: a non-OK status and no events."""
+    """A request refused before admission: a non-OK status and no events.
+
+    `retry_after` (seconds): retrying later may succeed. The caller is told `retry_delay_ms`,
+    retry_after with jitter (see RETRY_JITTER), drawn once: RetryInfo, the pushback trailer and
+    a GenerateStream `Refused` event of this refusal all carry the same value.
+    """
 
     def __init__(
         self,
@@ -65,7 +80,11 @@ class Refusal(Exception):
         self.code = code
         self.message = message
         self.violations = violations or []
-        self.retry_after = retry_after
+        self.retry_delay_ms = (
+            None
+            if retry_after is None
+            else round(retry_after * random.uniform(1.0, RETRY_JITTER) * 1000)
+        )
 
     def to_status(self) -> grpc.Status:
         details = []
@@ -77,14 +96,24 @@ class Refusal(Exception):
                 ]
             )
             details.append(_pack(bad_request))
-        if self.retry_after is not None:
+        if self.retry_delay_ms is not None:
             delay = duration_pb2.Duration()
-            delay.FromNanoseconds(int(self.retry_after * 1e9))
+            delay.FromMilliseconds(self.retry_delay_ms)
             details.append(_pack(error_details_pb2.RetryInfo(retry_delay=delay)))
         status = status_pb2.Status(
             code=getattr(code_pb2, self.code.name), message=self.message, details=details
         )
-        return rpc_status.to_status(status)
+        trailers = rpc_status.to_status(status).trailing_metadata
+        if self.retry_delay_ms is not None and self.code in PUSHBACK_CODES:
+            trailers = (*trailers, (PUSHBACK_KEY, str(self.retry_delay_ms)))
+        return _Status(self.code, self.message, trailers)
+
+
+@dataclass(frozen=True)
+class _Status(grpc.Status):
+    code: grpc.StatusCode
+    details: str
+    trailing_metadata: tuple[tuple[str, str | bytes], ...]
 
 
 def _pack(message: error_details_pb2.BadRequest | error_details_pb2.RetryInfo) -> any_pb2.Any:

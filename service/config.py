@@ -105,8 +105,13 @@ class ServiceConfig:
         "admitted requests not yet started by the engine; more are RESOURCE_EXHAUSTED",
         group=SUPERVISION,
     )
+    # Seconds a Generation call refused RESOURCE_EXHAUSTED or UNAVAILABLE is told to wait before
+    # retrying (RetryInfo and grpc-retry-pushback-ms), times a random 1 to 1.5 (jitter).
     retry_after: float = setting(
-        1.0, "the retry delay (seconds) suggested with RESOURCE_EXHAUSTED", group=SUPERVISION
+        1.0,
+        "seconds a call refused RESOURCE_EXHAUSTED or UNAVAILABLE is told to wait before a retry "
+        "(times a random 1 to 1.5)",
+        group=SUPERVISION,
     )
     # Requests and updates queued for the engine but not yet written to its pipe; past this the
     # engine is not keeping up (or is hung) and new requests are refused UNAVAILABLE.

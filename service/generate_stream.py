@@ -194,6 +194,6 @@ def _refused_event(request_id: str, start_index: int, refusal: Refusal) -> pb.Ge
         field_violations=[pb.FieldViolation(field=f, description=d) for f, d in refusal.violations],
         start_index=start_index,
     )
-    if refusal.retry_after is not None:
-        refused.retry_delay_ms = round(refusal.retry_after * 1000)
+    if refusal.retry_delay_ms is not None:
+        refused.retry_delay_ms = refusal.retry_delay_ms
     return pb.GenerateResponse(request_id=request_id, refused=refused)

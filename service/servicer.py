@@ -104,7 +104,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         if self.tokenizer is None or self.engine.info is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is not loaded yet")
+            unavailable = self._unavailable("the model is not loaded yet")
+            await context.abort_with_status(unavailable.to_status())
         assert self.tokenizer is not None and self.engine.info is not None
         # A text that could not be a prompt is not encoded either (the work grows with it).
         violations = text_violations(request.text, self.engine.info, self.tokenizer)
@@ -177,14 +178,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             queue = self.engine.submit(admission.request)
         except EngineUnavailableError as exc:
-            raise Refusal(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
+            raise self._unavailable(str(exc)) from exc
         return _Submitted(admission, queue, deadline)
 
     def _check_available(self) -> None:
         if self.draining:
-            raise Refusal(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+            raise self._unavailable("the server is shutting down")
         if self.engine.state is not EngineState.SERVING or self.tokenizer is None:
-            raise Refusal(grpc.StatusCode.UNAVAILABLE, f"the engine is {self.engine.state.value}")
+            raise self._unavailable(f"the engine is {self.engine.state.value}")
+
+    def _unavailable(self, message: str) -> Refusal:
+        """UNAVAILABLE says: retry, here once the engine serves again, or on another replica
+        (a draining server's). It carries the same retry delay as an overload refusal."""
+        return Refusal(grpc.StatusCode.UNAVAILABLE, message, retry_after=self.config.retry_after)
 
     async def _run(self, submitted: _Submitted) -> AsyncIterator[pb.GenerateResponse]:
         """Events of one admitted request: `started`, chunks, one `finished` per index, last.

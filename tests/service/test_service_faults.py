@@ -82,7 +82,7 @@ async def test_a_stopped_engine_does_not_wedge_the_server_and_every_request_is_a
             server,
             target,
         ),
-        AsyncClient(target) as client,
+        AsyncClient(target, retry=False) as client,
         grpc.aio.insecure_channel(target) as channel,
     ):
         prompts = [[0] + [5 + i % 300] * (LONG_PROMPT - 1) for i in range(300)]

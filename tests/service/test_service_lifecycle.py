@@ -59,7 +59,7 @@ async def test_engine_death_ends_in_flight_requests_with_error_and_restarts(mode
 async def test_full_waiting_queue_is_resource_exhausted_with_retry_info(model_dir):
     async with (
         running_server(model_dir, max_waiting=1) as (_, target),
-        AsyncClient(target) as client,
+        AsyncClient(target, retry=False) as client,
     ):
         held = asyncio.ensure_future(client.complete([0, HOLD], request_id="h", max_tokens=1))
         await asyncio.sleep(0.2)
@@ -93,7 +93,10 @@ async def test_api_token_is_required_for_generation_but_not_health(model_dir):
 
 
 async def test_drain_lets_in_flight_finish_refuses_new_and_aborts_the_rest(model_dir):
-    async with running_server(model_dir) as (server, target), AsyncClient(target) as client:
+    async with (
+        running_server(model_dir) as (server, target),
+        AsyncClient(target, retry=False) as client,
+    ):
         short = asyncio.ensure_future(client.complete([0, 5, 6], max_tokens=10))
         stuck = asyncio.ensure_future(client.complete([0, HOLD], max_tokens=10))
         await asyncio.sleep(0.1)

@@ -271,7 +271,7 @@ async def test_every_grpc_call_is_counted_by_its_final_status(tmp_path):
         async with AsyncClient(target) as anonymous:
             with pytest.raises(grpc.aio.AioRpcError):
                 await anonymous.complete([0, 5], max_tokens=2)
-        async with AsyncClient(target, api_token="t") as client:
+        async with AsyncClient(target, api_token="t", retry=False) as client:
             held = client.stub.Generate(build_request([0, HOLD]), metadata=client.metadata)
             await _until(lambda: server.call_limit.in_use == 1)
             with pytest.raises(grpc.aio.AioRpcError) as over:

@@ -100,7 +100,9 @@ async def test_a_call_over_the_limit_is_refused_but_cancel_and_health_pass(model
         status = rpc_status.from_call(err.value)
         retry = error_details_pb2.RetryInfo()
         assert status is not None and status.details[0].Unpack(retry)
-        assert retry.retry_delay.ToNanoseconds() == 500_000_000
+        delay_ms = retry.retry_delay.ToMilliseconds()
+        assert 500 <= delay_ms <= 750  # retry_after with its jitter, x 1 to 1.5
+        assert dict(err.value.trailing_metadata())["grpc-retry-pushback-ms"] == str(delay_ms)
         assert await health_status(channel) == SERVING
         cancelled = await client.cancel(["h0", "h1"])
         assert sorted(cancelled.cancelled) == ["h0", "h1"]

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from sluice_client.aio import AsyncClient, AsyncGenerateStream
     from sluice_client.channels import TlsConfig
     from sluice_client.requests import Collector, Completion, build_request
+    from sluice_client.retry import DEFAULT_SERVICE_CONFIG
     from sluice_client.sync import Client, GenerateStream
     from sluice_client.weights import build_header, read_safetensors, tensor_chunks
 
@@ -31,6 +32,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "Client": ("sluice_client.sync", "Client"),
     "Collector": ("sluice_client.requests", "Collector"),
     "Completion": ("sluice_client.requests", "Completion"),
+    "DEFAULT_SERVICE_CONFIG": ("sluice_client.retry", "DEFAULT_SERVICE_CONFIG"),
     "GenerateStream": ("sluice_client.sync", "GenerateStream"),
     "TlsConfig": ("sluice_client.channels", "TlsConfig"),
     "admin_pb": ("sluice.v1.admin_pb2", None),
@@ -46,6 +48,7 @@ __all__ = [
     "Client",
     "Collector",
     "Completion",
+    "DEFAULT_SERVICE_CONFIG",
     "GenerateStream",
     "TlsConfig",
     "admin_pb",

@@ -12,6 +12,7 @@ from sluice.v1 import generation_pb2_grpc
 
 from sluice_client.channels import TlsConfig, aio_secure_or_insecure
 from sluice_client.requests import Collector, Completion, build_request
+from sluice_client.retry import Retry, channel_options
 
 Prompt = str | Sequence[int]
 
@@ -21,6 +22,7 @@ class AsyncClient:
 
     Keyword arguments of `generate`/`complete`/`generate_many` are those of `build_request`.
     `tls` (a TlsConfig) connects over TLS, as for Client.
+    `retry`: as for `Client` (gRPC retries refused Generation calls unless False).
     """
 
     def __init__(
@@ -30,8 +32,9 @@ class AsyncClient:
         api_token: str | None = None,
         tls: TlsConfig | None = None,
         channel: grpc.aio.Channel | None = None,
+        retry: Retry = True,
     ) -> None:
-        self.channel = channel or aio_secure_or_insecure(target, tls)
+        self.channel = channel or aio_secure_or_insecure(target, tls, channel_options(retry))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.metadata = () if api_token is None else (("authorization", f"Bearer {api_token}"),)
 

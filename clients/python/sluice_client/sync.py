@@ -19,6 +19,7 @@ from sluice.v1 import generation_pb2 as pb
 
 from sluice_client.channels import TlsConfig, secure_or_insecure
 from sluice_client.requests import Collector, Completion, build_request
+from sluice_client.retry import Retry, channel_options
 from sluice_client.weights import DEFAULT_CHUNK_BYTES, Tensors, build_header, tensor_chunks
 
 Prompt = str | Sequence[int]
@@ -32,6 +33,9 @@ class Client:
     `admin_token` is for the Admin calls (`update_weights`, `update_weights_inline`).
     `tls` (a TlsConfig) connects over TLS, with a client certificate if it names one; without
     it the channel is plaintext. Tokens are sent either way.
+    `retry`: gRPC retries refused Generation calls by DEFAULT_SERVICE_CONFIG (sluice_client.retry);
+    False turns that off, a mapping is a gRPC service config used instead. Neither applies to
+    a `channel` passed in.
     """
 
     def __init__(
@@ -42,8 +46,9 @@ class Client:
         admin_token: str | None = None,
         tls: TlsConfig | None = None,
         channel: grpc.Channel | None = None,
+        retry: Retry = True,
     ) -> None:
-        self.channel = channel or secure_or_insecure(target, tls)
+        self.channel = channel or secure_or_insecure(target, tls, channel_options(retry))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.admin_stub = admin_pb2_grpc.AdminStub(self.channel)
         self.metadata = _bearer(api_token)

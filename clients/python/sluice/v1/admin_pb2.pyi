@@ -5,7 +5,10 @@ Sluice: operator actions on a running server.
 
 The public contract of the Admin service. Every Admin call needs the admin token
 (`authorization: Bearer <token>`); with no admin token configured on the server, every call
-is refused with PERMISSION_DENIED.
+is refused with PERMISSION_DENIED; a missing or wrong token is UNAUTHENTICATED. Admin calls
+are not counted against --max-concurrent-rpcs, and the clients' retry policy leaves them out
+(a weight update is not idempotent). These comments are the reference for callers in every
+language: each field gives its meaning, unit, range and default.
 """
 
 from collections import abc as _abc
@@ -31,7 +34,7 @@ class _InflightPolicy:
 class _InflightPolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_InflightPolicy.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     INFLIGHT_POLICY_UNSPECIFIED: _InflightPolicy.ValueType  # 0
-    """DRAIN."""
+    """The default: DRAIN."""
     INFLIGHT_POLICY_DRAIN: _InflightPolicy.ValueType  # 1
     """Admit nothing new (new requests wait), let running requests finish, swap, resume."""
     INFLIGHT_POLICY_ABORT: _InflightPolicy.ValueType  # 2
@@ -45,7 +48,7 @@ class InflightPolicy(_InflightPolicy, metaclass=_InflightPolicyEnumTypeWrapper):
     """What an update does to requests already running."""
 
 INFLIGHT_POLICY_UNSPECIFIED: InflightPolicy.ValueType  # 0
-"""DRAIN."""
+"""The default: DRAIN."""
 INFLIGHT_POLICY_DRAIN: InflightPolicy.ValueType  # 1
 """Admit nothing new (new requests wait), let running requests finish, swap, resume."""
 INFLIGHT_POLICY_ABORT: InflightPolicy.ValueType  # 2
@@ -58,17 +61,19 @@ Global___InflightPolicy: _TypeAlias = InflightPolicy  # noqa: Y015
 
 @_typing.final
 class UpdateWeightsRequest(_message.Message):
+    """One message of an UpdateWeights call: the header first, then (inline_tensors) tensor chunks."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     HEADER_FIELD_NUMBER: _builtins.int
     TENSOR_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def header(self) -> Global___UpdateWeightsHeader:
-        """The first message, and only the first."""
+        """The first message, and only the first (INVALID_ARGUMENT, field `header`, otherwise)."""
 
     @_builtins.property
     def tensor(self) -> Global___TensorChunk:
-        """After a header with inline_tensors."""
+        """After a header with inline_tensors: one chunk of one tensor's bytes."""
 
     def __init__(
         self,
@@ -88,6 +93,8 @@ Global___UpdateWeightsRequest: _TypeAlias = UpdateWeightsRequest  # noqa: Y015
 
 @_typing.final
 class UpdateWeightsHeader(_message.Message):
+    """What to load, under which version, and what happens to running requests meanwhile."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
@@ -96,19 +103,24 @@ class UpdateWeightsHeader(_message.Message):
     INFLIGHT_FIELD_NUMBER: _builtins.int
     DRAIN_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     policy_version: _builtins.int
-    """Must exceed the served version; 0 = the served version + 1."""
+    """The policy version the new weights are served under: in [1, 2**64-1] and above the served
+    version (ServerInfo.policy_version), else FAILED_PRECONDITION (checked before any chunk is
+    read). Default 0: the served version + 1.
+    """
     checkpoint_dir: _builtins.str
-    """An HF checkpoint directory (safetensors, sharded or not) on the server's file system,
-    holding every tensor of the model (same names and shapes; cast to the served dtype).
+    """A path, not empty: an HF checkpoint directory (safetensors, sharded or not) on the
+    server's file system, holding every tensor of the model (same names and shapes; cast to
+    the served dtype). A missing, unreadable or incomplete one is INVALID_ARGUMENT.
     """
     inline_tensors: _builtins.bool
     """Must be true: TensorChunk messages follow, carrying any subset of the model's tensors
-    (dtype equal to the served dtype).
+    (dtype equal to the served dtype, ServerInfo.dtype); at least one tensor.
     """
     inflight: Global___InflightPolicy.ValueType
+    """What happens to requests already running. Default UNSPECIFIED, which is DRAIN."""
     drain_timeout_ms: _builtins.int
-    """DRAIN only: how long in-flight requests may take to finish; then the update fails
-    (ABORTED) and the old weights stay. Unset: no bound.
+    """DRAIN only, in milliseconds: how long running requests may take to finish; then the update
+    fails (ABORTED), the old weights stay and the requests keep running. Default: no bound.
     """
     def __init__(
         self,
@@ -139,7 +151,10 @@ class TensorChunk(_message.Message):
     """Part of one tensor's raw row-major bytes (little-endian). A tensor may span several chunks,
     in any order, interleaved with other tensors' chunks; together they must cover its bytes
     exactly once. `name` is on every chunk; `dtype` and `shape` on the tensor's first chunk and
-    either repeated unchanged or left empty on later ones.
+    either repeated unchanged or left empty on later ones. Each message must stay under the
+    server's --max-message-bytes (default 16 MiB; the clients send 4 MiB of data per chunk). The
+    tensors of one update hold at most 16 TiB in all. Every violation is INVALID_ARGUMENT with a
+    google.rpc.BadRequest naming the field (`tensor.name`, `tensor.dtype`, ...).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -150,14 +165,25 @@ class TensorChunk(_message.Message):
     OFFSET_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """The model's tensor name, as in its safetensors files (e.g. "model.norm.weight")."""
+    """The model's tensor name, as in its safetensors files (e.g. "model.norm.weight"); not empty.
+    A name the model does not have is INVALID_ARGUMENT.
+    """
     dtype: _builtins.str
-    """Safetensors names: F32, F16, BF16."""
+    """Safetensors dtype names: F32, F16, BF16; must equal the served dtype. Required on the
+    tensor's first chunk; on later ones empty or the same.
+    """
     offset: _builtins.int
-    """Byte offset of `data` into the tensor's row-major data."""
+    """Byte offset of `data` into the tensor's row-major data; offset + len(data) must not pass
+    the tensor's size (product of shape x dtype size), and no byte may be sent twice.
+    """
     data: _builtins.bytes
+    """The bytes, little-endian; not empty."""
     @_builtins.property
-    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The tensor's dimensions, 1 to 8 of them, each >= 1, equal to the model's. Required on the
+        tensor's first chunk; on later ones empty or the same.
+        """
+
     def __init__(
         self,
         *,
@@ -177,17 +203,25 @@ Global___TensorChunk: _TypeAlias = TensorChunk  # noqa: Y015
 
 @_typing.final
 class UpdateWeightsProgress(_message.Message):
+    """One event of an update: `paused`, zero or more `loading`, then `applied` (the last)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     PAUSED_FIELD_NUMBER: _builtins.int
     LOADING_FIELD_NUMBER: _builtins.int
     APPLIED_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def paused(self) -> Global___Paused: ...
+    def paused(self) -> Global___Paused:
+        """The in-flight policy has started (sent once, first)."""
+
     @_builtins.property
-    def loading(self) -> Global___Loading: ...
+    def loading(self) -> Global___Loading:
+        """Weights read so far."""
+
     @_builtins.property
-    def applied(self) -> Global___Applied: ...
+    def applied(self) -> Global___Applied:
+        """The new version is live (sent once, last)."""
+
     def __init__(
         self,
         *,
@@ -213,7 +247,7 @@ class Paused(_message.Message):
 
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
     in_flight: _builtins.int
-    """Requests the policy concerns (running when the update began)."""
+    """Requests the policy concerns: those running when the update began; 0 or more."""
     def __init__(
         self,
         *,
@@ -229,6 +263,8 @@ Global___Paused: _TypeAlias = Paused  # noqa: Y015
 
 @_typing.final
 class Loading(_message.Message):
+    """How far loading the new weights has come."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     BYTES_DONE_FIELD_NUMBER: _builtins.int
@@ -236,9 +272,13 @@ class Loading(_message.Message):
     TENSORS_DONE_FIELD_NUMBER: _builtins.int
     TENSORS_TOTAL_FIELD_NUMBER: _builtins.int
     bytes_done: _builtins.int
+    """Bytes of weights read so far, in [0, bytes_total]."""
     bytes_total: _builtins.int
+    """Bytes of weights the update reads in all."""
     tensors_done: _builtins.int
+    """Tensors read so far, in [0, tensors_total]."""
     tensors_total: _builtins.int
+    """Tensors the update reads in all."""
     def __init__(
         self,
         *,
@@ -268,11 +308,21 @@ class Applied(_message.Message):
     RECOMPUTED_FIELD_NUMBER: _builtins.int
     SECONDS_FIELD_NUMBER: _builtins.int
     previous_version: _builtins.int
+    """The policy version served before the update."""
     policy_version: _builtins.int
+    """The policy version served now (the header's, or previous_version + 1 for 0)."""
     aborted: _builtins.int
+    """Running requests ended with reason ABORTED (policy ABORT); 0 otherwise."""
     continued: _builtins.int
+    """Running requests that kept going on their existing KV (policy CONTINUE); 0 otherwise."""
     recomputed: _builtins.int
+    """Running requests whose KV was recomputed with the new weights (policy RECOMPUTE); 0
+    otherwise.
+    """
     seconds: _builtins.float
+    """Wall-clock seconds from the engine receiving the update to the new version going live
+    (draining included).
+    """
     def __init__(
         self,
         *,

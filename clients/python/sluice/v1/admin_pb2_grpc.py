@@ -55,8 +55,11 @@ class AdminServicer:
         events already sent); the served weights and version are then unchanged:
         INVALID_ARGUMENT (bad header or chunks, with google.rpc.BadRequest; unknown tensor name,
         wrong shape or dtype; unreadable checkpoint), FAILED_PRECONDITION (policy_version not
-        above the served one; another update in flight), ABORTED (DRAIN timed out),
-        UNAVAILABLE (the engine is not serving, or it failed during the update).
+        above the served one; another update in flight), OUT_OF_RANGE (policy_version 0 while the
+        served version is already 2**64-1), ABORTED (DRAIN timed out; or the caller sent nothing
+        for the server's --update-idle-timeout, default 60 s, while it waited for the header, a
+        chunk or the end of the stream), UNAVAILABLE (the engine is not serving, or it failed
+        during the update), RESOURCE_EXHAUSTED (the disk of the server's --weights-dir is full).
         buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -5,7 +5,10 @@ Sluice: operator actions on a running server.
 
 The public contract of the Admin service. Every Admin call needs the admin token
 (`authorization: Bearer <token>`); with no admin token configured on the server, every call
-is refused with PERMISSION_DENIED.
+is refused with PERMISSION_DENIED; a missing or wrong token is UNAUTHENTICATED. Admin calls
+are not counted against --max-concurrent-rpcs, and the clients' retry policy leaves them out
+(a weight update is not idempotent). These comments are the reference for callers in every
+language: each field gives its meaning, unit, range and default.
 """
 
 from collections import abc as _abc
@@ -47,8 +50,11 @@ class AdminStub:
     events already sent); the served weights and version are then unchanged:
     INVALID_ARGUMENT (bad header or chunks, with google.rpc.BadRequest; unknown tensor name,
     wrong shape or dtype; unreadable checkpoint), FAILED_PRECONDITION (policy_version not
-    above the served one; another update in flight), ABORTED (DRAIN timed out),
-    UNAVAILABLE (the engine is not serving, or it failed during the update).
+    above the served one; another update in flight), OUT_OF_RANGE (policy_version 0 while the
+    served version is already 2**64-1), ABORTED (DRAIN timed out; or the caller sent nothing
+    for the server's --update-idle-timeout, default 60 s, while it waited for the header, a
+    chunk or the end of the stream), UNAVAILABLE (the engine is not serving, or it failed
+    during the update), RESOURCE_EXHAUSTED (the disk of the server's --weights-dir is full).
     buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
     """
 
@@ -66,8 +72,11 @@ class AdminAsyncStub(AdminStub):
     events already sent); the served weights and version are then unchanged:
     INVALID_ARGUMENT (bad header or chunks, with google.rpc.BadRequest; unknown tensor name,
     wrong shape or dtype; unreadable checkpoint), FAILED_PRECONDITION (policy_version not
-    above the served one; another update in flight), ABORTED (DRAIN timed out),
-    UNAVAILABLE (the engine is not serving, or it failed during the update).
+    above the served one; another update in flight), OUT_OF_RANGE (policy_version 0 while the
+    served version is already 2**64-1), ABORTED (DRAIN timed out; or the caller sent nothing
+    for the server's --update-idle-timeout, default 60 s, while it waited for the header, a
+    chunk or the end of the stream), UNAVAILABLE (the engine is not serving, or it failed
+    during the update), RESOURCE_EXHAUSTED (the disk of the server's --weights-dir is full).
     buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
     """
 
@@ -88,8 +97,11 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         events already sent); the served weights and version are then unchanged:
         INVALID_ARGUMENT (bad header or chunks, with google.rpc.BadRequest; unknown tensor name,
         wrong shape or dtype; unreadable checkpoint), FAILED_PRECONDITION (policy_version not
-        above the served one; another update in flight), ABORTED (DRAIN timed out),
-        UNAVAILABLE (the engine is not serving, or it failed during the update).
+        above the served one; another update in flight), OUT_OF_RANGE (policy_version 0 while the
+        served version is already 2**64-1), ABORTED (DRAIN timed out; or the caller sent nothing
+        for the server's --update-idle-timeout, default 60 s, while it waited for the header, a
+        chunk or the end of the stream), UNAVAILABLE (the engine is not serving, or it failed
+        during the update), RESOURCE_EXHAUSTED (the disk of the server's --weights-dir is full).
         buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
         """
 

@@ -5,6 +5,20 @@ Sluice: LLM text generation over gRPC.
 
 The public contract of the Generation service: callers depend on these names, so renaming
 or dropping a field here breaks them. Every scalar whose default matters is `optional`.
+These comments are the reference for callers in every language: each field gives its
+meaning, unit, range and default (an unset field means its default).
+
+Limits on every call: a request message larger than the server's --max-message-bytes
+(default 16 MiB) is refused RESOURCE_EXHAUSTED before it is read. With an API token
+configured on the server, every call needs `authorization: Bearer <token>` (UNAUTHENTICATED
+without it, PERMISSION_DENIED when wrong). The gRPC deadline of a call applies to the
+requests it carries: one past its deadline ends with reason DEADLINE_EXCEEDED (or the call
+with status DEADLINE_EXCEEDED when gRPC notices first).
+
+Refusals that may succeed later (RESOURCE_EXHAUSTED: overloaded; UNAVAILABLE: the engine is
+starting or restarting, or the server is shutting down) carry a google.rpc.RetryInfo in
+`grpc-status-details-bin` and the same delay as the `grpc-retry-pushback-ms` trailer, so a
+gRPC retry policy for those two codes waits as the server asks.
 """
 
 from collections import abc as _abc
@@ -30,30 +44,41 @@ class _FinishReason:
 class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishReason.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     FINISH_REASON_UNSPECIFIED: _FinishReason.ValueType  # 0
+    """Never sent."""
     FINISH_REASON_STOP: _FinishReason.ValueType  # 1
     """End of sequence or a stop token id."""
     FINISH_REASON_STOP_STRING: _FinishReason.ValueType  # 2
+    """A stop string matched (Finished.matched_stop)."""
     FINISH_REASON_LENGTH: _FinishReason.ValueType  # 3
     """max_tokens or the context limit."""
     FINISH_REASON_CANCELLED: _FinishReason.ValueType  # 4
+    """Cancel, cancel_request_id, or the client went away."""
     FINISH_REASON_DEADLINE_EXCEEDED: _FinishReason.ValueType  # 5
+    """The call's gRPC deadline passed (also while the request waited in the queue)."""
     FINISH_REASON_ABORTED: _FinishReason.ValueType  # 6
     """By an admin action (a weight update with ABORT, server shutdown)."""
     FINISH_REASON_ERROR: _FinishReason.ValueType  # 7
+    """Bad input found by the engine, or an engine failure (Finished.message says which)."""
 
-class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper): ...
+class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
+    """Why a sample ended."""
 
 FINISH_REASON_UNSPECIFIED: FinishReason.ValueType  # 0
+"""Never sent."""
 FINISH_REASON_STOP: FinishReason.ValueType  # 1
 """End of sequence or a stop token id."""
 FINISH_REASON_STOP_STRING: FinishReason.ValueType  # 2
+"""A stop string matched (Finished.matched_stop)."""
 FINISH_REASON_LENGTH: FinishReason.ValueType  # 3
 """max_tokens or the context limit."""
 FINISH_REASON_CANCELLED: FinishReason.ValueType  # 4
+"""Cancel, cancel_request_id, or the client went away."""
 FINISH_REASON_DEADLINE_EXCEEDED: FinishReason.ValueType  # 5
+"""The call's gRPC deadline passed (also while the request waited in the queue)."""
 FINISH_REASON_ABORTED: FinishReason.ValueType  # 6
 """By an admin action (a weight update with ABORT, server shutdown)."""
 FINISH_REASON_ERROR: FinishReason.ValueType  # 7
+"""Bad input found by the engine, or an engine failure (Finished.message says which)."""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 class _ServingState:
@@ -63,24 +88,39 @@ class _ServingState:
 class _ServingStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ServingState.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     SERVING_STATE_UNSPECIFIED: _ServingState.ValueType  # 0
+    """Never sent."""
     SERVING_STATE_STARTING: _ServingState.ValueType  # 1
+    """The engine is loading the model; requests are refused UNAVAILABLE."""
     SERVING_STATE_SERVING: _ServingState.ValueType  # 2
+    """Serving requests."""
     SERVING_STATE_UPDATING_WEIGHTS: _ServingState.ValueType  # 3
+    """Serving, with a weight update in progress (requests may wait: see InflightPolicy)."""
     SERVING_STATE_RESTARTING: _ServingState.ValueType  # 4
+    """The engine was lost and is being replaced; requests are refused UNAVAILABLE."""
     SERVING_STATE_DRAINING: _ServingState.ValueType  # 5
+    """Shutting down: requests in flight finish, new ones are refused UNAVAILABLE."""
 
-class ServingState(_ServingState, metaclass=_ServingStateEnumTypeWrapper): ...
+class ServingState(_ServingState, metaclass=_ServingStateEnumTypeWrapper):
+    """What the server is doing."""
 
 SERVING_STATE_UNSPECIFIED: ServingState.ValueType  # 0
+"""Never sent."""
 SERVING_STATE_STARTING: ServingState.ValueType  # 1
+"""The engine is loading the model; requests are refused UNAVAILABLE."""
 SERVING_STATE_SERVING: ServingState.ValueType  # 2
+"""Serving requests."""
 SERVING_STATE_UPDATING_WEIGHTS: ServingState.ValueType  # 3
+"""Serving, with a weight update in progress (requests may wait: see InflightPolicy)."""
 SERVING_STATE_RESTARTING: ServingState.ValueType  # 4
+"""The engine was lost and is being replaced; requests are refused UNAVAILABLE."""
 SERVING_STATE_DRAINING: ServingState.ValueType  # 5
+"""Shutting down: requests in flight finish, new ones are refused UNAVAILABLE."""
 Global___ServingState: _TypeAlias = ServingState  # noqa: Y015
 
 @_typing.final
 class GenerateRequest(_message.Message):
+    """One generation request: a prompt, how to sample, when to stop, what to return."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
@@ -93,25 +133,44 @@ class GenerateRequest(_message.Message):
     MIN_POLICY_VERSION_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Optional; the server assigns one when empty. ALREADY_EXISTS while one with this id is in flight."""
+    """The caller's id for this request, returned on every event; at most 256 characters.
+    Default (empty): the server assigns a unique one. ALREADY_EXISTS while a request with this
+    id is in flight; an id is free again once the engine is done with its request.
+    """
     text: _builtins.str
-    """Tokenized by the server (with the tokenizer's special tokens, e.g. BOS)."""
+    """Text, tokenized by the server with the tokenizer's special tokens (e.g. BOS). Must not
+    be empty; a text of more UTF-8 bytes than max_model_len x the tokenizer's longest token
+    is refused without being tokenized (INVALID_ARGUMENT, field `text`).
+    """
     n: _builtins.int
-    """Samples of this prompt (default 1)."""
+    """Samples to draw from this prompt, each with its own events (GenerateResponse.index 0 to
+    n-1) and its own `finished`; the prompt is computed once. In [1, max_num_seqs] (the
+    server's --max-num-seqs, default 128). Default 1.
+    """
     min_policy_version: _builtins.int
-    """FAILED_PRECONDITION if the served weights are older than this version."""
+    """The oldest weights the request accepts: FAILED_PRECONDITION while the served policy
+    version (ServerInfo.policy_version) is older. Default: any version.
+    """
     priority: _builtins.int
-    """Higher runs first; first come, first served within a priority."""
+    """Scheduling priority: any int32, higher is admitted first; first come, first served within
+    a priority. Default 0.
+    """
     @_builtins.property
     def token_ids(self) -> Global___TokenIds:
-        """Used as given."""
+        """Token ids, used as given (no special tokens added)."""
 
     @_builtins.property
-    def sampling(self) -> Global___SamplingParams: ...
+    def sampling(self) -> Global___SamplingParams:
+        """How each token is drawn. Unset: every SamplingParams default (temperature 1, no filters)."""
+
     @_builtins.property
-    def stop(self) -> Global___StopParams: ...
+    def stop(self) -> Global___StopParams:
+        """When generation ends. Unset: at EOS or the end of the context."""
+
     @_builtins.property
-    def output(self) -> Global___OutputOptions: ...
+    def output(self) -> Global___OutputOptions:
+        """What each token chunk carries besides ids and text. Unset: no log-probabilities."""
+
     def __init__(
         self,
         *,
@@ -146,11 +205,15 @@ Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
 
 @_typing.final
 class TokenIds(_message.Message):
+    """A prompt as token ids."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Not empty, fewer than ServerInfo.max_model_len ids, each in [0, ServerInfo.vocab_size)."""
+
     def __init__(
         self,
         *,
@@ -166,6 +229,10 @@ Global___TokenIds: _TypeAlias = TokenIds  # noqa: Y015
 
 @_typing.final
 class SamplingParams(_message.Message):
+    """Sampling. Every float must be finite as a float32 (INVALID_ARGUMENT naming the field, e.g.
+    `sampling.top_p`). Order: penalties, then temperature, then top-k, top-p and min-p.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TEMPERATURE_FIELD_NUMBER: _builtins.int
@@ -177,21 +244,34 @@ class SamplingParams(_message.Message):
     REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
-    """Default 1.0; 0 = greedy."""
+    """Divides the logits; >= 0. Below 1e-5 (0 included) sampling is greedy (argmax). Default 1.0."""
     top_p: _builtins.float
-    """Default 1.0."""
+    """Nucleus sampling: keep the most likely tokens whose probabilities sum to top_p; in (0, 1].
+    Default 1.0 (off).
+    """
     top_k: _builtins.int
-    """Default 0 = off."""
+    """Keep the top_k most likely tokens; >= 0, 0 = off. Default 0."""
     min_p: _builtins.float
-    """Default 0 = off."""
+    """Drop tokens less likely than min_p x the most likely token's probability; in [0, 1].
+    Default 0 (off).
+    """
     frequency_penalty: _builtins.float
-    """Default 0; in [-2, 2]."""
+    """frequency_penalty x (times a token occurs in the completion so far) is subtracted from its
+    logit (OpenAI's semantics); in [-2, 2]. Default 0 (off).
+    """
     presence_penalty: _builtins.float
-    """Default 0; in [-2, 2]."""
+    """Subtracted from the logit of every token that occurs in the completion so far (once,
+    however often); in [-2, 2]. Default 0 (off).
+    """
     repetition_penalty: _builtins.float
-    """Default 1.0 = off."""
+    """Divides a positive logit (multiplies a negative one) of every token in the prompt or the
+    completion so far; in [0.001, 1000], > 1 discourages repetition. Default 1.0 (off).
+    """
     seed: _builtins.int
-    """Makes sampling of this request reproducible regardless of what else is batched with it."""
+    """Any uint64. Makes this request's sampling reproducible: its randomness depends only on the
+    seed, the position and the token, not on what else is batched with it nor on a preemption.
+    Default: unseeded (different draws each time).
+    """
     def __init__(
         self,
         *,
@@ -245,6 +325,8 @@ Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
 
 @_typing.final
 class StopParams(_message.Message):
+    """When generation ends (besides a cancel, a deadline or the end of the context)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
@@ -254,19 +336,32 @@ class StopParams(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
-    """Default: what is left of the context."""
+    """The most tokens to generate per sample; >= 1. A value past what the prompt leaves of the
+    context is not refused: the sample ends LENGTH at the context's end. Default: the rest of
+    the context.
+    """
     min_tokens: _builtins.int
-    """End-of-sequence and stop tokens are suppressed until this many tokens are generated."""
+    """EOS and stop_token_ids are suppressed until this many tokens are generated; <= max_tokens.
+    Default 0.
+    """
     ignore_eos: _builtins.bool
+    """Keep generating past the model's EOS tokens (ServerInfo.eos_token_ids); stop_token_ids still
+    stop. Default false.
+    """
     include_stop_str_in_output: _builtins.bool
-    """Keep the matched stop string in the returned text."""
+    """Keep the matched stop string at the end of the returned text. Default false."""
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Stop strings, matched on the detokenized text (finish reason STOP_STRING)."""
+        """Stop strings, matched on the detokenized text (finish reason STOP_STRING, the string in
+        Finished.matched_stop); the returned text ends before it unless include_stop_str_in_output.
+        At most 32, each 1 to 256 characters. Default: none.
+        """
 
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Extra token ids that end generation like EOS (finish reason STOP)."""
+        """Token ids that end a sample like EOS (finish reason STOP); the token is returned. At most
+        256, each in [0, ServerInfo.vocab_size). Default: none.
+        """
 
     def __init__(
         self,
@@ -290,6 +385,8 @@ Global___StopParams: _TypeAlias = StopParams  # noqa: Y015
 
 @_typing.final
 class OutputOptions(_message.Message):
+    """What token chunks carry besides ids and text."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     LOGPROBS_FIELD_NUMBER: _builtins.int
@@ -297,13 +394,22 @@ class OutputOptions(_message.Message):
     RAW_LOGPROBS_FIELD_NUMBER: _builtins.int
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     logprobs: _builtins.bool
-    """Return the log-probability of each sampled token."""
+    """Return the log-probability of each sampled token (TokenChunk.logprobs): the log-softmax of
+    the logits after penalties and min_tokens suppression, divided by the temperature (1 when
+    greedy), before top-k, top-p and min-p. Default false.
+    """
     top_logprobs: _builtins.int
-    """Also return this many most likely tokens per position (0..20)."""
+    """Also return this many most likely tokens per position (TokenChunk.top_logprobs), from the
+    same distribution; in [0, 20], > 0 implies logprobs. Default 0.
+    """
     raw_logprobs: _builtins.bool
-    """log_softmax of the unmodified logits instead of the processed ones."""
+    """Log-probabilities (and top_logprobs) are the log-softmax of the model's unmodified logits
+    instead. Default false.
+    """
     skip_special_tokens: _builtins.bool
-    """Default true."""
+    """Leave special tokens (BOS, EOS, chat markers) out of TokenChunk.text; their ids are always
+    returned. Default true.
+    """
     def __init__(
         self,
         *,
@@ -324,13 +430,20 @@ Global___OutputOptions: _TypeAlias = OutputOptions  # noqa: Y015
 
 @_typing.final
 class GenerateStreamRequest(_message.Message):
+    """One message of a GenerateStream call. A message with no action set is ignored."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     START_FIELD_NUMBER: _builtins.int
     CANCEL_REQUEST_ID_FIELD_NUMBER: _builtins.int
     cancel_request_id: _builtins.str
+    """Cancel the request in flight with this id (like Cancel; an unknown id is ignored). It
+    ends with `finished` reason CANCELLED.
+    """
     @_builtins.property
-    def start(self) -> Global___GenerateRequest: ...
+    def start(self) -> Global___GenerateRequest:
+        """Admit a request: its events follow on this stream, or one `refused` event."""
+
     def __init__(
         self,
         *,
@@ -349,6 +462,8 @@ Global___GenerateStreamRequest: _TypeAlias = GenerateStreamRequest  # noqa: Y015
 
 @_typing.final
 class GenerateResponse(_message.Message):
+    """One event of a request."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
@@ -362,13 +477,21 @@ class GenerateResponse(_message.Message):
     `refused`: the refused start's request_id as sent, possibly empty; see Refused.start_index.
     """
     index: _builtins.int
-    """Which of the n samples this event belongs to."""
+    """Which of the request's n samples the event belongs to, in [0, n). 0 for `started` and
+    `refused`.
+    """
     @_builtins.property
-    def started(self) -> Global___Started: ...
+    def started(self) -> Global___Started:
+        """The request is running: sent once, before any token."""
+
     @_builtins.property
-    def tokens(self) -> Global___TokenChunk: ...
+    def tokens(self) -> Global___TokenChunk:
+        """Tokens of one sample."""
+
     @_builtins.property
-    def finished(self) -> Global___Finished: ...
+    def finished(self) -> Global___Finished:
+        """A sample ended, for the reason given. The last event of its index."""
+
     @_builtins.property
     def refused(self) -> Global___Refused:
         """GenerateStream only: a `start` refused before admission."""
@@ -413,9 +536,12 @@ class Refused(_message.Message):
     6 ALREADY_EXISTS, 8 RESOURCE_EXHAUSTED, 9 FAILED_PRECONDITION, 14 UNAVAILABLE.
     """
     message: _builtins.str
+    """Why, for a person to read (not a stable format)."""
     retry_delay_ms: _builtins.int
-    """Set when retrying later may succeed (RESOURCE_EXHAUSTED: the waiting queue is full), like
-    google.rpc.RetryInfo for Generate.
+    """Milliseconds after which retrying may succeed; set with RESOURCE_EXHAUSTED (overloaded) and
+    UNAVAILABLE (engine not serving, server shutting down), like google.rpc.RetryInfo for
+    Generate: the server's retry_after (1 s) times a random 1 to 1.5. Unset: do not retry as is.
+    gRPC never retries a refused start by itself (it is an event, not a call status).
     """
     start_index: _builtins.int
     """Which `start` of this stream was refused: 0 for its first `start` message, 1 for the second,
@@ -423,7 +549,9 @@ class Refused(_message.Message):
     """
     @_builtins.property
     def field_violations(self) -> _containers.RepeatedCompositeFieldContainer[Global___FieldViolation]:
-        """The invalid fields (INVALID_ARGUMENT), as google.rpc.BadRequest names them for Generate."""
+        """The invalid fields (INVALID_ARGUMENT), as google.rpc.BadRequest names them for Generate.
+        Empty for other codes.
+        """
 
     def __init__(
         self,
@@ -446,6 +574,8 @@ Global___Refused: _TypeAlias = Refused  # noqa: Y015
 
 @_typing.final
 class FieldViolation(_message.Message):
+    """One invalid field of a request."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     FIELD_FIELD_NUMBER: _builtins.int
@@ -453,6 +583,7 @@ class FieldViolation(_message.Message):
     field: _builtins.str
     """The field's path in the request, e.g. "sampling.temperature" or "stop.stop"."""
     description: _builtins.str
+    """What is wrong with it, e.g. "must be in (0, 1]"."""
     def __init__(
         self,
         *,
@@ -469,14 +600,21 @@ Global___FieldViolation: _TypeAlias = FieldViolation  # noqa: Y015
 
 @_typing.final
 class Started(_message.Message):
+    """The request was admitted and has started."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
+    """The prompt's length in tokens (special tokens included)."""
     cached_tokens: _builtins.int
+    """Prompt tokens whose KV was reused from the prefix cache (whole pages, computed by the same
+    policy version); 0 to prompt_tokens.
+    """
     policy_version: _builtins.int
+    """The policy version of the weights that started the request."""
     def __init__(
         self,
         *,
@@ -494,7 +632,9 @@ Global___Started: _TypeAlias = Started  # noqa: Y015
 
 @_typing.final
 class TokenChunk(_message.Message):
-    """Every token that was waiting when the chunk was sent. One policy version per chunk."""
+    """Every token that was waiting when the chunk was sent (one under light load, several under
+    heavy load). One policy version per chunk.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -504,16 +644,26 @@ class TokenChunk(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     text: _builtins.str
-    """The text these tokens complete; may be empty while a multi-byte character is incomplete."""
+    """The text these tokens complete; may be empty while a multi-byte character is incomplete.
+    The chunk texts of a sample, concatenated, are its detokenized completion (cut at a stop
+    string).
+    """
     policy_version: _builtins.int
+    """The policy version of the weights that produced every token of this chunk."""
     @_builtins.property
-    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
-    @_builtins.property
-    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
-        """logprobs[i] belongs to token_ids[i]."""
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The sampled token ids, in order; never empty unless the chunk only flushes `text`."""
 
     @_builtins.property
-    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprobs]: ...
+    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """logprobs[i] belongs to token_ids[i] (natural log, <= 0). Empty unless
+        OutputOptions.logprobs or top_logprobs.
+        """
+
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprobs]:
+        """top_logprobs[i] belongs to token_ids[i]. Empty unless OutputOptions.top_logprobs > 0."""
+
     def __init__(
         self,
         *,
@@ -533,14 +683,20 @@ Global___TokenChunk: _TypeAlias = TokenChunk  # noqa: Y015
 
 @_typing.final
 class TopLogprobs(_message.Message):
+    """The most likely tokens at one position, most likely first."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """OutputOptions.top_logprobs token ids."""
+
     @_builtins.property
-    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """logprobs[i] belongs to token_ids[i] (natural log, <= 0), in decreasing order."""
+
     def __init__(
         self,
         *,
@@ -557,6 +713,8 @@ Global___TopLogprobs: _TypeAlias = TopLogprobs  # noqa: Y015
 
 @_typing.final
 class Finished(_message.Message):
+    """How a sample ended. The last event of its index."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     REASON_FIELD_NUMBER: _builtins.int
@@ -565,14 +723,21 @@ class Finished(_message.Message):
     VERSION_SPANS_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     reason: Global___FinishReason.ValueType
+    """Why it ended (never UNSPECIFIED)."""
     matched_stop: _builtins.str
-    """The stop string that ended the request (reason STOP_STRING)."""
+    """The stop string that ended the sample (reason STOP_STRING); empty otherwise."""
     message: _builtins.str
-    """Why the request failed (reasons ERROR and ABORTED)."""
+    """Why the sample failed (reasons ERROR and ABORTED), for a person to read; empty otherwise."""
     @_builtins.property
-    def usage(self) -> Global___Usage: ...
+    def usage(self) -> Global___Usage:
+        """Token counts of this sample."""
+
     @_builtins.property
-    def version_spans(self) -> _containers.RepeatedCompositeFieldContainer[Global___VersionSpan]: ...
+    def version_spans(self) -> _containers.RepeatedCompositeFieldContainer[Global___VersionSpan]:
+        """The policy versions that produced the completion, in order: together they cover positions
+        [0, usage.completion_tokens). Several spans when the weights were swapped mid-request.
+        """
+
     def __init__(
         self,
         *,
@@ -592,14 +757,21 @@ Global___Finished: _TypeAlias = Finished  # noqa: Y015
 
 @_typing.final
 class Usage(_message.Message):
+    """Token counts of one sample."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
+    """The prompt's length in tokens (as in Started)."""
     completion_tokens: _builtins.int
+    """Tokens generated for this sample (including a stop token; a matched stop string's tokens
+    too).
+    """
     cached_tokens: _builtins.int
+    """Prompt tokens reused from the prefix cache (as in Started)."""
     def __init__(
         self,
         *,
@@ -625,8 +797,11 @@ class VersionSpan(_message.Message):
     START_FIELD_NUMBER: _builtins.int
     END_FIELD_NUMBER: _builtins.int
     policy_version: _builtins.int
+    """The policy version of the weights that produced these tokens."""
     start: _builtins.int
+    """The first completion position of the span, counted from 0."""
     end: _builtins.int
+    """One past the span's last position; > start."""
     def __init__(
         self,
         *,
@@ -644,11 +819,15 @@ Global___VersionSpan: _TypeAlias = VersionSpan  # noqa: Y015
 
 @_typing.final
 class CancelRequest(_message.Message):
+    """Requests to cancel."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Ids of requests in flight, from any connection; duplicates count once."""
+
     def __init__(
         self,
         *,
@@ -664,14 +843,22 @@ Global___CancelRequest: _TypeAlias = CancelRequest  # noqa: Y015
 
 @_typing.final
 class CancelResponse(_message.Message):
+    """What Cancel found. Every requested id is in exactly one of the two lists."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     CANCELLED_FIELD_NUMBER: _builtins.int
     NOT_FOUND_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def cancelled(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def cancelled(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Ids that were in flight and are now cancelled: each sample still running ends with
+        `finished` reason CANCELLED.
+        """
+
     @_builtins.property
-    def not_found(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def not_found(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Ids with no request in flight (unknown, or already finished). Not an error."""
+
     def __init__(
         self,
         *,
@@ -688,6 +875,8 @@ Global___CancelResponse: _TypeAlias = CancelResponse  # noqa: Y015
 
 @_typing.final
 class GetServerInfoRequest(_message.Message):
+    """GetServerInfo takes no parameters."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     def __init__(
@@ -703,12 +892,18 @@ Global___GetServerInfoRequest: _TypeAlias = GetServerInfoRequest  # noqa: Y015
 
 @_typing.final
 class TokenizeRequest(_message.Message):
+    """Text to tokenize."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TEXT_FIELD_NUMBER: _builtins.int
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
+    """The text; at most as long as a prompt may be (see GenerateRequest.text), else
+    INVALID_ARGUMENT (field `text`). May be empty.
+    """
     add_special_tokens: _builtins.bool
+    """Add the tokenizer's special tokens (e.g. BOS) as a `text` prompt gets them. Default false."""
     def __init__(
         self,
         *,
@@ -725,11 +920,15 @@ Global___TokenizeRequest: _TypeAlias = TokenizeRequest  # noqa: Y015
 
 @_typing.final
 class TokenizeResponse(_message.Message):
+    """The tokenizer's ids for a text."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The token ids, in order; empty for an empty text without special tokens."""
+
     def __init__(
         self,
         *,
@@ -745,6 +944,10 @@ Global___TokenizeResponse: _TypeAlias = TokenizeResponse  # noqa: Y015
 
 @_typing.final
 class ServerInfo(_message.Message):
+    """The served model and the engine's state. Until the model is first loaded only `model` and
+    `state` are set.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     MODEL_FIELD_NUMBER: _builtins.int
@@ -759,18 +962,39 @@ class ServerInfo(_message.Message):
     RUNNING_FIELD_NUMBER: _builtins.int
     WAITING_FIELD_NUMBER: _builtins.int
     model: _builtins.str
+    """The model's name: its checkpoint directory's name, or "demo"."""
     max_model_len: _builtins.int
+    """The context length in tokens (prompt + completion): the checkpoint's
+    max_position_embeddings, capped by the server's --max-model-len.
+    """
     vocab_size: _builtins.int
+    """The size of the model's output layer: token ids are in [0, vocab_size). It may exceed the
+    tokenizer's vocabulary.
+    """
     policy_version: _builtins.int
+    """The policy version of the served weights: the server's --policy-version (default 0) at
+    start, raised by each weight update; never goes down.
+    """
     device: _builtins.str
+    """Where the model runs, as torch names it: "cpu", "cuda:0"."""
     dtype: _builtins.str
+    """The weights' dtype, as torch names it: "float32", "float16", "bfloat16"."""
     state: Global___ServingState.ValueType
+    """What the server is doing now."""
     running: _builtins.int
+    """Sequences the engine is running now: a request with n samples counts n."""
     waiting: _builtins.int
+    """Requests queued in the engine, not started yet. New requests are refused
+    RESOURCE_EXHAUSTED while the server's --max-waiting (default 1024) admitted requests wait.
+    """
     @_builtins.property
-    def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The token ids that end a sample as end of sequence (unless StopParams.ignore_eos)."""
+
     @_builtins.property
-    def kv_cache(self) -> Global___KvCacheInfo: ...
+    def kv_cache(self) -> Global___KvCacheInfo:
+        """The KV cache now."""
+
     def __init__(
         self,
         *,
@@ -796,7 +1020,9 @@ Global___ServerInfo: _TypeAlias = ServerInfo  # noqa: Y015
 
 @_typing.final
 class KvCacheInfo(_message.Message):
-    """total_pages = free_pages + cached_pages + pages in use by requests."""
+    """The KV cache, in pages of page_size tokens. total_pages = free_pages + cached_pages + pages
+    in use by requests.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -806,12 +1032,15 @@ class KvCacheInfo(_message.Message):
     CACHED_PAGES_FIELD_NUMBER: _builtins.int
     PREFIX_CACHE_HIT_RATIO_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
+    """Tokens per page (the server's --page-size, default 16)."""
     total_pages: _builtins.int
+    """Pages in the cache, fixed at start."""
     free_pages: _builtins.int
+    """Pages holding nothing."""
     cached_pages: _builtins.int
     """Unreferenced pages the prefix cache keeps (reclaimable)."""
     prefix_cache_hit_ratio: _builtins.float
-    """Share of prompt tokens found in the prefix cache since the engine started (0..1)."""
+    """Share of prompt tokens found in the prefix cache since the engine started, in [0, 1]."""
     def __init__(
         self,
         *,

@@ -68,6 +68,10 @@ class GenerationServicer:
 
     def Generate(self, request, context):
         """One request. Events: `started` first, then token chunks, then one `finished` per index.
+        A request refused before admission ends the call with a non-OK status and no events:
+        INVALID_ARGUMENT (google.rpc.BadRequest names the fields), ALREADY_EXISTS,
+        FAILED_PRECONDITION, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNAVAILABLE. After admission
+        every failure is a `finished` event (reason and message) and the call ends OK.
         buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -78,7 +82,9 @@ class GenerationServicer:
         """Many requests multiplexed over one bidirectional stream; responses carry their request_id.
         A `start` refused before admission yields one `refused` event (never `finished`) and the
         stream goes on. A message that does not parse ends the stream INVALID_ARGUMENT, after every
-        request it started has had its `finished`.
+        request it started has had its `finished`. Half-closing the request stream ends the call
+        once every request it started has finished. The whole call counts once against the
+        server's --max-concurrent-rpcs.
         Reuses GenerateResponse on purpose: one event type, one client handler for both RPCs.
         buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
@@ -89,20 +95,22 @@ class GenerationServicer:
 
     def Cancel(self, request, context):
         """Cancels requests by id, from any connection. Idempotent; unknown ids are listed in not_found.
+        Never counted against --max-concurrent-rpcs (it frees capacity).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """Tokenizes text with the served model's tokenizer.
+        """Tokenizes text with the served model's tokenizer. UNAVAILABLE until the model is loaded;
+        INVALID_ARGUMENT (field `text`) for a text too long to be a prompt.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetServerInfo(self, request, context):
-        """Describes the served model and the engine's current state.
+        """Describes the served model and the engine's current state. Answers in every state.
         buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

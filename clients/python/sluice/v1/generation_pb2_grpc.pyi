@@ -5,6 +5,20 @@ Sluice: LLM text generation over gRPC.
 
 The public contract of the Generation service: callers depend on these names, so renaming
 or dropping a field here breaks them. Every scalar whose default matters is `optional`.
+These comments are the reference for callers in every language: each field gives its
+meaning, unit, range and default (an unset field means its default).
+
+Limits on every call: a request message larger than the server's --max-message-bytes
+(default 16 MiB) is refused RESOURCE_EXHAUSTED before it is read. With an API token
+configured on the server, every call needs `authorization: Bearer <token>` (UNAUTHENTICATED
+without it, PERMISSION_DENIED when wrong). The gRPC deadline of a call applies to the
+requests it carries: one past its deadline ends with reason DEADLINE_EXCEEDED (or the call
+with status DEADLINE_EXCEEDED when gRPC notices first).
+
+Refusals that may succeed later (RESOURCE_EXHAUSTED: overloaded; UNAVAILABLE: the engine is
+starting or restarting, or the server is shutting down) carry a google.rpc.RetryInfo in
+`grpc-status-details-bin` and the same delay as the `grpc-retry-pushback-ms` trailer, so a
+gRPC retry policy for those two codes waits as the server asks.
 """
 
 from collections import abc as _abc
@@ -39,23 +53,33 @@ class GenerationStub:
     def __new__(cls, channel: _aio.Channel) -> GenerationAsyncStub: ...
     Generate: _grpc.UnaryStreamMultiCallable[_generation_pb2.GenerateRequest, _generation_pb2.GenerateResponse]
     """One request. Events: `started` first, then token chunks, then one `finished` per index.
+    A request refused before admission ends the call with a non-OK status and no events:
+    INVALID_ARGUMENT (google.rpc.BadRequest names the fields), ALREADY_EXISTS,
+    FAILED_PRECONDITION, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNAVAILABLE. After admission
+    every failure is a `finished` event (reason and message) and the call ends OK.
     buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
     """
     GenerateStream: _grpc.StreamStreamMultiCallable[_generation_pb2.GenerateStreamRequest, _generation_pb2.GenerateResponse]
     """Many requests multiplexed over one bidirectional stream; responses carry their request_id.
     A `start` refused before admission yields one `refused` event (never `finished`) and the
     stream goes on. A message that does not parse ends the stream INVALID_ARGUMENT, after every
-    request it started has had its `finished`.
+    request it started has had its `finished`. Half-closing the request stream ends the call
+    once every request it started has finished. The whole call counts once against the
+    server's --max-concurrent-rpcs.
     Reuses GenerateResponse on purpose: one event type, one client handler for both RPCs.
     buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
     buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
     """
     Cancel: _grpc.UnaryUnaryMultiCallable[_generation_pb2.CancelRequest, _generation_pb2.CancelResponse]
-    """Cancels requests by id, from any connection. Idempotent; unknown ids are listed in not_found."""
+    """Cancels requests by id, from any connection. Idempotent; unknown ids are listed in not_found.
+    Never counted against --max-concurrent-rpcs (it frees capacity).
+    """
     Tokenize: _grpc.UnaryUnaryMultiCallable[_generation_pb2.TokenizeRequest, _generation_pb2.TokenizeResponse]
-    """Tokenizes text with the served model's tokenizer."""
+    """Tokenizes text with the served model's tokenizer. UNAVAILABLE until the model is loaded;
+    INVALID_ARGUMENT (field `text`) for a text too long to be a prompt.
+    """
     GetServerInfo: _grpc.UnaryUnaryMultiCallable[_generation_pb2.GetServerInfoRequest, _generation_pb2.ServerInfo]
-    """Describes the served model and the engine's current state.
+    """Describes the served model and the engine's current state. Answers in every state.
     buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
     """
 
@@ -66,23 +90,33 @@ class GenerationAsyncStub(GenerationStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Generate: _aio.UnaryStreamMultiCallable[_generation_pb2.GenerateRequest, _generation_pb2.GenerateResponse]  # type: ignore[assignment]
     """One request. Events: `started` first, then token chunks, then one `finished` per index.
+    A request refused before admission ends the call with a non-OK status and no events:
+    INVALID_ARGUMENT (google.rpc.BadRequest names the fields), ALREADY_EXISTS,
+    FAILED_PRECONDITION, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNAVAILABLE. After admission
+    every failure is a `finished` event (reason and message) and the call ends OK.
     buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
     """
     GenerateStream: _aio.StreamStreamMultiCallable[_generation_pb2.GenerateStreamRequest, _generation_pb2.GenerateResponse]  # type: ignore[assignment]
     """Many requests multiplexed over one bidirectional stream; responses carry their request_id.
     A `start` refused before admission yields one `refused` event (never `finished`) and the
     stream goes on. A message that does not parse ends the stream INVALID_ARGUMENT, after every
-    request it started has had its `finished`.
+    request it started has had its `finished`. Half-closing the request stream ends the call
+    once every request it started has finished. The whole call counts once against the
+    server's --max-concurrent-rpcs.
     Reuses GenerateResponse on purpose: one event type, one client handler for both RPCs.
     buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
     buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
     """
     Cancel: _aio.UnaryUnaryMultiCallable[_generation_pb2.CancelRequest, _generation_pb2.CancelResponse]  # type: ignore[assignment]
-    """Cancels requests by id, from any connection. Idempotent; unknown ids are listed in not_found."""
+    """Cancels requests by id, from any connection. Idempotent; unknown ids are listed in not_found.
+    Never counted against --max-concurrent-rpcs (it frees capacity).
+    """
     Tokenize: _aio.UnaryUnaryMultiCallable[_generation_pb2.TokenizeRequest, _generation_pb2.TokenizeResponse]  # type: ignore[assignment]
-    """Tokenizes text with the served model's tokenizer."""
+    """Tokenizes text with the served model's tokenizer. UNAVAILABLE until the model is loaded;
+    INVALID_ARGUMENT (field `text`) for a text too long to be a prompt.
+    """
     GetServerInfo: _aio.UnaryUnaryMultiCallable[_generation_pb2.GetServerInfoRequest, _generation_pb2.ServerInfo]  # type: ignore[assignment]
-    """Describes the served model and the engine's current state.
+    """Describes the served model and the engine's current state. Answers in every state.
     buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
     """
 
@@ -96,6 +130,10 @@ class GenerationServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_generation_pb2.GenerateResponse], _abc.AsyncIterator[_generation_pb2.GenerateResponse]]:
         """One request. Events: `started` first, then token chunks, then one `finished` per index.
+        A request refused before admission ends the call with a non-OK status and no events:
+        INVALID_ARGUMENT (google.rpc.BadRequest names the fields), ALREADY_EXISTS,
+        FAILED_PRECONDITION, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNAVAILABLE. After admission
+        every failure is a `finished` event (reason and message) and the call ends OK.
         buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         """
 
@@ -108,7 +146,9 @@ class GenerationServicer(metaclass=_abc_1.ABCMeta):
         """Many requests multiplexed over one bidirectional stream; responses carry their request_id.
         A `start` refused before admission yields one `refused` event (never `finished`) and the
         stream goes on. A message that does not parse ends the stream INVALID_ARGUMENT, after every
-        request it started has had its `finished`.
+        request it started has had its `finished`. Half-closing the request stream ends the call
+        once every request it started has finished. The whole call counts once against the
+        server's --max-concurrent-rpcs.
         Reuses GenerateResponse on purpose: one event type, one client handler for both RPCs.
         buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
@@ -120,7 +160,9 @@ class GenerationServicer(metaclass=_abc_1.ABCMeta):
         request: _generation_pb2.CancelRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_generation_pb2.CancelResponse, _abc.Awaitable[_generation_pb2.CancelResponse]]:
-        """Cancels requests by id, from any connection. Idempotent; unknown ids are listed in not_found."""
+        """Cancels requests by id, from any connection. Idempotent; unknown ids are listed in not_found.
+        Never counted against --max-concurrent-rpcs (it frees capacity).
+        """
 
     @_abc_1.abstractmethod
     def Tokenize(
@@ -128,7 +170,9 @@ class GenerationServicer(metaclass=_abc_1.ABCMeta):
         request: _generation_pb2.TokenizeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_generation_pb2.TokenizeResponse, _abc.Awaitable[_generation_pb2.TokenizeResponse]]:
-        """Tokenizes text with the served model's tokenizer."""
+        """Tokenizes text with the served model's tokenizer. UNAVAILABLE until the model is loaded;
+        INVALID_ARGUMENT (field `text`) for a text too long to be a prompt.
+        """
 
     @_abc_1.abstractmethod
     def GetServerInfo(
@@ -136,7 +180,7 @@ class GenerationServicer(metaclass=_abc_1.ABCMeta):
         request: _generation_pb2.GetServerInfoRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_generation_pb2.ServerInfo, _abc.Awaitable[_generation_pb2.ServerInfo]]:
-        """Describes the served model and the engine's current state.
+        """Describes the served model and the engine's current state. Answers in every state.
         buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
         """
 
