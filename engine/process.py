@@ -87,6 +87,9 @@ def engine_main(config: EngineConfig, conn: Connection) -> None:
     """
     # Before anything can log: the engine's lines share the service's stderr and its format.
     configure_logging(config.log_level, config.log_format, process="engine")
+    # Ctrl-C at a terminal signals the whole process group: the service drains and then stops
+    # this process with Shutdown; the engine must not die of the same SIGINT meanwhile.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
     try:
         import torch

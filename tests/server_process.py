@@ -22,7 +22,9 @@ REPO = Path(__file__).resolve().parent.parent
 class ServerProcess:
     """A `python -m service` child whose JSON log lines land in `log_path`."""
 
-    def __init__(self, log_path: Path, *flags: str) -> None:
+    def __init__(self, log_path: Path, *flags: str, new_session: bool = False) -> None:
+        """`new_session`: the server leads a process group of its own (its engine joins it), as a
+        server started from a terminal does."""
         self.log_path = log_path
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
         self._log = log_path.open("w")
@@ -32,6 +34,7 @@ class ServerProcess:
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=self._log,
+            start_new_session=new_session,
         )
 
     def events(self, name: str) -> list[dict[str, Any]]:
@@ -88,8 +91,10 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def server_process(log_path: Path, *flags: str) -> Iterator[ServerProcess]:
-    server = ServerProcess(log_path, *flags)
+def server_process(
+    log_path: Path, *flags: str, new_session: bool = False
+) -> Iterator[ServerProcess]:
+    server = ServerProcess(log_path, *flags, new_session=new_session)
     try:
         yield server
     finally:

@@ -107,6 +107,22 @@ async def test_sigterm_with_a_stopped_engine_exits_within_the_grace_and_kills_it
 
 
 @pytest.mark.timeout(120)
+async def test_ctrl_c_drains_in_flight_requests_and_exits_0(tiny_llama, tmp_path):
+    """Ctrl-C at a terminal sends SIGINT to the server and its engine (one process group)."""
+    log = tmp_path / "server.log"
+    with server_process(log, *flags(tiny_llama), new_session=True) as server:
+        await asyncio.to_thread(server.wait_health, "SERVING")
+        async with AsyncClient(server.target) as client:
+            events = client.generate(greedy([0, 5, 6, 7], max_tokens=300))
+            assert (await anext(events)).WhichOneof("event") == "started"
+            os.killpg(server.proc.pid, signal.SIGINT)
+            finished = [e async for e in events if e.HasField("finished")]
+        assert await asyncio.to_thread(server.proc.wait, 60) == 0
+    assert [e.finished.reason for e in finished] == [pb.FINISH_REASON_LENGTH]
+    assert server.events("engine.crashed") == [] and server.events("engine.lost") == []
+
+
+@pytest.mark.timeout(120)
 def test_a_killed_server_takes_its_stopped_engine_with_it(tiny_llama, tmp_path):
     with server_process(tmp_path / "server.log", *flags(tiny_llama)) as server:
         server.wait_health("SERVING")

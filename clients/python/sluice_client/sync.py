@@ -173,12 +173,17 @@ class Client:
         call = self.admin_stub.UpdateWeights(
             requests, metadata=self.admin_metadata, timeout=timeout
         )
+        applied = None
+        # NOTE: read to the call's end, not just to `applied`: an iterator dropped early cancels
+        # the call, and the server would log and count a successful update as cancelled.
         for event in call:
             if on_progress is not None:
                 on_progress(event)
             if event.HasField("applied"):
-                return event.applied
-        raise RuntimeError("UpdateWeights ended without an applied event")
+                applied = event.applied
+        if applied is None:
+            raise RuntimeError("UpdateWeights ended without an applied event")
+        return applied
 
 
 def _bearer(token: str | None) -> tuple[tuple[str, str], ...]:
