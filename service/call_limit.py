@@ -17,6 +17,7 @@ import grpc
 import structlog
 
 from service.admission import Refusal
+from service.handlers import rewrap
 
 log = structlog.get_logger("sluice.call_limit")
 
@@ -112,17 +113,4 @@ class CallLimit(grpc.aio.ServerInterceptor):
 
             return behavior
 
-        des, ser = handler.request_deserializer, handler.response_serializer
-        match handler.request_streaming, handler.response_streaming:
-            case False, False:
-                return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), des, ser)
-            case False, True:
-                return grpc.unary_stream_rpc_method_handler(
-                    streaming(handler.unary_stream), des, ser
-                )
-            case True, False:
-                return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), des, ser)
-            case _:
-                return grpc.stream_stream_rpc_method_handler(
-                    streaming(handler.stream_stream), des, ser
-                )
+        return rewrap(handler, unary, streaming)

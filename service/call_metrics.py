@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from service.handlers import rewrap
 from service.metrics import UNKNOWN_METHOD, Metrics
 
 
@@ -83,13 +84,4 @@ def _counted(
 
         return behavior
 
-    des, ser = handler.request_deserializer, handler.response_serializer
-    match handler.request_streaming, handler.response_streaming:
-        case False, False:
-            return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), des, ser)
-        case False, True:
-            return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), des, ser)
-        case True, False:
-            return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), des, ser)
-        case _:
-            return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), des, ser)
+    return rewrap(handler, unary, streaming)
