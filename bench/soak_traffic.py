@@ -62,8 +62,13 @@ class Traffic:
 
     async def run(self) -> dict[str, Any]:
         plan = self.plan
-        async with AsyncClient(plan.target) as client, AsyncClient(plan.target) as canceller:
-            self.client, self.canceller = client, canceller
+        # NOTE: retry=False: the soak checks the server's own answers (a refusal during a restart
+        # included); gRPC's retries would hide them.
+        self.client, self.canceller = (
+            AsyncClient(plan.target, retry=False),
+            AsyncClient(plan.target),
+        )
+        async with self.client, self.canceller:
             workers = [
                 asyncio.create_task(self._worker(random.Random(plan.seed * 1000 + w)))
                 for w in range(plan.concurrency)
