@@ -258,7 +258,6 @@ def run_health(args: argparse.Namespace) -> int:
 def run_update_weights(args: argparse.Namespace) -> int:
     """One target: progress on stderr, Applied as JSON. Several: each replica's progress lines
     prefixed with its target, then a JSON list of results; exit 1 when any replica failed."""
-
     from sluice_client import Client, read_safetensors
 
     targets = args.target or [DEFAULT_TARGET]
