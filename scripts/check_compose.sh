@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Validates docker-compose.yml with `docker-compose config` (Debian's docker-compose package,
-# installed here when missing): the schema, variable defaults, and that the `cpu` profile adds
-# the sluice-cpu service. Nothing is built or started.
+# installed here when missing): the schema, variable defaults, that the `cpu` profile adds the
+# sluice-cpu service and the `replicas` profile two replicas and nginx. Nothing is built or
+# started.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v docker-compose >/dev/null; then
@@ -17,12 +18,18 @@ if ! command -v docker-compose >/dev/null; then
   $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null
 fi
 docker-compose config -q
-docker-compose --profile cpu config -q
-services=$(docker-compose --profile cpu config --services)
-for service in sluice sluice-cpu; do
-  grep -qx "$service" <<<"$services" || {
-    echo "check_compose: no service $service with --profile cpu (got: $services)" >&2
-    exit 1
-  }
-done
+expect_services() {  # profile, then the services it must add
+  local profile=$1 services
+  shift
+  docker-compose --profile "$profile" config -q
+  services=$(docker-compose --profile "$profile" config --services)
+  for service in "$@"; do
+    grep -qx "$service" <<<"$services" || {
+      echo "check_compose: no service $service with --profile $profile (got: $services)" >&2
+      exit 1
+    }
+  done
+}
+expect_services cpu sluice sluice-cpu
+expect_services replicas sluice-replica-1 sluice-replica-2 sluice-lb
 echo "docker-compose.yml: valid ($(docker-compose version --short 2>/dev/null || echo docker-compose))"

@@ -4,7 +4,7 @@ Every refusal before admission is a `Refusal` with one deliberate status code (t
 docs/service.md):
 UNAVAILABLE and RESOURCE_EXHAUSTED (with google.rpc.RetryInfo and the grpc-retry-pushback-ms
 trailer), DEADLINE_EXCEEDED, INVALID_ARGUMENT (with google.rpc.BadRequest naming fields),
-FAILED_PRECONDITION, ALREADY_EXISTS.
+ALREADY_EXISTS.
 """
 
 from __future__ import annotations
@@ -226,9 +226,11 @@ async def admit(
     tokenizer: Tokenizer,
     policy_version: int,
     deadline: float | None,
+    retry_after: float,
 ) -> Admission:
     """Validate and tokenize; raises Refusal. Queue and duplicate checks are the caller's,
-    made right before submitting (no await in between)."""
+    made right before submitting (no await in between). `retry_after`: the delay suggested to a
+    request refused for weights older than its `min_policy_version`."""
     if deadline is not None and deadline <= time.time():
         raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline has already passed")
     violations = field_violations(req, info, tokenizer)
@@ -242,10 +244,14 @@ async def admit(
         violation = ("prompt", _no_room(len(prompt), info))
         raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, violation[1], [violation])
     if req.HasField("min_policy_version") and req.min_policy_version > policy_version:
+        # UNAVAILABLE with a retry delay, not FAILED_PRECONDITION: the weights it asks for are
+        # on their way (an update in progress here, or already applied on another replica
+        # behind the same balancer), so the clients' retry policy tries again by itself.
         raise Refusal(
-            grpc.StatusCode.FAILED_PRECONDITION,
+            grpc.StatusCode.UNAVAILABLE,
             f"min_policy_version {req.min_policy_version} is newer than the served "
             f"policy version {policy_version}",
+            retry_after=retry_after,
         )
     request = AddRequest(
         request_id=req.request_id or uuid.uuid4().hex,

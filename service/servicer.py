@@ -162,6 +162,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             tokenizer=self.tokenizer,
             policy_version=self.engine.policy_version,
             deadline=deadline,
+            retry_after=self.config.retry_after,
         )
         # NOTE: no await from here to submit(): the duplicate and queue checks stay true.
         self._check_available()

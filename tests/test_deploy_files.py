@@ -81,6 +81,8 @@ def health_checks() -> dict[str, list[str]]:
     (healthcheck,) = dockerfile("HEALTHCHECK")
     checks = {"Dockerfile CMD": json.loads(healthcheck.split(" CMD ", 1)[1])}
     for name, spec in compose()["services"].items():
+        if "command" not in spec:  # not a Sluice server (nginx)
+            continue
         test = spec["healthcheck"]["test"]
         assert test[0] == "CMD", f"compose {name}: exec form, no shell needed"
         checks[f"compose {name}"] = test[1:]
@@ -171,3 +173,49 @@ def test_image_pins_the_torch_of_setup_sh_and_installs_the_client_first():
 def test_dockerignore_keeps_environments_secrets_and_checkpoints_out_of_the_image():
     ignored = set((ROOT / ".dockerignore").read_text().split())
     assert {".git", ".venv", "**/node_modules", "bench/results", "secrets", "models"} <= ignored
+
+
+REPLICAS = ("sluice-replica-1", "sluice-replica-2")
+
+
+def nginx_upstreams() -> dict[str, list[str]]:
+    """Each upstream block of deploy/nginx/sluice.conf: its `server` addresses."""
+    text = (ROOT / "deploy/nginx/sluice.conf").read_text()
+    blocks = re.findall(r"^upstream (\w+) \{(.*?)^\}", text, re.MULTILINE | re.DOTALL)
+    return {name: re.findall(r"^\s*server (\S+)", body, re.MULTILINE) for name, body in blocks}
+
+
+def test_replicas_profile_runs_health_checked_replicas_with_the_admin_token():
+    for name in REPLICAS:
+        replica = service(name)
+        assert replica["profiles"] == ["replicas"], name
+        assert "--admin-token-file=/run/secrets/admin_token" in replica["command"], name
+        assert replica["secrets"] == ["admin_token"], name
+        assert replica["healthcheck"]["test"][1:3] == ["sluice", "health"], name
+        assert duration_seconds(replica["healthcheck"]["start_period"]) >= 10 * 60, name
+        # Admin goes to each replica's own address: each publishes its gRPC port.
+        assert any(p.endswith(":50051") for p in replica["ports"]), name
+
+
+def test_nginx_lists_every_replica_at_its_port_in_both_upstreams(capsys):
+    upstreams = nginx_upstreams()
+    assert set(upstreams) == {"sluice_affinity", "sluice_least_conn"}
+    expected = [f"{name}:{parse(service(name)['command'], capsys).port}" for name in REPLICAS]
+    for name, servers in upstreams.items():
+        assert servers == expected, name
+
+
+def test_nginx_mounts_the_shipped_config_read_only_and_publishes_its_listen_port():
+    lb = service("sluice-lb")
+    assert lb["profiles"] == ["replicas"] and lb["image"] == "nginx:stable"
+    assert "./deploy/nginx/sluice.conf:/etc/nginx/conf.d/default.conf:ro" in lb["volumes"]
+    text = (ROOT / "deploy/nginx/sluice.conf").read_text()
+    (listen,) = re.findall(r"^\s*listen (\d+) http2;", text, re.MULTILINE)
+    assert [p.rsplit(":", 1)[1] for p in lb["ports"]] == [listen]
+    assert set(lb["depends_on"]) == set(REPLICAS)
+
+
+def test_nginx_hashes_the_affinity_header_and_refuses_admin():
+    text = (ROOT / "deploy/nginx/sluice.conf").read_text()
+    assert "hash $http_x_sluice_affinity consistent;" in text
+    assert re.search(r"location /sluice\.v1\.Admin/ \{[^}]*add_header grpc-status 7 always;", text)

@@ -20,6 +20,12 @@ export interface ClientOptions {
   deadlineMs?: number | null;
   /** Extra grpc-js channel options (they win over the client's own). */
   channelOptions?: ChannelOptions;
+  /**
+   * Routing key sent on every Generation call as `x-sluice-affinity` (a conversation or
+   * rollout-group id): a load balancer sends all calls with one key to one replica. Printable
+   * ASCII without spaces, at most 256 characters (else a TypeError). Never sent on Admin calls.
+   */
+  affinity?: string;
 }
 
 export interface TlsOptions {
@@ -33,8 +39,14 @@ export interface CallOptions {
   deadlineMs?: number | null;
 }
 
+/** Options of a Generation call. */
+export interface RoutedCallOptions extends CallOptions {
+  /** This call's routing key (wins over the client's; '' sends none). */
+  affinity?: string | null;
+}
+
 /** GenerateRequest fields (unset: the server's default). See proto/sluice/v1/generation.proto. */
-export interface GenerateOptions extends CallOptions {
+export interface GenerateOptions extends RoutedCallOptions {
   requestId?: string;
   maxTokens?: number;
   minTokens?: number;
@@ -253,6 +265,9 @@ export interface UpdateWeightsOptions extends CallOptions {
 }
 
 /** The gRPC service config used unless `retry: false`. */
+/** 'x-sluice-affinity': the metadata key of the routing key. */
+export const AFFINITY_KEY: 'x-sluice-affinity';
+
 export const DEFAULT_SERVICE_CONFIG: {
   readonly methodConfig: readonly {
     name: readonly { service: string; method?: string }[];
@@ -273,10 +288,11 @@ export class Client {
   generate(prompt: Prompt, options?: GenerateOptions): AsyncIterable<GenerateEvent>;
   /** Runs one request to its end: the Completion of sample 0. */
   complete(prompt: Prompt, options?: GenerateOptions): Promise<Completion>;
-  stream(options?: CallOptions): GenerateStream;
-  cancel(requestIds: string | readonly string[], options?: CallOptions): Promise<CancelResult>;
-  tokenize(text: string, options?: CallOptions & { addSpecialTokens?: boolean }): Promise<number[]>;
-  info(options?: CallOptions): Promise<ServerInfo>;
+  stream(options?: RoutedCallOptions): GenerateStream;
+  /** Behind a load balancer, reaches the replica running them only with their `affinity`. */
+  cancel(requestIds: string | readonly string[], options?: RoutedCallOptions): Promise<CancelResult>;
+  tokenize(text: string, options?: RoutedCallOptions & { addSpecialTokens?: boolean }): Promise<number[]>;
+  info(options?: RoutedCallOptions): Promise<ServerInfo>;
   updateWeights(source: WeightsSource, options?: UpdateWeightsOptions): Promise<AppliedEvent>;
 }
 

@@ -1,5 +1,5 @@
 // @sluice/client: a Node.js client for Sluice's gRPC Generation and Admin services.
-export { Client, DEFAULT_SERVICE_CONFIG } from './src/client.js';
+export { AFFINITY_KEY, Client, DEFAULT_SERVICE_CONFIG } from './src/client.js';
 export { SluiceError, codeName } from './src/errors.js';
 export { Completion, buildRequest, collect } from './src/requests.js';
 export { GenerateStream, StreamRequest } from './src/stream.js';

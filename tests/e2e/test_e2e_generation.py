@@ -201,7 +201,6 @@ BAD = [
     (build_request("x", top_logprobs=50), grpc.StatusCode.INVALID_ARGUMENT),
     (build_request("x", n=0), grpc.StatusCode.INVALID_ARGUMENT),
     (build_request([5] * 600), grpc.StatusCode.INVALID_ARGUMENT),  # longer than the context
-    (build_request("x", min_policy_version=7), grpc.StatusCode.FAILED_PRECONDITION),
 ]
 
 

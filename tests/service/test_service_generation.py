@@ -321,10 +321,15 @@ async def test_a_message_above_the_receive_limit_is_refused_and_the_server_serve
     assert completion.reason == "LENGTH"
 
 
-async def test_newer_min_policy_version_is_failed_precondition(client):
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await client.complete("a", min_policy_version=1)
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+async def test_newer_min_policy_version_is_unavailable_with_a_retry_delay(server):
+    async with AsyncClient(server[1], retry=False) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.complete("a", min_policy_version=1)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "min_policy_version 1 is newer" in (err.value.details() or "")
+    status = rpc_status.from_call(err.value)
+    assert status is not None
+    assert any(d.Is(error_details_pb2.RetryInfo.DESCRIPTOR) for d in status.details)
 
 
 async def test_past_deadline_is_deadline_exceeded(client):

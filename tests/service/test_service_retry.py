@@ -150,3 +150,26 @@ async def test_the_clients_retry_no_earlier_than_the_server_pushback(flavour):
     assert ids == [7]
     first, second = service.times
     assert second - first >= service.pushback_ms / 1000
+
+
+@pytest.mark.timeout(30)
+async def test_a_request_waiting_for_newer_weights_is_retried_until_an_update_serves_them(
+    model_dir,
+):
+    # A replica behind a balancer may serve older weights than the request asks for: it refuses
+    # UNAVAILABLE with a pushback, and the client's own policy tries again until they arrive.
+    admin_token = "retry-admin"
+    async with (
+        running_server(model_dir, admin_token=admin_token, retry_after=0.2) as (server, target),
+        AsyncClient(target) as client,
+    ):
+        served = server.servicer.engine.policy_version
+        gated = client.complete([0, 5, 6], max_tokens=2, min_policy_version=served + 1)
+        waiting = asyncio.ensure_future(gated)
+        await asyncio.sleep(0.3)  # refused at least once (pushback 0.2 to 0.3 s)
+        assert not waiting.done()
+        with Client(target, admin_token=admin_token) as admin:
+            applied = await asyncio.to_thread(admin.update_weights, "/next")
+        completion = await waiting
+    assert applied.policy_version == served + 1
+    assert completion.reason == "LENGTH" and completion.policy_versions == [served + 1] * 2

@@ -33,6 +33,10 @@ export const DEFAULT_SERVICE_CONFIG = Object.freeze({
   ],
 });
 
+/** The metadata key a load balancer in front of several replicas hashes (docs/deploy.md). */
+export const AFFINITY_KEY = 'x-sluice-affinity';
+const MAX_AFFINITY_CHARS = 256;
+
 export class Client {
   #generation;
   #admin;
@@ -45,17 +49,20 @@ export class Client {
    * `authorization: Bearer <token>`; `tls`: true (system roots) or {ca, cert, key} (PEM
    * Buffers or file paths; cert and key for mTLS), absent = plaintext; `retry` (default true):
    * the DEFAULT_SERVICE_CONFIG retry policy; `deadlineMs`: default deadline of every call (a
-   * call's own `deadlineMs` wins); `channelOptions`: extra grpc-js channel options.
+   * call's own `deadlineMs` wins); `channelOptions`: extra grpc-js channel options;
+   * `affinity`: a routing key (conversation or rollout-group id) sent on every Generation call as
+   * `x-sluice-affinity`, for a load balancer to send all calls with one key to one replica (a
+   * call's own `affinity` wins; '' sends none). Never sent on Admin calls.
    */
   constructor(target, options = {}) {
-    const { apiToken, adminToken, tls, retry = true, deadlineMs = null, channelOptions = {} } = options;
+    const { apiToken, adminToken, tls, retry = true, deadlineMs = null, channelOptions = {}, affinity } = options;
     const { Generation, Admin } = sluiceServices();
     const retryOptions = retry
       ? { 'grpc.enable_retries': 1, 'grpc.service_config': JSON.stringify(DEFAULT_SERVICE_CONFIG) }
       : { 'grpc.enable_retries': 0 };
     this.#generation = new Generation(target, credentials(tls), { ...retryOptions, ...channelOptions });
     this.#admin = new Admin(target, null, { channelOverride: this.#generation.getChannel() });
-    this.#metadata = bearer(apiToken);
+    this.#metadata = withAffinity(bearer(apiToken), affinity);
     this.#adminMetadata = bearer(adminToken);
     this.#deadlineMs = deadlineMs;
   }
@@ -69,7 +76,7 @@ export class Client {
    * A refused or failed call throws a SluiceError; leaving the loop early cancels the call.
    */
   generate(prompt, options = {}) {
-    const call = this.#generation.Generate(buildRequest(prompt, options), this.#metadata.clone(), this.#callOptions(options));
+    const call = this.#generation.Generate(buildRequest(prompt, options), this.#callMetadata(options), this.#callOptions(options));
     const queue = new EventQueue(() => call.cancel());
     call.on('data', (response) => queue.push(toEvent(response)));
     call.on('error', (error) => queue.fail(toSluiceError(error)));
@@ -85,10 +92,13 @@ export class Client {
 
   /** A GenerateStream call (see GenerateStream); `deadlineMs` bounds the whole call. */
   stream(options = {}) {
-    return new GenerateStream(this.#generation.GenerateStream(this.#metadata.clone(), this.#callOptions(options)));
+    return new GenerateStream(this.#generation.GenerateStream(this.#callMetadata(options), this.#callOptions(options)));
   }
 
-  /** Cancels requests by id, from any connection: {cancelled, notFound}. */
+  /**
+   * Cancels requests by id, from any connection: {cancelled, notFound}. Behind a load balancer
+   * it reaches the replica running them only with the `affinity` they were sent with.
+   */
   async cancel(requestIds, options = {}) {
     const ids = typeof requestIds === 'string' ? [requestIds] : [...requestIds];
     return this.#unary('Cancel', { requestIds: ids }, options);
@@ -119,10 +129,18 @@ export class Client {
 
   #unary(method, request, options) {
     return new Promise((resolve, reject) => {
-      this.#generation[method](request, this.#metadata.clone(), this.#callOptions(options), (error, response) =>
+      this.#generation[method](request, this.#callMetadata(options), this.#callOptions(options), (error, response) =>
         error ? reject(toSluiceError(error)) : resolve(response),
       );
     });
+  }
+
+  /** A Generation call's metadata: the call's own `affinity` wins over the client's. */
+  #callMetadata(options) {
+    const metadata = this.#metadata.clone();
+    if (options.affinity === undefined || options.affinity === null) return metadata;
+    metadata.remove(AFFINITY_KEY);
+    return withAffinity(metadata, options.affinity);
   }
 
   #callOptions(options) {
@@ -134,6 +152,18 @@ export class Client {
 function bearer(token) {
   const metadata = new grpc.Metadata();
   if (token !== undefined && token !== null) metadata.set('authorization', `Bearer ${token}`);
+  return metadata;
+}
+
+/** `metadata` with the routing key set; '' or absent: none. */
+export function withAffinity(metadata, affinity) {
+  if (affinity === undefined || affinity === null || affinity === '') return metadata;
+  if (typeof affinity !== 'string' || affinity.length > MAX_AFFINITY_CHARS || !/^[!-~]+$/.test(affinity)) {
+    throw new TypeError(
+      `affinity: ${JSON.stringify(String(affinity).slice(0, 40))} must be printable ASCII without spaces, at most ${MAX_AFFINITY_CHARS} characters`,
+    );
+  }
+  metadata.set(AFFINITY_KEY, affinity);
   return metadata;
 }
 

@@ -20,6 +20,11 @@ export async function usage(target: string): Promise<void> {
   const all: Completion[] = await collect(client.generate('x', { n: 2 }));
   void all;
 
+  const routed = new Client(target, { affinity: 'conversation-1' });
+  await routed.complete('Hi', { affinity: 'conversation-2', maxTokens: 1 });
+  await routed.cancel(['r1'], { affinity: 'conversation-2' });
+  routed.close();
+
   const stream = client.stream({ deadlineMs: 10_000 });
   const request = stream.start('Hi', { maxTokens: 4 });
   stream.cancel(request.requestId);

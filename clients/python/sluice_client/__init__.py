@@ -18,8 +18,10 @@ if TYPE_CHECKING:
     from sluice.v1 import admin_pb2 as admin_pb
     from sluice.v1 import generation_pb2 as pb
 
+    from sluice_client.affinity import AFFINITY_KEY
     from sluice_client.aio import AsyncClient, AsyncGenerateStream
     from sluice_client.channels import TlsConfig
+    from sluice_client.replicas import ReplicaUpdate, update_all
     from sluice_client.requests import Collector, Completion, build_request
     from sluice_client.retry import DEFAULT_SERVICE_CONFIG
     from sluice_client.sync import Client, GenerateStream
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
 
 # name -> (module, attribute; None = the module itself)
 _EXPORTS: dict[str, tuple[str, str | None]] = {
+    "AFFINITY_KEY": ("sluice_client.affinity", "AFFINITY_KEY"),
     "AsyncClient": ("sluice_client.aio", "AsyncClient"),
     "AsyncGenerateStream": ("sluice_client.aio", "AsyncGenerateStream"),
     "Client": ("sluice_client.sync", "Client"),
@@ -34,6 +37,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "Completion": ("sluice_client.requests", "Completion"),
     "DEFAULT_SERVICE_CONFIG": ("sluice_client.retry", "DEFAULT_SERVICE_CONFIG"),
     "GenerateStream": ("sluice_client.sync", "GenerateStream"),
+    "ReplicaUpdate": ("sluice_client.replicas", "ReplicaUpdate"),
     "TlsConfig": ("sluice_client.channels", "TlsConfig"),
     "admin_pb": ("sluice.v1.admin_pb2", None),
     "build_header": ("sluice_client.weights", "build_header"),
@@ -41,8 +45,10 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "pb": ("sluice.v1.generation_pb2", None),
     "read_safetensors": ("sluice_client.weights", "read_safetensors"),
     "tensor_chunks": ("sluice_client.weights", "tensor_chunks"),
+    "update_all": ("sluice_client.replicas", "update_all"),
 }
 __all__ = [
+    "AFFINITY_KEY",
     "AsyncClient",
     "AsyncGenerateStream",
     "Client",
@@ -50,6 +56,7 @@ __all__ = [
     "Completion",
     "DEFAULT_SERVICE_CONFIG",
     "GenerateStream",
+    "ReplicaUpdate",
     "TlsConfig",
     "admin_pb",
     "build_header",
@@ -57,6 +64,7 @@ __all__ = [
     "pb",
     "read_safetensors",
     "tensor_chunks",
+    "update_all",
 ]
 assert sorted(__all__) == sorted(_EXPORTS)
 

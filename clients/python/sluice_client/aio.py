@@ -10,6 +10,7 @@ import grpc
 from sluice.v1 import generation_pb2 as pb
 from sluice.v1 import generation_pb2_grpc
 
+from sluice_client.affinity import with_affinity
 from sluice_client.channels import TlsConfig, aio_secure_or_insecure
 from sluice_client.requests import Collector, Completion, build_request
 from sluice_client.retry import Retry, channel_options
@@ -23,6 +24,8 @@ class AsyncClient:
     Keyword arguments of `generate`/`complete`/`generate_many` are those of `build_request`.
     `tls` (a TlsConfig) connects over TLS, as for Client.
     `retry`: as for `Client` (gRPC retries refused Generation calls unless False).
+    `affinity`: as for `Client`, the routing key for a load balancer (`x-sluice-affinity`);
+    `generate`, `complete`, `stream`, `generate_many` and `cancel` take their own, which wins.
     """
 
     def __init__(
@@ -33,10 +36,14 @@ class AsyncClient:
         tls: TlsConfig | None = None,
         channel: grpc.aio.Channel | None = None,
         retry: Retry = True,
+        affinity: str | None = None,
     ) -> None:
         self.channel = channel or aio_secure_or_insecure(target, tls, channel_options(retry))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
-        self.metadata = () if api_token is None else (("authorization", f"Bearer {api_token}"),)
+        self._api_metadata: tuple[tuple[str, str], ...] = (
+            () if api_token is None else (("authorization", f"Bearer {api_token}"),)
+        )
+        self.metadata = with_affinity(self._api_metadata, affinity)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -48,13 +55,19 @@ class AsyncClient:
         await self.channel.close()
 
     async def generate(
-        self, prompt: Prompt | pb.GenerateRequest, *, timeout: float | None = None, **params: Any
+        self,
+        prompt: Prompt | pb.GenerateRequest,
+        *,
+        timeout: float | None = None,
+        affinity: str | None = None,
+        **params: Any,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The events of one request, as they arrive: started, token chunks, finished."""
         request = (
             prompt if isinstance(prompt, pb.GenerateRequest) else build_request(prompt, **params)
         )
-        call = self.stub.Generate(request, metadata=self.metadata, timeout=timeout)
+        metadata = self._call_metadata(affinity)
+        call = self.stub.Generate(request, metadata=metadata, timeout=timeout)
         try:
             async for event in call:
                 yield event
@@ -62,34 +75,50 @@ class AsyncClient:
             call.cancel()  # closing the iterator early cancels the call; a no-op once ended
 
     async def complete(
-        self, prompt: Prompt | pb.GenerateRequest, *, timeout: float | None = None, **params: Any
+        self,
+        prompt: Prompt | pb.GenerateRequest,
+        *,
+        timeout: float | None = None,
+        affinity: str | None = None,
+        **params: Any,
     ) -> Completion:
         """One request's events put together."""
         collector = Collector()
         completion: Completion | None = None
-        async for event in self.generate(prompt, timeout=timeout, **params):
+        async for event in self.generate(prompt, timeout=timeout, affinity=affinity, **params):
             completion = collector.add(event)
         assert completion is not None, "the server sent no events"
         return completion
 
-    def stream(self, *, timeout: float | None = None) -> AsyncGenerateStream:
-        """A GenerateStream: start and cancel many requests over one call, read all events."""
-        return AsyncGenerateStream(self.stub, self.metadata, timeout)
+    def stream(
+        self, *, timeout: float | None = None, affinity: str | None = None
+    ) -> AsyncGenerateStream:
+        """A GenerateStream: start and cancel many requests over one call, read all events.
+        Behind a balancer the whole call goes to one replica (a key picks which)."""
+        return AsyncGenerateStream(self.stub, self._call_metadata(affinity), timeout)
 
     async def generate_many(
-        self, prompts: Iterable[Prompt | pb.GenerateRequest], **params: Any
+        self,
+        prompts: Iterable[Prompt | pb.GenerateRequest],
+        *,
+        affinity: str | None = None,
+        **params: Any,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Every prompt over one GenerateStream; events of all requests, interleaved."""
-        stream = self.stream()
+        stream = self.stream(affinity=affinity)
         for prompt in prompts:
             await stream.start(prompt, **params)
         await stream.done_sending()
         async for event in stream:
             yield event
 
-    async def cancel(self, request_ids: Iterable[str]) -> pb.CancelResponse:
+    async def cancel(
+        self, request_ids: Iterable[str], *, affinity: str | None = None
+    ) -> pb.CancelResponse:
+        """Behind a balancer, reaches the replica running the requests only with the affinity
+        key they were sent with (the others answer `not_found`)."""
         request = pb.CancelRequest(request_ids=list(request_ids))
-        return await self.stub.Cancel(request, metadata=self.metadata)
+        return await self.stub.Cancel(request, metadata=self._call_metadata(affinity))
 
     async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
@@ -98,6 +127,12 @@ class AsyncClient:
 
     async def info(self) -> pb.ServerInfo:
         return await self.stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=self.metadata)
+
+    def _call_metadata(self, affinity: str | None) -> tuple[tuple[str, str], ...]:
+        """The metadata of a Generation call: a call's own key wins over the client's."""
+        if affinity is None:
+            return self.metadata
+        return with_affinity(self._api_metadata, affinity)
 
 
 class AsyncGenerateStream:

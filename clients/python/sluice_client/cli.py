@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
+    add_affinity_flag(gen)
     gen.set_defaults(run=run_generate)
 
     info = verbs.add_parser("info", help="print the server's model and state as JSON")
@@ -91,12 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
     cancel = verbs.add_parser("cancel", help="cancel requests by id (from any connection)")
     add_client_flags(cancel)
     cancel.add_argument("request_ids", nargs="+", metavar="REQUEST_ID")
+    add_affinity_flag(cancel)
     cancel.set_defaults(run=run_cancel)
 
     update = verbs.add_parser(
         "update-weights", help="swap the served weights live; prints Applied as JSON"
     )
-    update.add_argument("--target", default=DEFAULT_TARGET, help="HOST:PORT")
+    update.add_argument(
+        "--target",
+        action="append",
+        help=f"HOST:PORT (default {DEFAULT_TARGET}); repeat it to update several replicas in "
+        "parallel, each at its own address (never a load balancer's)",
+    )
     source = update.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="HF checkpoint directory on the server's machine")
     source.add_argument(
@@ -109,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     update.add_argument("--drain-timeout-ms", type=int, help="DRAIN: fail after this long")
     update.add_argument("--chunk-bytes", type=parse_bytes, default="4M", help="--tensors chunks")
     update.add_argument("--admin-token-file", type=Path)
+    update.add_argument(
+        "--api-token-file",
+        type=Path,
+        help="several targets and --version 0: the API token to read their versions with",
+    )
     add_tls_flags(update)
     update.set_defaults(run=run_update_weights)
     return parser
@@ -118,6 +130,15 @@ def add_client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="HOST:PORT")
     p.add_argument("--api-token-file", type=Path)
     add_tls_flags(p)
+
+
+def add_affinity_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--affinity",
+        metavar="KEY",
+        help="routing key (x-sluice-affinity) for a load balancer: calls with one key go to one "
+        "replica",
+    )
 
 
 def add_tls_flags(p: argparse.ArgumentParser) -> None:
@@ -166,6 +187,7 @@ def run_generate(args: argparse.Namespace) -> int:
             seed=args.seed,
             stop=args.stop,
             ignore_eos=args.ignore_eos,
+            affinity=args.affinity,
         )
         sys.stdout.write(args.prompt)
         for event in events:
@@ -202,7 +224,7 @@ def run_tokenize(args: argparse.Namespace) -> int:
 def run_cancel(args: argparse.Namespace) -> int:
     """Prints which ids were cancelled and which the server did not know (finished, or never)."""
     with connect(args) as client:
-        response = client.cancel(args.request_ids)
+        response = client.cancel(args.request_ids, affinity=args.affinity)
     print(
         json.dumps({"cancelled": list(response.cancelled), "not_found": list(response.not_found)})
     )
@@ -234,36 +256,86 @@ def run_health(args: argparse.Namespace) -> int:
 
 
 def run_update_weights(args: argparse.Namespace) -> int:
-    from google.protobuf import json_format
+    """One target: progress on stderr, Applied as JSON. Several: each replica's progress lines
+    prefixed with its target, then a JSON list of results; exit 1 when any replica failed."""
+    from sluice_client import Client, read_safetensors
 
-    from sluice_client import Client, admin_pb, read_safetensors
-
-    def show(event: admin_pb.UpdateWeightsProgress) -> None:
-        match event.WhichOneof("event"):
-            case "paused":
-                print(f"paused: {event.paused.in_flight} requests in flight", file=sys.stderr)
-            case "loading":
-                end = "\r" if sys.stderr.isatty() else "\n"
-                print(_progress_bar(event.loading), end=end, file=sys.stderr, flush=True)
-            case "applied":
-                print(file=sys.stderr)
-
+    targets = args.target or [DEFAULT_TARGET]
+    admin_token = read_token(args.admin_token_file)
+    tensors = None if args.tensors is None else read_safetensors(args.tensors)
+    if len(targets) > 1:
+        return _update_replicas(args, targets, admin_token, tensors)
     options = {
         "policy_version": args.version,
         "inflight": args.inflight,
         "drain_timeout_ms": args.drain_timeout_ms,
-        "on_progress": show,
+        "on_progress": lambda event: _show_progress("", event, sys.stderr.isatty()),
     }
-    admin_token = read_token(args.admin_token_file)
-    with Client(args.target, admin_token=admin_token, tls=client_tls(args)) as client:
-        if args.checkpoint is not None:
+    with Client(targets[0], admin_token=admin_token, tls=client_tls(args)) as client:
+        if tensors is None:
             applied = client.update_weights(args.checkpoint, **options)
         else:
-            tensors = read_safetensors(args.tensors)
             applied = client.update_weights_inline(tensors, chunk_bytes=args.chunk_bytes, **options)
-    fields = json_format.MessageToDict(applied, always_print_fields_with_no_presence=True)
-    print(json.dumps(fields, indent=2))
+    print(json.dumps(_applied_fields(applied), indent=2))
     return 0
+
+
+def _update_replicas(
+    args: argparse.Namespace,
+    targets: list[str],
+    admin_token: str | None,
+    tensors: dict[str, tuple[str, list[int], memoryview]] | None,
+) -> int:
+    from sluice_client.replicas import update_all
+
+    results = update_all(
+        targets,
+        checkpoint_dir=args.checkpoint,
+        tensors=tensors,
+        admin_token=admin_token,
+        api_token=read_token(args.api_token_file),
+        tls=client_tls(args),
+        policy_version=args.version,
+        inflight=args.inflight,
+        drain_timeout_ms=args.drain_timeout_ms,
+        chunk_bytes=args.chunk_bytes,
+        on_progress=lambda target, event: _show_progress(f"{target}: ", event, False),
+    )
+    report = []
+    for result in results:
+        if result.applied is not None:
+            report.append({"target": result.target, "applied": _applied_fields(result.applied)})
+        else:
+            print(f"{result.target}: {result.code}: {result.message}", file=sys.stderr)
+            report.append(
+                {"target": result.target, "error": {"code": result.code, "message": result.message}}
+            )
+    print(json.dumps(report, indent=2))
+    return 0 if all(r.ok for r in results) else 1
+
+
+def _show_progress(prefix: str, event: admin_pb2.UpdateWeightsProgress, redraw: bool) -> None:
+    """One update's progress on stderr; `redraw`: the loading bar rewrites one line."""
+    match event.WhichOneof("event"):
+        case "paused":
+            print(f"{prefix}paused: {event.paused.in_flight} requests in flight", file=sys.stderr)
+        case "loading":
+            end = "\r" if redraw else "\n"
+            print(prefix + _progress_bar(event.loading), end=end, file=sys.stderr, flush=True)
+        case "applied" if redraw:
+            print(file=sys.stderr)
+        case "applied":
+            applied = event.applied
+            print(
+                f"{prefix}applied: version {applied.previous_version} -> {applied.policy_version}",
+                file=sys.stderr,
+            )
+
+
+def _applied_fields(applied: admin_pb2.Applied) -> dict[str, object]:
+    from google.protobuf import json_format
+
+    return json_format.MessageToDict(applied, always_print_fields_with_no_presence=True)
 
 
 def _progress_bar(loading: admin_pb2.Loading, width: int = 30) -> str:

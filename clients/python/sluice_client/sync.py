@@ -17,6 +17,7 @@ from sluice.v1 import admin_pb2 as admin_pb
 from sluice.v1 import admin_pb2_grpc, generation_pb2_grpc
 from sluice.v1 import generation_pb2 as pb
 
+from sluice_client.affinity import with_affinity
 from sluice_client.channels import TlsConfig, secure_or_insecure
 from sluice_client.requests import Collector, Completion, build_request
 from sluice_client.retry import Retry, channel_options
@@ -36,6 +37,10 @@ class Client:
     `retry`: gRPC retries refused Generation calls by DEFAULT_SERVICE_CONFIG (sluice_client.retry);
     False turns that off, a mapping is a gRPC service config used instead. Neither applies to
     a `channel` passed in.
+    `affinity`: a routing key (a conversation or rollout-group id) sent with every Generation
+    call as `x-sluice-affinity`, for a load balancer in front of several replicas to send them
+    all to one replica (sluice_client.affinity); `generate`, `complete`, `stream`,
+    `generate_many` and `cancel` take their own `affinity=` too, which wins. Never sent to Admin.
     """
 
     def __init__(
@@ -47,11 +52,13 @@ class Client:
         tls: TlsConfig | None = None,
         channel: grpc.Channel | None = None,
         retry: Retry = True,
+        affinity: str | None = None,
     ) -> None:
         self.channel = channel or secure_or_insecure(target, tls, channel_options(retry))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.admin_stub = admin_pb2_grpc.AdminStub(self.channel)
-        self.metadata = _bearer(api_token)
+        self._api_metadata = _bearer(api_token)
+        self.metadata = with_affinity(self._api_metadata, affinity)
         self.admin_metadata = _bearer(admin_token)
 
     def __enter__(self) -> Client:
@@ -64,44 +71,68 @@ class Client:
         self.channel.close()
 
     def generate(
-        self, prompt: Prompt | pb.GenerateRequest, *, timeout: float | None = None, **params: Any
+        self,
+        prompt: Prompt | pb.GenerateRequest,
+        *,
+        timeout: float | None = None,
+        affinity: str | None = None,
+        **params: Any,
     ) -> Iterator[pb.GenerateResponse]:
         """The events of one request, as they arrive. Closing the iterator cancels the call."""
         request = (
             prompt if isinstance(prompt, pb.GenerateRequest) else build_request(prompt, **params)
         )
-        call = self.stub.Generate(request, metadata=self.metadata, timeout=timeout)
+        metadata = self._call_metadata(affinity)
+        call = self.stub.Generate(request, metadata=metadata, timeout=timeout)
         try:
             yield from call
         finally:
             call.cancel()  # a no-op once the call has ended
 
     def complete(
-        self, prompt: Prompt | pb.GenerateRequest, *, timeout: float | None = None, **params: Any
+        self,
+        prompt: Prompt | pb.GenerateRequest,
+        *,
+        timeout: float | None = None,
+        affinity: str | None = None,
+        **params: Any,
     ) -> Completion:
         collector = Collector()
         completion: Completion | None = None
-        for event in self.generate(prompt, timeout=timeout, **params):
+        for event in self.generate(prompt, timeout=timeout, affinity=affinity, **params):
             completion = collector.add(event)
         assert completion is not None, "the server sent no events"
         return completion
 
-    def stream(self, *, timeout: float | None = None) -> GenerateStream:
-        return GenerateStream(self.stub, self.metadata, timeout)
+    def stream(
+        self, *, timeout: float | None = None, affinity: str | None = None
+    ) -> GenerateStream:
+        """A GenerateStream call; behind a balancer, every request it starts goes to the one
+        replica the call reached (a key picks which)."""
+        return GenerateStream(self.stub, self._call_metadata(affinity), timeout)
 
     def generate_many(
-        self, prompts: Iterable[Prompt | pb.GenerateRequest], **params: Any
+        self,
+        prompts: Iterable[Prompt | pb.GenerateRequest],
+        *,
+        affinity: str | None = None,
+        **params: Any,
     ) -> Iterator[pb.GenerateResponse]:
         """Every prompt over one GenerateStream; events of all requests, interleaved."""
-        stream = self.stream()
+        stream = self.stream(affinity=affinity)
         for prompt in prompts:
             stream.start(prompt, **params)
         stream.done_sending()
         yield from stream
 
-    def cancel(self, request_ids: Iterable[str]) -> pb.CancelResponse:
+    def cancel(
+        self, request_ids: Iterable[str], *, affinity: str | None = None
+    ) -> pb.CancelResponse:
+        """Behind a balancer, a Cancel reaches the replica running the requests only with the
+        affinity key they were sent with (the others answer `not_found`)."""
         return self.stub.Cancel(
-            pb.CancelRequest(request_ids=list(request_ids)), metadata=self.metadata
+            pb.CancelRequest(request_ids=list(request_ids)),
+            metadata=self._call_metadata(affinity),
         )
 
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -110,6 +141,12 @@ class Client:
 
     def info(self) -> pb.ServerInfo:
         return self.stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=self.metadata)
+
+    def _call_metadata(self, affinity: str | None) -> tuple[tuple[str, str], ...]:
+        """The metadata of a Generation call: a call's own key wins over the client's."""
+        if affinity is None:
+            return tuple(self.metadata)
+        return with_affinity(self._api_metadata, affinity)
 
     # ---- Admin ----
 

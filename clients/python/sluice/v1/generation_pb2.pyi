@@ -148,8 +148,10 @@ class GenerateRequest(_message.Message):
     server's --max-num-seqs, default 128). Default 1.
     """
     min_policy_version: _builtins.int
-    """The oldest weights the request accepts: FAILED_PRECONDITION while the served policy
-    version (ServerInfo.policy_version) is older. Default: any version.
+    """The oldest weights the request accepts: refused UNAVAILABLE, with a retry delay
+    (google.rpc.RetryInfo and grpc-retry-pushback-ms), while the served policy version
+    (ServerInfo.policy_version) is older, so that a retrying client converges on updated
+    weights, here or on another replica behind a load balancer. Default: any version.
     """
     priority: _builtins.int
     """Scheduling priority: any int32, higher is admitted first; first come, first served within
@@ -533,13 +535,14 @@ class Refused(_message.Message):
     START_INDEX_FIELD_NUMBER: _builtins.int
     code: _builtins.int
     """The status code as a google.rpc.Code number: 3 INVALID_ARGUMENT, 4 DEADLINE_EXCEEDED,
-    6 ALREADY_EXISTS, 8 RESOURCE_EXHAUSTED, 9 FAILED_PRECONDITION, 14 UNAVAILABLE.
+    6 ALREADY_EXISTS, 8 RESOURCE_EXHAUSTED, 14 UNAVAILABLE.
     """
     message: _builtins.str
     """Why, for a person to read (not a stable format)."""
     retry_delay_ms: _builtins.int
     """Milliseconds after which retrying may succeed; set with RESOURCE_EXHAUSTED (overloaded) and
-    UNAVAILABLE (engine not serving, server shutting down), like google.rpc.RetryInfo for
+    UNAVAILABLE (engine not serving, server shutting down, weights older than
+    min_policy_version), like google.rpc.RetryInfo for
     Generate: the server's retry_after (1 s) times a random 1 to 1.5. Unset: do not retry as is.
     gRPC never retries a refused start by itself (it is an event, not a call status).
     """

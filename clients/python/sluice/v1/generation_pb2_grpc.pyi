@@ -55,8 +55,9 @@ class GenerationStub:
     """One request. Events: `started` first, then token chunks, then one `finished` per index.
     A request refused before admission ends the call with a non-OK status and no events:
     INVALID_ARGUMENT (google.rpc.BadRequest names the fields), ALREADY_EXISTS,
-    FAILED_PRECONDITION, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNAVAILABLE. After admission
-    every failure is a `finished` event (reason and message) and the call ends OK.
+    DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNAVAILABLE (also: the served weights are older than
+    min_policy_version). After admission every failure is a `finished` event (reason and
+    message) and the call ends OK.
     buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
     """
     GenerateStream: _grpc.StreamStreamMultiCallable[_generation_pb2.GenerateStreamRequest, _generation_pb2.GenerateResponse]
@@ -92,8 +93,9 @@ class GenerationAsyncStub(GenerationStub):
     """One request. Events: `started` first, then token chunks, then one `finished` per index.
     A request refused before admission ends the call with a non-OK status and no events:
     INVALID_ARGUMENT (google.rpc.BadRequest names the fields), ALREADY_EXISTS,
-    FAILED_PRECONDITION, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNAVAILABLE. After admission
-    every failure is a `finished` event (reason and message) and the call ends OK.
+    DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNAVAILABLE (also: the served weights are older than
+    min_policy_version). After admission every failure is a `finished` event (reason and
+    message) and the call ends OK.
     buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
     """
     GenerateStream: _aio.StreamStreamMultiCallable[_generation_pb2.GenerateStreamRequest, _generation_pb2.GenerateResponse]  # type: ignore[assignment]
@@ -132,8 +134,9 @@ class GenerationServicer(metaclass=_abc_1.ABCMeta):
         """One request. Events: `started` first, then token chunks, then one `finished` per index.
         A request refused before admission ends the call with a non-OK status and no events:
         INVALID_ARGUMENT (google.rpc.BadRequest names the fields), ALREADY_EXISTS,
-        FAILED_PRECONDITION, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNAVAILABLE. After admission
-        every failure is a `finished` event (reason and message) and the call ends OK.
+        DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNAVAILABLE (also: the served weights are older than
+        min_policy_version). After admission every failure is a `finished` event (reason and
+        message) and the call ends OK.
         buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         """
 
