@@ -380,6 +380,20 @@ def _race(
     return token
 
 
+@triton.jit
+def _apply_math(d_ptr, u_ptr, w_ptr, e_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(w_ptr + offs, _exp_weights(tl.load(d_ptr + offs, mask=mask)), mask=mask)
+    tl.store(e_ptr + offs, _neg_log(tl.load(u_ptr + offs, mask=mask, other=0.5)), mask=mask)
+
+
+def math_kernel() -> triton.JITFunction:
+    """w = exp_weights(d) and E = neg_log(u) elementwise: the tests compare them bit for bit
+    with engine/sampling_math.py's."""
+    return _apply_math
+
+
 class FusedSampler:
     """Sampler's contract in one kernel launch (plus the output's allocation).
 

@@ -199,3 +199,18 @@ def test_an_engine_with_the_fused_sampler_generates_the_torch_engines_tokens(
         assert got.logprobs is not None and expected.logprobs is not None
         assert got.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
         assert [ids for ids, _ in got.top_logprobs] == [ids for ids, _ in expected.top_logprobs]
+
+
+def test_the_kernels_exp_and_log_equal_the_references_bit_for_bit(fused: ModuleType) -> None:
+    from engine.sampling_math import exp_weights, neg_log
+
+    g = torch.Generator().manual_seed(0)
+    edges = [0.0, -0.0, -1e-30, -1e-7, -79.999, -80.0, -80.001, -1e4, float("-inf")]
+    d = torch.cat([torch.tensor(edges), -torch.rand(4087, generator=g) * 90]).to(DEVICE)
+    k = torch.cat([torch.tensor([0, 1, 2**23, 2**24 - 1]), torch.randint(2**24, (4092,))])
+    u = ((k.float() + 0.5) * 2.0**-24).to(DEVICE)
+    w, e = torch.empty_like(d), torch.empty_like(u)
+    kernel = fused.math_kernel()
+    kernel[(d.numel() // 1024,)](d, u, w, e, d.numel(), BLOCK=1024, enable_fp_fusion=False)
+    assert torch.equal(w.view(torch.int32), exp_weights(d).view(torch.int32))
+    assert torch.equal(e.view(torch.int32), neg_log(u).view(torch.int32))
