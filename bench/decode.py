@@ -11,6 +11,12 @@ engine's `step()` is timed while every request decodes one token per step. Repor
   (+ LM head), sampling (building the per-row tensors, then the sampler), the device-to-host
   copy, and postprocessing (appending tokens, stop checks, outputs). Host time = step - forward.
   On CUDA each timer synchronizes, so device work is charged to the method that queued it.
+- the ops a decode step dispatches outside the model forward (and LM head), counted with a
+  TorchDispatchMode around `step()` at `--op-rows` rows, greedy and in the RL setting
+  (temperature 1, top-p 0.9, top-k 50, logprobs with top-5, repetition penalty 1.1); a launch
+  of the fused sampler's kernel counts as one op. On CUDA each op is a kernel launch or more.
+  `--sampler triton` on the CPU runs the fused kernel under Triton's interpreter: op counts
+  only, its times mean nothing.
 
     python -m bench.decode --shape tiny --batches 1 8 64 256 --context 256 --threads 2
 """
@@ -40,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="prefill chunking")
     p.add_argument("--bandwidth-mib", type=int, help="copy size for the bandwidth probe")
+    p.add_argument("--sampler", choices=("auto", "torch", "triton"), default="auto")
+    p.add_argument("--op-rows", type=int, default=32, help="rows of the op-count steps")
     return p.parse_args(argv)
 
 
@@ -247,6 +255,86 @@ def measure_batch(engine: Any, batch: int, args: argparse.Namespace, sync: Any) 
     }
 
 
+class OpCounter:
+    """Counts the aten ops dispatched while active, except inside paused calls; a call of a
+    wrapped kernel launcher counts as one op however many it dispatches (the interpreter
+    dispatches many)."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                if not counter.paused:
+                    counter.ops[str(func)] += 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+        self.paused = 0
+        self.ops: defaultdict[str, int] = defaultdict(int)
+
+    def excluded(self, fn: Callable[..., Any], name: str | None = None) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if name is not None and not self.paused:
+                self.ops[name] += 1
+            self.paused += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.paused -= 1
+
+        return wrapped
+
+
+RL_SETTING = {
+    "temperature": 1.0,
+    "top_p": 0.9,
+    "top_k": 50,
+    "logprobs": True,
+    "top_logprobs": 5,
+    "repetition_penalty": 1.1,
+}
+
+
+def count_step_ops(engine: Any, rows: int, context: int) -> dict[str, Any]:
+    """Ops per decode step outside the forward, greedy and RL, at `rows` rows."""
+    from engine import SamplingParams
+
+    result: dict[str, Any] = {"rows": rows}
+    model, runner = engine.runner.model, engine.runner
+    for name, extra in (("greedy", {"temperature": 0.0}), ("rl", RL_SETTING)):
+        params = SamplingParams(max_tokens=16, ignore_eos=True, seed=1, **extra)  # type: ignore[arg-type]
+        ids = [f"ops-{name}-{i}" for i in range(rows)]
+        for i, request_id in enumerate(ids):
+            engine.add_request(request_id, [(i + j) % 97 for j in range(context)], params)
+        while any(not r.output_token_ids for r in engine.scheduler.running) or (
+            engine.scheduler.waiting
+        ):
+            engine.step()
+        engine.step()  # a steady decode step first
+        counter = OpCounter()
+        patched = [(model, "forward", None), (model, "compute_logits", None)]
+        if runner.graphs is not None:
+            patched.append((runner.graphs, "run", None))
+        if hasattr(runner.sampler, "launch"):
+            patched.append((runner.sampler, "launch", "triton:fused_sample"))
+        for obj, attr, op_name in patched:
+            setattr(obj, attr, counter.excluded(getattr(obj, attr), op_name))
+        try:
+            with counter.mode:
+                engine.step()
+        finally:
+            for obj, attr, _ in patched:
+                delattr(obj, attr)
+        result[name] = sum(counter.ops.values())
+        result[f"{name}_ops"] = dict(sorted(counter.ops.items()))
+        engine.abort(ids)
+        engine.step()
+    return result
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         import torch
@@ -256,6 +344,11 @@ def _sync(device: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.sampler == "triton" and not args.device.startswith("cuda"):
+        import os
+
+        # NOTE: must be set before triton is first imported; counts only on the CPU.
+        os.environ["TRITON_INTERPRET"] = "1"
     threads = set_threads(args.threads)
     model_dir, dtype = resolve_model(args)
     import torch
@@ -267,17 +360,19 @@ def main(argv: list[str] | None = None) -> int:
     itemsize = getattr(torch, dtype).itemsize
     page_size = 16
     tokens_per_req = args.context + 1 + args.warmup + 2 * args.steps + 4
-    pages = max(args.batches) * -(-tokens_per_req // page_size) + 16
+    op_pages = args.op_rows * -(-(min(args.context, 64) + 24) // page_size)
+    pages = max(max(args.batches) * -(-tokens_per_req // page_size), op_pages) + 16
     engine = LLMEngine(
         EngineConfig(
             model=str(model_dir),
             device=args.device,
             dtype=dtype,
-            max_num_seqs=max(args.batches),
+            max_num_seqs=max(*args.batches, args.op_rows),
             max_num_batched_tokens=max(args.max_num_batched_tokens, max(args.batches)),
             page_size=page_size,
             num_kv_pages=pages,
             max_model_len=max(cfg.max_model_len, tokens_per_req),
+            sampler=args.sampler,
         )
     )
     on_cuda = args.device.startswith("cuda")
@@ -293,6 +388,11 @@ def main(argv: list[str] | None = None) -> int:
     def sync() -> None:
         _sync(args.device)
 
+    ops = count_step_ops(engine, args.op_rows, min(args.context, 64))
+    log(
+        f"ops per decode step outside the forward at {ops['rows']} rows: "
+        f"greedy {ops['greedy']}, RL {ops['rl']} ({type(engine.runner.sampler).__name__})"
+    )
     rows = []
     results = []
     for batch in args.batches:
@@ -333,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         "copy_bandwidth_bytes_per_s": bandwidth,
         "weight_bytes": weights,
         "kv_bytes_per_token": per_token,
+        "sampler": type(engine.runner.sampler).__name__,
+        "ops_per_step_outside_forward": ops,
         "batches": results,
         "machine": machine(),
     }

@@ -58,6 +58,8 @@ step offline-qwen2.5-0.5b 200 bench.offline --shape qwen2.5-0.5b $DEV --hf-batch
   --kv-cache-gib 16
 step decode-qwen2.5-0.5b 60 bench.decode --shape qwen2.5-0.5b $DEV --batches 1 8 64 256
 step decode-llama-3-8b 90 bench.decode --shape llama-3-8b $DEV --batches 1 8 64 256
+# The fused sampler against the torch one on a Llama 3 vocabulary (fails on a different token).
+step sampler 60 bench.sampler --device cuda --batches 64 256 --vocab 128256
 step serve-qwen2.5-0.5b 100 bench.serve --shape qwen2.5-0.5b $DEV --scale 0.5 --rates inf 16 \
   --max-concurrency 64
 # The other real shapes, while the budget lasts.

@@ -10,6 +10,7 @@ from engine.settings import EXECUTION, MODEL, OBSERVABILITY, SCHEDULING, setting
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch_ref", "triton")
+SAMPLERS = ("auto", "torch", "triton")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("json", "console")
 
@@ -68,6 +69,12 @@ class EngineConfig:
         group=EXECUTION,
         choices=ATTENTION_BACKENDS,
     )
+    sampler: str = setting(
+        "auto",
+        "auto = the fused triton kernel on CUDA when installed, else torch (same tokens)",
+        group=EXECUTION,
+        choices=SAMPLERS,
+    )
     enforce_eager: bool = setting(False, "no CUDA graphs for decode steps", group=EXECUTION)
     compile: bool = setting(False, "torch.compile the decode step", group=EXECUTION)
     # NOTE: torch's default is one thread per core; on a small machine its pool slows down
@@ -98,6 +105,8 @@ class EngineConfig:
                 f"attention_backend: expected one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
             )
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler: expected one of {SAMPLERS}, got {self.sampler!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level: expected one of {LOG_LEVELS}, got {self.log_level!r}")
         if self.log_format not in LOG_FORMATS:

@@ -38,6 +38,7 @@ from engine.models.hf_config import load_model_config
 from engine.page_pool import PagePool
 from engine.prefix_cache import PrefixCache
 from engine.request import Request, RequestStatus
+from engine.sampler_choice import make_sampler
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.weight_updater import WeightUpdater
 from engine.weights import build_model
@@ -75,6 +76,7 @@ class LLMEngine:
             cfg.eos_token_ids,
             config.max_num_seqs,
             config.max_num_batched_tokens,
+            make_sampler(config.sampler, self.device),
         )
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.attach_graphs(capture=True, compile=config.compile)

@@ -12,6 +12,7 @@ for them). Decode steps replay CUDA graphs when a graph runner is attached.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +23,8 @@ from engine.cuda_graph import CUDAGraphRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.page_pool import PagePool
 from engine.request import Request
-from engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from engine.sampler import SamplerOutput, SamplingBatch
+from engine.sampler_choice import make_sampler
 from engine.scheduler import ScheduledBatch
 from engine.step_inputs import StepInputs
 
@@ -58,6 +60,7 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...],
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 2048,
+        sampler: Callable[[torch.Tensor, SamplingBatch], SamplerOutput] | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -65,7 +68,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = model.config.vocab_size
         self.kv_caches = pool.layer_caches()
-        self.sampler = Sampler()
+        self.sampler = sampler or make_sampler("torch", device)
         self.page_size = pool.page_size
         self.max_pages = pool.pages_for(model.config.max_model_len)
         max_tokens = max(max_num_batched_tokens, max_num_seqs)
@@ -224,41 +227,38 @@ class ModelRunner:
         return PreparedStep(num_tokens, num_seqs, width, sampling, rows_are_tokens)
 
     def _to_host(self, sampling: list[Request], out: SamplerOutput) -> Sampled:
-        # NOTE: the step's only device-to-host copy: everything sampled, packed in one tensor
-        # (float64 holds token ids and float32 logprobs exactly).
-        if out.logprobs is None:
-            return Sampled(sampling, out.token_ids.tolist(), None, None, None)
-        parts = [out.token_ids[:, None], out.logprobs[:, None]]
-        if out.top_ids is not None and out.top_logprobs is not None:
-            parts += [out.top_ids, out.top_logprobs]
-        packed = torch.cat([p.to(torch.float64) for p in parts], dim=1).tolist()
+        # NOTE: the step's only device-to-host copy: everything sampled is in one tensor.
+        if out.values.dim() == 1:
+            return Sampled(sampling, out.values.tolist(), None, None, None)
+        packed = out.values.tolist()
         token_ids = [int(row[0]) for row in packed]
         logprobs = [row[1] for row in packed]
         top_ids = top_lps = None
-        if out.top_ids is not None:
-            k = out.top_ids.shape[1]
+        if k := out.num_top_logprobs:
             top_ids = [[int(t) for t in row[2 : 2 + k]] for row in packed]
             top_lps = [row[2 + k :] for row in packed]
         return Sampled(sampling, token_ids, logprobs, top_ids, top_lps)
 
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
-        """Per-row sampling inputs: the common ones through the step buffers (one pass over
-        the rows, two copies), the rare ones (penalties, min_tokens) as tensors of their own."""
+        """Per-row sampling inputs: the per-row numbers through the step buffers (one pass
+        over the rows, two copies); token lists (penalties, min_tokens) as tensors of their
+        own, only when some row needs them."""
         floats: list[float] = []
         ints: list[int] = []
-        banned: list[tuple[int, int]] = []  # (row, token): min_tokens not reached yet
-        for row, r in enumerate(reqs):
+        banned: list[tuple[int, ...]] = []  # per row, while min_tokens is not reached yet
+        for r in reqs:
             p = r.params
             num_output = len(r.token_ids) - r.prompt_len
             # Greedy rows go to the sampler as temperature 0: `greedy` is the only rule.
-            floats += (0.0 if p.greedy else p.temperature, p.top_p, p.min_p)
-            ints += (r.seed & 0xFFFFFFFF, r.seed >> 32, num_output, p.top_k)
-            if num_output < p.min_tokens:
-                banned += ((row, token) for token in self._stop_ids(r))
+            temperature = 0.0 if p.greedy else p.temperature
+            floats += (temperature, p.top_p, p.min_p)
+            floats += (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+            ints += (r.seed & 0xFFFFFFFF, r.seed >> 32, num_output, p.top_k, r.prompt_len)
+            banned.append(self._stop_ids(r) if num_output < p.min_tokens else ())
         rows = len(reqs)
         # Flat lists fill numpy several times faster than lists of tuples.
-        self._floats_flat[: 3 * rows] = floats
-        self._ints_flat[: 4 * rows] = ints
+        self._floats_flat[: 6 * rows] = floats
+        self._ints_flat[: 5 * rows] = ints
         f, i = self.inputs.sampling_floats[:rows], self.inputs.sampling_ints[:rows]
         if self.inputs is not self.host:
             f.copy_(self.host.sampling_floats[:rows], non_blocking=True)
@@ -268,10 +268,16 @@ class ModelRunner:
         distinct = list({id(p): p for p in params}.values())  # often one shared object
         sampled = [p for p in distinct if not p.greedy]
         batch = SamplingBatch(
-            temperature=f[:, 0],
-            seeds=i[:, :2],
-            counters=i[:, 2],
+            floats=f,
+            ints=i,
             all_greedy=not sampled,
+            use_top_k=any(p.top_k > 0 for p in sampled),
+            use_top_p=any(p.top_p < 1.0 for p in sampled),
+            use_min_p=any(p.min_p > 0.0 for p in sampled),
+            use_penalties=any(
+                p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+                for p in distinct
+            ),
             num_top_logprobs=max(p.top_logprobs for p in distinct),
             logprobs=any(p.logprobs and not p.raw_logprobs for p in distinct),
             raw_logprobs=any(p.logprobs and p.raw_logprobs for p in distinct),
@@ -281,36 +287,18 @@ class ModelRunner:
             batch.raw_logprobs = batch.raw_logprobs or any(p.raw_logprobs for p in distinct)
         if batch.logprobs and batch.raw_logprobs:
             batch.raw_rows = torch.tensor([p.raw_logprobs for p in params], device=self.device)
-        if any(p.top_k > 0 for p in sampled):
-            batch.top_k = i[:, 3]
-        if any(p.top_p < 1.0 for p in sampled):
-            batch.top_p = f[:, 1]
-        if any(p.min_p > 0.0 for p in sampled):
-            batch.min_p = f[:, 2]
-        if any(
-            p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
-            for p in distinct
-        ):
-            batch.penalties = self._floats(
-                [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params]
-            )
-            batch.output_ids = self._padded([r.output_token_ids for r in reqs])
+        if batch.use_penalties:
             batch.context_ids = self._padded([r.token_ids for r in reqs])
-        if banned:
-            rows_, tokens = zip(*banned, strict=True)
-            batch.suppress = (self._ints(list(rows_)), self._ints(list(tokens)))
+        if any(banned):
+            batch.suppress_ids = self._padded([list(b) for b in banned])
         return batch
 
     def _stop_ids(self, req: Request) -> tuple[int, ...]:
         eos = () if req.params.ignore_eos else self.eos_token_ids
         return eos + req.params.stop_token_ids
 
-    def _ints(self, values: list[int] | list[list[int]]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
-
-    def _floats(self, values: list[list[float]]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=self.device)
-
     def _padded(self, rows: list[list[int]]) -> torch.Tensor:
+        """[rows, width] int64 on the device, padded with vocab_size (no token)."""
         width = max(1, max(len(r) for r in rows))
-        return self._ints([r + [self.vocab_size] * (width - len(r)) for r in rows])
+        padded = [r + [self.vocab_size] * (width - len(r)) for r in rows]
+        return torch.tensor(padded, dtype=torch.int64, device=self.device)

@@ -23,8 +23,8 @@ class StepInputs:
     block_tables: torch.Tensor  # [max_seqs * max_pages] int32, a step views [seqs, width]
     # (see block_table(): row-major for eager steps, page-major for graphed ones)
     sample_rows: torch.Tensor  # [max_rows] int64: token index whose logits each row samples
-    sampling_floats: torch.Tensor  # [max_rows, 3] float32: temperature, top_p, min_p
-    sampling_ints: torch.Tensor  # [max_rows, 4] int64: seed low/high 32 bits, counter, top_k
+    sampling_floats: torch.Tensor  # [max_rows, 6] float32: SamplingBatch.floats' columns
+    sampling_ints: torch.Tensor  # [max_rows, 5] int64: SamplingBatch.ints' columns
 
     @classmethod
     def allocate(
@@ -47,8 +47,8 @@ class StepInputs:
             query_start_loc=zeros(max_seqs + 1, dtype=torch.int32),
             block_tables=zeros(max_seqs * max_pages, dtype=torch.int32),
             sample_rows=zeros(max_rows),
-            sampling_floats=zeros(max_rows, 3, dtype=torch.float32),
-            sampling_ints=zeros(max_rows, 4),
+            sampling_floats=zeros(max_rows, 6, dtype=torch.float32),
+            sampling_ints=zeros(max_rows, 5),
         )
 
     def numpy(self) -> StepArrays:

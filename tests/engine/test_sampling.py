@@ -164,20 +164,18 @@ def test_generation_stops_at_any_eos_id_of_generation_config(
     assert len(ignored.token_ids) == 8
 
 
-def sample_counts(probs: torch.Tensor, draws: int, **truncation: torch.Tensor) -> torch.Tensor:
+def sample_counts(probs: torch.Tensor, draws: int, top_k: int = 0) -> torch.Tensor:
     """How often each token is drawn over `draws` rows sharing `probs`: one seed per row, at
     successive output indices, as a long generation's steps would draw them."""
     from engine.sampler import Sampler, SamplingBatch
 
+    floats = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]).repeat(draws, 1)
     seeds = torch.stack([torch.arange(draws) * 7919 + 1, torch.arange(draws) % 3], dim=1)
-    batch = SamplingBatch(
-        temperature=torch.ones(draws),
-        seeds=seeds,
-        counters=torch.arange(draws) % 97,
-        **truncation,
-    )
+    ints = torch.cat([seeds, (torch.arange(draws) % 97)[:, None], torch.zeros(draws, 2)], dim=1)
+    ints[:, 3] = top_k
+    batch = SamplingBatch(floats, ints.long(), use_top_k=top_k > 0)
     logits = probs.log().expand(draws, -1).contiguous()
-    ids = Sampler()(logits, batch).token_ids
+    ids = Sampler()(logits, batch).values
     return torch.bincount(ids, minlength=probs.numel()).double()
 
 
@@ -198,18 +196,18 @@ def test_sampled_frequencies_follow_the_distribution() -> None:
 def test_top_k_then_renormalised_frequencies() -> None:
     probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
     draws = 20_000
-    counts = sample_counts(probs, draws, top_k=torch.full((draws,), 2))
+    counts = sample_counts(probs, draws, top_k=2)
     assert counts[2:].sum() == 0
     kept = probs[:2].double() / probs[:2].sum()
     assert chi_square(counts[:2], kept * draws) < 10.8  # 1 degree of freedom, p = 0.001
 
 
 def test_uniform_noise_is_flat_and_uncorrelated_across_tokens_and_steps() -> None:
-    from engine.sampler import _uniform
+    from engine.sampling_math import uniform
 
     rows, vocab = 512, 1024
     seeds = torch.stack([torch.full((rows,), 1234), torch.zeros(rows, dtype=torch.long)], dim=1)
-    u = _uniform(seeds, torch.arange(rows), vocab).double()  # one request, 512 steps
+    u = uniform(seeds, torch.arange(rows), vocab).double()  # one request, 512 steps
     assert float(u.min()) > 0.0 and float(u.max()) < 1.0
     # Ten equal bins: chi-square with 9 degrees of freedom, p = 0.001 at 27.9.
     counts = torch.histc(u, bins=10, min=0.0, max=1.0)
