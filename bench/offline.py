@@ -5,7 +5,12 @@ runs the same prompts in padded batches (left padding, `--hf-batch-size` prompts
 workload order) and is credited only with each request's own output tokens, as a serving
 benchmark counts them. Output tokens/s for both and their ratio.
 
+With `--tensor-parallel-size N` the engine also runs with one rank in the same run (each of the
+N ranks gets threads / N torch threads, so both use the same cores), and the ratio N ranks / 1
+rank is reported.
+
     python -m bench.offline --shape tiny --scale 0.25 --threads 2
+    python -m bench.offline --shape tiny --scale 0.25 --threads 2 --tensor-parallel-size 2 --skip-hf
 """
 
 from __future__ import annotations
@@ -40,6 +45,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--disable-prefix-cache", action="store_true", help="engine: no prefix cache")
     p.add_argument("--skip-hf", action="store_true", help="engine only (no ratio)")
     p.add_argument("--repeat", type=int, default=1, help="alternate runs; each side's best")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="engine ranks; above 1 the engine also runs with one rank, for the ratio",
+    )
     return p.parse_args(argv)
 
 
@@ -68,9 +79,15 @@ def run_engine(
     max_num_batched_tokens: int,
     kv_cache_gib: float | None = None,
     prefix_cache: bool = True,
+    tensor_parallel_size: int = 1,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """Time LLMEngine.generate on the whole workload (after a short warm-up)."""
     import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)  # a tensor-parallel run before may have changed it
+    per_rank = None if threads is None else max(1, threads // tensor_parallel_size)
 
     from engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -82,6 +99,8 @@ def run_engine(
         max_num_batched_tokens=max_num_batched_tokens,
         kv_cache_memory=None if kv_cache_gib is None else int(kv_cache_gib * 2**30),
         enable_prefix_cache=prefix_cache,
+        tensor_parallel_size=tensor_parallel_size,
+        cpu_threads=per_rank if tensor_parallel_size > 1 else None,
     )
     start = time.perf_counter()
     engine = LLMEngine(config)
@@ -102,6 +121,7 @@ def run_engine(
     if errors or produced != workload.output_tokens:
         raise RuntimeError(f"engine produced {produced} of {workload.output_tokens}: {errors[:3]}")
     stats = engine.stats()
+    engine.close()
     del engine
     _free(torch, device)
     return {
@@ -117,6 +137,7 @@ def run_engine(
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
         "prefix_cache": prefix_cache,
+        "tensor_parallel_size": tensor_parallel_size,
     }
 
 
@@ -213,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     # Engine and HF runs alternate; each side's best run counts (a shared machine only ever
     # slows a run down). Every run is in the JSON.
     engine_runs: list[dict[str, Any]] = []
+    one_rank_runs: list[dict[str, Any]] = []  # with --tensor-parallel-size > 1
     hf_by_size: dict[int, list[dict[str, Any]]] = {size: [] for size in args.hf_batch_sizes}
     for _ in range(args.repeat):
         run = run_engine(
@@ -224,9 +246,25 @@ def main(argv: list[str] | None = None) -> int:
             args.max_num_batched_tokens,
             args.kv_cache_gib,
             prefix_cache=not args.disable_prefix_cache,
+            tensor_parallel_size=args.tensor_parallel_size,
+            threads=threads,
         )
         log(f"engine: {run['output_tokens_per_s']:.1f} output tokens/s")
         engine_runs.append(run)
+        if args.tensor_parallel_size > 1:
+            run = run_engine(
+                model_dir,
+                workload,
+                args.device,
+                dtype,
+                args.max_num_seqs,
+                args.max_num_batched_tokens,
+                args.kv_cache_gib,
+                prefix_cache=not args.disable_prefix_cache,
+                threads=threads,
+            )
+            log(f"engine, 1 rank: {run['output_tokens_per_s']:.1f} output tokens/s")
+            one_rank_runs.append(run)
         for size in [] if args.skip_hf else args.hf_batch_sizes:
             run = run_hf(model_dir, workload, args.device, dtype, size)
             log(f"hf batch {size}: {run['output_tokens_per_s']:.1f} output tokens/s")
@@ -235,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     hf_runs = [_best(runs) for runs in hf_by_size.values() if runs]  # best per batch size
     hf = max(hf_runs, key=lambda r: r["output_tokens_per_s"], default=None)
     ratio = engine["output_tokens_per_s"] / hf["output_tokens_per_s"] if hf else None
+    one_rank = _best(one_rank_runs) if one_rank_runs else None
+    tp_ratio = None
+    if one_rank is not None:
+        tp_ratio = engine["output_tokens_per_s"] / one_rank["output_tokens_per_s"]
     result = {
         "benchmark": "offline",
         "model": args.shape if args.model is None else str(args.model),
@@ -252,16 +294,29 @@ def main(argv: list[str] | None = None) -> int:
             size: [r["output_tokens_per_s"] for r in runs] for size, runs in hf_by_size.items()
         },
         "ratio_engine_over_hf": ratio,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "engine_one_rank": one_rank,  # best of `repeat`; with --tensor-parallel-size > 1
+        "ratio_ranks_over_one_rank": tp_ratio,
         "machine": machine(),
     }
+    ranks = f", {args.tensor_parallel_size} ranks" if args.tensor_parallel_size > 1 else ""
     rows: list[list[Any]] = [
         [
-            "sluice LLMEngine",
+            f"sluice LLMEngine{ranks}",
             engine["seconds"],
             engine["output_tokens_per_s"],
             engine["requests_per_s"],
         ]
     ]
+    if one_rank is not None:
+        rows.append(
+            [
+                "sluice LLMEngine, 1 rank",
+                one_rank["seconds"],
+                one_rank["output_tokens_per_s"],
+                one_rank["requests_per_s"],
+            ]
+        )
     rows += [
         [
             f"HF generate, batch {r['batch_size']}",
@@ -275,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     emit(result, header, rows)
     if ratio is not None:
         log(f"ratio engine/HF output tokens/s: {ratio:.2f}x")
+    if tp_ratio is not None:
+        log(f"ratio {args.tensor_parallel_size} ranks / 1 rank output tokens/s: {tp_ratio:.2f}x")
     return 0
 
 

@@ -75,13 +75,20 @@ class EngineConfig:
         group=EXECUTION,
         choices=SAMPLERS,
     )
+    tensor_parallel_size: int = setting(
+        1,
+        "ranks one model is split over (Megatron-style): the engine process is rank 0 and "
+        "starts N-1 worker processes, one device each (NCCL on CUDA, gloo on the CPU)",
+        group=EXECUTION,
+    )
     enforce_eager: bool = setting(False, "no CUDA graphs for decode steps", group=EXECUTION)
     compile: bool = setting(False, "torch.compile the decode step", group=EXECUTION)
     # NOTE: torch's default is one thread per core; on a small machine its pool slows down
     # 10-100x whenever another process (the server, a client) is busy on the same cores.
     cpu_threads: int | None = setting(
         None,
-        "the engine process's torch threads (default: torch's, one per core)",
+        "torch threads of each engine rank (default: torch's, one per core; with "
+        "--tensor-parallel-size N on the CPU, the cores shared out among the N ranks)",
         group=EXECUTION,
     )
     # The engine process logs as the service does (engine/logs.py): same level, same format.
@@ -111,7 +118,7 @@ class EngineConfig:
             raise ValueError(f"log_level: expected one of {LOG_LEVELS}, got {self.log_level!r}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format: expected one of {LOG_FORMATS}, got {self.log_format!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1")
         for name in ("max_model_len", "kv_cache_memory", "num_kv_pages", "cpu_threads"):

@@ -5,6 +5,10 @@ pipe loop (`add_request` / `abort` / `step`). `step()` is: schedule (after step-
 expired deadlines, a pending weight swap), run, postprocess. Every request ends with exactly one
 output whose `finish_reason` is set. Weight updates are WeightUpdater's (engine/weight_updater.py);
 `generate`'s results are GenerationResult (engine/generation_result.py).
+
+With `tensor_parallel_size` N > 1 this process is rank 0: it starts N-1 worker processes
+(engine/worker_group.py), holds the scheduler, the page tables and the sampler, and its model
+runner sends each step's inputs to the workers. `close()` stops them.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import make_backend
 from engine.config import EngineConfig
 from engine.generation_result import GenerationResult
 from engine.messages import (
@@ -33,55 +36,43 @@ from engine.messages import (
     UpdateWeights,
     WeightsProgress,
 )
-from engine.model_runner import ModelRunner, Sampled
+from engine.model_runner import Sampled
+from engine.model_shard import load_shard, resolve_device, resolve_dtype
 from engine.models.hf_config import load_model_config
-from engine.page_pool import PagePool
+from engine.models.sharding import Sharding
 from engine.prefix_cache import PrefixCache
 from engine.request import Request, RequestStatus
-from engine.sampler_choice import make_sampler
 from engine.scheduler import ScheduledBatch, Scheduler
+from engine.tensor_parallel import TensorParallel
 from engine.weight_updater import WeightUpdater
-from engine.weights import build_model
-
-CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on the CPU
+from engine.worker_group import WorkerGroup
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = _resolve_device(config.device)
-        self.dtype = _resolve_dtype(config.dtype, self.device)
+        size = config.tensor_parallel_size
+        self.device = resolve_device(config.device, 0, size)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         path = _resolve_model_path(config.model)
         cfg = load_model_config(path, config.max_model_len)
         self.model_config = cfg
-        backend = make_backend(
-            config.attention_backend, self.device, cfg.head_dim**-0.5, config.page_size
-        )
-        self.model = build_model(cfg, path, backend, self.device, self.dtype)
-        self.pool = PagePool(
-            self._num_pages(),
-            config.page_size,
-            cfg.num_layers,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            self.dtype,
-            self.device,
-        )
+        self.lock = threading.RLock()  # step() and weight mutation from a trainer thread
+        self.workers: WorkerGroup | None = None
+        tp = TensorParallel()
+        if size > 1:
+            Sharding(cfg, 0, size)  # a size that does not divide the model fails here, alone
+            from engine.tp_worker import rank_threads
+
+            torch.set_num_threads(rank_threads(config))
+            self.workers = WorkerGroup(config, path, self.device)
+            tp = self.workers.tp
+        shard = load_shard(config, cfg, path, tp, self.device, self.dtype)
+        self.model, self.pool, self.runner = shard.model, shard.pool, shard.runner
+        if self.workers is not None:
+            self.workers.attach(self.runner.open_channel(), self.lock)
         self.cache = PrefixCache(self.pool, config.enable_prefix_cache)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(
-            self.model,
-            self.pool,
-            self.device,
-            cfg.eos_token_ids,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            make_sampler(config.sampler, self.device),
-        )
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self.runner.attach_graphs(capture=True, compile=config.compile)
-        elif config.compile:
-            self.runner.attach_graphs(capture=False, compile=True)
         self.scheduler.policy_version = config.policy_version
         self.requests: dict[str, list[Request]] = {}  # request id -> its n sequences
         self.pending: list[RequestOutput] = []  # produced outside step(): errors, aborts
@@ -89,8 +80,9 @@ class LLMEngine:
         self.prompt_tokens_computed = 0
         self._rng = random.Random(config.seed)
         self._arrivals = itertools.count()
-        self.updater = WeightUpdater(self.model, self.scheduler, self.cache, self.abort)
-        self.lock = threading.RLock()  # step() and weight mutation from a trainer thread
+        self.updater = WeightUpdater(
+            self.model, self.scheduler, self.cache, self.abort, self.runner.channel
+        )
         name = "demo" if config.model == "demo" else Path(config.model).name
         self.info = ModelInfo(
             model=name,
@@ -106,6 +98,12 @@ class LLMEngine:
             policy_version=self.policy_version,
             max_num_seqs=config.max_num_seqs,
         )
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do with one rank). The engine is
+        unusable afterwards."""
+        if self.workers is not None:
+            self.workers.close()
 
     # ---- requests in ----
 
@@ -459,39 +457,6 @@ class LLMEngine:
                 result.add(out)
                 remaining -= out.finished
         return [results[(rid, i)] for rid in ids for i in range(n)]
-
-    def _num_pages(self) -> int:
-        cfg, config = self.model_config, self.config
-        if config.num_kv_pages is not None:
-            return config.num_kv_pages
-        per_page = PagePool.bytes_per_page(
-            config.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype
-        )
-        budget = config.kv_cache_memory
-        if budget is None and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * config.gpu_memory_utilization)
-        elif budget is None:
-            # Enough for every sequence at full length, within a fixed CPU budget.
-            full = config.max_num_seqs * -(-cfg.max_model_len // config.page_size)
-            budget = min(CPU_KV_CACHE_BYTES, full * per_page)
-        pages = budget // per_page
-        if pages < 1:
-            raise ValueError(f"kv_cache_memory: {budget} bytes hold no {per_page}-byte page")
-        return pages
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtype: torch.dtype = getattr(torch, name)
-    return dtype
 
 
 def _resolve_model_path(model: str) -> Path:

@@ -8,6 +8,10 @@ The hot path: step inputs are written into preallocated host buffers (pinned on 
 numpy views and copied to the device without blocking; nothing inside the step waits for the
 device; one device-to-host copy brings back the sampled ids (and logprobs when any row asked
 for them). Decode steps replay CUDA graphs when a graph runner is attached.
+
+Tensor parallel: rank 0's runner `run`s batches and sends each step's filled host buffers
+through its StepChannel before the forward; every other rank's runner `follow`s them, running
+the same forward (and LM head) on its shard, and samples nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from engine.request import Request
 from engine.sampler import SamplerOutput, SamplingBatch
 from engine.sampler_choice import make_sampler
 from engine.scheduler import ScheduledBatch
+from engine.step_channel import Op, StepChannel, StepHeader
 from engine.step_inputs import StepInputs
 
 
@@ -49,6 +54,7 @@ class PreparedStep:
     width: int  # block-table width
     sampling: list[Request]  # one per sampled row (siblings share their leader's row)
     rows_are_tokens: bool  # row i samples token i: no gather before the LM head
+    num_rows: int  # sampled rows (a worker rank knows only their number)
 
 
 class ModelRunner:
@@ -83,6 +89,16 @@ class ModelRunner:
         # Recorded after a step's uploads: the next step refills the host buffers only once
         # the device has read them (a step that samples nothing ends without a sync).
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
+        self.channel: StepChannel | None = None  # rank 0 of a tensor-parallel group
+
+    def open_channel(self) -> StepChannel:
+        """Tensor parallel: the channel rank 0 sends each step's inputs through, and other
+        ranks receive them from (into this runner's host buffers)."""
+        max_copies = self.host.seq_lens.shape[0]  # one per forked sibling, at most
+        self.channel = StepChannel(self.model.tp, self.arrays, max_copies)
+        if self.model.tp.rank == 0:
+            self.pool.copy_log = []  # sent with the next step: workers copy the same pages
+        return self.channel
 
     def attach_graphs(self, capture: bool, compile: bool = False) -> None:
         """Run decode steps through a CUDAGraphRunner (captured now when `capture`)."""
@@ -106,6 +122,7 @@ class ModelRunner:
         size = graphs.bucket(num_seqs) if graphs is not None and decode else None
         if graphs is not None and size is not None:  # a decode step with a graph to replay
             step = self._prepare(batch, width, graph_rows=size)
+            self._send(step, graph_size=size)
             logits = graphs.run(self.host, self.arrays, num_seqs, width)  # every row's
             self._record_upload()
             if not step.sampling:
@@ -114,7 +131,8 @@ class ModelRunner:
                 logits = logits[self._sample_rows(step)]
         else:
             step = self._prepare(batch, width)
-            hidden = self._forward(step, batch)
+            self._send(step, graph_size=0)
+            hidden = self._forward(step)
             if not step.sampling:
                 return Sampled([], [], None, None, None)
             if not step.rows_are_tokens:
@@ -123,34 +141,79 @@ class ModelRunner:
         out = self.sampler(logits, self._sampling_batch(step.sampling))
         return self._to_host(step.sampling, out)
 
+    def _send(self, step: PreparedStep, graph_size: int) -> None:
+        if self.channel is None:
+            return
+        header = StepHeader(
+            Op.STEP,
+            step.num_tokens,
+            step.num_seqs,
+            step.width,
+            graph_size,
+            0 if graph_size else step.num_rows,  # a graphed step gathers every row's logits
+            step.rows_are_tokens,
+        )
+        copies = self.pool.copy_log or []
+        header.num_copies = len(copies)
+        self.channel.send(header, copies)
+        copies.clear()
+
+    @torch.inference_mode()
+    def follow(self, header: StepHeader, copies: list[tuple[int, int]]) -> None:
+        """A worker rank: run the step rank 0 described (its inputs are in the host buffers),
+        joining every collective rank 0's `run` makes."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+        for src, dst in copies:
+            self.pool.copy_page(src, dst)
+        if header.graph_size:
+            assert self.graphs is not None
+            self.graphs.run(self.host, self.arrays, header.num_seqs, header.width)
+            self._record_upload()
+            return
+        step = PreparedStep(
+            header.num_tokens,
+            header.num_seqs,
+            header.width,
+            [],
+            header.rows_are_tokens,
+            header.num_rows,
+        )
+        hidden = self._forward(step)
+        if step.num_rows:
+            if not step.rows_are_tokens:
+                hidden = hidden[self._sample_rows(step)]
+            self.model.compute_logits(hidden)
+
     def _record_upload(self) -> None:
         if self._uploaded is not None:
             self._uploaded.record()
 
     def _sample_rows(self, step: PreparedStep) -> torch.Tensor:
-        rows = len(step.sampling)
+        rows = step.num_rows
         if self.inputs is not self.host:
             self.inputs.sample_rows[:rows].copy_(self.host.sample_rows[:rows], non_blocking=True)
         return self.inputs.sample_rows[:rows]
 
-    def _forward(self, step: PreparedStep, batch: ScheduledBatch) -> torch.Tensor:
+    def _forward(self, step: PreparedStep) -> torch.Tensor:
         """The eager forward of any step: [tokens, hidden]."""
         num_tokens, num_seqs, width = step.num_tokens, step.num_seqs, step.width
         if self.inputs is not self.host:
             self.inputs.copy_from(self.host, num_tokens, num_seqs, num_seqs * width)
             self._record_upload()
         inp = self.inputs
-        context_lens = [
-            r.num_computed_tokens + n for r, n in zip(batch.requests, batch.query_lens, strict=True)
-        ]
+        # From the host buffers, not the requests: a worker rank has only the buffers.
+        starts = self.arrays.query_start_loc[: num_seqs + 1]
+        query_lens = (starts[1:] - starts[:-1]).tolist()
+        context_lens = self.arrays.seq_lens[:num_seqs].tolist()
         meta = AttentionMetadata(
-            query_lens=batch.query_lens,
+            query_lens=query_lens,
             context_lens=context_lens,
             slot_mapping=inp.slot_mapping[:num_tokens],
             block_tables=inp.block_table(num_seqs, width),
             seq_lens=inp.seq_lens[:num_seqs],
             query_start_loc=inp.query_start_loc[: num_seqs + 1],
-            max_query_len=max(batch.query_lens),
+            max_query_len=max(query_lens),
             max_context_len=max(context_lens),
             decode_only=num_tokens == num_seqs,
         )
@@ -224,7 +287,7 @@ class ModelRunner:
         rows_are_tokens = len(rows) == num_tokens and rows == list(range(num_tokens))
         if not rows_are_tokens:
             self.arrays.sample_rows[: len(rows)] = rows
-        return PreparedStep(num_tokens, num_seqs, width, sampling, rows_are_tokens)
+        return PreparedStep(num_tokens, num_seqs, width, sampling, rows_are_tokens, len(sampling))
 
     def _to_host(self, sampling: list[Request], out: SamplerOutput) -> Sampled:
         # NOTE: the step's only device-to-host copy: everything sampled is in one tensor.

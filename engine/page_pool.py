@@ -37,6 +37,9 @@ class PagePool:
         self.scratch_page = num_pages
         self.ref_counts = [0] * num_pages
         self.free: deque[int] = deque(range(num_pages))
+        # Tensor parallel (rank 0): the copies made since the last step, which the other ranks
+        # make in their own pools before that step's forward (the model runner sends them).
+        self.copy_log: list[tuple[int, int]] | None = None
 
     @staticmethod
     def bytes_per_page(
@@ -67,6 +70,8 @@ class PagePool:
 
     def copy_page(self, src: int, dst: int) -> None:
         """Copy one page's K and V in every layer."""
+        if self.copy_log is not None:
+            self.copy_log.append((src, dst))
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
 

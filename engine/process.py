@@ -111,7 +111,10 @@ def engine_main(config: EngineConfig, conn: Connection) -> None:
             seconds=round(time.monotonic() - started, 3),
         )
         conn.send(Ready(info))
-        _serve(engine, conn)
+        try:
+            _serve(engine, conn)
+        finally:
+            engine.close()  # tensor-parallel workers stop with us (they would die anyway)
     except (EOFError, BrokenPipeError):
         log.info("engine.exiting", reason="the service closed the pipe")
         return  # nobody is left to tell

@@ -3,6 +3,9 @@
 Everything is read and checked (names, shapes, dtypes) into staging tensors before any
 parameter changes, so a failed update leaves the served weights untouched. The swap itself is
 a copy into the existing parameters (same storage: CUDA graphs and views stay valid).
+
+Sources hold whole tensors; a tensor-parallel rank stages only its slice of each (read alone
+from a checkpoint's files), checked against the whole tensor's shape.
 """
 
 from __future__ import annotations
@@ -10,11 +13,13 @@ from __future__ import annotations
 import mmap
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from engine.messages import TensorRef
+from engine.models.sharding import Sharding
 from engine.weights import IGNORED_SUFFIXES, checkpoint_files
 
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -36,20 +41,24 @@ def invalid(message: str) -> WeightUpdateError:
 
 
 class StagedWeights:
-    """New values for some of the model's parameters, validated, on the host."""
+    """New values for some of the model's parameters (this rank's slices), validated, on the
+    host."""
 
-    def __init__(self, params: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, params: Mapping[str, torch.Tensor], sharding: Sharding | None) -> None:
         self.params = params
+        self.sharding = sharding or Sharding.whole()
         self.tensors: dict[str, torch.Tensor] = {}
 
-    def add(self, name: str, tensor: torch.Tensor, cast: bool) -> None:
+    def add(self, name: str, source: Any, shape: tuple[int, ...], cast: bool) -> None:
+        """Stage this rank's slice of whole tensor `source` (a tensor or a safetensors slice)
+        of shape `shape`."""
         param = self.params.get(name)
         if param is None:
             raise invalid(f"unknown tensor {name!r}: the model has no such parameter")
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise invalid(
-                f"{name}: shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}"
-            )
+        expected = self.sharding.full_shape(name, tuple(param.shape))
+        if tuple(shape) != expected:
+            raise invalid(f"{name}: shape {tuple(shape)} != model shape {expected}")
+        tensor = self.sharding.take(name, source)
         if not cast and tensor.dtype != param.dtype:
             raise invalid(f"{name}: dtype {tensor.dtype} != served dtype {param.dtype}")
         self.tensors[name] = tensor.to(param.dtype)
@@ -65,7 +74,10 @@ class StagedWeights:
 
 
 def stage_checkpoint(
-    params: Mapping[str, torch.Tensor], directory: str, progress: Progress
+    params: Mapping[str, torch.Tensor],
+    sharding: Sharding | None,
+    directory: str,
+    progress: Progress,
 ) -> StagedWeights:
     """Every parameter from an HF checkpoint directory, cast to the served dtype."""
     path = Path(directory)
@@ -73,7 +85,7 @@ def stage_checkpoint(
         files = checkpoint_files(path)
     except (FileNotFoundError, OSError, ValueError, KeyError) as exc:
         raise invalid(f"checkpoint_dir {directory!r} is unreadable: {exc}") from exc
-    staged = StagedWeights(params)
+    staged = StagedWeights(params, sharding)
     done = 0
     try:
         for file in files:
@@ -81,7 +93,8 @@ def stage_checkpoint(
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                     if name.endswith(IGNORED_SUFFIXES):
                         continue
-                    staged.add(name, f.get_tensor(name), cast=True)
+                    part = f.get_slice(name)
+                    staged.add(name, part, tuple(part.get_shape()), cast=True)
                     done += staged.tensors[name].numel() * staged.tensors[name].element_size()
                     progress(done, len(staged.tensors))
     except WeightUpdateError:
@@ -95,10 +108,14 @@ def stage_checkpoint(
 
 
 def stage_tensor_file(
-    params: Mapping[str, torch.Tensor], path: str, refs: tuple[TensorRef, ...], progress: Progress
+    params: Mapping[str, torch.Tensor],
+    sharding: Sharding | None,
+    path: str,
+    refs: tuple[TensorRef, ...],
+    progress: Progress,
 ) -> StagedWeights:
     """The tensors laid out in a raw file (written by the service from inline chunks)."""
-    staged = StagedWeights(params)
+    staged = StagedWeights(params, sharding)
     try:
         with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
             done = 0
@@ -112,7 +129,9 @@ def stage_tensor_file(
                 if ref.nbytes != numel * dtype.itemsize or ref.offset + ref.nbytes > len(mm):
                     raise invalid(f"{ref.name}: {ref.nbytes} bytes do not hold shape {ref.shape}")
                 flat = torch.frombuffer(mm, dtype=dtype, count=numel, offset=ref.offset)
-                staged.add(ref.name, flat.view(ref.shape).clone(), cast=False)
+                staged.add(ref.name, flat.view(ref.shape), tuple(ref.shape), cast=False)
+                # NOTE: the staged slice must own its memory: the mmap closes below.
+                staged.tensors[ref.name] = staged.tensors[ref.name].clone()
                 del flat  # release the buffer export before the mmap closes
                 done += ref.nbytes
                 progress(done, len(staged.tensors))
@@ -122,10 +141,12 @@ def stage_tensor_file(
 
 
 def stage_tensors(
-    params: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]
+    params: Mapping[str, torch.Tensor],
+    sharding: Sharding | None,
+    tensors: Mapping[str, torch.Tensor],
 ) -> StagedWeights:
     """In-memory tensors from a trainer in the same process (dtype must be the served one)."""
-    staged = StagedWeights(params)
+    staged = StagedWeights(params, sharding)
     for name, tensor in tensors.items():
-        staged.add(name, tensor.detach(), cast=False)
+        staged.add(name, tensor.detach(), tuple(tensor.shape), cast=False)
     return staged

@@ -7,6 +7,9 @@ its version. Its progress goes to `sink` as it happens (the process loop sends i
 pipe) or collects in `events`, ending with exactly one APPLIED or FAILED. "An update is in
 progress" is `pending`, and nowhere else.
 
+With tensor parallelism every rank stages its shard and all swap, or none does
+(engine/sharded_update.py); versions, policies and events stay here, on rank 0.
+
 The caller (LLMEngine) holds its lock around every call here.
 """
 
@@ -28,15 +31,12 @@ from engine.messages import (
     WeightsPhase,
     WeightsProgress,
 )
+from engine.models.llama import LlamaForCausalLM
 from engine.prefix_cache import PrefixCache
 from engine.scheduler import Scheduler
-from engine.weight_update import (
-    StagedWeights,
-    WeightUpdateError,
-    stage_checkpoint,
-    stage_tensor_file,
-    stage_tensors,
-)
+from engine.sharded_update import describe, gather_parameters, stage
+from engine.step_channel import StepChannel
+from engine.weight_update import StagedWeights, WeightUpdateError
 
 PROGRESS_INTERVAL_S = 0.1  # at most one LOADING event per interval while staging
 
@@ -56,9 +56,15 @@ class PendingUpdate:
 
 class WeightUpdater:
     def __init__(
-        self, model: torch.nn.Module, scheduler: Scheduler, cache: PrefixCache, abort: Abort
+        self,
+        model: LlamaForCausalLM,
+        scheduler: Scheduler,
+        cache: PrefixCache,
+        abort: Abort,
+        channel: StepChannel | None = None,
     ) -> None:
         self.model = model
+        self.channel = channel  # rank 0 of a tensor-parallel group: reaches the workers
         self.scheduler = scheduler  # holds the served policy version (it hashes prefixes)
         self.cache = cache
         self.abort = abort
@@ -126,14 +132,24 @@ class WeightUpdater:
     @contextlib.contextmanager
     def live(self, policy_version: int) -> Iterator[dict[str, torch.Tensor]]:
         """The served parameters to mutate in place; `policy_version` (0 = served + 1) is
-        published on exit as a CONTINUE update, nothing if the block raises."""
+        published on exit as a CONTINUE update, nothing if the block raises.
+
+        Tensor parallel: whole copies of the parameters, gathered from every rank; on exit
+        every rank stages its slice of them and all swap (nothing changes if the block raises).
+        """
         if self.pending is not None:
             raise WeightUpdateError("FAILED_PRECONDITION", "an update is in progress")
         version = policy_version or self.version + 1
         refusal = self._version_refusal(version)
         if refusal is not None:
             raise WeightUpdateError(*refusal)
-        yield dict(self.model.named_parameters())
+        if not self.model.tp.enabled:
+            yield dict(self.model.named_parameters())
+        else:
+            whole = gather_parameters(self.model, self.channel)
+            yield whole
+            source = describe(None, None, (), whole)
+            stage(self.model, source, lambda done, count: None, whole, self.channel).apply()
         self._publish(version, InflightPolicy.CONTINUE)
 
     def _version_refusal(self, version: int) -> tuple[str, str] | None:
@@ -175,7 +191,6 @@ class WeightUpdater:
         self._end(WeightsPhase.APPLIED, previous_version=previous, **counts)
 
     def _stage(self, update: PendingUpdate) -> StagedWeights:
-        params = dict(self.model.named_parameters())
         msg = update.msg
 
         def progress(bytes_done: int, tensors_done: int) -> None:
@@ -184,14 +199,10 @@ class WeightUpdater:
                 update.last_progress = now
                 self._event(WeightsPhase.LOADING, bytes_done=bytes_done, tensors_done=tensors_done)
 
-        if update.tensors is not None:
-            staged = stage_tensors(params, update.tensors)
-        elif msg.checkpoint_dir is not None:
-            staged = stage_checkpoint(params, msg.checkpoint_dir, progress)
-        elif msg.tensor_file is not None:
-            staged = stage_tensor_file(params, msg.tensor_file, msg.tensors, progress)
-        else:
+        if update.tensors is None and msg.checkpoint_dir is None and msg.tensor_file is None:
             raise WeightUpdateError("INVALID_ARGUMENT", "the update names no source")
+        source = describe(msg.checkpoint_dir, msg.tensor_file, msg.tensors, update.tensors)
+        staged = stage(self.model, source, progress, update.tensors, self.channel)
         total, count = staged.nbytes, len(staged.tensors)
         self._event(
             WeightsPhase.LOADING,

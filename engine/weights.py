@@ -1,4 +1,8 @@
-"""Loads Hugging Face safetensors checkpoints (single file or sharded) into the model by name."""
+"""Loads Hugging Face safetensors checkpoints (single file or sharded) into the model by name.
+
+A tensor-parallel rank reads only its slice of each tensor (safetensors' `get_slice`), so no
+rank ever holds the whole model.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ from safetensors import safe_open
 from engine.models.hf_config import ModelConfig
 from engine.models.llama import AttentionBackend, LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
+from engine.models.sharding import Sharding
+from engine.tensor_parallel import TensorParallel
 
 # Present in some checkpoints, recomputed by us (rotary tables), never loaded.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -36,22 +42,25 @@ def build_model(
     backend: AttentionBackend,
     device: torch.device,
     dtype: torch.dtype,
+    tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
-    """Construct the model without initialising it, then fill every parameter from the files."""
+    """Construct the model (this rank's shard) without initialising it, then fill every
+    parameter from the files."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend)
+        model = LlamaForCausalLM(cfg, backend, tp)
     model = model.to(dtype).to_empty(device=device)
     # Rotary tables are computed, not loaded: rebuild them in float32 on the device.
     model.rotary = RotaryEmbedding(
         cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling
     )
     model.rotary.to(device)
-    load_weights(model, directory)
+    load_weights(model, directory, model.sharding)
     # Inference only: no autograd state, and in-place updates (live_weights) just work.
     return model.requires_grad_(False).eval()
 
 
-def load_weights(model: torch.nn.Module, directory: Path) -> None:
+def load_weights(model: torch.nn.Module, directory: Path, sharding: Sharding | None = None) -> None:
+    sharding = sharding or Sharding.whole()
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for path in checkpoint_files(directory):
@@ -61,15 +70,14 @@ def load_weights(model: torch.nn.Module, directory: Path) -> None:
                     continue
                 if name not in params:
                     raise ValueError(f"{path.name}: unexpected tensor {name!r} for this model")
-                tensor = f.get_tensor(name)
+                part = f.get_slice(name)
                 param = params[name]
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise ValueError(
-                        f"{name}: checkpoint shape {tuple(tensor.shape)} "
-                        f"!= model shape {tuple(param.shape)}"
-                    )
+                shape = tuple(part.get_shape())
+                expected = sharding.full_shape(name, tuple(param.shape))
+                if shape != expected:
+                    raise ValueError(f"{name}: checkpoint shape {shape} != model shape {expected}")
                 with torch.no_grad():
-                    param.copy_(tensor)
+                    param.copy_(sharding.take(name, part))
                 loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:

@@ -6,10 +6,16 @@ embeddings. Module and parameter names equal the checkpoint's, so weights load b
 
 The forward pass takes a packed batch: every sequence's new tokens concatenated into one
 [tokens] vector, with positions and attention metadata saying where each sequence's KV lives.
+
+Tensor parallelism (engine/models/sharding.py says which slice each rank holds): the modules
+are built at their local sizes, and each layer runs two all-reduces (after o_proj and after
+down_proj); the embedding runs one, and the LM head one all-gather of the vocabulary slices.
+With one rank these collectives are the identity and every module is whole.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -19,6 +25,8 @@ from torch import nn
 from engine.attention.metadata import AttentionMetadata
 from engine.models.hf_config import ModelConfig
 from engine.models.rope import RotaryEmbedding
+from engine.models.sharding import Sharding
+from engine.tensor_parallel import TensorParallel
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V pages of one layer
 
@@ -59,16 +67,58 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+class RowParallelLinear(nn.Module):
+    """A linear layer whose input dim is split over the ranks: partial products, summed by one
+    all-reduce; the (whole) bias is added once, after it."""
+
+    def __init__(self, in_local: int, out: int, bias: bool, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.weight = nn.Parameter(torch.empty(out, in_local))
+        self.bias = nn.Parameter(torch.empty(out)) if bias else None
+        self.tp = tp
+        # As nn.Linear initialises (and draws from the RNG): the demo model trains identically.
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(in_local)
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + weight rows) of the embedding; other ids embed as zeros, and one
+    all-reduce sums each token's single non-zero row."""
+
+    def __init__(self, vocab_local: int, hidden: int, start: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_local, hidden))
+        self.start = start
+        self.tp = tp
+        nn.init.normal_(self.weight)  # as nn.Embedding (see RowParallelLinear)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [tokens] -> [tokens, hidden]
+        if not self.tp.enabled:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])  # no host sync: graph-safe
+        h = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        return self.tp.all_reduce(h * inside.unsqueeze(-1).to(h.dtype))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, shard: Sharding, tp: TensorParallel) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads  # this rank's
         self.head_dim = cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, cfg.o_bias, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -93,21 +143,22 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Sharding, tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        inter = shard.intermediate_size  # this rank's
+        self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Sharding, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, shard, tp)
+        self.mlp = LlamaMLP(cfg, shard, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -126,22 +177,30 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Sharding, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(
+            shard.vocab_size, cfg.hidden_size, shard.vocab_start, tp
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, shard, tp) for _ in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self, cfg: ModelConfig, backend: AttentionBackend, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
         self.config = cfg
         self.backend = backend
-        self.model = LlamaModel(cfg)
+        self.tp = tp or TensorParallel()
+        self.sharding = Sharding(cfg, self.tp.rank, self.tp.size)
+        self.model = LlamaModel(cfg, self.sharding, self.tp)
         self.lm_head = None
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, self.sharding.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling
         )
@@ -163,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.tp.gather_vocab(F.linear(hidden, weight)).float()
 
     def dense_forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits [batch, seq, vocab] for whole sequences from position 0, without a KV cache.

@@ -1,0 +1,125 @@
+"""Which slice of each checkpoint tensor one tensor-parallel rank holds (Megatron-style).
+
+Column-parallel (the output dim is split): q/k/v and gate/up projections, with their biases.
+Row-parallel (the input dim is split, one all-reduce after): o_proj and down_proj; their biases
+stay whole and are added once, after the all-reduce. Vocabulary-parallel: the embedding and the
+LM head (tied or not) hold a contiguous slice of the vocabulary rows. Norms (q/k norms included:
+one weight over head_dim, shared by every head) are replicated.
+
+With fewer KV heads than ranks, each KV head is replicated on the ranks whose query heads use
+it (rank r holds KV head r // (ranks / kv_heads)). With one rank every tensor is whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.models.hf_config import ModelConfig
+
+# Parameter name suffix -> (split dim, which size is split).
+COLUMN = {
+    "q_proj.weight": "q",
+    "q_proj.bias": "q",
+    "k_proj.weight": "kv",
+    "k_proj.bias": "kv",
+    "v_proj.weight": "kv",
+    "v_proj.bias": "kv",
+    "gate_proj.weight": "mlp",
+    "gate_proj.bias": "mlp",
+    "up_proj.weight": "mlp",
+    "up_proj.bias": "mlp",
+    "embed_tokens.weight": "vocab",
+    "lm_head.weight": "vocab",
+}
+ROW = {"o_proj.weight": "q", "down_proj.weight": "mlp"}
+
+
+@dataclass(frozen=True)
+class Split:
+    """This rank holds [start, stop) of dimension `dim`, whose full size is `full`."""
+
+    dim: int
+    start: int
+    stop: int
+    full: int
+
+    def index(self) -> tuple[slice, ...]:
+        return (*[slice(None)] * self.dim, slice(self.start, self.stop))
+
+
+class Sharding:
+    """The local sizes and tensor slices of rank `rank` of `size` for one model config.
+
+    Raises ValueError at construction when `size` does not divide what it must split.
+    """
+
+    def __init__(self, cfg: ModelConfig, rank: int = 0, size: int = 1) -> None:
+        _check_divisible(cfg, size)
+        self.rank, self.size = rank, size
+        self.num_heads = cfg.num_heads // size
+        self.num_kv_heads = max(1, cfg.num_kv_heads // size)
+        if cfg.num_kv_heads >= size:
+            kv_first = rank * self.num_kv_heads
+        else:  # replicated: the KV head of this rank's query heads
+            kv_first = rank // (size // cfg.num_kv_heads)
+        self.intermediate_size = cfg.intermediate_size // size
+        self.vocab_size = cfg.vocab_size // size
+        self.vocab_start = rank * self.vocab_size
+        d = cfg.head_dim
+        self._ranges = {
+            "q": (rank * self.num_heads * d, self.num_heads * d, cfg.num_heads * d),
+            "kv": (kv_first * d, self.num_kv_heads * d, cfg.num_kv_heads * d),
+            "mlp": (rank * self.intermediate_size, self.intermediate_size, cfg.intermediate_size),
+            "vocab": (self.vocab_start, self.vocab_size, cfg.vocab_size),
+        }
+
+    @classmethod
+    def whole(cls) -> Sharding:
+        """One rank: every tensor whole (needs no model config)."""
+        shard = cls.__new__(cls)
+        shard.rank, shard.size, shard._ranges = 0, 1, {}
+        return shard
+
+    def split(self, name: str) -> Split | None:
+        """This rank's slice of parameter `name`; None when every rank holds it whole."""
+        if self.size == 1:
+            return None
+        suffix = ".".join(name.split(".")[-2:])
+        kind, dim = (COLUMN.get(suffix), 0) if suffix in COLUMN else (ROW.get(suffix), 1)
+        if kind is None:
+            return None
+        start, length, full = self._ranges[kind]
+        return Split(dim, start, start + length, full)
+
+    def full_shape(self, name: str, local: tuple[int, ...]) -> tuple[int, ...]:
+        """The checkpoint shape of a parameter whose shard on this rank has shape `local`."""
+        split = self.split(name)
+        if split is None:
+            return tuple(local)
+        shape = list(local)
+        shape[split.dim] = split.full
+        return tuple(shape)
+
+    def take(self, name: str, source: Any) -> Any:
+        """This rank's part of a whole tensor: `source` is anything indexable like a tensor
+        (a torch tensor, a safetensors slice, which then reads only these rows or columns)."""
+        split = self.split(name)
+        return source[:] if split is None else source[split.index()]
+
+
+def _check_divisible(cfg: ModelConfig, size: int) -> None:
+    def refuse(what: str) -> ValueError:
+        return ValueError(f"tensor_parallel_size: {size} {what}")
+
+    if cfg.num_heads % size:
+        raise refuse(f"does not divide num_attention_heads={cfg.num_heads}")
+    kv = cfg.num_kv_heads
+    if kv >= size and kv % size:
+        raise refuse(f"does not divide num_key_value_heads={kv}")
+    if kv < size and size % kv:
+        raise refuse(f"is not a multiple of num_key_value_heads={kv} (KV heads are replicated)")
+    if cfg.intermediate_size % size:
+        raise refuse(f"does not divide intermediate_size={cfg.intermediate_size}")
+    if cfg.vocab_size % size:
+        raise refuse(f"does not divide vocab_size={cfg.vocab_size}")
