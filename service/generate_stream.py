@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -11,6 +12,7 @@ import structlog
 from sluice.v1 import generation_pb2 as pb
 
 from service.admission import Refusal
+from service.coalescing import coalesce
 
 log = structlog.get_logger("sluice.servicer")
 
@@ -72,17 +74,31 @@ class GenerateStreamCall:
         reader = asyncio.create_task(self._read(requests))
         reader.add_done_callback(self._events.put_nowait)  # collected below, like a pump
         reading, give_up_at = True, None
+        backlog: collections.deque[pb.GenerateResponse | asyncio.Task[None]] = collections.deque()
         try:
             while reading or self._pumps:
-                timeout = None if give_up_at is None else max(0.0, give_up_at - loop.time())
-                try:
-                    item = await asyncio.wait_for(self._events.get(), timeout)
-                except TimeoutError:
-                    for event in self._end_unconfirmed():
-                        yield event
-                    return
+                if backlog:
+                    item = backlog.popleft()
+                else:
+                    timeout = None if give_up_at is None else max(0.0, give_up_at - loop.time())
+                    try:
+                        item = await asyncio.wait_for(self._events.get(), timeout)
+                    except TimeoutError:
+                        for event in self._end_unconfirmed():
+                            yield event
+                        return
                 if isinstance(item, pb.GenerateResponse):
-                    yield item
+                    # Every event that queued up while the previous one was being written goes
+                    # out now, a sample's chunks merged (a finished task waits its turn).
+                    batch = [item]
+                    while backlog or not self._events.empty():
+                        following = backlog.popleft() if backlog else self._events.get_nowait()
+                        if not isinstance(following, pb.GenerateResponse):
+                            backlog.appendleft(following)
+                            break
+                        batch.append(following)
+                    for event in coalesce(batch):
+                        yield event
                 elif item is reader:
                     reading = False
                     self.failure = _failure(reader)
