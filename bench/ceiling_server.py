@@ -67,6 +67,7 @@ def ceiling_engine(config: EngineConfig, conn: Connection) -> None:
     running: dict[str, tuple[AddRequest, int]] = {}  # id -> (request, tokens sent)
     ended: list[RequestOutput] = []
     steps: list[float] = []  # when step k was sent
+    sizes: list[int] = []  # how many tokens it carried
     first_step: dict[str, int] = {}
     next_step = time.monotonic()
     while True:
@@ -84,7 +85,7 @@ def ceiling_engine(config: EngineConfig, conn: Connection) -> None:
                     conn.send(Heartbeat(EngineStats(running=len(running))))
                 case Shutdown():
                     (model / "steps.json").write_text(
-                        json.dumps({"steps": steps, "first_step": first_step})
+                        json.dumps({"steps": steps, "sizes": sizes, "first_step": first_step})
                     )
                     for rid in running:
                         ended.append(
@@ -120,6 +121,7 @@ def ceiling_engine(config: EngineConfig, conn: Connection) -> None:
             else:
                 running[rid] = (add, sent + 1)
         steps.append(time.monotonic())
+        sizes.append(sum(1 for o in outputs if o.new_token_ids))
         conn.send(StepOutput(outputs, EngineStats(running=len(running))))
         # A fixed pace, like a GPU's step time; a late step does not make the next one early.
         next_step = max(next_step + interval, time.monotonic())

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--low-streams", type=int, default=4, help="streams at low load; 0 = skip")
     p.add_argument("--low-step-ms", type=float, default=20.0)
     p.add_argument("--clients", type=int, default=2, help="client processes")
+    p.add_argument(
+        "--rpc",
+        choices=["generate", "stream"],
+        default="generate",
+        help="one Generate call per request, or each client's requests over one GenerateStream",
+    )
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per request")
     p.add_argument("--seconds", type=float, default=5.0, help="measured window per phase")
     p.add_argument("--warmup", type=float, default=1.5, help="seconds before the window")
@@ -66,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def client_main(
+    rpc: str,
     target: str,
     slots: list[int],
     tag: str,
@@ -76,7 +84,8 @@ def client_main(
     out: Any,
 ) -> None:
     """Hold one stream per slot until `stop_at`; put its records on `out`."""
-    out.put(asyncio.run(_streams(target, slots, tag, prompt, max_tokens, start_at, stop_at)))
+    streams = _streams if rpc == "generate" else _multiplexed
+    out.put(asyncio.run(streams(target, slots, tag, prompt, max_tokens, start_at, stop_at)))
 
 
 async def _streams(
@@ -122,6 +131,63 @@ async def _streams(
                         break
 
         await asyncio.gather(*(stream(slot) for slot in slots))
+    return records
+
+
+async def _multiplexed(
+    target: str,
+    slots: list[int],
+    tag: str,
+    prompt: list[int],
+    max_tokens: int,
+    start_at: float,
+    stop_at: float,
+) -> list[Record]:
+    """Like `_streams`, but every request of this client goes over one GenerateStream call."""
+    import grpc
+    from sluice.v1 import generation_pb2 as pb
+    from sluice.v1 import generation_pb2_grpc
+
+    records: list[Record] = []
+    starts: asyncio.Queue[pb.GenerateStreamRequest | None] = asyncio.Queue()
+    counts = dict.fromkeys(slots, 0)
+    positions: dict[str, int] = {}
+
+    def start(slot: int) -> None:
+        rid = f"{tag}-{slot}-{counts[slot]}"
+        counts[slot] += 1
+        positions[rid] = 0
+        request = pb.GenerateRequest(
+            request_id=rid,
+            token_ids=pb.TokenIds(ids=prompt),
+            sampling=pb.SamplingParams(temperature=0.0),
+            stop=pb.StopParams(max_tokens=max_tokens, ignore_eos=True),
+        )
+        starts.put_nowait(pb.GenerateStreamRequest(start=request))
+
+    async def requests() -> AsyncIterator[pb.GenerateStreamRequest]:
+        while (message := await starts.get()) is not None:
+            yield message
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        await channel.channel_ready()
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        for slot in slots:
+            start(slot)
+        call = stub.GenerateStream(requests())
+        async for event in call:
+            now = time.monotonic()
+            kind = event.WhichOneof("event")
+            if kind == "tokens":
+                count = len(event.tokens.token_ids)
+                records.append((event.request_id, positions[event.request_id], count, now))
+                positions[event.request_id] += count
+            elif kind == "finished" and now < stop_at:
+                start(int(event.request_id.split("-")[1]))
+            if now >= stop_at:
+                call.cancel()
+                break
     return records
 
 
@@ -177,7 +243,7 @@ def run_phase(
             server.send_signal(signal.SIGTERM)
             server.wait(timeout=30)
         steps = json.loads((model / "steps.json").read_text())
-    return summarize(result, steps, streams, step_ms, label)
+    return summarize(result, steps, streams, step_ms, label, args.rpc)
 
 
 def _drive(args: argparse.Namespace, server_pid: int, target: str, streams: int) -> dict[str, Any]:
@@ -191,6 +257,7 @@ def _drive(args: argparse.Namespace, server_pid: int, target: str, streams: int)
         ctx.Process(
             target=client_main,
             args=(
+                args.rpc,
                 target,
                 list(range(c, streams, clients)),
                 f"c{c}",
@@ -225,7 +292,12 @@ def _drive(args: argparse.Namespace, server_pid: int, target: str, streams: int)
 
 
 def summarize(
-    result: dict[str, Any], steps: dict[str, Any], streams: int, step_ms: float, label: str
+    result: dict[str, Any],
+    steps: dict[str, Any],
+    streams: int,
+    step_ms: float,
+    label: str,
+    rpc: str,
 ) -> dict[str, Any]:
     start, end = result["window"]
     sent_at: list[float] = steps["steps"]
@@ -241,11 +313,14 @@ def summarize(
         first = first_step[rid] + position
         delays.extend(received - sent_at[k] for k in range(first, first + count))
     seconds = end - start
+    engine_tokens = sum(n for t, n in zip(sent_at, steps["sizes"], strict=True) if start <= t < end)
     return {
         "revision": label,
+        "rpc": rpc,
         "streams": streams,
         "step_ms": step_ms,
         "offered_tok_s": round(streams / step_ms * 1000),
+        "engine_tok_s": round(engine_tokens / seconds),  # below offered: the engine was late
         "delivered_tok_s": round(tokens / seconds),
         "tokens_per_message": round(tokens / messages, 3) if messages else math.nan,
         "messages_alone": round(alone / messages, 4) if messages else math.nan,
@@ -301,13 +376,25 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.baseline_rev:
         result["ratios"] = ratios(phases, args.baseline_rev)
-    header = ["revision", "streams", "offered", "delivered", "tok/msg", "alone", "cores"]
+    header = [
+        "revision",
+        "rpc",
+        "streams",
+        "offered",
+        "engine sent",
+        "delivered",
+        "tok/msg",
+        "alone",
+        "cores",
+    ]
     header += ["cpu s/1k tok", "delay p50 ms", "p99", "max", "client cores", "engine"]
     rows = [
         [
             p["revision"],
+            p["rpc"],
             p["streams"],
             p["offered_tok_s"],
+            p["engine_tok_s"],
             p["delivered_tok_s"],
             p["tokens_per_message"],
             p["messages_alone"],
