@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -192,10 +192,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         (a draining server's). It carries the same retry delay as an overload refusal."""
         return Refusal(grpc.StatusCode.UNAVAILABLE, message, retry_after=self.config.retry_after)
 
-    async def _run(self, submitted: _Submitted) -> AsyncIterator[pb.GenerateResponse]:
+    async def _run(self, submitted: _Submitted) -> AsyncGenerator[pb.GenerateResponse, None]:
         """Events of one admitted request: `started`, chunks, one `finished` per index, last.
 
-        Each wake-up sends every output waiting in the queue as one chunk (coalescing).
+        Each wake-up sends every output waiting in the queue as one chunk (coalescing): the
+        caller resumes it only once its previous event is written.
         """
         assert self.tokenizer is not None
         request = submitted.admission.request
