@@ -213,6 +213,28 @@ def _load(path: Path) -> dict[str, Any] | None:
     return result
 
 
+def service_ceiling(r: dict[str, Any]) -> str:
+    header = ["revision", "rpc", "streams", "offered tok/s", "engine sent", "delivered tok/s"]
+    header += ["tokens/message", "messages alone", "service cores", "service CPU s/1k tok"]
+    header += ["delay p50 ms", "p99 ms", "max ms"]
+    keys = ["revision", "rpc", "streams", "offered_tok_s", "engine_tok_s", "delivered_tok_s"]
+    keys += ["tokens_per_message", "messages_alone", "service_cores"]
+    keys += ["service_cpu_s_per_1k_tokens", "delay_ms_p50", "delay_ms_p99", "delay_ms_max"]
+    rows = [[p[k] for k in keys] for p in r["phases"]]
+    s = r["settings"]
+    text = (
+        f"**service ceiling** ({s['clients']} client processes, {s['max_tokens']} tokens per "
+        f"request, {s['seconds']} s windows)\n\n" + markdown(header, rows)
+    )
+    for ratio in r.get("ratios", []):
+        text += (
+            f"\n\ncurrent / {s['baseline_rev']} at {ratio['streams']} streams, a step every "
+            f"{ratio['step_ms']} ms: delivered **{ratio['delivered']:.2f}x**, service CPU per "
+            f"token **{ratio['cpu_per_token']:.2f}x**"
+        )
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", type=Path, nargs="+")
@@ -221,7 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.summary:
         print(summary(args.folders))
         return 0
-    render = {"offline": offline, "decode": decode, "serve": serve, "prefix": prefix}
+    render = {
+        "offline": offline,
+        "decode": decode,
+        "serve": serve,
+        "prefix": prefix,
+        "service_ceiling": service_ceiling,
+    }
     for folder in args.folders:
         for path in sorted(folder.glob("*.json")):
             result = _load(path)

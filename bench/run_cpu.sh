@@ -53,6 +53,9 @@ if [[ $MODE == smoke ]]; then
     --threads 1
   # 18 s of mixed traffic: a checkpoint update, an inline update, then an engine kill -9.
   run soak bench.soak --minutes 0.3 --update-every 8 --kill-every 15
+  # The service in front of an instant stand-in engine, over GenerateStream (about 8 s).
+  run service_ceiling bench.service_ceiling --streams 16 --step-ms 10 --low-streams 2 \
+    --seconds 1 --warmup 0.5 --clients 1 --rpc stream
 else
   # --repeat: engine and HF runs alternate and each side's best counts; likewise the serving
   # benchmark's offline reference runs and its rate-inf phases (a busy machine only slows runs).
@@ -63,6 +66,8 @@ else
   run serve bench.serve --shape tiny --scale 0.5 --rates inf 8 4 --max-concurrency 64 \
     --repeat 3 --threads "$THREADS"
   run prefix bench.prefix --shape tiny --groups 8 --waves 4 --prefix-len 512 --threads "$THREADS"
+  run service_ceiling bench.service_ceiling --seconds 4 --warmup 1.5
+  run service_ceiling_stream bench.service_ceiling --seconds 4 --warmup 1.5 --rpc stream
 fi
 
 echo "== done in ${SECONDS} s; load average: $(cut -d' ' -f1-3 /proc/loadavg)" >&2

@@ -62,6 +62,10 @@ step decode-llama-3-8b 90 bench.decode --shape llama-3-8b $DEV --batches 1 8 64 
 step sampler 60 bench.sampler --device cuda --batches 64 256 --vocab 128256
 step serve-qwen2.5-0.5b 100 bench.serve --shape qwen2.5-0.5b $DEV --scale 0.5 --rates inf 16 \
   --max-concurrency 64
+# The service's ceiling in front of an instant stand-in engine (no GPU needed, the host's cores).
+CEIL="bench.service_ceiling --streams 256 --step-ms 5 2.5 --clients 8 --seconds 4"
+step service-ceiling 45 $CEIL
+step service-ceiling-stream 45 $CEIL --rpc stream
 # The other real shapes, while the budget lasts.
 step checkpoints-more 60 $CK qwen3-0.6b llama-3.2-1b
 rm -f "$OUT/checkpoints-more.json"

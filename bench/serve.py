@@ -210,7 +210,7 @@ def offline_rate(args: argparse.Namespace, model_dir: Path, dtype: str) -> dict[
         "--max-num-seqs",
         str(args.max_concurrency),
         "--skip-hf",
-        "--no-enable-prefix-cache",
+        "--disable-prefix-cache",  # bench.offline's own flag (the server's is --no-enable-...)
     ]
     if args.num_requests is not None:
         cmd += ["--num-requests", str(args.num_requests)]

@@ -61,7 +61,7 @@ class Completion:
         self._completion_tokens = 0
         self._prompt_tokens = 0
         self._cached_tokens = 0
-        self._spans: list[pb.VersionSpan] = []
+        self._spans: list[list[int]] = []  # [policy_version, start, end] per version
 
     def absorb(self, outputs: list[RequestOutput]) -> list[pb.GenerateResponse]:
         events: list[pb.GenerateResponse] = []
@@ -116,16 +116,14 @@ class Completion:
         if output.top_logprobs is not None:
             ids, logprobs = output.top_logprobs[i]
             chunk.top_logprobs.append(pb.TopLogprobs(token_ids=ids, logprobs=logprobs))
-        position = self._completion_tokens
         self._completion_tokens += 1
-        last = self._spans[-1] if self._spans else None
-        if last is not None and last.policy_version == output.policy_version:
-            last.end = position + 1
+        # Plain ints per token; the protobuf spans are built once, at the finish.
+        spans = self._spans
+        if spans and spans[-1][0] == output.policy_version:
+            spans[-1][2] = self._completion_tokens
         else:
-            self._spans.append(
-                pb.VersionSpan(
-                    policy_version=output.policy_version, start=position, end=position + 1
-                )
+            spans.append(
+                [output.policy_version, self._completion_tokens - 1, self._completion_tokens]
             )
 
     def _chunk_event(self, chunk: _Chunk) -> pb.GenerateResponse:
@@ -151,7 +149,10 @@ class Completion:
                 completion_tokens=self._completion_tokens,
                 cached_tokens=self._cached_tokens,
             ),
-            version_spans=self._spans,
+            version_spans=[
+                pb.VersionSpan(policy_version=v, start=start, end=end)
+                for v, start, end in self._spans
+            ],
             message=message,
         )
         return pb.GenerateResponse(request_id=self.request_id, index=self.index, finished=finished)

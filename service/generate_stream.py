@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -26,9 +27,10 @@ class Admitted:
     request_id: str
     n: int
     prompt_tokens: int
-    events: AsyncIterator[pb.GenerateResponse]
+    events: AsyncGenerator[pb.GenerateResponse, None]
 
 
+_Event = tuple[pb.GenerateResponse, "_Pump | None"]  # None: a refusal, nobody waits
 Start = Callable[[pb.GenerateRequest], Awaitable[Admitted]]  # raises Refusal
 Cancel = Callable[[list[str]], object]  # aborts requests in the engine (reason CANCELLED)
 
@@ -41,6 +43,7 @@ class _Pump:
     prompt_tokens: int
     unfinished: set[int]
     started: bool = False
+    sent: asyncio.Event = field(default_factory=asyncio.Event)  # its last event is written
 
 
 class GenerateStreamCall:
@@ -61,8 +64,9 @@ class GenerateStreamCall:
         self.start = start
         self.cancel = cancel
         self.failure: Refusal | None = None
-        # Events to send, and finished tasks (the reader's and the pumps') to collect.
-        self._events: asyncio.Queue[pb.GenerateResponse | asyncio.Task[None]] = asyncio.Queue()
+        # Events to send (with the pump that waits for each), and finished tasks (the reader's
+        # and the pumps') to collect.
+        self._events: asyncio.Queue[_Event | asyncio.Task[None]] = asyncio.Queue()
         self._pumps: dict[asyncio.Task[None], _Pump] = {}
 
     async def run(
@@ -81,8 +85,11 @@ class GenerateStreamCall:
                     for event in self._end_unconfirmed():
                         yield event
                     return
-                if isinstance(item, pb.GenerateResponse):
-                    yield item
+                if isinstance(item, tuple):
+                    event, pump = item
+                    yield event  # grpc.aio resumes this generator once the event is written
+                    if pump is not None:
+                        pump.sent.set()
                 elif item is reader:
                     reading = False
                     self.failure = _failure(reader)
@@ -126,21 +133,32 @@ class GenerateStreamCall:
                 message=refusal.message,
                 start=start_index,
             )
-            self._events.put_nowait(_refused_event(request.request_id, start_index, refusal))
+            self._events.put_nowait(
+                (_refused_event(request.request_id, start_index, refusal), None)
+            )
             return
         pump = _Pump(admitted.request_id, admitted.prompt_tokens, set(range(admitted.n)))
         task = asyncio.create_task(self._pump(admitted.events, pump))
         self._pumps[task] = pump
         task.add_done_callback(self._events.put_nowait)
 
-    async def _pump(self, events: AsyncIterator[pb.GenerateResponse], pump: _Pump) -> None:
-        async for event in events:
-            match event.WhichOneof("event"):
-                case "started":
-                    pump.started = True
-                case "finished":
-                    pump.unfinished.discard(event.index)
-            self._events.put_nowait(event)
+    async def _pump(self, events: AsyncGenerator[pb.GenerateResponse, None], pump: _Pump) -> None:
+        # NOTE: aclosing: a pump cancelled while it waits for `sent` must still close the
+        # request's generator at once, which aborts the request in the engine.
+        async with contextlib.aclosing(events):
+            async for event in events:
+                match event.WhichOneof("event"):
+                    case "started":
+                        pump.started = True
+                    case "finished":
+                        pump.unfinished.discard(event.index)
+                pump.sent.clear()
+                self._events.put_nowait((event, pump))
+                # NOTE: the coalescing point. The request's next event is made only once this
+                # one is written: what the engine produces meanwhile waits in the request's
+                # queue and goes out as one chunk, as with Generate; an idle stream still
+                # sends each token at once.
+                await pump.sent.wait()
 
     def _end_unconfirmed(self) -> list[pb.GenerateResponse]:
         """The events still queued, then those the requests still running owe, made without
@@ -148,7 +166,7 @@ class GenerateStreamCall:
         events: list[pb.GenerateResponse] = []
         while not self._events.empty():  # NOTE: wait_for can time out with items queued
             match self._events.get_nowait():
-                case pb.GenerateResponse() as event:
+                case (event, _):
                     events.append(event)
                 case task if task in self._pumps:
                     pump = self._pumps.pop(task)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -193,10 +193,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         (a draining server's). It carries the same retry delay as an overload refusal."""
         return Refusal(grpc.StatusCode.UNAVAILABLE, message, retry_after=self.config.retry_after)
 
-    async def _run(self, submitted: _Submitted) -> AsyncIterator[pb.GenerateResponse]:
+    async def _run(self, submitted: _Submitted) -> AsyncGenerator[pb.GenerateResponse, None]:
         """Events of one admitted request: `started`, chunks, one `finished` per index, last.
 
-        Each wake-up sends every output waiting in the queue as one chunk (coalescing).
+        Each wake-up sends every output waiting in the queue as one chunk (coalescing): the
+        caller resumes it only once its previous event is written.
         """
         assert self.tokenizer is not None
         request = submitted.admission.request
@@ -209,17 +210,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         started = False
         abandoned: FinishReason | None = None
         try:
-            while not all(c.finished for c in completions.values()):
-                outputs = [await submitted.queue.get()]
-                while not submitted.queue.empty():
-                    outputs.append(submitted.queue.get_nowait())
+            queue, unfinished = submitted.queue, request.n
+            while unfinished:
+                # NOTE: the only coalescing point. While this generator's previous event is
+                # being written, grpc.aio does not resume it, so whatever the engine produced
+                # meanwhile is waiting here and goes out as one chunk; an idle stream finds
+                # one output and sends it at once.
+                outputs = [await queue.get()]
+                while not queue.empty():
+                    outputs.append(queue.get_nowait())
                 if not started:
                     started = True
                     yield _started_event(rid, outputs[0])
                 for index, completion in completions.items():
-                    mine = [o for o in outputs if o.index == index]
+                    mine = outputs if request.n == 1 else [o for o in outputs if o.index == index]
                     if mine and not completion.finished:
                         events = completion.absorb(mine)
+                        unfinished -= completion.finished
                         if completion.finish_reason is not None:
                             self.metrics.completion_finished(completion.finish_reason.value)
                         for event in events:

@@ -1,0 +1,147 @@
+"""Coalescing: tokens that wait while a stream's previous event is written go out as one chunk;
+an idle stream sends each token alone; nothing is lost or reordered."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from service_harness import make_fake_model
+from sluice.v1 import generation_pb2 as pb
+
+from engine.config import EngineConfig
+from engine.messages import AddRequest, FinishReason, RequestOutput, SamplingParams
+from service.admission import Admission
+from service.completion import OutputSettings
+from service.config import ServiceConfig
+from service.generate_stream import Admitted, GenerateStreamCall
+from service.metrics import Metrics
+from service.servicer import GenerationServicer, _Submitted
+from service.tokenizer import Tokenizer
+
+IDS = [104, 101, 108, 108, 111]  # the ids the fake engine "generates", in order
+
+
+class _Engine:
+    """The two EngineClient methods `_run` calls; records aborts."""
+
+    def __init__(self) -> None:
+        self.aborted: list[tuple[list[str], FinishReason]] = []
+
+    def abort(self, request_ids: list[str], reason: FinishReason, index: int | None = None):
+        self.aborted.append((request_ids, reason))
+
+    def detach(self, request_id: str) -> None:
+        pass
+
+
+def output(rid: str, k: int) -> RequestOutput:
+    """The k-th output of request `rid`: token IDS[k]; the last one finishes it."""
+    last = k == len(IDS) - 1
+    return RequestOutput(
+        rid,
+        0,
+        [IDS[k]],
+        0,
+        finish_reason=FinishReason.LENGTH if last else None,
+        prompt_tokens=3 if k == 0 else 0,
+        completion_tokens=k + 1,
+    )
+
+
+@pytest.fixture
+def servicer(tmp_path: Path) -> GenerationServicer:
+    model = make_fake_model(tmp_path / "model")
+    config = ServiceConfig(engine=EngineConfig(model=str(model)))
+    servicer = GenerationServicer(config, _Engine(), Metrics())  # type: ignore[arg-type]
+    servicer.tokenizer = Tokenizer(model)
+    return servicer
+
+
+def submit(servicer: GenerationServicer, rid: str) -> tuple[asyncio.Queue[RequestOutput], Admitted]:
+    request = AddRequest(rid, [5, 6, 7], SamplingParams(max_tokens=len(IDS)))
+    queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    events = servicer._run(_Submitted(Admission(request, OutputSettings()), queue, None))
+    return queue, Admitted(rid, 1, 3, events)
+
+
+def tokens(event: pb.GenerateResponse) -> list[int]:
+    assert event.WhichOneof("event") == "tokens", event
+    return list(event.tokens.token_ids)
+
+
+async def test_generate_sends_an_idle_token_alone_and_tokens_that_waited_together(servicer):
+    queue, admitted = submit(servicer, "r")
+    events = admitted.events
+    queue.put_nowait(output("r", 0))
+    assert (await anext(events)).WhichOneof("event") == "started"
+    alone = await anext(events)
+    assert tokens(alone) == IDS[:1]
+    # The generator is suspended at that yield (its message being written): what the engine
+    # produces meanwhile waits in the queue and goes out as one chunk.
+    for k in range(1, len(IDS)):
+        queue.put_nowait(output("r", k))
+    together = await anext(events)
+    assert tokens(together) == IDS[1:]
+    assert alone.tokens.text + together.tokens.text == servicer.tokenizer.decode(IDS)
+    assert (await anext(events)).finished.usage.completion_tokens == len(IDS)
+
+
+async def test_generate_stream_merges_what_came_while_the_previous_event_was_written(servicer):
+    queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+
+    async def start(request: pb.GenerateRequest) -> Admitted:
+        queues[request.request_id], admitted = submit(servicer, request.request_id)
+        return admitted
+
+    async def requests() -> AsyncIterator[pb.GenerateStreamRequest]:
+        for rid in ("a", "b"):
+            yield pb.GenerateStreamRequest(start=pb.GenerateRequest(request_id=rid))
+
+    call = GenerateStreamCall(start, lambda ids: None)
+    stream = call.run(requests())
+    first = asyncio.ensure_future(anext(stream))
+    while len(queues) < 2:  # both admitted
+        await asyncio.sleep(0)
+    for rid in ("a", "b"):
+        queues[rid].put_nowait(output(rid, 0))
+    sent = [await first, await anext(stream)]  # both `started`; the consumer is "writing"
+    # Every step's outputs arrive while the consumer is suspended at a yield.
+    for k in range(1, len(IDS)):
+        for rid in ("a", "b"):
+            queues[rid].put_nowait(output(rid, k))
+        await asyncio.sleep(0)
+    sent += [event async for event in stream]
+    assert call.failure is None
+    for rid in ("a", "b"):
+        mine = [e for e in sent if e.request_id == rid]
+        kinds = [e.WhichOneof("event") for e in mine]
+        assert kinds == ["started", "tokens", "tokens", "finished"], kinds
+        # The first token was already queued; the rest waited together and go out as one.
+        assert [tokens(e) for e in mine[1:3]] == [IDS[:1], IDS[1:]]
+        assert "".join(e.tokens.text for e in mine[1:3]) == servicer.tokenizer.decode(IDS)
+
+
+async def test_a_cancelled_generate_stream_aborts_requests_waiting_for_their_write(servicer):
+    queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+
+    async def start(request: pb.GenerateRequest) -> Admitted:
+        queues[request.request_id], admitted = submit(servicer, request.request_id)
+        return admitted
+
+    async def requests() -> AsyncIterator[pb.GenerateStreamRequest]:
+        yield pb.GenerateStreamRequest(start=pb.GenerateRequest(request_id="a"))
+        await asyncio.Event().wait()  # the caller keeps its side open
+
+    stream = GenerateStreamCall(start, lambda ids: None).run(requests())
+    first = asyncio.ensure_future(anext(stream))
+    while "a" not in queues:
+        await asyncio.sleep(0)
+    queues["a"].put_nowait(output("a", 0))
+    assert (await first).WhichOneof("event") == "started"
+    queues["a"].put_nowait(output("a", 1))
+    await asyncio.sleep(0.01)  # the pump now waits for `started` to be written
+    await stream.aclose()  # the caller went away
+    assert servicer.engine.aborted == [(["a"], FinishReason.CANCELLED)]
