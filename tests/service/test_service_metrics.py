@@ -18,7 +18,7 @@ import socket
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -112,7 +112,13 @@ async def test_a_known_workload_moves_every_metric_by_exactly_its_amount(server,
             await asyncio.to_thread(admin.update_weights, str(tiny_llama), policy_version=1)
         assert stale.value.code() is grpc.StatusCode.FAILED_PRECONDITION
 
-    after = await _scrape_when_idle(port)
+    update = "/sluice.v1.Admin/UpdateWeights"
+    # NOTE: a call is counted when its handler returns, which can be a moment after its caller
+    # has the status (abort() sends it first): wait for the refused update's count too.
+    refused_update = {"method": update, "code": "FAILED_PRECONDITION"}
+    after = await _scrape_when_idle(
+        port, lambda s: moved(before, s, "sluice_grpc_calls_total", **refused_update) > 0
+    )
     assert [c.reason for c in done] == ["LENGTH"] * 7
     started = [c.started for c in done]
     assert all(s is not None for s in started)
@@ -139,7 +145,6 @@ async def test_a_known_workload_moves_every_metric_by_exactly_its_amount(server,
     assert counter("sluice_grpc_calls_total", method=generate, code="OK") == 8
     assert counter("sluice_grpc_calls_total", method=generate, code="INVALID_ARGUMENT") == 1
     assert counter("sluice_grpc_calls_total", method="/sluice.v1.Generation/Cancel", code="OK") == 1
-    update = "/sluice.v1.Admin/UpdateWeights"
     assert counter("sluice_grpc_calls_total", method=update, code="OK") == 1
     assert counter("sluice_grpc_calls_total", method=update, code="FAILED_PRECONDITION") == 1
 
@@ -167,13 +172,18 @@ async def test_a_known_workload_moves_every_metric_by_exactly_its_amount(server,
     assert value(after, "sluice_serving_state", state="restarting") == 0
 
 
-async def _scrape_when_idle(port: int, timeout: float = 10.0) -> Samples:
-    """The page once the engine has reported itself idle (its stats ride on its messages)."""
+async def _scrape_when_idle(
+    port: int, settled: Callable[[Samples], bool] = lambda _: True, timeout: float = 10.0
+) -> Samples:
+    """The page once the engine has reported itself idle (its stats ride on its messages) and
+    `settled` holds."""
     end = time.monotonic() + timeout
     while True:
         samples = await asyncio.to_thread(scrape, port)
         idle = value(samples, "sluice_requests_running") == 0
-        if (idle and value(samples, "sluice_kv_cache_usage_ratio") == 0) or time.monotonic() > end:
+        if idle and value(samples, "sluice_kv_cache_usage_ratio") == 0 and settled(samples):
+            return samples
+        if time.monotonic() > end:
             return samples
         await asyncio.sleep(0.1)
 
