@@ -5,18 +5,7 @@
 # started.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! command -v docker-compose >/dev/null; then
-  sudo=""
-  if [ "$(id -u)" != 0 ]; then
-    command -v sudo >/dev/null || {
-      echo "check_compose: docker-compose is missing; install it as root (no sudo here)" >&2
-      exit 1
-    }
-    sudo="sudo"
-  fi
-  $sudo apt-get update -qq
-  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null
-fi
+bash scripts/apt_install.sh docker-compose
 docker-compose config -q
 expect_services() {  # profile, then the services it must add
   local profile=$1 services

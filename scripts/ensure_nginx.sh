@@ -6,18 +6,9 @@ set -euo pipefail
 if command -v nginx >/dev/null || [ -x /usr/sbin/nginx ]; then
   exit 0
 fi
-sudo=""
-if [ "$(id -u)" != 0 ]; then
-  command -v sudo >/dev/null || {
-    echo "ensure_nginx: nginx is missing; install it as root (no sudo here)" >&2
-    exit 1
-  }
-  sudo="sudo"
-fi
-$sudo apt-get update -qq
-$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null
+bash "$(dirname "$0")/apt_install.sh" nginx
 # A package install may start nginx as a service on port 80: the tests need none.
 if command -v service >/dev/null; then
-  $sudo service nginx stop >/dev/null 2>&1 || true
+  $([ "$(id -u)" = 0 ] || echo sudo) service nginx stop >/dev/null 2>&1 || true
 fi
 echo "nginx: $(/usr/sbin/nginx -v 2>&1)"
