@@ -224,6 +224,10 @@ def _free(torch: Any, device: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from engine.logs import configure_logging
+
+    # The engine's log lines (tensor-parallel workers, say) on stderr: stdout is the JSON.
+    configure_logging("info", "console", process="bench")
     threads = set_threads(args.threads)
     model_dir, dtype = resolve_model(args)
     from engine.models.hf_config import load_model_config
@@ -236,22 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     engine_runs: list[dict[str, Any]] = []
     one_rank_runs: list[dict[str, Any]] = []  # with --tensor-parallel-size > 1
     hf_by_size: dict[int, list[dict[str, Any]]] = {size: [] for size in args.hf_batch_sizes}
+    # With --tensor-parallel-size N > 1, each repeat also runs 1 rank: the baseline of the ratio.
+    sizes = [(args.tensor_parallel_size, engine_runs)]
+    if args.tensor_parallel_size > 1:
+        sizes.append((1, one_rank_runs))
     for _ in range(args.repeat):
-        run = run_engine(
-            model_dir,
-            workload,
-            args.device,
-            dtype,
-            args.max_num_seqs,
-            args.max_num_batched_tokens,
-            args.kv_cache_gib,
-            prefix_cache=not args.disable_prefix_cache,
-            tensor_parallel_size=args.tensor_parallel_size,
-            threads=threads,
-        )
-        log(f"engine: {run['output_tokens_per_s']:.1f} output tokens/s")
-        engine_runs.append(run)
-        if args.tensor_parallel_size > 1:
+        for tp_size, runs in sizes:
             run = run_engine(
                 model_dir,
                 workload,
@@ -261,10 +255,12 @@ def main(argv: list[str] | None = None) -> int:
                 args.max_num_batched_tokens,
                 args.kv_cache_gib,
                 prefix_cache=not args.disable_prefix_cache,
+                tensor_parallel_size=tp_size,
                 threads=threads,
             )
-            log(f"engine, 1 rank: {run['output_tokens_per_s']:.1f} output tokens/s")
-            one_rank_runs.append(run)
+            label = "engine" if runs is engine_runs else "engine, 1 rank"
+            log(f"{label}: {run['output_tokens_per_s']:.1f} output tokens/s")
+            runs.append(run)
         for size in [] if args.skip_hf else args.hf_batch_sizes:
             run = run_hf(model_dir, workload, args.device, dtype, size)
             log(f"hf batch {size}: {run['output_tokens_per_s']:.1f} output tokens/s")
