@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -122,3 +123,28 @@ def wait_gone(pid: int, timeout: float) -> bool:
 def force_kill(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
+
+
+async def run_serve(*flags: str, timeout: float) -> tuple[int | None, str]:
+    """`python -m service FLAGS` run to its end, for start-up failures: its exit code (None if
+    it was still running after `timeout` and had to be killed) and its stderr. It has its own
+    session and no stdin: a prompt (a key's password) would hang, not pass."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "service",
+        *flags,
+        cwd=REPO,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = await asyncio.wait_for(process.communicate(), timeout)
+        code = process.returncode
+    except TimeoutError:
+        process.kill()
+        _, stderr = await process.communicate()
+        code = None
+    return code, stderr.decode()

@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import socket
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -24,7 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import ServerProcess, server_process, wait_gone
+from server_process import ServerProcess, run_serve, server_process, wait_gone
 from service_harness import make_fake_model, running_server
 from sluice_client import AsyncClient, Client, build_request
 
@@ -245,23 +244,11 @@ async def test_a_busy_metrics_port_is_exit_1_with_one_line_before_any_engine(tin
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "service",
-            *("--model", str(tiny_llama), "--device", "cpu", "--port", "0"),
-            *("--metrics-port", str(port)),
-            cwd=REPO,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        try:
-            _, stderr = await asyncio.wait_for(process.communicate(), 30)
-        except TimeoutError:
-            process.kill()  # it started serving: the port check did not stop it
-            _, stderr = await process.communicate()
-    lines = stderr.decode().splitlines()
-    assert process.returncode == 1, lines
+        flags = ("--model", str(tiny_llama), "--device", "cpu", "--port", "0")
+        # A None code: it started serving, the port check did not stop it.
+        code, stderr = await run_serve(*flags, "--metrics-port", str(port), timeout=30)
+    lines = stderr.splitlines()
+    assert code == 1, lines
     assert len(lines) == 1, lines
     line = json.loads(lines[0])
     assert line["event"] == "server.bind_failed"

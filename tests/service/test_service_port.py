@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from server_process import run_serve
 from service_harness import make_fake_model, running_server
 from sluice_client import AsyncClient
 
@@ -18,28 +17,6 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_fake_model(tmp_path_factory.mktemp("fake"))
-
-
-async def run_serve(*flags: str, timeout: float) -> tuple[int | None, str]:
-    """`python -m service FLAGS`: its exit code (None if it was still running after `timeout`
-    and had to be killed) and its stderr."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "service",
-        *flags,
-        cwd=REPO,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        _, stderr = await asyncio.wait_for(process.communicate(), timeout)
-        code = process.returncode
-    except TimeoutError:
-        process.kill()
-        _, stderr = await process.communicate()
-        code = None
-    return code, stderr.decode()
 
 
 def events(stderr: str) -> list[dict]:

@@ -22,6 +22,7 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from server_process import run_serve
 from service_harness import health_status, make_fake_model, running_server
 from sluice_client import AsyncClient, TlsConfig, cli
 
@@ -339,24 +340,10 @@ async def test_a_bad_tls_file_is_exit_1_with_one_line_before_any_engine(
     case, pki, model_dir, tmp_path
 ):
     flags, event, error = bad_start_cases(pki, tmp_path)[case]
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "service",
-        *("--model", str(model_dir), "--device", "cpu", "--port", "0", *flags),
-        cwd=REPO,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-        start_new_session=True,  # no terminal: a password prompt would hang, not pass
-    )
-    try:
-        _, stderr = await asyncio.wait_for(process.communicate(), 30)
-    except TimeoutError:
-        process.kill()  # it started serving: the TLS check did not stop it
-        _, stderr = await process.communicate()
-    lines = stderr.decode().splitlines()
-    assert process.returncode == 1, lines
+    start = ("--model", str(model_dir), "--device", "cpu", "--port", "0")
+    code, stderr = await run_serve(*start, *flags, timeout=30)
+    lines = stderr.splitlines()
+    assert code == 1, lines
     assert len(lines) == 1, lines
     line = json.loads(lines[0])
     assert line["event"] == event and line["level"] == "error"
