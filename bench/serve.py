@@ -43,6 +43,7 @@ from typing import Any
 from bench.common import emit, log, machine, percentile
 from bench.offline import add_model_flags, resolve_model
 from bench.workload import Workload, make_workload
+from service.priority import lower_priority
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -67,6 +68,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "CPU); the best of each counts",
     )
     p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument(
+        "--client-niceness",
+        type=int,
+        default=10,
+        help="nice levels the load generator takes once the server is up (Linux): it stands "
+        "for callers on other machines and takes only the CPU the server leaves; 0 = compete",
+    )
     return p.parse_args(argv)
 
 
@@ -278,6 +286,10 @@ def server(args: argparse.Namespace, model_dir: Path, dtype: str) -> Iterator[tu
         try:
             target = _wait_listening(proc, Path(logfile.name), args.ready_timeout)
             asyncio.run(_wait_serving(target, args.ready_timeout))
+            # After the server started: it (and its engine) keep their priority. The offline
+            # runs started from here get this one too; nothing else runs during them.
+            if args.client_niceness and sys.platform.startswith("linux"):
+                lower_priority(args.client_niceness)
             yield target, proc.pid
         except BaseException:
             logfile.seek(0)
@@ -401,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "dtype": dtype,
         "engine_threads": args.threads,
+        "client_niceness": args.client_niceness,
         "workload": workload.describe(),
         "offline_engine": offline,
         "phases": phases,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.process import HEARTBEAT_INTERVAL_S
 from engine.settings import (
+    EXECUTION,
     MODEL,
     NETWORK,
     OBSERVABILITY,
@@ -39,6 +40,14 @@ class ServiceConfig:
         None,
         "the model name GetServerInfo reports (default: the checkpoint directory's name)",
         group=MODEL,
+    )
+    # The engine keeps the priority the server started with; on shared cores it runs first, and
+    # the service, behind, sends what accumulated as fewer, larger messages (service/priority.py).
+    service_niceness: int = setting(
+        10,
+        "nice levels added to the service's own threads, not the engine's, so that the engine "
+        "gets the CPU first where they share cores (Linux; 0: same priority)",
+        group=EXECUTION,
     )
     host: str = setting(
         "127.0.0.1", "address to listen on (0.0.0.0: every interface)", group=NETWORK
@@ -185,6 +194,8 @@ class ServiceConfig:
             raise ValueError("tls_cert_file and tls_key_file: give both or neither")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
             raise ValueError("tls_client_ca_file: needs tls_cert_file and tls_key_file")
+        if not 0 <= self.service_niceness <= 19:
+            raise ValueError("service_niceness: must be in [0, 19]")
         if self.max_waiting < 1:
             raise ValueError("max_waiting: must be at least 1")
         if self.max_pipe_backlog_bytes < 1:

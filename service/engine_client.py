@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from multiprocessing.process import BaseProcess
 
 import structlog
 
@@ -43,6 +44,7 @@ from service.engine_process import (
     EngineStartError,
     EngineTarget,
     EngineUnavailableError,
+    StartProcess,
 )
 from service.metrics import Metrics
 from service.replay_log import ReplayLog
@@ -83,6 +85,7 @@ class EngineClient:
         *,
         target: EngineTarget = engine_main,
         on_state: Callable[[EngineState], None] | None = None,
+        start_process: StartProcess = BaseProcess.start,
     ) -> None:
         self.config = config
         self.metrics = metrics
@@ -95,6 +98,7 @@ class EngineClient:
         self.replay_log = ReplayLog()
         self.engine: EngineProcess | None = None
         self._target = target
+        self._start_process = start_process
         self._on_state = on_state
         self._updates: dict[str, _UpdateRoute] = {}  # sent to the engine, no final message yet
         self._update_claimed = False
@@ -298,6 +302,7 @@ class EngineClient:
             on_messages=self._dispatch,
             on_lost=self.lose,
             max_backlog_bytes=self.config.max_pipe_backlog_bytes,
+            start_process=self._start_process,
         )
         self.engine = engine
         log.info("engine.spawned", engine_pid=engine.pid, model=self.config.engine.model)

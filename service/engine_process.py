@@ -18,12 +18,14 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 
 from engine.config import EngineConfig
 from engine.messages import AddRequest, FromEngine, ModelInfo, ToEngine, UpdateWeights
 
 EngineTarget = Callable[[EngineConfig, Connection], None]
+StartProcess = Callable[[BaseProcess], None]  # BaseProcess.start, or service.priority's
 # Messages that carry caller payloads count against the backlog; control messages (abort,
 # state, shutdown) always pass, so a cancel is never lost to a full queue.
 BOUNDED_MESSAGES = (AddRequest, UpdateWeights)
@@ -43,8 +45,9 @@ class EngineProcess:
     `on_messages(self, batch)` runs on the event loop for every batch the reader thread
     received; `on_lost(self, reason)` runs there when either thread finds the pipe closed.
     `ready` and `lost` are the owner's to resolve and set (the owner decides what a message
-    means). `close()` ends the process (killing it if it hangs) before it joins the threads:
-    only then can a writer stuck in a write to a stopped engine return.
+    means). `start_process` starts the process (default: from the calling thread). `close()`
+    ends the process (killing it if it hangs) before it joins the threads: only then can a
+    writer stuck in a write to a stopped engine return.
     """
 
     def __init__(
@@ -54,6 +57,7 @@ class EngineProcess:
         on_messages: Callable[[EngineProcess, list[FromEngine]], None],
         on_lost: Callable[[EngineProcess, str], None],
         max_backlog_bytes: int,
+        start_process: StartProcess = BaseProcess.start,
     ) -> None:
         self._loop = asyncio.get_running_loop()
         ctx = multiprocessing.get_context("spawn")
@@ -61,9 +65,9 @@ class EngineProcess:
         self.process = ctx.Process(
             target=target, args=(config, child_conn), name="sluice-engine", daemon=True
         )
-        # NOTE: start from the event-loop (main) thread: the engine asks the kernel to kill it
-        # when the thread that started it exits.
-        self.process.start()
+        # NOTE: from a thread that lives as long as the service (the event loop's, or the
+        # EngineSpawner's): the engine asks the kernel to kill it when that thread exits.
+        start_process(self.process)
         # NOTE: close the parent's copy of the child's end, or EOF never arrives when it dies.
         child_conn.close()
         self.last_message = time.monotonic()

@@ -12,6 +12,7 @@ import errno
 import signal
 import socket
 import time
+from typing import Any
 
 import grpc
 import structlog
@@ -26,8 +27,10 @@ from service.call_metrics import CallMetrics
 from service.config import ServiceConfig
 from service.decoding import DecodingInterceptor
 from service.engine_client import EngineClient, EngineStartError, EngineState, EngineTarget
+from service.engine_process import StartProcess
 from service.metrics import Gauges, Metrics
 from service.metrics_http import MetricsHttpServer
+from service.priority import yield_to_engine
 from service.servicer import GenerationServicer
 from service.tls import TlsError, server_credentials
 from service.tokenizer import Tokenizer
@@ -63,10 +66,17 @@ class SluiceServer:
     """The grpc.aio server plus the engine it fronts. `start` returns at once; health turns
     SERVING when the engine is Ready and its tokenizer loaded (`wait_ready` waits for that)."""
 
-    def __init__(self, config: ServiceConfig, engine_target: EngineTarget | None = None) -> None:
+    def __init__(
+        self,
+        config: ServiceConfig,
+        engine_target: EngineTarget | None = None,
+        start_process: StartProcess | None = None,
+    ) -> None:
         self.config = config
         self.metrics = Metrics()
-        extra = {} if engine_target is None else {"target": engine_target}
+        extra: dict[str, Any] = {} if engine_target is None else {"target": engine_target}
+        if start_process is not None:
+            extra["start_process"] = start_process
         self.engine = EngineClient(config, self.metrics, on_state=self._on_engine_state, **extra)
         self.servicer = GenerationServicer(config, self.engine, self.metrics)
         self.admin = AdminServicer(
@@ -233,19 +243,23 @@ def _bind_failure(config: ServiceConfig) -> str:
 
 
 def create_server(
-    config: ServiceConfig, engine_target: EngineTarget | None = None
+    config: ServiceConfig,
+    engine_target: EngineTarget | None = None,
+    start_process: StartProcess | None = None,
 ) -> tuple[SluiceServer, int]:
     """Build the server and bind its port (port 0 picks a free one); `start()` runs it.
 
     Must be called with a running event loop (grpc.aio binds the server to it)."""
-    server = SluiceServer(config, engine_target)
+    server = SluiceServer(config, engine_target, start_process)
     return server, server.bind()
 
 
 async def serve(config: ServiceConfig) -> int:
     """Run until SIGTERM or SIGINT, then drain and stop. Returns the process exit code."""
+    spawner = yield_to_engine(config.service_niceness)
+    start_process = None if spawner is None else spawner.start
     try:
-        server, port = create_server(config)
+        server, port = create_server(config, start_process=start_process)
     except BindError as exc:
         log.error("server.bind_failed", address=exc.address, error=str(exc))
         return 1
