@@ -170,27 +170,31 @@ def load_tables(tok: Any, vocab: dict[str, int]) -> dict[bool, DecodeTable | Non
         build = _metaspace_table
     else:
         return {False: None, True: None}
-    tokens = _token_strings(tok, vocab)
+    added = tok.get_added_tokens_decoder()
+    tokens = _token_strings(tok, vocab, added)
     full = build(tokens)
     if not _matches_decode(tok, full, range(len(tokens)), skip_special_tokens=False):
         return {False: None, True: None}
     # Skipping special tokens only drops them (by their string, before the decoder runs), so
     # the other ids need no second check.
-    special = _special_ids(tok, tokens)
+    special = _special_ids(tokens, added)
     skipping = full.without(special)
     if not _matches_decode(tok, skipping, sorted(special), skip_special_tokens=True):
         return {False: full, True: None}
     return {False: full, True: skipping}
 
 
-def _token_strings(tok: Any, vocab: dict[str, int]) -> list[str | None]:
-    """Each id's string as `decode` sees it (None for an id it does not know): the model's
-    token, or the added token's (its normalized form, which only `id_to_token` tells)."""
+def _token_strings(tok: Any, vocab: dict[str, int], added: dict[int, Any]) -> list[str | None]:
+    """Each id's string as `decode` sees it (None for an id it does not know)."""
     tokens: list[str | None] = [None] * (max(vocab.values(), default=-1) + 1)
     for token, token_id in vocab.items():
         tokens[token_id] = token
-    for token_id in tok.get_added_tokens_decoder():
-        tokens[token_id] = tok.id_to_token(token_id)
+    # An added token's string wins over the model's at the same id, and a normalized added
+    # token is decoded in its normalized form: only `id_to_token` tells either apart.
+    shared_ids = len(vocab) - sum(t is not None for t in tokens)
+    if shared_ids or tok.normalizer is not None:
+        for token_id in added:
+            tokens[token_id] = tok.id_to_token(token_id)
     return tokens
 
 
@@ -238,9 +242,9 @@ def _run_text(run: bytes | bytearray) -> str:
         return "\ufffd" * len(run)  # ByteFallback: one per byte when the run is not valid
 
 
-def _special_ids(tok: Any, tokens: list[str | None]) -> set[int]:
+def _special_ids(tokens: list[str | None], added: dict[int, Any]) -> set[int]:
     """Ids `decode(skip_special_tokens=True)` drops: those whose string is a special token's."""
-    special = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    special = {t.content for t in added.values() if t.special}
     return {i for i, token in enumerate(tokens) if token in special}
 
 
@@ -248,7 +252,7 @@ def _matches_decode(
     tok: Any, table: DecodeTable, ids: range | list[int], skip_special_tokens: bool
 ) -> bool:
     decoded = tok.decode_batch([[i] for i in ids], skip_special_tokens=skip_special_tokens)
-    expected = [table.alone[i] for i in ids]
+    expected = table.alone if ids == range(len(table.alone)) else [table.alone[i] for i in ids]
     if decoded == expected:
         return True
     token_id, text = next((i, d) for i, d, e in zip(ids, decoded, expected, strict=True) if d != e)

@@ -98,11 +98,13 @@ BYTE_TOKEN = re.compile(r"<0x[0-9A-F]{2}>")
 
 def byte_level_with_added_tokens() -> Any:
     """The tiny byte-level BPE plus added tokens whose strings fall outside the byte alphabet
-    (`tokenizers` decodes those as their own UTF-8) or inside it ("¡" alone is byte 0xA1)."""
-    from tokenizers import AddedToken
+    (`tokenizers` decodes those as their own UTF-8) or inside it ("¡" alone is byte 0xA1, "é!"
+    is 0xE9 0x21), and a normalized one that decodes in its normalized form ("école")."""
+    from tokenizers import AddedToken, normalizers
 
     tok = make_tokenizer()
-    tok.add_tokens([AddedToken(" hello", normalized=False), "é!", "Ġx", "¡"])
+    tok.normalizer = normalizers.Lowercase()
+    tok.add_tokens([AddedToken(" hello", normalized=False), "é!", "Ġx", "¡", "ÉCOLE"])
     tok.add_special_tokens(["<|im_end|>"])
     return tok
 
