@@ -161,7 +161,7 @@ def load_tables(tok: Any, vocab: dict[str, int]) -> dict[bool, DecodeTable | Non
     reproduce `tok.decode` exactly.
 
     Every id's table entry is checked against `tok.decode([id])` (about 0.3 s for a 150k
-    vocabulary on one core of the development VM, most of it in `decode_batch`)."""
+    vocabulary on the 2-core development VM, a third of it in `decode_batch`)."""
     decoder = json.loads(tok.decoder.__getstate__()) if tok.decoder is not None else {}
     build: Callable[[list[str | None]], DecodeTable]
     if decoder.get("type") == "ByteLevel":
