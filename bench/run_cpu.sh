@@ -56,6 +56,9 @@ if [[ $MODE == smoke ]]; then
   # The service in front of an instant stand-in engine, over GenerateStream (about 8 s).
   run service_ceiling bench.service_ceiling --streams 16 --step-ms 10 --low-streams 2 \
     --seconds 1 --warmup 0.5 --clients 1 --rpc stream
+  # Detokenization per token, tables against DecodeStream (about 2 s).
+  run detokenize bench.detokenize --vocab 2000 --corpus-mb 0.3 --tokens 2000 --repeat 1 \
+    --load-vocab 5000
 else
   # --repeat: engine and HF runs alternate and each side's best counts; likewise the serving
   # benchmark's offline reference runs and its rate-inf phases (a busy machine only slows runs).
@@ -68,6 +71,7 @@ else
   run prefix bench.prefix --shape tiny --groups 8 --waves 4 --prefix-len 512 --threads "$THREADS"
   run service_ceiling bench.service_ceiling --seconds 4 --warmup 1.5
   run service_ceiling_stream bench.service_ceiling --seconds 4 --warmup 1.5 --rpc stream
+  run detokenize bench.detokenize
 fi
 
 echo "== done in ${SECONDS} s; load average: $(cut -d' ' -f1-3 /proc/loadavg)" >&2

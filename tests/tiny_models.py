@@ -8,6 +8,7 @@ test loads them through the same path as a downloaded checkpoint.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def make_tokenizer(vocab_size: int = 320) -> Any:
+def make_tokenizer(vocab_size: int = 320, corpus: Iterable[str] = (CORPUS,) * 4) -> Any:
     """A byte-level BPE tokenizer trained on CORPUS: every UTF-8 string encodes; <s> is BOS."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -58,11 +59,46 @@ def make_tokenizer(vocab_size: int = 320) -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([CORPUS] * 4, trainer)
+    tok.train_from_iterator(corpus, trainer)
     bos = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
     )
+    return tok
+
+
+def make_llama2_tokenizer(
+    vocab_size: int = 200, corpus: Iterable[str] = (CORPUS,) * 4, alphabet: int = 40
+) -> Any:
+    """A Llama 2 style tokenizer: BPE with byte fallback (<0x00>..<0xFF> in the vocabulary after
+    <unk>, <s>, </s>), the Metaspace pre-tokenizer and Llama 2's decoder sequence. Only the
+    `alphabet` most frequent characters are tokens; the others encode as byte tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    metaspace = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    trained = Tokenizer(models.BPE())
+    trained.pre_tokenizer = metaspace
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, limit_alphabet=alphabet, show_progress=False
+    )
+    trained.train_from_iterator(corpus, trainer)
+    model = json.loads(trained.to_str())["model"]
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {t: i for i, t in enumerate(specials + [f"<0x{b:02X}>" for b in range(256)])}
+    for token in sorted(model["vocab"], key=model["vocab"].get):
+        vocab.setdefault(token, len(vocab))
+    merges = [tuple(m) for m in model["merges"]]
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = metaspace
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    tok.add_special_tokens(specials)
     return tok
 
 
