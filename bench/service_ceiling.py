@@ -39,6 +39,7 @@ from bench.common import emit, log, machine, percentile
 
 REPO = Path(__file__).resolve().parent.parent
 SERVER_SCRIPT = Path(__file__).resolve().parent / "ceiling_server.py"
+PROMPT_TEXT = "The quick brown fox jumps over the lazy dog, and the lazy dog sleeps on. "
 Record = tuple[str, int, int, float]  # request id, position of its first token, tokens, received
 
 
@@ -209,7 +210,13 @@ def engine_pid(server_pid: int) -> int:
     raise RuntimeError(f"no engine process under {server_pid}")
 
 
-def make_model(directory: Path, step_interval: float) -> Path:
+def make_model(directory: Path, step_interval: float) -> list[int]:
+    """Write the stand-in's model directory; returns the prompt, a plain English text's ids.
+
+    The stand-in sends a request's prompt back as its output, so the service detokenizes text
+    that a model could write. (Arbitrary ids of a byte-level vocabulary are mostly lone bytes
+    of multi-byte characters: invalid UTF-8, which costs the detokenizer about 5x as much.)
+    """
     from bench.checkpoints import _tiny_models
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -217,14 +224,15 @@ def make_model(directory: Path, step_interval: float) -> Path:
     tokenizer.save(str(directory / "tokenizer.json"))
     knobs = {"step_interval": step_interval, "vocab_size": tokenizer.get_vocab_size()}
     (directory / "ceiling.json").write_text(json.dumps(knobs))
-    return directory
+    return list(tokenizer.encode(PROMPT_TEXT, add_special_tokens=False).ids)
 
 
 def run_phase(
     args: argparse.Namespace, tree: Path, streams: int, step_ms: float, label: str
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="sluice-ceiling-") as tmp:
-        model = make_model(Path(tmp) / "model", step_ms / 1000)
+        model = Path(tmp) / "model"
+        prompt = make_model(model, step_ms / 1000)
         env = {**os.environ, "SLUICE_CEILING_TREE": str(tree), "SLUICE_LOG_LEVEL": "info"}
         with open(Path(tmp) / "server.log", "wb") as server_log:
             server = subprocess.Popen(
@@ -238,7 +246,7 @@ def run_phase(
             port = int(server.stdout.readline() or b"0")
             if not port:
                 raise RuntimeError((Path(tmp) / "server.log").read_text()[-3000:])
-            result = _drive(args, server.pid, f"127.0.0.1:{port}", streams)
+            result = _drive(args, server.pid, f"127.0.0.1:{port}", streams, prompt)
         finally:
             server.send_signal(signal.SIGTERM)
             server.wait(timeout=30)
@@ -246,10 +254,11 @@ def run_phase(
     return summarize(result, steps, streams, step_ms, label, args.rpc)
 
 
-def _drive(args: argparse.Namespace, server_pid: int, target: str, streams: int) -> dict[str, Any]:
+def _drive(
+    args: argparse.Namespace, server_pid: int, target: str, streams: int, prompt: list[int]
+) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    prompt = list(range(100, 132))
     start_at = time.monotonic() + 2.0  # the clients' imports and channels first
     window = (start_at + args.warmup, start_at + args.warmup + args.seconds)
     clients = min(args.clients, streams)
