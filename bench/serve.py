@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import os
@@ -43,7 +44,7 @@ from typing import Any
 from bench.common import emit, log, machine, percentile
 from bench.offline import add_model_flags, resolve_model
 from bench.workload import Workload, make_workload
-from service.priority import lower_priority
+from service.priority import Spawner, lower_priority
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -72,8 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--client-niceness",
         type=int,
         default=10,
-        help="nice levels the load generator takes once the server is up (Linux): it stands "
-        "for callers on other machines and takes only the CPU the server leaves; 0 = compete",
+        help="nice levels the load generator takes once the server it started is up (Linux): "
+        "it stands for callers on other machines and gets only the CPU the server leaves; the "
+        "server and the offline runs keep the starting priority; 0 = compete",
     )
     return p.parse_args(argv)
 
@@ -199,8 +201,11 @@ def summarize(
     }
 
 
-def offline_rate(args: argparse.Namespace, model_dir: Path, dtype: str) -> dict[str, Any]:
-    """One offline engine run on this workload and settings, in a fresh process."""
+def offline_rate(
+    args: argparse.Namespace, model_dir: Path, dtype: str, spawner: Spawner | None
+) -> dict[str, Any]:
+    """One offline engine run on this workload and settings, in a fresh process (started by
+    `spawner` when given: at the priority the benchmark started with)."""
     cmd = [
         sys.executable,
         "-m",
@@ -224,7 +229,8 @@ def offline_rate(args: argparse.Namespace, model_dir: Path, dtype: str) -> dict[
         cmd += ["--num-requests", str(args.num_requests)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    out = subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.PIPE, text=True).stdout
+    run = subprocess.run if spawner is None else functools.partial(spawner.run, subprocess.run)
+    out = run(cmd, cwd=REPO, check=True, stdout=subprocess.PIPE, text=True).stdout
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])["engine"]
     return result
 
@@ -256,7 +262,9 @@ def cpu_seconds(server_pid: int | None) -> dict[str, float]:
 
 
 @contextmanager
-def server(args: argparse.Namespace, model_dir: Path, dtype: str) -> Iterator[tuple[str, int]]:
+def server(
+    args: argparse.Namespace, model_dir: Path, dtype: str, spawner: Spawner | None
+) -> Iterator[tuple[str, int]]:
     """`python -m service` on 127.0.0.1 port 0; yields (HOST:PORT, pid) once it is SERVING."""
     cmd = [
         sys.executable,
@@ -286,10 +294,10 @@ def server(args: argparse.Namespace, model_dir: Path, dtype: str) -> Iterator[tu
         try:
             target = _wait_listening(proc, Path(logfile.name), args.ready_timeout)
             asyncio.run(_wait_serving(target, args.ready_timeout))
-            # After the server started: it (and its engine) keep their priority. The offline
-            # runs started from here get this one too; nothing else runs during them.
-            if args.client_niceness and sys.platform.startswith("linux"):
-                lower_priority(args.client_niceness)
+            # After the server started: it (and its engine) keep their priority, and so do
+            # the offline runs, which `spawner` starts.
+            if spawner is not None:
+                lower_priority(args.client_niceness, spare=spawner.native_id)
             yield target, proc.pid
         except BaseException:
             logfile.seek(0)
@@ -345,8 +353,12 @@ def main(argv: list[str] | None = None) -> int:
     rates = [float(r) for r in args.rates]
     offline_runs: list[dict[str, Any]] = []
 
+    # A thread that keeps the starting priority, for the offline runs (--client-niceness).
+    linux = sys.platform.startswith("linux")
+    spawner = Spawner() if args.client_niceness and linux and not args.target else None
+
     def measure_offline() -> None:
-        run = offline_rate(args, model_dir, dtype)
+        run = offline_rate(args, model_dir, dtype, spawner)
         offline_runs.append(run)
         log(f"offline engine: {run['output_tokens_per_s']:.1f} output tokens/s")
 
@@ -387,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.target:
         run_all(args.target, None)
     else:
-        with server(args, model_dir, dtype) as (target, pid):
+        with server(args, model_dir, dtype, spawner) as (target, pid):
             run_all(target, pid)
 
     offline: dict[str, Any] | None = None
@@ -413,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "dtype": dtype,
         "engine_threads": args.threads,
-        "client_niceness": args.client_niceness,
+        "client_niceness": args.client_niceness if spawner is not None else 0,
         "workload": workload.describe(),
         "offline_engine": offline,
         "phases": phases,

@@ -66,7 +66,7 @@ class EngineProcess:
             target=target, args=(config, child_conn), name="sluice-engine", daemon=True
         )
         # NOTE: from a thread that lives as long as the service (the event loop's, or the
-        # EngineSpawner's): the engine asks the kernel to kill it when that thread exits.
+        # Spawner's): the engine asks the kernel to kill it when that thread exits.
         start_process(self.process)
         # NOTE: close the parent's copy of the child's end, or EOF never arrives when it dies.
         child_conn.close()

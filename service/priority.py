@@ -18,37 +18,47 @@ import contextlib
 import os
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.process import BaseProcess
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
-class EngineSpawner:
-    """Starts engine processes from one long-lived thread that keeps its own priority.
+class Spawner:
+    """One long-lived thread that keeps the priority this process had when it was made: what
+    `run` starts there (a process, a subprocess) gets that priority, whatever the other
+    threads' nice values are by then.
 
     The engine asks the kernel to kill it when the thread that started it exits; this thread
     lives as long as the service.
     """
 
     def __init__(self) -> None:
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-spawner")
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
         # The executor creates its thread on the first submit, from the submitting thread: now,
         # before anything lowers this one's priority.
         self.native_id: int = self._thread.submit(threading.get_native_id).result()
 
+    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` called on the spawner's thread; waits for it."""
+        return self._thread.submit(fn, *args, **kwargs).result()
+
     def start(self, process: BaseProcess) -> None:
-        self._thread.submit(process.start).result()
+        self.run(process.start)
 
 
-def yield_to_engine(niceness: int) -> EngineSpawner | None:
-    """Lower this process's priority by `niceness` (see `lower_priority`), except an
-    EngineSpawner's thread, which is returned: start engines with it.
+def yield_to_engine(niceness: int) -> Spawner | None:
+    """Lower this process's priority by `niceness` (see `lower_priority`), except a Spawner's
+    thread, which is returned: start engines with it.
 
     None, and nothing changed, when `niceness` is 0 or this is not Linux. Call it early, from the
     main thread, before the gRPC server and the engine start.
     """
     if niceness == 0 or not sys.platform.startswith("linux"):
         return None
-    spawner = EngineSpawner()
+    spawner = Spawner()
     lower_priority(niceness, spare=spawner.native_id)
     return spawner
 
