@@ -29,7 +29,6 @@ from engine.messages import (
     Heartbeat,
     ModelInfo,
     Ready,
-    RequestOutput,
     Shutdown,
     StepOutput,
     ToEngine,
@@ -48,7 +47,7 @@ from service.engine_process import (
 )
 from service.metrics import Metrics
 from service.replay_log import ReplayLog
-from service.routing import RequestRouter
+from service.routing import Inbox, RequestRouter
 from service.supervisor import EngineState, Supervisor
 
 log = structlog.get_logger("sluice.engine_client")
@@ -158,8 +157,8 @@ class EngineClient:
         """Admitted requests the engine has not produced anything for yet."""
         return self.router.waiting
 
-    def submit(self, request: AddRequest) -> asyncio.Queue[RequestOutput]:
-        """Send a request to the engine; its outputs arrive on the returned queue.
+    def submit(self, request: AddRequest) -> Inbox:
+        """Send a request to the engine; its outputs arrive in the returned Inbox.
 
         The caller has checked `has(request.request_id)` is False. The last output of every
         index has `finish_reason` set (ERROR with a message if the engine is lost). Raises

@@ -78,13 +78,16 @@ class GenerateStreamCall:
         reading, give_up_at = True, None
         try:
             while reading or self._pumps:
-                timeout = None if give_up_at is None else max(0.0, give_up_at - loop.time())
-                try:
-                    item = await asyncio.wait_for(self._events.get(), timeout)
-                except TimeoutError:
-                    for event in self._end_unconfirmed():
-                        yield event
-                    return
+                if give_up_at is None:
+                    item = await self._events.get()  # (no wait_for: one frame less per event)
+                else:
+                    try:
+                        timeout = max(0.0, give_up_at - loop.time())
+                        item = await asyncio.wait_for(self._events.get(), timeout)
+                    except TimeoutError:
+                        for event in self._end_unconfirmed():
+                            yield event
+                        return
                 if isinstance(item, tuple):
                     event, pump = item
                     yield event  # grpc.aio resumes this generator once the event is written

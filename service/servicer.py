@@ -6,7 +6,6 @@ to events by `Completion`.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from service.config import ServiceConfig
 from service.engine_client import EngineClient, EngineState, EngineUnavailableError
 from service.generate_stream import Admitted, GenerateStreamCall
 from service.metrics import Metrics
+from service.routing import Inbox
 from service.tokenizer import Tokenizer
 
 log = structlog.get_logger("sluice.servicer")
@@ -39,7 +39,7 @@ SERVING_STATES = {
 @dataclass(frozen=True)
 class _Submitted:
     admission: Admission
-    queue: asyncio.Queue[RequestOutput]
+    inbox: Inbox
     deadline: float | None
 
 
@@ -177,10 +177,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 retry_after=self.config.retry_after,
             )
         try:
-            queue = self.engine.submit(admission.request)
+            inbox = self.engine.submit(admission.request)
         except EngineUnavailableError as exc:
             raise self._unavailable(str(exc)) from exc
-        return _Submitted(admission, queue, deadline)
+        return _Submitted(admission, inbox, deadline)
 
     def _check_available(self) -> None:
         if self.draining:
@@ -210,15 +210,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         started = False
         abandoned: FinishReason | None = None
         try:
-            queue, unfinished = submitted.queue, request.n
+            inbox, unfinished = submitted.inbox, request.n
             while unfinished:
                 # NOTE: the only coalescing point. While this generator's previous event is
                 # being written, grpc.aio does not resume it, so whatever the engine produced
                 # meanwhile is waiting here and goes out as one chunk; an idle stream finds
                 # one output and sends it at once.
-                outputs = [await queue.get()]
-                while not queue.empty():
-                    outputs.append(queue.get_nowait())
+                outputs = await inbox.take()
                 if not started:
                     started = True
                     yield _started_event(rid, outputs[0])

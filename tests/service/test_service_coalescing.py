@@ -18,6 +18,7 @@ from service.completion import OutputSettings
 from service.config import ServiceConfig
 from service.generate_stream import Admitted, GenerateStreamCall
 from service.metrics import Metrics
+from service.routing import Inbox
 from service.servicer import GenerationServicer, _Submitted
 from service.tokenizer import Tokenizer
 
@@ -60,9 +61,9 @@ def servicer(tmp_path: Path) -> GenerationServicer:
     return servicer
 
 
-def submit(servicer: GenerationServicer, rid: str) -> tuple[asyncio.Queue[RequestOutput], Admitted]:
+def submit(servicer: GenerationServicer, rid: str) -> tuple[Inbox, Admitted]:
     request = AddRequest(rid, [5, 6, 7], SamplingParams(max_tokens=len(IDS)))
-    queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    queue = Inbox()
     events = servicer._run(_Submitted(Admission(request, OutputSettings()), queue, None))
     return queue, Admitted(rid, 1, 3, events)
 
@@ -90,7 +91,7 @@ async def test_generate_sends_an_idle_token_alone_and_tokens_that_waited_togethe
 
 
 async def test_generate_stream_merges_what_came_while_the_previous_event_was_written(servicer):
-    queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+    queues: dict[str, Inbox] = {}
 
     async def start(request: pb.GenerateRequest) -> Admitted:
         queues[request.request_id], admitted = submit(servicer, request.request_id)
@@ -125,7 +126,7 @@ async def test_generate_stream_merges_what_came_while_the_previous_event_was_wri
 
 
 async def test_a_cancelled_generate_stream_aborts_requests_waiting_for_their_write(servicer):
-    queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+    queues: dict[str, Inbox] = {}
 
     async def start(request: pb.GenerateRequest) -> Admitted:
         queues[request.request_id], admitted = submit(servicer, request.request_id)
@@ -145,3 +146,20 @@ async def test_a_cancelled_generate_stream_aborts_requests_waiting_for_their_wri
     await asyncio.sleep(0.01)  # the pump now waits for `started` to be written
     await stream.aclose()  # the caller went away
     assert servicer.engine.aborted == [(["a"], FinishReason.CANCELLED)]
+
+
+async def test_an_inbox_hands_over_everything_waiting_at_once_in_order():
+    inbox = Inbox()
+    taking = asyncio.ensure_future(inbox.take())
+    await asyncio.sleep(0)
+    assert not taking.done()  # nothing yet: it waits
+    inbox.put_nowait(output("r", 0))
+    inbox.put_nowait(output("r", 1))
+    assert [o.new_token_ids for o in await taking] == [IDS[:1], IDS[1:2]]
+    inbox.put_nowait(output("r", 2))
+    assert [o.new_token_ids for o in await inbox.take()] == [IDS[2:3]]
+    cancelled = asyncio.ensure_future(inbox.take())
+    await asyncio.sleep(0)
+    cancelled.cancel()  # a handler that left
+    inbox.put_nowait(output("r", 0))  # still delivered to whoever takes next
+    assert len(await inbox.take()) == 1

@@ -18,6 +18,7 @@ from engine.messages import FinishReason, RequestOutput
 from service.admission import AddRequest, Admission, SamplingParams
 from service.completion import OutputSettings
 from service.metrics import Metrics
+from service.routing import Inbox
 from service.servicer import GenerationServicer, _Submitted
 from service.tokenizer import Tokenizer
 
@@ -374,7 +375,7 @@ async def test_every_waiting_token_goes_out_as_one_chunk(model_dir):
     servicer.engine = _EngineStub()  # type: ignore[assignment]
     servicer.tokenizer = Tokenizer(model_dir)
     servicer.metrics = Metrics()
-    queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    queue = Inbox()
     for i, token in enumerate([36, 66, 71]):
         queue.put_nowait(
             RequestOutput(
