@@ -72,22 +72,19 @@ class Completion:
             if output.prompt_tokens:
                 self._prompt_tokens = output.prompt_tokens
                 self._cached_tokens = output.cached_tokens
-            for i, token_id in enumerate(output.new_token_ids):
+            if output.new_token_ids:
                 if chunk is not None and chunk.policy_version != output.policy_version:
                     events.append(self._chunk_event(chunk))  # a chunk never mixes versions
                     chunk = None
                 if chunk is None:
                     chunk = _Chunk(output.policy_version)
-                self._add_token(chunk, output, i)
-                match self._stops.feed(self._detokenizer.step(token_id)):
-                    case StopMatch(text=text, stop=stop):
-                        chunk.text.append(text)
-                        events.append(self._chunk_event(chunk))
-                        events.append(self._finish(pb.FINISH_REASON_STOP_STRING, matched=stop))
-                        self.finished_early = True
+                if self._stops:
+                    if self._absorb_until_stop(chunk, output, events):
                         return events
-                    case str() as text:
-                        chunk.text.append(text)
+                else:  # no stop strings: the whole output at once
+                    self._add_tokens(chunk, output, len(output.new_token_ids))
+                    for token_id in output.new_token_ids:
+                        chunk.text.append(self._detokenizer.step(token_id))
             if output.finished:
                 # Flush what the detokenizer and the stop matcher still hold: the completion's
                 # tail, or a stop string that the last (multi-byte) piece completed.
@@ -109,22 +106,42 @@ class Completion:
             events.append(self._chunk_event(chunk))
         return events
 
-    def _add_token(self, chunk: _Chunk, output: RequestOutput, i: int) -> None:
-        chunk.token_ids.append(output.new_token_ids[i])
+    def _absorb_until_stop(
+        self, chunk: _Chunk, output: RequestOutput, events: list[pb.GenerateResponse]
+    ) -> bool:
+        """Feed `output`'s tokens one by one to the stop matcher; True when a stop string ended
+        the completion (the chunk, up to the token that completed it, and `finished` are then
+        in `events`)."""
+        for i, token_id in enumerate(output.new_token_ids):
+            match self._stops.feed(self._detokenizer.step(token_id)):
+                case StopMatch(text=text, stop=stop):
+                    self._add_tokens(chunk, output, i + 1)
+                    chunk.text.append(text)
+                    events.append(self._chunk_event(chunk))
+                    events.append(self._finish(pb.FINISH_REASON_STOP_STRING, matched=stop))
+                    self.finished_early = True
+                    return True
+                case str() as text:
+                    chunk.text.append(text)
+        self._add_tokens(chunk, output, len(output.new_token_ids))
+        return False
+
+    def _add_tokens(self, chunk: _Chunk, output: RequestOutput, count: int) -> None:
+        """The first `count` tokens of `output` join `chunk`."""
+        chunk.token_ids.extend(output.new_token_ids[:count])
         if output.logprobs is not None:
-            chunk.logprobs.append(output.logprobs[i])
+            chunk.logprobs.extend(output.logprobs[:count])
         if output.top_logprobs is not None:
-            ids, logprobs = output.top_logprobs[i]
-            chunk.top_logprobs.append(pb.TopLogprobs(token_ids=ids, logprobs=logprobs))
-        self._completion_tokens += 1
-        # Plain ints per token; the protobuf spans are built once, at the finish.
+            for ids, logprobs in output.top_logprobs[:count]:
+                chunk.top_logprobs.append(pb.TopLogprobs(token_ids=ids, logprobs=logprobs))
+        start = self._completion_tokens
+        self._completion_tokens += count
+        # Plain ints; the protobuf spans are built once, at the finish.
         spans = self._spans
         if spans and spans[-1][0] == output.policy_version:
             spans[-1][2] = self._completion_tokens
         else:
-            spans.append(
-                [output.policy_version, self._completion_tokens - 1, self._completion_tokens]
-            )
+            spans.append([output.policy_version, start, self._completion_tokens])
 
     def _chunk_event(self, chunk: _Chunk) -> pb.GenerateResponse:
         tokens = pb.TokenChunk(
