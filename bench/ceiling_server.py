@@ -12,6 +12,11 @@ nothing: every running request gets one token per step, a step every `step_inter
 sent each step and at which step each request got its first token; at Shutdown it writes both to
 `<MODEL_DIR>/steps.json`, from which the bench computes each token's delay from engine output to
 client (time.monotonic is one clock for every process of the machine).
+
+With `record_writes` in the knobs (the bench sets it at low load), the server also records when
+each `tokens` event of a request was written (`record_writes` below) and writes the records to
+`<MODEL_DIR>/writes.json` at exit: the service's own share of a token's delay, from the engine's
+send to grpc.aio's completed write, without the client's.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ import os
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 TREE = os.environ.get("SLUICE_CEILING_TREE") or str(Path(__file__).resolve().parent.parent)
 sys.path[:0] = [TREE, os.path.join(TREE, "clients", "python")]
@@ -133,11 +140,36 @@ def ceiling_engine(config: EngineConfig, conn: Connection) -> None:
         next_step = max(next_step + interval, time.monotonic())
 
 
+def record_writes(servicer_class: Any, writes: list[tuple[str, int, int, float]]) -> None:
+    """Wrap the servicer's per-request event generator so that, each time a `tokens` event has
+    been written (grpc.aio resumes a handler only after its write; a GenerateStream pump only
+    after the call wrote its event), (request id, position of its first token, tokens, now)
+    is appended to `writes`. It costs one generator layer per message: low load only."""
+    run = servicer_class._run
+
+    async def timed_run(self: Any, submitted: Any) -> AsyncIterator[Any]:
+        request_id = submitted.admission.request.request_id
+        position = 0
+        async with contextlib.aclosing(run(self, submitted)) as events:
+            async for event in events:
+                yield event
+                if event.WhichOneof("event") == "tokens":
+                    count = len(event.tokens.token_ids)
+                    writes.append((request_id, position, count, time.monotonic()))
+                    position += count
+
+    servicer_class._run = timed_run
+
+
 async def serve(model_dir: str) -> None:
     from engine.logs import configure_logging
     from service.config import ServiceConfig
     from service.server import create_server
+    from service.servicer import GenerationServicer
 
+    writes: list[tuple[str, int, int, float]] = []
+    if json.loads((Path(model_dir) / "ceiling.json").read_text()).get("record_writes"):
+        record_writes(GenerationServicer, writes)
     engine = EngineConfig(model=model_dir, device="cpu", dtype="float32")
     config = ServiceConfig(engine=engine, host="127.0.0.1", port=0, max_concurrent_rpcs=100_000)
     configure_logging(engine.log_level, engine.log_format, process="service")
@@ -149,6 +181,7 @@ async def serve(model_dir: str) -> None:
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     await stop.wait()
     await server.stop(grace=1.0)
+    (Path(model_dir) / "writes.json").write_text(json.dumps(writes))
 
 
 if __name__ == "__main__":

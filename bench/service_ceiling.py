@@ -13,7 +13,9 @@ per message, service CPU seconds per 1,000 tokens and cores used (utime + stime 
 process from /proc, its threads included, the engine not), and each token's delay from the
 engine's send to the client's receipt (p50, p99, max; time.monotonic is one clock for all
 processes). The low-load phase (`--low-streams`) checks that each token leaves alone (1 token
-per message) and quickly.
+per message) and quickly; there the server also records when each event's write completed, which
+gives the service's own share of the delay (engine send -> write done, `service_delay_ms_*`),
+without the client's.
 
     python -m bench.service_ceiling --streams 256 --step-ms 5 --baseline-rev main
 """
@@ -210,7 +212,7 @@ def engine_pid(server_pid: int) -> int:
     raise RuntimeError(f"no engine process under {server_pid}")
 
 
-def make_model(directory: Path, step_interval: float) -> list[int]:
+def make_model(directory: Path, step_interval: float, record_writes: bool) -> list[int]:
     """Write the stand-in's model directory; returns the prompt, a plain English text's ids.
 
     The stand-in sends a request's prompt back as its output, so the service detokenizes text
@@ -222,7 +224,11 @@ def make_model(directory: Path, step_interval: float) -> list[int]:
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = _tiny_models().make_tokenizer()
     tokenizer.save(str(directory / "tokenizer.json"))
-    knobs = {"step_interval": step_interval, "vocab_size": tokenizer.get_vocab_size()}
+    knobs = {
+        "step_interval": step_interval,
+        "vocab_size": tokenizer.get_vocab_size(),
+        "record_writes": record_writes,
+    }
     (directory / "ceiling.json").write_text(json.dumps(knobs))
     return list(tokenizer.encode(PROMPT_TEXT, add_special_tokens=False).ids)
 
@@ -232,7 +238,8 @@ def run_phase(
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="sluice-ceiling-") as tmp:
         model = Path(tmp) / "model"
-        prompt = make_model(model, step_ms / 1000)
+        low_load = streams == args.low_streams
+        prompt = make_model(model, step_ms / 1000, record_writes=low_load)
         env = {**os.environ, "SLUICE_CEILING_TREE": str(tree), "SLUICE_LOG_LEVEL": "info"}
         with open(Path(tmp) / "server.log", "wb") as server_log:
             server = subprocess.Popen(
@@ -251,7 +258,9 @@ def run_phase(
             server.send_signal(signal.SIGTERM)
             server.wait(timeout=30)
         steps = json.loads((model / "steps.json").read_text())
-    return summarize(result, steps, streams, step_ms, label, args.rpc)
+        writes_file = model / "writes.json"
+        writes = json.loads(writes_file.read_text()) if low_load and writes_file.exists() else []
+    return summarize(result, steps, writes, streams, step_ms, label, args.rpc)
 
 
 def _drive(
@@ -303,6 +312,7 @@ def _drive(
 def summarize(
     result: dict[str, Any],
     steps: dict[str, Any],
+    writes: list[Record],
     streams: int,
     step_ms: float,
     label: str,
@@ -321,6 +331,12 @@ def summarize(
         alone += count == 1
         first = first_step[rid] + position
         delays.extend(received - sent_at[k] for k in range(first, first + count))
+    # The same, from the engine's send to the service's completed write (low load only).
+    written: list[float] = []
+    for rid, position, count, done in writes:
+        if start <= done < end:
+            first = first_step[rid] + position
+            written.extend(done - sent_at[k] for k in range(first, first + count))
     seconds = end - start
     engine_tokens = sum(n for t, n in zip(sent_at, steps["sizes"], strict=True) if start <= t < end)
     return {
@@ -340,6 +356,9 @@ def summarize(
         "delay_ms_p50": round(percentile(delays, 50) * 1000, 3),
         "delay_ms_p99": round(percentile(delays, 99) * 1000, 3),
         "delay_ms_max": round(max(delays, default=math.nan) * 1000, 3),
+        # NaN unless measured (the low-load phase): engine send -> the service's write done.
+        "service_delay_ms_p50": round(percentile(written, 50) * 1000, 3),
+        "service_delay_ms_p99": round(percentile(written, 99) * 1000, 3),
         "client_cores": round(result["client_cpu"] / seconds, 3),
         "engine_cores": round(result["engine_cpu"] / seconds, 3),
         "tokens": tokens,
@@ -396,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         "alone",
         "cores",
     ]
-    header += ["cpu s/1k tok", "delay p50 ms", "p99", "max", "client cores", "engine"]
+    header += ["cpu s/1k tok", "delay p50 ms", "p99", "max", "svc p50", "svc p99"]
+    header += ["client cores", "engine"]
     rows = [
         [
             p["revision"],
@@ -412,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
             p["delay_ms_p50"],
             p["delay_ms_p99"],
             p["delay_ms_max"],
+            p["service_delay_ms_p50"],
+            p["service_delay_ms_p99"],
             p["client_cores"],
             p["engine_cores"],
         ]
