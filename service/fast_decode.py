@@ -75,6 +75,13 @@ class ByteLevelStream:
         self._pending = bool(self._utf8.getstate()[0])
         return text
 
+    def flush(self) -> str:
+        """What the UTF-8 decoder still holds (an incomplete character: U+FFFD, as `decode`
+        gives it at the end)."""
+        text = self._utf8.decode(b"", final=True)
+        self._pending = False
+        return text
+
 
 class ByteLevelTable:
     """Each id's bytes (b"" for ids `decode` drops), and its text where those bytes are
@@ -123,6 +130,15 @@ class MetaspaceStream:
         if self._run:
             text = _run_text(self._run) + text
             self._run.clear()
+        if not self._started and text:
+            self._started = True
+            text = text.removeprefix(" ")
+        return text
+
+    def flush(self) -> str:
+        """The byte run still held (its text, or one U+FFFD per byte if it is not UTF-8)."""
+        text = _run_text(self._run) if self._run else ""
+        self._run.clear()
         if not self._started and text:
             self._started = True
             text = text.removeprefix(" ")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Protocol
 
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
-from service.fast_decode import ByteLevelStream, DecodeTable, MetaspaceStream, load_tables
+from service.fast_decode import DecodeTable, load_tables
 
 # Encoding this many characters or more goes to a worker thread; shorter ones cost less than
 # the thread hop. `encode` holds the GIL even in a thread, `encode_batch` releases it.
@@ -63,10 +64,11 @@ class Tokenizer:
         return str(self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
     def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer:
-        return Detokenizer(self, skip_special_tokens)
+        table = self._decode_tables[skip_special_tokens]
+        return WindowStream(self, skip_special_tokens) if table is None else table.stream()
 
 
-class Detokenizer:
+class Detokenizer(Protocol):
     """Incremental, UTF-8 safe detokenization of one completion.
 
     `step` returns the text a token completes ("" while a multi-byte character is still
@@ -75,43 +77,38 @@ class Detokenizer:
 
     Byte-level and Llama 2 style byte-fallback tokenizers step through per-id tables
     (service/fast_decode.py, well under a microsecond per token); any other decoder goes
-    through `tokenizers`' DecodeStream, which re-decodes a window of ids per token.
+    through `tokenizers`' DecodeStream (WindowStream), which re-decodes a window of ids per
+    token.
     """
+
+    def step(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+class WindowStream:
+    """`tokenizers`' DecodeStream: decodes a window of the last ids again for every token and
+    returns the new text once it does not end in U+FFFD (1-2 µs per token on the dev VM). Its
+    tail comes from a full decode of the completion."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        table = tokenizer._decode_tables[skip_special_tokens]
-        self._pieces: ByteLevelStream | MetaspaceStream | WindowStream = (
-            WindowStream(tokenizer._tok, skip_special_tokens) if table is None else table.stream()
-        )
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._ids: list[int] = []
         self._emitted = 0  # characters returned so far
 
     def step(self, token_id: int) -> str:
         self._ids.append(token_id)
-        text = self._pieces.step(token_id)
+        text = self._stream.step(self._tokenizer._tok, token_id) or ""
         self._emitted += len(text)
         return text
 
     def flush(self) -> str:
-        """The held-back tail (e.g. an incomplete UTF-8 sequence, decoded with replacement)."""
         full = self._tokenizer.decode(self._ids, self._skip_special_tokens)
-        # NOTE: the pieces so far are a prefix of the full decode (the tables' streams are exact;
-        # DecodeStream's are for byte-level and metaspace tokenizers while the bytes are valid
-        # UTF-8); the full decode is the reference for what is left.
+        # NOTE: DecodeStream's pieces are a prefix of the full decode for byte-level and
+        # metaspace tokenizers while the bytes are valid UTF-8; the full decode is the
+        # reference for what is left.
         tail = full[self._emitted :]
         self._emitted = len(full)
         return tail
-
-
-class WindowStream:
-    """`tokenizers`' DecodeStream: decodes a window of the last ids again for every token and
-    returns the new text once it does not end in U+FFFD (1-2 µs per token on the dev VM)."""
-
-    def __init__(self, tok: tokenizers.Tokenizer, skip_special_tokens: bool) -> None:
-        self._tok = tok
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-
-    def step(self, token_id: int) -> str:
-        return self._stream.step(self._tok, token_id) or ""

@@ -211,7 +211,7 @@ def test_each_step_releases_exactly_the_completed_text(tokenizers_under_test, na
         assert released == [complete_so_far(tokenizer, ids[: k + 1], skip) for k in range(len(ids))]
         # DecodeStream also holds back complete characters that share a token with the start
         # of the next one; where it does not, its pieces are the same.
-        window = WindowStream(tokenizer._tok, skip)
+        window = WindowStream(tokenizer, skip)
         theirs = [window.step(i) for i in ids]
         if list(accumulate(theirs)) == released:
             same_as_decode_stream += 1
