@@ -226,4 +226,11 @@ def write_frame(fd: int, data: bytes) -> None:
             try:
                 part = part[os.write(fd, part) :]
             except BlockingIOError:
-                select.select([], [fd], [])
+                _wait_writable(fd)
+
+
+def _wait_writable(fd: int) -> None:
+    # NOTE: poll, not select: select fails on descriptors past 1024 (a busy server has them).
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    poller.poll()
