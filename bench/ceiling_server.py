@@ -14,9 +14,9 @@ sent each step and at which step each request got its first token; at Shutdown i
 client (time.monotonic is one clock for every process of the machine).
 
 With `record_writes` in the knobs (the bench sets it at low load), the server also records when
-each `tokens` event of a request was written (`record_writes` below) and writes the records to
-`<MODEL_DIR>/writes.json` at exit: the service's own share of a token's delay, from the engine's
-send to grpc.aio's completed write, without the client's.
+each token reached the service's router and when the `tokens` event carrying it was written
+(`record_writes` below), and writes both to `<MODEL_DIR>/writes.json` at exit: the service's own
+share of a token's delay, from its arrival to grpc.aio's completed write.
 """
 
 from __future__ import annotations
@@ -140,12 +140,24 @@ def ceiling_engine(config: EngineConfig, conn: Connection) -> None:
         next_step = max(next_step + interval, time.monotonic())
 
 
-def record_writes(servicer_class: Any, writes: list[tuple[str, int, int, float]]) -> None:
+Write = tuple[str, int, int, float]  # request id, position of its first token, tokens, done
+
+
+def record_writes(servicer_class: Any, router_class: Any) -> tuple[list[Write], dict[str, Any]]:
     """Wrap the servicer's per-request event generator so that, each time a `tokens` event has
     been written (grpc.aio resumes a handler only after its write; a GenerateStream pump only
-    after the call wrote its event), (request id, position of its first token, tokens, now)
-    is appended to `writes`. It costs one generator layer per message: low load only."""
-    run = servicer_class._run
+    after the call wrote its event), (request id, position of its first token, tokens, now) is
+    appended to the first list returned; and the router, so that the arrival of each request's
+    k-th token is the second's ["request id k"]. One generator layer and a clock read per
+    message: low load only."""
+    writes: list[Write] = []
+    arrivals: dict[str, float] = {}
+    run, route = servicer_class._run, router_class.route
+
+    def timed_route(self: Any, output: Any) -> Any:
+        # The stand-in numbers tokens by completion_tokens: this output's is the last.
+        arrivals[f"{output.request_id} {output.completion_tokens - 1}"] = time.monotonic()
+        return route(self, output)
 
     async def timed_run(self: Any, submitted: Any) -> AsyncIterator[Any]:
         request_id = submitted.admission.request.request_id
@@ -159,17 +171,21 @@ def record_writes(servicer_class: Any, writes: list[tuple[str, int, int, float]]
                     position += count
 
     servicer_class._run = timed_run
+    router_class.route = timed_route
+    return writes, arrivals
 
 
 async def serve(model_dir: str) -> None:
     from engine.logs import configure_logging
     from service.config import ServiceConfig
+    from service.routing import RequestRouter
     from service.server import create_server
     from service.servicer import GenerationServicer
 
-    writes: list[tuple[str, int, int, float]] = []
+    writes: list[Write] = []
+    arrivals: dict[str, float] = {}
     if json.loads((Path(model_dir) / "ceiling.json").read_text()).get("record_writes"):
-        record_writes(GenerationServicer, writes)
+        writes, arrivals = record_writes(GenerationServicer, RequestRouter)
     engine = EngineConfig(model=model_dir, device="cpu", dtype="float32")
     config = ServiceConfig(engine=engine, host="127.0.0.1", port=0, max_concurrent_rpcs=100_000)
     configure_logging(engine.log_level, engine.log_format, process="service")
@@ -181,7 +197,9 @@ async def serve(model_dir: str) -> None:
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     await stop.wait()
     await server.stop(grace=1.0)
-    (Path(model_dir) / "writes.json").write_text(json.dumps(writes))
+    (Path(model_dir) / "writes.json").write_text(
+        json.dumps({"writes": writes, "arrivals": arrivals})
+    )
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ per message, service CPU seconds per 1,000 tokens and cores used (utime + stime 
 process from /proc, its threads included, the engine not), and each token's delay from the
 engine's send to the client's receipt (p50, p99, max; time.monotonic is one clock for all
 processes). The low-load phase (`--low-streams`) checks that each token leaves alone (1 token
-per message) and quickly; there the server also records when each event's write completed, which
-gives the service's own share of the delay (engine send -> write done, `service_delay_ms_*`),
-without the client's.
+per message) and quickly; there the server also records when each token reached its router and
+when the event carrying it was written, which gives the service's own share of the delay
+(arrival -> write done, `service_delay_ms_*`).
 
     python -m bench.service_ceiling --streams 256 --step-ms 5 --baseline-rev main
 """
@@ -258,8 +258,7 @@ def run_phase(
             server.send_signal(signal.SIGTERM)
             server.wait(timeout=30)
         steps = json.loads((model / "steps.json").read_text())
-        writes_file = model / "writes.json"
-        writes = json.loads(writes_file.read_text()) if low_load and writes_file.exists() else []
+        writes = json.loads((model / "writes.json").read_text()) if low_load else None
     return summarize(result, steps, writes, streams, step_ms, label, args.rpc)
 
 
@@ -312,7 +311,7 @@ def _drive(
 def summarize(
     result: dict[str, Any],
     steps: dict[str, Any],
-    writes: list[Record],
+    writes: dict[str, Any] | None,
     streams: int,
     step_ms: float,
     label: str,
@@ -331,12 +330,16 @@ def summarize(
         alone += count == 1
         first = first_step[rid] + position
         delays.extend(received - sent_at[k] for k in range(first, first + count))
-    # The same, from the engine's send to the service's completed write (low load only).
+    # Low load: each token's time in the service, from its arrival at the router to the
+    # completed write of the event that carried it.
     written: list[float] = []
-    for rid, position, count, done in writes:
-        if start <= done < end:
-            first = first_step[rid] + position
-            written.extend(done - sent_at[k] for k in range(first, first + count))
+    if writes is not None:
+        arrived: dict[str, float] = writes["arrivals"]
+        for rid, position, count, done in writes["writes"]:
+            if start <= done < end:
+                written.extend(
+                    done - arrived[f"{rid} {k}"] for k in range(position, position + count)
+                )
     seconds = end - start
     engine_tokens = sum(n for t, n in zip(sent_at, steps["sizes"], strict=True) if start <= t < end)
     return {
@@ -356,7 +359,7 @@ def summarize(
         "delay_ms_p50": round(percentile(delays, 50) * 1000, 3),
         "delay_ms_p99": round(percentile(delays, 99) * 1000, 3),
         "delay_ms_max": round(max(delays, default=math.nan) * 1000, 3),
-        # NaN unless measured (the low-load phase): engine send -> the service's write done.
+        # NaN unless measured (the low-load phase): arrival -> the service's write done.
         "service_delay_ms_p50": round(percentile(written, 50) * 1000, 3),
         "service_delay_ms_p99": round(percentile(written, 99) * 1000, 3),
         "client_cores": round(result["client_cpu"] / seconds, 3),
