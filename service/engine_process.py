@@ -220,11 +220,12 @@ def write_frame(fd: int, data: bytes) -> None:
     while the pipe is full."""
     size = len(data)
     header = struct.pack("!i", size) if size <= 0x7FFFFFFF else struct.pack("!iQ", -1, size)
-    view = memoryview(header + data) if size <= 16384 else None
-    for part in [view] if view is not None else [memoryview(header), memoryview(data)]:
-        while part:
+    # Like Connection: a small message goes out with its header in one write.
+    for part in [header + data] if size <= 16384 else [header, data]:
+        view = memoryview(part)
+        while view:
             try:
-                part = part[os.write(fd, part) :]
+                view = view[os.write(fd, view) :]
             except BlockingIOError:
                 _wait_writable(fd)
 
