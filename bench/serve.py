@@ -70,6 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument(
+        "--service-niceness",
+        type=int,
+        default=10,
+        help="the started server's --service-niceness: its engine first in line for the CPU",
+    )
+    p.add_argument(
         "--client-niceness",
         type=int,
         default=10,
@@ -285,6 +291,8 @@ def server(
         "--shutdown-grace",
         "5",
         "--no-enable-prefix-cache",
+        "--service-niceness",
+        str(args.service_niceness),
     ]
     env = dict(os.environ)
     if args.threads:  # the engine process inherits it: torch sizes its pool from it
@@ -425,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "dtype": dtype,
         "engine_threads": args.threads,
+        "service_niceness": None if args.target else args.service_niceness,
         "client_niceness": args.client_niceness if spawner is not None else 0,
         "workload": workload.describe(),
         "offline_engine": offline,

@@ -41,12 +41,15 @@ class ServiceConfig:
         "the model name GetServerInfo reports (default: the checkpoint directory's name)",
         group=MODEL,
     )
-    # The engine keeps the priority the server started with; on shared cores it runs first, and
-    # the service, behind, sends what accumulated as fewer, larger messages (service/priority.py).
+    # Off by default: with the engine's torch threads on every core (the CPU default) a service
+    # below them only runs in the engine's gaps (health checks took 75-84 ms at p50 instead of
+    # 3-5 ms under load). With a core left to it, the engine first in line is what lets 64 served
+    # streams keep up with the offline engine on a 2-core machine (service/priority.py).
     service_niceness: int = setting(
-        10,
+        0,
         "nice levels added to the service's own threads, not the engine's, so that the engine "
-        "gets the CPU first where they share cores (Linux; 0: same priority)",
+        "gets the CPU first where they share cores (Linux; 0: same priority); for an engine "
+        "that leaves the service a core (--cpu-threads below the cores, or a GPU)",
         group=EXECUTION,
     )
     host: str = setting(
