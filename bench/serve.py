@@ -73,7 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--service-niceness",
         type=int,
         default=10,
-        help="the started server's --service-niceness: its engine first in line for the CPU",
+        help="the started server's --service-niceness: its engine first in line for the CPU "
+        "(for an engine that leaves the service a core: --threads below the cores, or CUDA)",
     )
     p.add_argument(
         "--client-niceness",
