@@ -36,6 +36,7 @@ _LN2 = tl.constexpr(sm.LN2)
 _SQRT2 = tl.constexpr(sm.SQRT2)
 _MIN_EXP = tl.constexpr(sm.MIN_EXPONENT)
 _MASS = tl.constexpr(sm.MASS_SCALE)
+_U_MAX = tl.constexpr(sm.U_MAX)
 _E1, _E2, _E3, _E4, _E5, _E6 = (tl.constexpr(c) for c in sm.EXP2_COEFFS)
 _A3, _A5, _A7, _A9 = (tl.constexpr(c) for c in sm.ATANH_COEFFS)
 _SEEN = tl.constexpr(SEEN)
@@ -370,7 +371,7 @@ def _race(
         if MIN_P:
             kept = kept & (weights >= min_p)
         bits = _fmix32(row_key ^ ((start + offs).to(tl.uint32) * 0x9E3779B9))
-        u = ((bits >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2^-24
+        u = tl.minimum(((bits >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08, _U_MAX)
         scores = tl.where(kept, tl.math.div_rn(weights, _neg_log(u)), -1.0)
         block_best = tl.max(scores, axis=0)
         token = tl.where(

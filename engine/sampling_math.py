@@ -6,7 +6,8 @@ the token this torch code picks. Every value a decision reads is therefore built
 correctly rounded float32 `+ - * /`, comparisons, float<->int conversions and integer ops:
 - `exp_weights`: w = exp(x - max) by a fixed polynomial for 2^f and an exponent built from
   bits (never subnormal: below e^-80 it is 0);
-- `exponential_noise`: E = -log(u) by a fixed atanh series, u from the counter-based hash;
+- `exponential_noise`: E = -log(u) by a fixed atanh series, u from the counter-based hash,
+  below 1 so that E > 0;
 - masses for top-p: q = floor(w * 2^32) summed as int64 (order-free), compared with top_p in
   float64;
 - the order of tokens: `order_keys`, int32 keys ordered as the float values.
@@ -36,6 +37,7 @@ EXP2_COEFFS = (
 ATANH_COEFFS = (0.3333333432674408, 0.20000000298023224, 0.1428571492433548, 0.1111111119389534)
 MIN_EXPONENT = -80.0  # exp_weights is 0 below e^-80: every weight stays a normal float32
 MASS_SCALE = 4294967296.0  # 2^32: a top-p mass unit
+U_MAX = 1.0 - 2.0**-24  # the largest float32 below 1: the uniform noise's ceiling
 
 
 def order_keys(x: torch.Tensor) -> torch.Tensor:
@@ -93,13 +95,15 @@ def mul32(x: torch.Tensor, c: int) -> torch.Tensor:
 
 def uniform(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
     """Uniform (0, 1) noise [rows, vocab], a pure function of (seed, counter, token id):
-    multiples of 2^-24 offset by 2^-25, so -log(u) is finite and positive."""
+    (k + 0.5) * 2^-24 for the hash's top 24 bits k, in float32, at most U_MAX, so -log(u) is
+    finite and positive. (k = 2^24 - 1 rounds to 1 in float32: its noise would be 0, and a
+    weight divided by 0 is inf, or NaN for a weight of 0, which argmax would pick.)"""
     row = fmix32(seeds[:, 1] ^ fmix32(seeds[:, 0] ^ fmix32(counters & MASK32)))
     # Token ids times an odd constant (a bijection mod 2**32) spread over all 32 bits; one
     # finaliser round over [rows, vocab], the one tensor that is large.
     cols = mul32(torch.arange(vocab, device=seeds.device), 0x9E3779B9)
     bits = fmix32(row[:, None] ^ cols[None, :])
-    return ((bits >> 8).float() + 0.5) * (1.0 / float(1 << 24))
+    return (((bits >> 8).float() + 0.5) * (1.0 / float(1 << 24))).clamp(max=U_MAX)
 
 
 def exponential_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:

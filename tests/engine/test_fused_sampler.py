@@ -165,6 +165,22 @@ def test_many_seeds_of_the_rl_setting_agree(fused: ModuleType) -> None:
     assert_same_sampling(fused, make_logits(8, seed=7, scale=4.0), make_batch(rows))
 
 
+def test_noise_at_the_top_of_the_hash_range_is_drawn_as_the_torch_sampler_draws_it(
+    fused: ModuleType,
+) -> None:
+    # Seed 1234 at output index 4891 hashes token 222 to the top of the uniform range, which
+    # rounds to 1 in float32 unless capped (tests/engine/test_sampling.py). Equal weights: the
+    # token wins the race. A weight of 0: it must not be drawn.
+    edge = {"seed": 1234, "step": 4891}
+    rows = [edge, {**edge, "top_p": 0.999}, edge, {**edge, "top_p": 0.999}]
+    logits = torch.zeros(4, VOCAB)
+    logits[2:, 222] = -1000.0
+    batch = make_batch(rows)
+    assert_same_sampling(fused, logits.to(DEVICE), batch)
+    ids = fused.FusedSampler(block=64, ways=4)(logits.to(DEVICE), batch).values.tolist()
+    assert ids[:2] == [222, 222] and 222 not in ids[2:]
+
+
 def test_the_penalty_scratch_is_clean_after_each_call(fused: ModuleType) -> None:
     sampler = fused.FusedSampler(block=64, ways=4)
     logits = make_logits(2, seed=1)
@@ -202,13 +218,13 @@ def test_an_engine_with_the_fused_sampler_generates_the_torch_engines_tokens(
 
 
 def test_the_kernels_exp_and_log_equal_the_references_bit_for_bit(fused: ModuleType) -> None:
-    from engine.sampling_math import exp_weights, neg_log
+    from engine.sampling_math import U_MAX, exp_weights, neg_log
 
     g = torch.Generator().manual_seed(0)
     edges = [0.0, -0.0, -1e-30, -1e-7, -79.999, -80.0, -80.001, -1e4, float("-inf")]
     d = torch.cat([torch.tensor(edges), -torch.rand(4087, generator=g) * 90]).to(DEVICE)
     k = torch.cat([torch.tensor([0, 1, 2**23, 2**24 - 1]), torch.randint(2**24, (4092,))])
-    u = ((k.float() + 0.5) * 2.0**-24).to(DEVICE)
+    u = ((k.float() + 0.5) * 2.0**-24).clamp(max=U_MAX).to(DEVICE)  # as the samplers draw it
     w, e = torch.empty_like(d), torch.empty_like(u)
     kernel = fused.math_kernel()
     kernel[(d.numel() // 1024,)](d, u, w, e, d.numel(), BLOCK=1024, enable_fp_fusion=False)

@@ -11,6 +11,7 @@ import torch
 from tiny_models import load_hf_model
 
 from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
+from engine.sampler import Sampler, SamplingBatch
 
 PROMPT = [0, 17, 42, 99, 123, 7, 88]
 
@@ -167,8 +168,6 @@ def test_generation_stops_at_any_eos_id_of_generation_config(
 def sample_counts(probs: torch.Tensor, draws: int, top_k: int = 0) -> torch.Tensor:
     """How often each token is drawn over `draws` rows sharing `probs`: one seed per row, at
     successive output indices, as a long generation's steps would draw them."""
-    from engine.sampler import Sampler, SamplingBatch
-
     floats = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]).repeat(draws, 1)
     seeds = torch.stack([torch.arange(draws) * 7919 + 1, torch.arange(draws) % 3], dim=1)
     ints = torch.cat([seeds, (torch.arange(draws) % 97)[:, None], torch.zeros(draws, 2)], dim=1)
@@ -217,3 +216,40 @@ def test_uniform_noise_is_flat_and_uncorrelated_across_tokens_and_steps() -> Non
     next_step = (centred[1:] * centred[:-1]).mean() / centred.var()
     # Correlation of independent samples: about 1/sqrt(n) ~ 0.002; 0.02 is ten sigma.
     assert abs(float(neighbours)) < 0.02 and abs(float(next_step)) < 0.02
+
+
+# A (seed, output index, token) whose hash has its top 24 bits all ones: (2^24 - 1 + 0.5) * 2^-24
+# rounds to 1 in float32 (found by a search over output indices; checked below).
+TOP_OF_RANGE = {"seed": 1234, "step": 4891, "token": 222}
+
+
+def top_of_range_batch(top_p: float = 1.0) -> SamplingBatch:
+    floats = torch.tensor([[1.0, top_p, 0.0, 1.0, 0.0, 0.0]])
+    ints = torch.tensor([[TOP_OF_RANGE["seed"], 0, TOP_OF_RANGE["step"], 0, 0]])
+    return SamplingBatch(floats, ints, use_top_p=top_p < 1.0)
+
+
+def test_noise_at_the_top_of_the_hash_range_stays_below_1() -> None:
+    from engine.sampling_math import U_MAX, exponential_noise, uniform
+
+    seeds, counters = top_of_range_batch().ints[:, :2], torch.tensor([TOP_OF_RANGE["step"]])
+    u = uniform(seeds, counters, 1024)
+    assert float(u[0, TOP_OF_RANGE["token"]]) == U_MAX  # the largest float32 below 1
+    assert float(u.max()) < 1.0
+    assert bool((exponential_noise(seeds, counters, 1024) > 0).all())
+
+
+def test_a_draw_at_the_top_of_the_noise_range_wins_among_equal_weights() -> None:
+    # The smallest Exp(1) draw wins the race. Noise of -0 (-log(1)) made its score -inf:
+    # the token could not be drawn at this step.
+    ids = Sampler()(torch.zeros(1, 1024), top_of_range_batch()).values
+    assert ids.tolist() == [TOP_OF_RANGE["token"]]
+
+
+def test_a_token_of_weight_0_is_never_drawn_whatever_its_noise() -> None:
+    # exp(-1000) is 0 in float32: 0 / 0 noise would be NaN, which argmax picks.
+    logits = torch.zeros(1, 1024)
+    logits[0, TOP_OF_RANGE["token"]] = -1000.0
+    for top_p in (1.0, 0.999):
+        ids = Sampler()(logits, top_of_range_batch(top_p)).values
+        assert ids.tolist() != [TOP_OF_RANGE["token"]]
