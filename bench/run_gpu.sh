@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The GPU suite, for one H200 (under 8 minutes): random-weight checkpoints of real shapes are
+# The GPU suite, for one H200 (under 8 minutes): the GPU tests first (the fast path against the
+# reference, compiled: $OUT/gpu-tests.txt), then random-weight checkpoints of real shapes are
 # generated on the device (not carried), then offline vs HF, decode step time against the
 # bandwidth roofline, and serving over gRPC. Prints as it goes; JSON per benchmark under $OUT.
 # Run from the checkout on a machine with one CUDA GPU:
 #   bash bench/run_gpu.sh                 # BUDGET_S=450 by default: later steps are skipped
-# Needs torch with CUDA, Triton and transformers installed. Sluice's other dependencies may come
-# as wheels in .whl/ (structlog, grpcio and its health/reflection/status packages, protobuf,
-# googleapis-common-protos, prometheus-client): when present they are installed into /tmp/site
-# first, without an index, for a machine with no network.
+# Needs torch with CUDA, Triton and transformers installed. Sluice's other dependencies and
+# pytest may come as wheels in .whl/ (scripts/device_wheels.sh downloads them): when present
+# they are installed into /tmp/site first, without an index, for a machine with no network.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -49,6 +49,19 @@ step() {  # step NAME SECONDS MODULE ARGS...: skipped when the budget cannot cov
     failed+=("$name")
   fi
 }
+
+# Compiled on CUDA: the Triton attention and sampler kernels, CUDA graphs, torch.compile.
+GPU_TESTS=(tests/engine/test_gpu_fast_path.py tests/engine/test_attention_triton.py
+  tests/engine/test_cuda_graph.py tests/engine/test_fused_sampler.py tests/engine/test_sampling.py)
+echo "== gpu-tests (limit 240 s): pytest ${GPU_TESTS[*]}" >&2
+start=$SECONDS
+if timeout -k 10 240 "$PY" -m pytest -q -p no:cacheprovider "${GPU_TESTS[@]}" >"$OUT/gpu-tests.txt" 2>&1; then
+  echo "== gpu-tests: ok, $((SECONDS - start)) s" >&2
+else
+  echo "== gpu-tests: FAILED after $((SECONDS - start)) s; $OUT/gpu-tests.txt ends:" >&2
+  failed+=(gpu-tests)
+fi
+tail -n 15 "$OUT/gpu-tests.txt" >&2
 
 CK="bench.checkpoints --dtype bfloat16 --device cuda"
 step checkpoints 150 $CK qwen2.5-0.5b llama-3-8b
