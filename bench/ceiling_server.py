@@ -184,10 +184,15 @@ async def serve(model_dir: str) -> None:
 
     writes: list[Write] = []
     arrivals: dict[str, float] = {}
-    if json.loads((Path(model_dir) / "ceiling.json").read_text()).get("record_writes"):
+    knobs = json.loads((Path(model_dir) / "ceiling.json").read_text())
+    if knobs.get("record_writes"):
         writes, arrivals = record_writes(GenerationServicer, RequestRouter)
+    # Only when set: a baseline revision's ServiceConfig may not have it.
+    extra = {"stream_interval": knobs["stream_interval"]} if knobs.get("stream_interval") else {}
     engine = EngineConfig(model=model_dir, device="cpu", dtype="float32")
-    config = ServiceConfig(engine=engine, host="127.0.0.1", port=0, max_concurrent_rpcs=100_000)
+    config = ServiceConfig(
+        engine=engine, host="127.0.0.1", port=0, max_concurrent_rpcs=100_000, **extra
+    )
     configure_logging(engine.log_level, engine.log_format, process="service")
     server, port = create_server(config, ceiling_engine)
     await server.start()

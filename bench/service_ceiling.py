@@ -12,7 +12,9 @@ Per phase: delivered tokens/s (tokens the clients received in the window / the w
 per message, service CPU seconds per 1,000 tokens and cores used (utime + stime of the server
 process from /proc, its threads included, the engine not), and each token's delay from the
 engine's send to the client's receipt (p50, p99, max; time.monotonic is one clock for all
-processes). The low-load phase (`--low-streams`) checks that each token leaves alone (1 token
+processes), and each request's time to first token from the client's send (`ttft_ms_*`: with one
+Generate call per request, mostly how long grpc.aio takes to accept a new call when the service
+is busy). The low-load phase (`--low-streams`) checks that each token leaves alone (1 token
 per message) and quickly; there the server also records when each token reached its router and
 when the event carrying it was written, which gives the service's own share of the delay
 (arrival -> write done, `service_delay_ms_*`).
@@ -43,6 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 SERVER_SCRIPT = Path(__file__).resolve().parent / "ceiling_server.py"
 PROMPT_TEXT = "The quick brown fox jumps over the lazy dog, and the lazy dog sleeps on. "
 Record = tuple[str, int, int, float]  # request id, position of its first token, tokens, received
+Start = tuple[str, float]  # request id, when the client sent it
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,6 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=1.5, help="seconds before the window")
     p.add_argument("--baseline-rev", help="also measure this revision's service, alternating")
     p.add_argument("--repeat", type=int, default=1, help="run every phase this often")
+    p.add_argument(
+        "--stream-interval",
+        type=float,
+        default=0.0,
+        help="the server's --stream-interval, seconds (0: off, the default)",
+    )
     return p.parse_args(argv)
 
 
@@ -86,7 +95,7 @@ def client_main(
     stop_at: float,
     out: Any,
 ) -> None:
-    """Hold one stream per slot until `stop_at`; put its records on `out`."""
+    """Hold one stream per slot until `stop_at`; put its records and starts on `out`."""
     streams = _streams if rpc == "generate" else _multiplexed
     out.put(asyncio.run(streams(target, slots, tag, prompt, max_tokens, start_at, stop_at)))
 
@@ -99,12 +108,13 @@ async def _streams(
     max_tokens: int,
     start_at: float,
     stop_at: float,
-) -> list[Record]:
+) -> tuple[list[Record], list[Start]]:
     import grpc
     from sluice.v1 import generation_pb2 as pb
     from sluice.v1 import generation_pb2_grpc
 
     records: list[Record] = []
+    starts: list[Start] = []
     async with grpc.aio.insecure_channel(target) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         await channel.channel_ready()
@@ -121,6 +131,7 @@ async def _streams(
                     sampling=pb.SamplingParams(temperature=0.0),
                     stop=pb.StopParams(max_tokens=max_tokens, ignore_eos=True),
                 )
+                starts.append((rid, time.monotonic()))
                 call = stub.Generate(request)
                 position = 0
                 async for event in call:
@@ -134,7 +145,7 @@ async def _streams(
                         break
 
         await asyncio.gather(*(stream(slot) for slot in slots))
-    return records
+    return records, starts
 
 
 async def _multiplexed(
@@ -145,13 +156,14 @@ async def _multiplexed(
     max_tokens: int,
     start_at: float,
     stop_at: float,
-) -> list[Record]:
+) -> tuple[list[Record], list[Start]]:
     """Like `_streams`, but every request of this client goes over one GenerateStream call."""
     import grpc
     from sluice.v1 import generation_pb2 as pb
     from sluice.v1 import generation_pb2_grpc
 
     records: list[Record] = []
+    sent: list[Start] = []
     starts: asyncio.Queue[pb.GenerateStreamRequest | None] = asyncio.Queue()
     counts = dict.fromkeys(slots, 0)
     positions: dict[str, int] = {}
@@ -166,6 +178,7 @@ async def _multiplexed(
             sampling=pb.SamplingParams(temperature=0.0),
             stop=pb.StopParams(max_tokens=max_tokens, ignore_eos=True),
         )
+        sent.append((rid, time.monotonic()))
         starts.put_nowait(pb.GenerateStreamRequest(start=request))
 
     async def requests() -> AsyncIterator[pb.GenerateStreamRequest]:
@@ -191,7 +204,7 @@ async def _multiplexed(
             if now >= stop_at:
                 call.cancel()
                 break
-    return records
+    return records, sent
 
 
 # ---- one phase: a server, its clients, the numbers ----
@@ -212,7 +225,9 @@ def engine_pid(server_pid: int) -> int:
     raise RuntimeError(f"no engine process under {server_pid}")
 
 
-def make_model(directory: Path, step_interval: float, record_writes: bool) -> list[int]:
+def make_model(
+    directory: Path, step_interval: float, record_writes: bool, stream_interval: float = 0.0
+) -> list[int]:
     """Write the stand-in's model directory; returns the prompt, a plain English text's ids.
 
     The stand-in sends a request's prompt back as its output, so the service detokenizes text
@@ -228,6 +243,7 @@ def make_model(directory: Path, step_interval: float, record_writes: bool) -> li
         "step_interval": step_interval,
         "vocab_size": tokenizer.get_vocab_size(),
         "record_writes": record_writes,
+        "stream_interval": stream_interval,  # the server's
     }
     (directory / "ceiling.json").write_text(json.dumps(knobs))
     return list(tokenizer.encode(PROMPT_TEXT, add_special_tokens=False).ids)
@@ -239,7 +255,7 @@ def run_phase(
     with tempfile.TemporaryDirectory(prefix="sluice-ceiling-") as tmp:
         model = Path(tmp) / "model"
         low_load = streams == args.low_streams
-        prompt = make_model(model, step_ms / 1000, record_writes=low_load)
+        prompt = make_model(model, step_ms / 1000, low_load, args.stream_interval)
         env = {**os.environ, "SLUICE_CEILING_TREE": str(tree), "SLUICE_LOG_LEVEL": "info"}
         with open(Path(tmp) / "server.log", "wb") as server_log:
             server = subprocess.Popen(
@@ -302,7 +318,8 @@ def _drive(
     return {
         "window": window,
         "service_cpu": cpu1 - cpu0,
-        "records": [r for records in results for r in records],
+        "records": [r for records, _ in results for r in records],
+        "starts": dict(start for _, starts in results for start in starts),
         "client_cpu": client1 - client0,
         "engine_cpu": engine1 - engine0,
     }
@@ -322,9 +339,12 @@ def summarize(
     first_step: dict[str, int] = steps["first_step"]
     tokens = messages = alone = 0
     delays: list[float] = []
+    ttfts: list[float] = []  # sent by the client -> its first token received
     for rid, position, count, received in result["records"]:
         if not start <= received < end:
             continue
+        if position == 0:
+            ttfts.append(received - result["starts"][rid])
         tokens += count
         messages += 1
         alone += count == 1
@@ -348,7 +368,9 @@ def summarize(
         "streams": streams,
         "step_ms": step_ms,
         "offered_tok_s": round(streams / step_ms * 1000),
-        "engine_tok_s": round(engine_tokens / seconds),  # below offered: the engine was late
+        # Below offered: the engine was late, or had fewer than `streams` requests running
+        # (new ones not yet accepted).
+        "engine_tok_s": round(engine_tokens / seconds),
         "delivered_tok_s": round(tokens / seconds),
         "tokens_per_message": round(tokens / messages, 3) if messages else math.nan,
         "messages_alone": round(alone / messages, 4) if messages else math.nan,
@@ -359,6 +381,8 @@ def summarize(
         "delay_ms_p50": round(percentile(delays, 50) * 1000, 3),
         "delay_ms_p99": round(percentile(delays, 99) * 1000, 3),
         "delay_ms_max": round(max(delays, default=math.nan) * 1000, 3),
+        "ttft_ms_p50": round(percentile(ttfts, 50) * 1000, 3),
+        "ttft_ms_p99": round(percentile(ttfts, 99) * 1000, 3),
         # NaN unless measured (the low-load phase): arrival -> the service's write done.
         "service_delay_ms_p50": round(percentile(written, 50) * 1000, 3),
         "service_delay_ms_p99": round(percentile(written, 99) * 1000, 3),
@@ -418,7 +442,16 @@ def main(argv: list[str] | None = None) -> int:
         "alone",
         "cores",
     ]
-    header += ["cpu s/1k tok", "delay p50 ms", "p99", "max", "svc p50", "svc p99"]
+    header += [
+        "cpu s/1k tok",
+        "delay p50 ms",
+        "p99",
+        "max",
+        "TTFT p50",
+        "p99",
+        "svc p50",
+        "svc p99",
+    ]
     header += ["client cores", "engine"]
     rows = [
         [
@@ -435,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
             p["delay_ms_p50"],
             p["delay_ms_p99"],
             p["delay_ms_max"],
+            p["ttft_ms_p50"],
+            p["ttft_ms_p99"],
             p["service_delay_ms_p50"],
             p["service_delay_ms_p99"],
             p["client_cores"],

@@ -93,7 +93,7 @@ class EngineClient:
         self.stats = EngineStats()
         self.policy_version = config.engine.policy_version
         self.restarts = 0
-        self.router = RequestRouter()
+        self.router = RequestRouter(config.stream_interval)
         self.replay_log = ReplayLog()
         self.engine: EngineProcess | None = None
         self._target = target

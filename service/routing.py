@@ -9,6 +9,7 @@ receives the old request's last output.
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
 
 from engine.messages import FinishReason, RequestOutput
@@ -19,31 +20,57 @@ class Inbox:
     handler takes everything waiting at once (what it sends as one chunk).
 
     An asyncio.Queue with fewer steps per output: every running request gets one per engine
-    step, so this is on the service's per-token path.
+    step, so this is on the service's per-token path. With an `interval` (seconds), a take
+    comes no sooner than `interval` after the previous one, unless a final output is waiting:
+    what arrives meanwhile goes out in the same chunk.
     """
 
-    __slots__ = ("_outputs", "_waiter")
+    __slots__ = ("_holding", "_interval", "_outputs", "_taken_at", "_waiter")
 
-    def __init__(self) -> None:
+    def __init__(self, interval: float = 0.0) -> None:
         self._outputs: list[RequestOutput] = []
         self._waiter: asyncio.Future[None] | None = None
+        self._interval = interval
+        self._taken_at = -math.inf
+        self._holding = False  # waiting out the interval: only a final output cuts it short
 
     def put_nowait(self, output: RequestOutput) -> None:
         self._outputs.append(output)
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
+        if waiter is not None and not waiter.done() and (not self._holding or output.finished):
             waiter.set_result(None)
 
     async def take(self) -> list[RequestOutput]:
-        """Every output waiting, in arrival order; waits for one when there is none."""
+        """Every output waiting, in arrival order; waits for one when there is none, then for
+        the rest of the interval."""
+        loop = asyncio.get_running_loop()
         while not self._outputs:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+            await self._wait(loop)
+        if self._interval:
+            due = self._taken_at + self._interval
+            if due > loop.time() and not any(o.finished for o in self._outputs):
+                self._holding = True
+                timer = loop.call_at(due, self._wake)
+                try:
+                    await self._wait(loop)
+                finally:
+                    self._holding = False
+                    timer.cancel()
+            self._taken_at = loop.time()
         outputs, self._outputs = self._outputs, []
         return outputs
+
+    async def _wait(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._waiter = loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
 
 @dataclass
@@ -55,7 +82,10 @@ class _Route:
 
 
 class RequestRouter:
-    def __init__(self) -> None:
+    """`stream_interval`: each request's Inbox interval (seconds; 0: none)."""
+
+    def __init__(self, stream_interval: float = 0.0) -> None:
+        self._stream_interval = stream_interval
         self._routes: dict[str, _Route] = {}
         self._not_started = 0  # routes that have not received any output yet
 
@@ -72,7 +102,7 @@ class RequestRouter:
 
     def add(self, request_id: str, n: int) -> Inbox:
         assert request_id not in self._routes, request_id
-        inbox = Inbox()
+        inbox = Inbox(self._stream_interval)
         self._routes[request_id] = _Route(inbox, set(range(n)))
         self._not_started += 1
         return inbox

@@ -163,3 +163,60 @@ async def test_an_inbox_hands_over_everything_waiting_at_once_in_order():
     cancelled.cancel()  # a handler that left
     inbox.put_nowait(output("r", 0))  # still delivered to whoever takes next
     assert len(await inbox.take()) == 1
+
+
+async def test_an_interval_holds_a_streams_tokens_and_sends_them_together() -> None:
+    loop = asyncio.get_running_loop()
+    inbox = Inbox(interval=0.05)
+    inbox.put_nowait(output("r", 0))
+    assert await inbox.take() == [output("r", 0)]  # the first chunk goes at once
+    first_taken = loop.time()
+    inbox.put_nowait(output("r", 1))
+    take = asyncio.ensure_future(inbox.take())
+    await asyncio.sleep(0)
+    inbox.put_nowait(output("r", 2))  # arrives while the interval is held
+    assert await take == [output("r", 1), output("r", 2)]
+    assert loop.time() - first_taken >= 0.05
+
+
+async def test_a_final_output_cuts_the_interval_short() -> None:
+    inbox = Inbox(interval=60.0)
+    inbox.put_nowait(output("r", 0))
+    await inbox.take()
+    take = asyncio.ensure_future(inbox.take())
+    inbox.put_nowait(output("r", 3))
+    await asyncio.sleep(0.01)
+    assert not take.done()  # held: the interval has 60 s to run
+    inbox.put_nowait(output("r", 4))  # the last one
+    assert await asyncio.wait_for(take, 5.0) == [output("r", 3), output("r", 4)]
+    # A final output already waiting is not held either.
+    inbox = Inbox(interval=60.0)
+    inbox.put_nowait(output("s", 0))
+    await inbox.take()
+    inbox.put_nowait(output("s", 3))
+    inbox.put_nowait(output("s", 4))
+    assert await asyncio.wait_for(inbox.take(), 5.0) == [output("s", 3), output("s", 4)]
+
+
+async def test_generate_with_an_interval_sends_the_first_token_alone_then_the_rest_in_one_chunk(
+    servicer,
+):
+    request = AddRequest("r", [5, 6, 7], SamplingParams(max_tokens=len(IDS)))
+    inbox = Inbox(interval=60.0)
+    events = servicer._run(_Submitted(Admission(request, OutputSettings()), inbox, None))
+    inbox.put_nowait(output("r", 0))
+    assert (await anext(events)).WhichOneof("event") == "started"
+    assert tokens(await anext(events)) == IDS[:1]
+    chunk = asyncio.ensure_future(anext(events))
+    for k in range(1, len(IDS) - 1):
+        inbox.put_nowait(output("r", k))
+        await asyncio.sleep(0.005)
+    assert not chunk.done()
+    inbox.put_nowait(output("r", len(IDS) - 1))  # final: sent at once with what waited
+    assert tokens(await asyncio.wait_for(chunk, 5.0)) == IDS[1:]
+    assert (await anext(events)).finished.usage.completion_tokens == len(IDS)
+
+
+def test_the_stream_interval_must_not_be_negative(tmp_path):
+    with pytest.raises(ValueError, match="stream_interval"):
+        ServiceConfig(engine=EngineConfig(model=str(tmp_path)), stream_interval=-0.01)

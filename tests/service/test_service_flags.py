@@ -58,7 +58,8 @@ def other_value(flag: Flag, tmp_path: Path) -> tuple[str, Any]:
     if flag.kind is int:
         value = 3 if default is None else default + 1
     elif flag.kind is float:
-        value = default / 2  # every float setting stays valid halved (0.9 -> 0.45, 15 -> 7.5)
+        # Every float setting stays valid halved (0.9 -> 0.45, 15 -> 7.5); one off at 0 gets 0.25.
+        value = default / 2 if default else 0.25
     else:
         value = "other-value"
     return str(value), value
