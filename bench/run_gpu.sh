@@ -79,6 +79,7 @@ step serve-qwen2.5-0.5b 100 bench.serve --shape qwen2.5-0.5b $DEV --scale 0.5 --
 CEIL="bench.service_ceiling --streams 256 --step-ms 5 2.5 --clients 8 --seconds 4"
 step service-ceiling 45 $CEIL
 step service-ceiling-stream 45 $CEIL --rpc stream
+step service-ceiling-interval 45 $CEIL --stream-interval 0.05
 # The other real shapes, while the budget lasts.
 step checkpoints-more 60 $CK qwen3-0.6b llama-3.2-1b
 rm -f "$OUT/checkpoints-more.json"
