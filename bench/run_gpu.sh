@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The GPU suite, for one H200 (under 8 minutes): the GPU tests first (the fast path against the
-# reference, compiled: $OUT/gpu-tests.txt), then random-weight checkpoints of real shapes are
-# generated on the device (not carried), then offline vs HF, decode step time against the
-# bandwidth roofline, and serving over gRPC. Prints as it goes; JSON per benchmark under $OUT.
-# Run from the checkout on a machine with one CUDA GPU:
-#   bash bench/run_gpu.sh                 # BUDGET_S=450 by default: later steps are skipped
+# The GPU suite, for one H200 (under 9 minutes): the GPU tests first (the fast path against the
+# reference, compiled: $OUT/gpu-tests.txt), then the fused sampler and the service's ceiling,
+# then on random-weight checkpoints of real shapes, generated on the device (not carried): decode
+# step time against the bandwidth roofline, offline vs HF, and serving over gRPC. Prints as it
+# goes; JSON per benchmark under $OUT. Run from the checkout on a machine with one CUDA GPU:
+#   bash bench/run_gpu.sh                 # BUDGET_S=500 by default: later steps are skipped
 # Needs torch with CUDA, Triton and transformers installed. Sluice's other dependencies and
 # pytest may come as wheels in .whl/ (scripts/device_wheels.sh downloads them): when present
 # they are installed into /tmp/site first, without an index, for a machine with no network.
@@ -12,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-bench/results/gpu-$(date +%Y%m%d-%H%M%S)}
-BUDGET_S=${BUDGET_S:-450}
+BUDGET_S=${BUDGET_S:-500}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_DISABLE_PROGRESS_BARS=1
 export SLUICE_BENCH_CACHE=${SLUICE_BENCH_CACHE:-/tmp/sluice-bench}
@@ -63,26 +63,28 @@ else
 fi
 tail -n 15 "$OUT/gpu-tests.txt" >&2
 
-CK="bench.checkpoints --dtype bfloat16 --device cuda"
-step checkpoints 150 $CK qwen2.5-0.5b llama-3-8b
-rm -f "$OUT/checkpoints.json"
-DEV="--device cuda --dtype bfloat16"
-step offline-qwen2.5-0.5b 200 bench.offline --shape qwen2.5-0.5b $DEV --hf-batch-sizes 256 \
-  --kv-cache-gib 16
-step decode-qwen2.5-0.5b 60 bench.decode --shape qwen2.5-0.5b $DEV --batches 1 8 64 256
-step decode-llama-3-8b 90 bench.decode --shape llama-3-8b $DEV --batches 1 8 64 256
+# In order of what a first GPU run must not miss: the fused sampler and the service's ceiling
+# (issue 16), then the decode step and offline/served rates of a small model, then the rest.
 # The fused sampler against the torch one on a Llama 3 vocabulary (fails on a different token).
 step sampler 60 bench.sampler --device cuda --batches 64 256 --vocab 128256
-step serve-qwen2.5-0.5b 100 bench.serve --shape qwen2.5-0.5b $DEV --scale 0.5 --rates inf 16 \
-  --max-concurrency 64
 # The service's ceiling in front of an instant stand-in engine (no GPU needed, the host's cores).
 CEIL="bench.service_ceiling --streams 256 --step-ms 5 2.5 --clients 8 --seconds 4"
 step service-ceiling 45 $CEIL
+CK="bench.checkpoints --dtype bfloat16 --device cuda"
+DEV="--device cuda --dtype bfloat16"
+step checkpoints 60 $CK qwen2.5-0.5b
+rm -f "$OUT/checkpoints.json"
+step decode-qwen2.5-0.5b 60 bench.decode --shape qwen2.5-0.5b $DEV --batches 1 8 64 256
+step offline-qwen2.5-0.5b 200 bench.offline --shape qwen2.5-0.5b $DEV --hf-batch-sizes 256 \
+  --kv-cache-gib 16
+step serve-qwen2.5-0.5b 100 bench.serve --shape qwen2.5-0.5b $DEV --scale 0.5 --rates inf 16 \
+  --max-concurrency 64
 step service-ceiling-stream 45 $CEIL --rpc stream
 step service-ceiling-interval 45 $CEIL --stream-interval 0.05
 # The other real shapes, while the budget lasts.
-step checkpoints-more 60 $CK qwen3-0.6b llama-3.2-1b
+step checkpoints-more 150 $CK llama-3-8b qwen3-0.6b llama-3.2-1b
 rm -f "$OUT/checkpoints-more.json"
+step decode-llama-3-8b 90 bench.decode --shape llama-3-8b $DEV --batches 1 8 64 256
 step decode-qwen3-0.6b 45 bench.decode --shape qwen3-0.6b $DEV --batches 1 64 256
 step decode-llama-3.2-1b 45 bench.decode --shape llama-3.2-1b $DEV --batches 1 64 256
 
