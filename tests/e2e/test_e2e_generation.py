@@ -219,3 +219,25 @@ async def test_server_info_describes_the_model(client):
     assert info.state == pb.SERVING_STATE_SERVING
     assert info.max_model_len == 512 and info.vocab_size > 0
     assert info.kv_cache.total_pages == 256
+
+
+async def test_a_stream_interval_sends_the_same_tokens_in_fewer_chunks(
+    tiny_llama, prompt_ids, reference, tokenizer
+):
+    # A long interval: after the first chunk, everything waits for the final output, which
+    # cuts the wait short (the whole generation takes far less than the interval).
+    async with (
+        running_server(
+            tiny_llama, fake=False, engine={"num_kv_pages": 256}, stream_interval=30.0
+        ) as (_, target),
+        AsyncClient(target) as client,
+    ):
+        for ids, expected in zip(prompt_ids[:3], reference[:3], strict=True):
+            chunks = [
+                e.tokens
+                async for e in client.generate(greedy(ids), timeout=20.0)
+                if e.WhichOneof("event") == "tokens"
+            ]
+            assert len(chunks) <= 2
+            assert [t for c in chunks for t in c.token_ids] == expected
+            assert "".join(c.text for c in chunks) == tokenizer.decode(expected)
