@@ -169,8 +169,8 @@ async def test_an_interval_holds_a_streams_tokens_and_sends_them_together() -> N
     loop = asyncio.get_running_loop()
     inbox = Inbox(interval=0.05)
     inbox.put_nowait(output("r", 0))
+    first_taken = loop.time()  # no later than the take's own clock reading
     assert await inbox.take() == [output("r", 0)]  # the first chunk goes at once
-    first_taken = loop.time()
     inbox.put_nowait(output("r", 1))
     take = asyncio.ensure_future(inbox.take())
     await asyncio.sleep(0)
