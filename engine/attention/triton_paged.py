@@ -72,12 +72,12 @@ def _decode_split(
     seq_lens_ptr,
     part_out_ptr,  # [seqs, heads, splits, head_dim] float32
     part_lse_ptr,  # [seqs, heads, splits] float32, log2 units
-    scale_log2,
     stride_q_tok,
     stride_q_head,
     stride_bt,
     stride_bt_page,  # 1 for a row-major table; graphed steps use a page-major one
     NUM_HEADS: tl.constexpr,
+    SCALE_LOG2: tl.constexpr,  # per model; torch.compile would pass a float argument as fp64
     KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -117,7 +117,7 @@ def _decode_split(
         kv_mask = p_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * SCALE_LOG2  # [BLOCK_H, BLOCK_N]
         s = tl.where(p_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
@@ -174,13 +174,13 @@ def _prefill(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
-    scale_log2,
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
     stride_o_head,
     stride_bt,
     stride_bt_page,  # 1 for a row-major table; graphed steps use a page-major one
+    SCALE_LOG2: tl.constexpr,  # per model; torch.compile would pass a float argument as fp64
     KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -228,7 +228,7 @@ def _prefill(
         kv_mask = p_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * SCALE_LOG2  # [BLOCK_M, BLOCK_N]
         visible = (pos[None, :] <= q_pos[:, None]) & p_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
         # Every row sees position 0 in the first block, so m is finite from then on.
@@ -334,12 +334,12 @@ class TritonPagedAttention:
             meta.seq_lens,
             part_out,
             part_lse,
-            self.scale * LOG2E,
             q.stride(0),
             q.stride(1),
             meta.block_tables.stride(0),
             meta.block_tables.stride(1),
             NUM_HEADS=num_heads,
+            SCALE_LOG2=self.scale * LOG2E,
             KV_HEADS=kv_heads,
             GROUP=group,
             HEAD_DIM=head_dim,
@@ -386,13 +386,13 @@ class TritonPagedAttention:
             meta.block_tables,
             meta.seq_lens,
             meta.query_start_loc,
-            self.scale * LOG2E,
             q.stride(0),
             q.stride(1),
             out.stride(0),
             out.stride(1),
             meta.block_tables.stride(0),
             meta.block_tables.stride(1),
+            SCALE_LOG2=self.scale * LOG2E,
             KV_HEADS=kv_heads,
             GROUP=group,
             HEAD_DIM=head_dim,
