@@ -194,14 +194,23 @@ def kv_bytes_per_token(cfg: Any, itemsize: int) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
+def new_tokens_per_request(args: argparse.Namespace, batch: int) -> int:
+    """Enough that no request finishes before the timed steps end: prefill is chunked, and the
+    first requests decode a token per step while the last ones still prefill."""
+    prefill_steps = -(-batch * args.context // args.max_num_batched_tokens)
+    return prefill_steps + 1 + args.warmup + 2 * args.steps + 2
+
+
 def measure_batch(engine: Any, batch: int, args: argparse.Namespace, sync: Any) -> dict[str, Any]:
     from engine import SamplingParams
 
     rng = random.Random(batch)
     vocab = engine.model_config.vocab_size
-    total_steps = 1 + args.warmup + 2 * args.steps + 2
     params = SamplingParams(
-        temperature=args.temperature, max_tokens=total_steps, ignore_eos=True, seed=0
+        temperature=args.temperature,
+        max_tokens=new_tokens_per_request(args, batch),
+        ignore_eos=True,
+        seed=0,
     )
     ids = [f"decode-{batch}-{i}" for i in range(batch)]
     for request_id in ids:
@@ -359,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_model_config(model_dir)
     itemsize = getattr(torch, dtype).itemsize
     page_size = 16
-    tokens_per_req = args.context + 1 + args.warmup + 2 * args.steps + 4
+    tokens_per_req = args.context + new_tokens_per_request(args, max(args.batches)) + 2
     op_pages = args.op_rows * -(-(min(args.context, 64) + 24) // page_size)
     pages = max(max(args.batches) * -(-tokens_per_req // page_size), op_pages) + 16
     engine = LLMEngine(

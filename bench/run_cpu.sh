@@ -43,8 +43,9 @@ if [[ $MODE == smoke ]]; then
   # (one torch process fewer: most of the smoke's time is interpreter and torch start-up).
   run offline bench.offline --shape tiny --num-requests 8 --scale 0.05 --hf-batch-sizes 8 \
     --max-num-seqs 4 --threads 1
+  # prefill in 16-token chunks: the first requests decode while the last ones still prefill
   run decode bench.decode --shape tiny --batches 1 8 --context 32 --steps 4 --bandwidth-mib 32 \
-    --threads 1
+    --max-num-batched-tokens 16 --threads 1
   rate=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["engine"]["output_tokens_per_s"])' \
     "$OUT/offline.json" 2>/dev/null)
   run serve bench.serve --shape tiny --num-requests 8 --scale 0.05 --rates inf 20 \
