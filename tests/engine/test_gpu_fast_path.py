@@ -6,6 +6,7 @@ real structure (GQA, 4 layers) keeps the whole module to well under a minute on 
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 
@@ -22,9 +23,13 @@ pytestmark = [
 ]
 
 NEW_TOKENS = 32
-NEAR_TIE = 0.1  # nats between the top two tokens: where bf16 rounding may flip greedy ids
+# Nats below the reference's top token within which bf16 rounding may flip a greedy id: this
+# model's top logits are 3-7, where bf16 steps are 1/64-1/32, and two attention kernels'
+# rounding differences compound over layers and steps. An H200 run saw flips to the runner-up
+# at a gap of 0.125 after 11 equal tokens, and past a runner-up 0.031 below the top.
+NEAR_TIE = 0.25
 GREEDY = SamplingParams(
-    temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True, top_logprobs=2
+    temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True, top_logprobs=5
 )
 
 
@@ -62,10 +67,11 @@ def first_divergence(got: list[int], want: list[int]) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
 
 
-def top2_gap(result: object, position: int) -> float:
-    top = result.top_logprobs  # type: ignore[attr-defined]
-    _, logprobs = top[position]
-    return float(logprobs[0] - logprobs[1])
+def gap_to_top(result: object, position: int, token: int) -> float:
+    """How far below the top token `token` was at `position`, in nats (inf when it was not among
+    the top logprobs)."""
+    ids, logprobs = result.top_logprobs[position]  # type: ignore[attr-defined]
+    return float(logprobs[0] - logprobs[ids.index(token)]) if token in ids else math.inf
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -85,8 +91,8 @@ def test_triton_greedy_ids_equal_torch_ref_or_diverge_only_at_a_near_tie(
         at = first_divergence(g.token_ids, w.token_ids)
         if at is None:
             continue
-        gap = top2_gap(w, at)
-        report.append(f"prompt {k} ({len(batch[k])} tokens): token {at}, top-2 gap {gap:.4f}")
+        gap = gap_to_top(w, at, g.token_ids[at])
+        report.append(f"prompt {k} ({len(batch[k])} tokens): token {at}, {gap:.4f} below the top")
         assert dtype == "bfloat16", f"float32 must match exactly: {report[-1]}"
         assert gap < NEAR_TIE, f"diverged away from a near-tie: {report[-1]}"
     print(f"{dtype}: {len(report)} of {len(batch)} prompts diverged", *report, sep="\n  ")
