@@ -5,6 +5,7 @@
 # step time against the bandwidth roofline, offline vs HF, and serving over gRPC. Prints as it
 # goes; JSON per benchmark under $OUT. Run from the checkout on a machine with one CUDA GPU:
 #   bash bench/run_gpu.sh                 # BUDGET_S=500 by default: later steps are skipped
+#   ONLY="gpu-tests checkpoints decode-qwen2.5-0.5b" bash bench/run_gpu.sh   # a rerun of some
 # Needs torch with CUDA, Triton and transformers installed. Sluice's other dependencies and
 # pytest may come as wheels in .whl/ (scripts/device_wheels.sh downloads them): when present
 # they are installed into /tmp/site first, without an index, for a machine with no network.
@@ -31,9 +32,11 @@ PYEOF
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader || true
 
 failed=()
+chosen() { [[ -z ${ONLY:-} || " $ONLY " == *" $1 "* ]]; }
 step() {  # step NAME SECONDS MODULE ARGS...: skipped when the budget cannot cover SECONDS
   local name=$1 need=$2 start=$SECONDS left
   shift 2
+  chosen "$name" || return 0
   left=$((BUDGET_S - SECONDS))
   if ((left < need / 2)); then
     echo "== $name: skipped, ${left} s of the budget left" >&2
@@ -53,20 +56,22 @@ step() {  # step NAME SECONDS MODULE ARGS...: skipped when the budget cannot cov
 # Compiled on CUDA: the Triton attention and sampler kernels, CUDA graphs, torch.compile.
 GPU_TESTS=(tests/engine/test_gpu_fast_path.py tests/engine/test_attention_triton.py
   tests/engine/test_cuda_graph.py tests/engine/test_fused_sampler.py tests/engine/test_sampling.py)
-echo "== gpu-tests (limit 240 s): pytest ${GPU_TESTS[*]}" >&2
-start=$SECONDS
-if timeout -k 10 240 "$PY" -m pytest -q -p no:cacheprovider "${GPU_TESTS[@]}" >"$OUT/gpu-tests.txt" 2>&1; then
-  echo "== gpu-tests: ok, $((SECONDS - start)) s" >&2
-else
-  echo "== gpu-tests: FAILED after $((SECONDS - start)) s; $OUT/gpu-tests.txt ends:" >&2
-  failed+=(gpu-tests)
+if chosen gpu-tests; then
+  echo "== gpu-tests (limit 240 s): pytest ${GPU_TESTS[*]}" >&2
+  start=$SECONDS
+  if timeout -k 10 240 "$PY" -m pytest -q -p no:cacheprovider "${GPU_TESTS[@]}" >"$OUT/gpu-tests.txt" 2>&1; then
+    echo "== gpu-tests: ok, $((SECONDS - start)) s" >&2
+  else
+    echo "== gpu-tests: FAILED after $((SECONDS - start)) s; $OUT/gpu-tests.txt ends:" >&2
+    failed+=(gpu-tests)
+  fi
+  tail -n 15 "$OUT/gpu-tests.txt" >&2
 fi
-tail -n 15 "$OUT/gpu-tests.txt" >&2
 
 # In order of what a first GPU run must not miss: the fused sampler and the service's ceiling
 # (issue 16), then the decode step and offline/served rates of a small model, then the rest.
 # The fused sampler against the torch one on a Llama 3 vocabulary (fails on a different token).
-step sampler 60 bench.sampler --device cuda --batches 64 256 --vocab 128256
+step sampler 90 bench.sampler --device cuda --batches 64 256 --vocab 128256 --variants
 # The service's ceiling in front of an instant stand-in engine (no GPU needed, the host's cores).
 CEIL="bench.service_ceiling --streams 256 --step-ms 5 2.5 --clients 8 --seconds 4"
 step service-ceiling 45 $CEIL

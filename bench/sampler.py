@@ -5,6 +5,9 @@ top-5, repetition penalty 1.1 over a 1,024-token context), the median time of on
 call, and whether both picked the same tokens (they must: tests/engine/test_fused_sampler.py).
 
     python -m bench.sampler --device cuda --batches 64 256 --vocab 128256
+
+`--variants` also times the fused kernel on the RL setting with one option left out at a time,
+and with other block / ways / num_warps choices: where its time goes, and what tuning would buy.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=128256, help="Llama 3's by default")
     p.add_argument("--context", type=int, default=1024, help="tokens seen by the penalty")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--variants", action="store_true", help="the fused RL step, taken apart")
     return p.parse_args(argv)
 
 
@@ -45,6 +49,45 @@ def make_batch(rows: int, vocab: int, context: int, rl: bool, device: str) -> An
         batch.num_top_logprobs = 5
         batch.context_ids = torch.randint(vocab, (rows, context), generator=g).to(device)
     return batch
+
+
+# RL without one option (a SamplingBatch field set to its off value), then kernel shapes.
+LEFT_OUT = {
+    "no top-p": {"use_top_p": False},
+    "no top-k": {"use_top_k": False},
+    "no penalty": {"use_penalties": False, "context_ids": None},
+    "no logprobs": {"logprobs": False, "num_top_logprobs": 0},
+}
+SHAPES = [  # (block, ways, num_warps); FusedSampler's default first
+    (1024, 8, 8),
+    (1024, 8, 4),
+    (2048, 8, 8),
+    (1024, 16, 8),
+    (512, 8, 4),
+]
+
+
+def variants(rows: int, logits: Any, args: argparse.Namespace, sync: Any) -> list[dict[str, Any]]:
+    """The fused sampler's time on the RL setting with one option left out, and per shape."""
+    import dataclasses
+
+    from engine.fused_sampler import FusedSampler
+
+    out = []
+    rl = make_batch(rows, args.vocab, args.context, True, args.device)
+    for name, change in LEFT_OUT.items():
+        ms, _ = measure(FusedSampler(), logits, dataclasses.replace(rl, **change), args.iters, sync)
+        out.append({"batch": rows, "variant": name, "fused_ms": ms})
+    _, expected = measure(FusedSampler(), logits, rl, 1, sync)
+    for block, ways, warps in SHAPES:
+        sampler = FusedSampler(block=block, ways=ways, num_warps=warps)
+        ms, got = measure(sampler, logits, rl, args.iters, sync)
+        same = bool((got.unpack()[0] == expected.unpack()[0]).all())
+        name = f"block {block}, ways {ways}, warps {warps}"
+        out.append({"batch": rows, "variant": name, "fused_ms": ms, "same_tokens": same})
+    for r in out:
+        log(f"batch {rows} RL, {r['variant']}: fused {r['fused_ms']:.3f} ms")
+    return out
 
 
 def measure(sampler: Any, logits: Any, batch: Any, iters: int, sync: Any) -> tuple[float, Any]:
@@ -74,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
 
     results, rows = [], []
+    taken_apart: list[dict[str, Any]] = []
     for batch_size in args.batches:
         logits = torch.randn(batch_size, args.vocab, device=device) * 4
         for setting in ("greedy", "rl"):
@@ -86,16 +130,20 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             rows.append([batch_size, setting, torch_ms, fused_ms, torch_ms / fused_ms, same])
             log(f"batch {batch_size} {setting}: torch {torch_ms:.3f} ms, fused {fused_ms:.3f} ms")
+        if args.variants:
+            taken_apart += variants(batch_size, logits, args, sync)
     result = {
         "benchmark": "sampler",
         "device": args.device,
         "vocab": args.vocab,
         "context": args.context,
         "results": results,
+        "variants": taken_apart,
         "machine": machine(),
     }
     emit(result, ["batch", "setting", "torch ms", "fused ms", "speed-up", "same tokens"], rows)
-    return 0 if all(r["same_tokens"] for r in results) else 1
+    checked = results + [r for r in taken_apart if "same_tokens" in r]
+    return 0 if all(r["same_tokens"] for r in checked) else 1
 
 
 if __name__ == "__main__":
