@@ -47,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="prefill chunking")
     p.add_argument("--bandwidth-mib", type=int, help="copy size for the bandwidth probe")
     p.add_argument("--sampler", choices=("auto", "torch", "triton"), default="auto")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--op-rows", type=int, default=32, help="rows of the op-count steps")
     return p.parse_args(argv)
 
@@ -114,7 +115,10 @@ def instrument(engine: Any, timers: Timers) -> list[str]:
     """Wrap the parts of a step in `timers` from outside (instance attributes only; no engine
     code changes). Returns the parts that could not be wrapped."""
     missing = []
+    graphed = getattr(engine.runner, "graphs", None) is not None
     for part, path, attr in TIMED:
+        if graphed and path == "runner.model":
+            continue  # inside runner.graphs.run (eager when not captured): timed as the forward
         obj = engine
         for name in filter(None, path.split(".")):
             obj = getattr(obj, name, None)
@@ -382,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             num_kv_pages=pages,
             max_model_len=max(cfg.max_model_len, tokens_per_req),
             sampler=args.sampler,
+            compile=args.compile,
         )
     )
     on_cuda = args.device.startswith("cuda")
@@ -443,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         "weight_bytes": weights,
         "kv_bytes_per_token": per_token,
         "sampler": type(engine.runner.sampler).__name__,
+        "compile": args.compile,
         "ops_per_step_outside_forward": ops,
         "batches": results,
         "machine": machine(),

@@ -82,7 +82,8 @@ def decode(r: dict[str, Any]) -> str:
             ]
         )
     return (
-        f"**decode, {r['model']}** ({r['device']} {r['dtype']}, {r['threads']} torch threads; "
+        f"**decode, {r['model']}{', compiled' if r.get('compile') else ''}** "
+        f"({r['device']} {r['dtype']}, {r['threads']} torch threads; "
         f"context {r['context']}, {r['steps']} timed steps, weights "
         f"{r['weight_bytes'] / 2**20:.1f} MiB, KV {r['kv_bytes_per_token']} B/token, measured "
         f"copy bandwidth {r['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s)\n\n"

@@ -80,6 +80,9 @@ DEV="--device cuda --dtype bfloat16"
 step checkpoints 60 $CK qwen2.5-0.5b
 rm -f "$OUT/checkpoints.json"
 step decode-qwen2.5-0.5b 60 bench.decode --shape qwen2.5-0.5b $DEV --batches 1 8 64 256
+# The same step torch.compiled: eager, it launches ~1,000 kernels (about 43 per layer).
+step decode-qwen2.5-0.5b-compiled 120 bench.decode --shape qwen2.5-0.5b $DEV --batches 1 8 64 256 \
+  --compile
 step offline-qwen2.5-0.5b 200 bench.offline --shape qwen2.5-0.5b $DEV --hf-batch-sizes 256 \
   --kv-cache-gib 16
 step serve-qwen2.5-0.5b 100 bench.serve --shape qwen2.5-0.5b $DEV --scale 0.5 --rates inf 16 \
