@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU suite, for one H200 (under 9 minutes): the GPU tests first (the fast path against the
-# reference, compiled: $OUT/gpu-tests.txt), then the fused sampler and the service's ceiling,
-# then on random-weight checkpoints of real shapes, generated on the device (not carried): decode
-# step time against the bandwidth roofline, offline vs HF, and serving over gRPC. Prints as it
-# goes; JSON per benchmark under $OUT. Run from the checkout on a machine with one CUDA GPU:
+# reference, compiled: $OUT/gpu-tests.txt), then the fused sampler, then on random-weight
+# checkpoints of real shapes, generated on the device (not carried): decode step time against
+# the bandwidth roofline, serving over gRPC, offline vs HF; last the service's ceiling. Prints
+# as it goes; JSON per benchmark under $OUT. Run from the checkout on a machine with one CUDA GPU:
 #   bash bench/run_gpu.sh                 # BUDGET_S=500 by default: later steps are skipped
 #   ONLY="gpu-tests checkpoints decode-qwen2.5-0.5b" bash bench/run_gpu.sh   # a rerun of some
 # Needs torch with CUDA, Triton and transformers installed. Sluice's other dependencies and
@@ -68,13 +68,11 @@ if chosen gpu-tests; then
   tail -n 15 "$OUT/gpu-tests.txt" >&2
 fi
 
-# In order of what a first GPU run must not miss: the fused sampler and the service's ceiling
-# (issue 16), then the decode step and offline/served rates of a small model, then the rest.
+# In order of what the next run must not miss (the first two runs, 2026-11-30, measured the
+# sampler, the service's ceiling and qwen2.5-0.5b's decode, offline and served rates): the
+# sampler, the decode step eager and compiled, the larger shapes, then the rest again.
 # The fused sampler against the torch one on a Llama 3 vocabulary (fails on a different token).
 step sampler 90 bench.sampler --device cuda --batches 64 256 --vocab 128256 --variants
-# The service's ceiling in front of an instant stand-in engine (no GPU needed, the host's cores).
-CEIL="bench.service_ceiling --streams 256 --step-ms 5 2.5 --clients 8 --seconds 4"
-step service-ceiling 45 $CEIL
 CK="bench.checkpoints --dtype bfloat16 --device cuda"
 DEV="--device cuda --dtype bfloat16"
 step checkpoints 60 $CK qwen2.5-0.5b
@@ -83,18 +81,20 @@ step decode-qwen2.5-0.5b 60 bench.decode --shape qwen2.5-0.5b $DEV --batches 1 8
 # The same step torch.compiled: eager, it launches ~1,000 kernels (about 43 per layer).
 step decode-qwen2.5-0.5b-compiled 120 bench.decode --shape qwen2.5-0.5b $DEV --batches 1 8 64 256 \
   --compile
-step offline-qwen2.5-0.5b 200 bench.offline --shape qwen2.5-0.5b $DEV --hf-batch-sizes 256 \
-  --kv-cache-gib 16
-step serve-qwen2.5-0.5b 100 bench.serve --shape qwen2.5-0.5b $DEV --scale 0.5 --rates inf 16 \
-  --max-concurrency 64
-step service-ceiling-stream 45 $CEIL --rpc stream
-step service-ceiling-interval 45 $CEIL --stream-interval 0.05
-# The other real shapes, while the budget lasts.
 step checkpoints-more 150 $CK llama-3-8b qwen3-0.6b llama-3.2-1b
 rm -f "$OUT/checkpoints-more.json"
 step decode-llama-3-8b 90 bench.decode --shape llama-3-8b $DEV --batches 1 8 64 256
 step decode-qwen3-0.6b 45 bench.decode --shape qwen3-0.6b $DEV --batches 1 64 256
 step decode-llama-3.2-1b 45 bench.decode --shape llama-3.2-1b $DEV --batches 1 64 256
+step serve-qwen2.5-0.5b 100 bench.serve --shape qwen2.5-0.5b $DEV --scale 0.5 --rates inf 16 \
+  --max-concurrency 64
+step offline-qwen2.5-0.5b 200 bench.offline --shape qwen2.5-0.5b $DEV --hf-batch-sizes 256 \
+  --kv-cache-gib 16
+# The service's ceiling in front of an instant stand-in engine (no GPU needed, the host's cores).
+CEIL="bench.service_ceiling --streams 256 --step-ms 5 2.5 --clients 8 --seconds 4"
+step service-ceiling 45 $CEIL
+step service-ceiling-stream 45 $CEIL --rpc stream
+step service-ceiling-interval 45 $CEIL --stream-interval 0.05
 
 "$PY" -m bench.report "$OUT" >"$OUT/report.md" 2>&1 || true
 cat "$OUT/report.md"
