@@ -97,10 +97,21 @@ def ensure_demo_checkpoint(cache_root: Path | None = None, train_steps: int | No
     return _ensure(recipe, cache_root)
 
 
-def _ensure(recipe: DemoRecipe, cache_root: Path | None) -> Path:
+def cached_demo_checkpoint(cache_root: Path | None = None) -> Path | None:
+    """The demo checkpoint's directory if it is already built, else None; builds nothing."""
+    final = _final_dir(RECIPE, cache_root, load_corpus())
+    return final if final.is_dir() else None
+
+
+def _final_dir(recipe: DemoRecipe, cache_root: Path | None, corpus: str) -> Path:
     root = Path(cache_root) if cache_root is not None else Path.home() / ".cache" / "sluice"
+    return root / f"demo-{recipe.fingerprint(corpus)}"
+
+
+def _ensure(recipe: DemoRecipe, cache_root: Path | None) -> Path:
     corpus = load_corpus()
-    final = root / f"demo-{recipe.fingerprint(corpus)}"
+    final = _final_dir(recipe, cache_root, corpus)
+    root = final.parent
     if final.is_dir():  # NOTE: only a finished build is ever renamed to this name
         return final
     root.mkdir(parents=True, exist_ok=True)
@@ -140,7 +151,7 @@ def load_corpus() -> str:
 def build_demo_checkpoint(recipe: DemoRecipe, corpus: str, out: Path) -> None:
     """Train the tokenizer and the model and write a Hugging Face checkpoint into `out`."""
     started = time.monotonic()
-    logger.info("demo model: building in %s (once; two to three minutes on a CPU)", out)
+    logger.info("demo model: building in %s (once; about a minute on two idle CPU cores)", out)
     tokenizer = train_tokenizer(corpus, recipe.vocab_size)
     bos, eos = _token_id(tokenizer, BOS), _token_id(tokenizer, EOS)
     config = _hf_config(recipe, bos, eos)

@@ -1,21 +1,16 @@
 #!/usr/bin/env bash
 # The README's first command: serve the built-in demo model and stream a completion from it.
-# From a fresh clone: creates .venv, installs a CPU torch first (an unpinned torch would pull a
-# multi-GB CUDA build), installs Sluice, starts `sluice serve --model demo --port 0`, waits for
-# health SERVING (the demo model is trained on first use: two to three minutes, once), streams text, stops.
+# From a fresh clone: sets up .venv as scripts/setup.sh does (a CPU torch first, then the client
+# package, then Sluice), starts `sluice serve --model demo --port 0`, waits for health SERVING (the
+# demo model is trained on first use: about a minute on two idle cores, once), streams text, stops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROMPT="${1:-Call me Ishmael. Some years ago}"
 
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
-fi
+# One install path for every entry point: setup.sh knows the order (torch, the client, Sluice).
 # TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu picks the CPU wheel where PyPI's default
 # would be the CUDA one.
-if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  .venv/bin/pip install --quiet torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-fi
-.venv/bin/pip install --quiet -e .
+bash scripts/setup.sh
 
 LOG="$(mktemp -t sluice-demo.XXXXXX.log)"
 .venv/bin/sluice serve --model demo --port 0 --device auto 2>"$LOG" &
@@ -31,7 +26,12 @@ for _ in $(seq 1 100); do
   sleep 0.2
 done
 [ -n "$PORT" ] || { echo "the server did not report its port; log: $LOG" >&2; exit 1; }
-echo "sluice is listening on 127.0.0.1:$PORT; loading the demo model (first run trains it)..." >&2
+CACHED="$(.venv/bin/python -c 'from engine.demo import cached_demo_checkpoint as c; print(c() or "")')"
+if [ -n "$CACHED" ]; then
+  echo "sluice is listening on 127.0.0.1:$PORT; loading the demo model from $CACHED..." >&2
+else
+  echo "sluice is listening on 127.0.0.1:$PORT; building the demo model (once: about a minute on two idle cores)..." >&2
+fi
 
 # Show the demo model's one-time build progress while waiting.
 tail -n +1 -f "$LOG" | grep --line-buffered "engine.demo" >&2 &

@@ -90,6 +90,15 @@ def test_second_call_returns_the_directory_without_rebuilding(
     assert ensure_demo_checkpoint(demo_dir.parent, train_steps=STEPS) == demo_dir
 
 
+def test_cached_demo_checkpoint_names_a_built_directory_and_builds_nothing(
+    demo_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(demo, "RECIPE", dataclasses.replace(demo.RECIPE, steps=STEPS))
+    assert demo.cached_demo_checkpoint(demo_dir.parent) == demo_dir
+    assert demo.cached_demo_checkpoint(tmp_path) is None
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_same_recipe_builds_identical_bytes(demo_dir: Path, tmp_path: Path) -> None:
     again = ensure_demo_checkpoint(tmp_path, train_steps=STEPS)
     assert again.name == demo_dir.name
