@@ -4,7 +4,7 @@
 # text back after the prompt. Run it from a clean checkout so that .venv is made from nothing too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PROMPT="Call me Ishmael."
+PROMPT="Call me Ishmael. Some years ago"  # demo.sh's own default, the one a new user sees
 fresh_home="$(mktemp -d -t sluice-home.XXXXXX)"
 trap 'rm -rf "$fresh_home"' EXIT
 out="$(HOME="$fresh_home" bash scripts/demo.sh "$PROMPT")"
