@@ -40,6 +40,24 @@ def invalid(message: str) -> WeightUpdateError:
     return WeightUpdateError("INVALID_ARGUMENT", message)
 
 
+def check_tensor(
+    params: Mapping[str, torch.Tensor],
+    sharding: Sharding,
+    name: str,
+    shape: tuple[int, ...],
+    where: str = "",
+) -> torch.Tensor:
+    """The parameter `name` names, if `shape` is its whole shape; else WeightUpdateError
+    (INVALID_ARGUMENT, prefixed with `where`)."""
+    param = params.get(name)
+    if param is None:
+        raise invalid(f"{where}unknown tensor {name!r}: the model has no such parameter")
+    expected = sharding.full_shape(name, tuple(param.shape))
+    if tuple(shape) != expected:
+        raise invalid(f"{where}{name}: shape {tuple(shape)} != model shape {expected}")
+    return param
+
+
 class StagedWeights:
     """New values for some of the model's parameters (this rank's slices), validated, on the
     host."""
@@ -52,12 +70,7 @@ class StagedWeights:
     def add(self, name: str, source: Any, shape: tuple[int, ...], cast: bool) -> None:
         """Stage this rank's slice of whole tensor `source` (a tensor or a safetensors slice)
         of shape `shape`."""
-        param = self.params.get(name)
-        if param is None:
-            raise invalid(f"unknown tensor {name!r}: the model has no such parameter")
-        expected = self.sharding.full_shape(name, tuple(param.shape))
-        if tuple(shape) != expected:
-            raise invalid(f"{name}: shape {tuple(shape)} != model shape {expected}")
+        param = check_tensor(self.params, self.sharding, name, shape)
         tensor = self.sharding.take(name, source)
         if not cast and tensor.dtype != param.dtype:
             raise invalid(f"{name}: dtype {tensor.dtype} != served dtype {param.dtype}")
@@ -133,7 +146,7 @@ def stage_tensor_file(
                 # NOTE: the staged slice must own its memory: the mmap closes below.
                 staged.tensors[ref.name] = staged.tensors[ref.name].clone()
                 del flat  # release the buffer export before the mmap closes
-                done += ref.nbytes
+                done += staged.tensors[ref.name].numel() * dtype.itemsize  # this rank's slice
                 progress(done, len(staged.tensors))
     except OSError as exc:
         raise invalid(f"tensor file {path!r} is unreadable: {exc}") from exc

@@ -1,6 +1,7 @@
 """WeightUpdater: the weight-update state machine of one engine.
 
-An update is accepted (`start`), waits at step boundaries while a DRAIN lets running requests
+An update is checked and accepted (`start`: a source that can be seen to be bad without reading
+its tensors fails at once, before anything pauses), waits at step boundaries while a DRAIN lets running requests
 finish (`advance`), then is staged (every tensor read and validated before any parameter
 changes), applied to running requests by its in-flight policy, swapped in and published under
 its version. Its progress goes to `sink` as it happens (the process loop sends it down the
@@ -36,6 +37,7 @@ from engine.prefix_cache import PrefixCache
 from engine.scheduler import Scheduler
 from engine.sharded_update import describe, gather_parameters, stage
 from engine.step_channel import StepChannel
+from engine.weight_check import UpdateSize, check_update
 from engine.weight_update import StagedWeights, WeightUpdateError
 
 PROGRESS_INTERVAL_S = 0.1  # at most one LOADING event per interval while staging
@@ -50,6 +52,7 @@ class PendingUpdate:
     msg: UpdateWeights
     version: int  # the version it will publish
     started: float  # time.monotonic()
+    size: UpdateSize  # what staging reads: the totals of LOADING events
     tensors: Mapping[str, torch.Tensor] | None = None  # in-process source
     last_progress: float = 0.0
 
@@ -84,7 +87,8 @@ class WeightUpdater:
     # ---- the state machine ----
 
     def start(self, msg: UpdateWeights, tensors: Mapping[str, torch.Tensor] | None) -> None:
-        """Accept an update (or fail it at once); ABORT, CONTINUE and RECOMPUTE swap now,
+        """Accept an update, or fail it at once (before PAUSED, admission untouched) if its
+        version or its source (check_update) is bad; ABORT, CONTINUE and RECOMPUTE swap now,
         DRAIN stops admitting and swaps in `advance` once nothing runs."""
         if self.pending is not None:
             self._failed(msg, "FAILED_PRECONDITION", "an update is in progress")
@@ -94,7 +98,14 @@ class WeightUpdater:
         if refusal is not None:
             self._failed(msg, *refusal)
             return
-        self.pending = PendingUpdate(msg, version, time.monotonic(), tensors)
+        params = dict(self.model.named_parameters())
+        source = describe(msg.checkpoint_dir, msg.tensor_file, msg.tensors, tensors)
+        try:
+            size = check_update(params, self.model.sharding, source, tensors)
+        except WeightUpdateError as exc:
+            self._failed(msg, exc.code, exc.message)
+            return
+        self.pending = PendingUpdate(msg, version, time.monotonic(), size, tensors)
         self._event(WeightsPhase.PAUSED, in_flight=len(self.scheduler.running))
         if msg.inflight is InflightPolicy.DRAIN:
             self.scheduler.admitting = False  # new requests wait; advance() swaps
@@ -197,7 +208,13 @@ class WeightUpdater:
             now = time.monotonic()
             if now - update.last_progress >= PROGRESS_INTERVAL_S:
                 update.last_progress = now
-                self._event(WeightsPhase.LOADING, bytes_done=bytes_done, tensors_done=tensors_done)
+                self._event(
+                    WeightsPhase.LOADING,
+                    bytes_done=bytes_done,
+                    bytes_total=update.size.bytes,
+                    tensors_done=tensors_done,
+                    tensors_total=update.size.tensors,
+                )
 
         if update.tensors is None and msg.checkpoint_dir is None and msg.tensor_file is None:
             raise WeightUpdateError("INVALID_ARGUMENT", "the update names no source")
