@@ -101,11 +101,13 @@ def spans(completion: Completion) -> list[tuple[int, int, int]]:
 class InFlight:
     """Long greedy requests streaming in the background; `started` once each has tokens."""
 
-    def __init__(self, client: AsyncClient, prompts: list[list[int]]) -> None:
+    def __init__(
+        self, client: AsyncClient, prompts: list[list[int]], max_tokens: int = LONG
+    ) -> None:
         self.collectors = [Collector() for _ in prompts]
         self._first = [asyncio.Event() for _ in prompts]
         self._tasks = [
-            asyncio.ensure_future(self._run(client, greedy(p, LONG), i))
+            asyncio.ensure_future(self._run(client, greedy(p, max_tokens), i))
             for i, p in enumerate(prompts)
         ]
 
@@ -117,6 +119,10 @@ class InFlight:
 
     async def started(self) -> None:
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in self._first)), 60)
+
+    @property
+    def running(self) -> bool:
+        return not any(task.done() for task in self._tasks)
 
     async def results(self) -> list[Completion]:
         await asyncio.gather(*self._tasks)
@@ -341,3 +347,31 @@ async def test_a_prefix_cached_under_old_weights_is_not_reused_after_an_update(
     await serve(admin, tiny_llama, inflight="continue")
     assert (await client.complete(greedy(prompt))).started.cached_tokens == 0
     assert (await client.complete(greedy(prompt))).started.cached_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("case", "named"),
+    [
+        ("missing checkpoint", "no-such-dir"),
+        ("wrong dtype", "model.norm.weight"),
+        ("unknown tensor", "model.layers.9.nope.weight"),
+    ],
+)
+async def test_a_bad_drain_update_fails_at_once_and_new_requests_run_during_a_long_one(
+    client, admin, target, tiny_llama, case, named
+):
+    await serve(admin, tiny_llama)
+    requests = {
+        "missing checkpoint": checkpoint(str(tiny_llama / "no-such-dir")),
+        "wrong dtype": inline("model.norm.weight", "F16", [64]),
+        "unknown tensor": inline("model.layers.9.nope.weight", "F32", [64]),
+    }[case]
+    long = InFlight(client, PROMPTS[:1], max_tokens=500)  # seconds on CPU: outlives the rest
+    await long.started()
+    code, details = await asyncio.to_thread(_raw_update, target, requests, ADMIN_TOKEN)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and named in details
+    assert long.running  # the refusal did not wait for the long generation to drain
+    short = await client.complete(greedy(PROMPTS[1], 2))
+    assert short.reason == "LENGTH" and long.running
+    (completion,) = await long.results()
+    assert completion.reason == "LENGTH"
