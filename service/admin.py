@@ -56,6 +56,10 @@ INFLIGHT_POLICIES = {
     pb.INFLIGHT_POLICY_RECOMPUTE: InflightPolicy.RECOMPUTE,
 }
 
+# The tensor file cannot grow to hold the update: disk full, quota, or past the largest file the
+# file system (or RLIMIT_FSIZE) allows; ext4's is 16 TiB, the most an update may declare.
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
     def __init__(
@@ -169,14 +173,14 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         except EngineUnavailableError as exc:
             self._release(writer)
             raise Refusal(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
-        except OSError as exc:  # the tensor file: disk full, or a bad --weights-dir
+        except OSError as exc:  # the tensor file: no room for it, or a bad --weights-dir
             self._release(writer)
             code = (
                 grpc.StatusCode.RESOURCE_EXHAUSTED
-                if exc.errno == errno.ENOSPC
+                if exc.errno in NO_ROOM
                 else grpc.StatusCode.UNAVAILABLE
             )
-            raise Refusal(code, f"cannot write the tensor file: {exc}") from exc
+            raise Refusal(code, f"cannot write the tensor file in --weights-dir: {exc}") from exc
         except BaseException:
             self._release(writer)
             raise

@@ -71,7 +71,8 @@ class TensorFileWriter:
         self.bytes_received = 0
 
     async def add(self, name: str, dtype: str, shape: list[int], offset: int, data: bytes) -> None:
-        """Validate one chunk and write its bytes in place (the write runs in a thread)."""
+        """Validate one chunk and write its bytes in place (the write runs in a thread).
+        ChunkError for a bad chunk; OSError (naming the tensor) if the file cannot take it."""
         tensor = self._tensors.get(name) or self._open(name, dtype, shape)
         ref = tensor.ref
         if dtype and dtype != ref.dtype:
@@ -88,7 +89,11 @@ class TensorFileWriter:
             )
         tensor.claim(offset, end)
         assert self._fd is not None, "the writer is closed"
-        await asyncio.to_thread(_write_all, self._fd, data, ref.offset + offset)
+        try:
+            await asyncio.to_thread(_write_all, self._fd, data, ref.offset + offset)
+        except OSError as exc:  # the same errno (ENOSPC, EFBIG...), naming what did not fit
+            where = f"tensor {name!r}: bytes [{offset}, {end}) at file offset {ref.offset + offset}"
+            raise OSError(exc.errno, f"{where}: {exc.strerror}") from exc
         self.bytes_received += len(data)
 
     def _open(self, name: str, dtype: str, shape: list[int]) -> _Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import resource
 import struct
 import threading
 import time
@@ -441,6 +442,25 @@ async def test_bad_chunks_are_invalid_argument_and_leave_nothing_behind(
     assert outcome.code == grpc.StatusCode.INVALID_ARGUMENT and outcome.violations == [field]
     assert await served_version(client) == served
     assert set(weights_dir.iterdir()) == files  # the refused update's file is gone
+    assert (await update(server[1], header(checkpoint_dir="/ckpt/ok"))).code == grpc.StatusCode.OK
+
+
+async def test_a_tensor_past_the_file_size_limit_is_resource_exhausted_and_leaves_nothing(
+    server, client, weights_dir
+):
+    """A tensor declared at the 16 TiB limit: its last bytes land past what a file may hold
+    (ext4's limit; RLIMIT_FSIZE makes any file system refuse the same way)."""
+    files = set(weights_dir.iterdir())
+    last = chunk("w", 2**44 - 4, b"\0" * 4, "F32", [2**42])
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**40, hard))
+    try:
+        outcome = await update(server[1], header(inline_tensors=True), last)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert outcome.code == grpc.StatusCode.RESOURCE_EXHAUSTED, outcome.details
+    assert "'w'" in outcome.details and "--weights-dir" in outcome.details
+    assert set(weights_dir.iterdir()) == files
     assert (await update(server[1], header(checkpoint_dir="/ckpt/ok"))).code == grpc.StatusCode.OK
 
 
