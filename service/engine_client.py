@@ -37,6 +37,7 @@ from engine.messages import (
     WeightsProgress,
 )
 from engine.process import engine_main
+from service.checkpoint_fingerprint import checkpoint_fingerprint
 from service.config import ServiceConfig
 from service.engine_process import (
     EngineProcess,
@@ -74,6 +75,7 @@ class _UpdateRoute:
     queue: asyncio.Queue[WeightsProgress]
     on_final: Callable[[WeightsProgress], None] | None
     replay: bool  # re-applied to a restarted engine: changes neither the version nor the log
+    fingerprint: str | None = None  # a checkpoint's, when it was sent (ReplayLog.changed)
 
 
 class EngineClient:
@@ -209,7 +211,12 @@ class EngineClient:
         any more; the slot is free by then. Raises EngineUnavailableError if the engine cannot
         take it now (the caller still holds the slot)."""
         assert self._update_claimed, "claim_update() first"
-        return self._send_update(update, on_final, replay=False)
+        queue = self._send_update(update, on_final, replay=False)
+        if update.checkpoint_dir is not None:  # before the engine reads it: what it will read
+            self._updates[update.update_id].fingerprint = checkpoint_fingerprint(
+                update.checkpoint_dir
+            )
+        return queue
 
     def _send_update(
         self,
@@ -225,7 +232,23 @@ class EngineClient:
 
     async def replay(self) -> None:
         """Re-apply the replay log to a freshly started engine, in order. Raises
-        EngineStartError if an update fails: the engine must not serve older weights."""
+        EngineStartError if an update fails, or if the checkpoint directory to replay changed
+        since its update was applied: the engine must not serve older weights, nor other
+        weights under the same version."""
+        changed = await asyncio.to_thread(self.replay_log.changed)
+        if changed is not None:
+            self.metrics.weight_replay_refused()
+            log.error(
+                "engine.replay_refused",
+                policy_version=changed.policy_version,
+                checkpoint_dir=changed.checkpoint_dir,
+                reason="the checkpoint directory changed since this version was applied from it",
+            )
+            raise EngineStartError(
+                f"checkpoint_dir {changed.checkpoint_dir!r} changed since policy version "
+                f"{changed.policy_version} was applied from it: not serving other weights under "
+                "that version (restore the directory, or restart the server)"
+            )
         for n, entry in enumerate(self.replay_log.entries()):
             update = replace(entry, update_id=f"replay-{self.restarts}-{n}")
             queue = self._send_update(update, None, replay=True)
@@ -249,7 +272,7 @@ class EngineClient:
                 # min_policy_version = the new one, or start the next update.
                 if progress.phase is WeightsPhase.APPLIED:
                     self.policy_version = progress.policy_version
-                    self.replay_log.record(route.update, progress.policy_version)
+                    self.replay_log.record(route.update, progress.policy_version, route.fingerprint)
                 self._update_claimed = False
         route.queue.put_nowait(progress)
         if progress.final and route.on_final is not None:

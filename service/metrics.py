@@ -100,6 +100,12 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.weight_replays_refused = Counter(
+            "sluice_weight_replays_refused",
+            "Restarts that refused to replay the last checkpoint update: its directory "
+            "changed since it was applied (the server stays NOT_SERVING and retries).",
+            registry=r,
+        )
         self.grpc_calls = Counter(
             "sluice_grpc_calls",
             "gRPC calls that ended, by method and status code.",
@@ -208,6 +214,9 @@ class Metrics:
         self.weight_updates.labels(outcome).inc()
         if seconds is not None:
             self.weight_update_time.observe(seconds)
+
+    def weight_replay_refused(self) -> None:
+        self.weight_replays_refused.inc()
 
     def grpc_call_ended(self, method: str, code: str) -> None:
         self.grpc_calls.labels(method, code).inc()

@@ -10,15 +10,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 import structlog
 import torch
+from grpc_health.v1 import health_pb2
 from server_process import force_kill, server_process, wait_gone
-from service_harness import running_server
+from service_harness import health_status, running_server
 from sluice_client import AsyncClient, Client, build_request, pb
 
 from engine import EngineConfig, LLMEngine, SamplingParams
@@ -28,6 +31,7 @@ pytestmark = pytest.mark.slow
 PROMPTS = [[0, 17, 42, 99, 123, 7], [0, 5, 6, 7, 8, 9, 10, 11], [0, 200, 3, 77]]
 ADMIN_TOKEN = "e2e-faults"
 INLINE = ("model.norm.weight", "model.layers.0.mlp.down_proj.weight")
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def flags(model: Path, *extra: str) -> tuple[str, ...]:
@@ -206,3 +210,67 @@ async def test_an_engine_crash_after_a_checkpoint_and_an_inline_update_keeps_bot
                 assert {v for c in after for v in c.policy_versions} == {2}
     assert not [e for e in logs if e["event"] == "engine.replay_failed"]
     assert list(weights_dir.iterdir()) == []  # a clean shutdown deletes the inline file
+
+
+async def wait_until(condition, seconds: float = 60.0) -> bool:  # type: ignore[no-untyped-def]
+    """Poll `condition()` every 50 ms for up to `seconds`; whether it came true."""
+    for _ in range(int(seconds / 0.05)):
+        if condition():
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+@pytest.mark.timeout(180)
+async def test_a_restart_refuses_to_replay_a_checkpoint_directory_overwritten_since(
+    tiny_llama, checkpoint_b, tmp_path
+):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(checkpoint_b, directory)
+    weights = directory / "model.safetensors"
+    expected = greedy_ids(make_engine(checkpoint_b))
+    with structlog.testing.capture_logs() as logs:
+        async with (
+            running_server(
+                tiny_llama,
+                fake=False,
+                admin_token=ADMIN_TOKEN,
+                restart_backoff=0.1,
+                restart_backoff_max=0.2,
+            ) as (server, target),
+            AsyncClient(target) as client,
+        ):
+            admin = Client(target, admin_token=ADMIN_TOKEN)
+            assert (
+                await asyncio.to_thread(admin.update_weights, str(directory))
+            ).policy_version == 1
+            applied, original = weights.stat(), weights.read_bytes()
+            # Redeployed in place a second later: other weights, the same size.
+            weights.write_bytes((tiny_llama / "model.safetensors").read_bytes())
+            os.utime(weights, ns=(applied.st_atime_ns, applied.st_mtime_ns + 10**9))
+            engine = server.engine.engine
+            assert engine is not None and engine.pid is not None
+            os.kill(engine.pid, signal.SIGKILL)
+
+            def refused() -> bool:
+                return any(e["event"] == "engine.replay_refused" for e in logs)
+
+            def serving() -> bool:
+                return server.engine.restarts == 1 and server.engine.state.value == "serving"
+
+            assert await wait_until(lambda: refused() or serving())
+            assert refused() and not serving()  # never served A's weights as version 1
+            event = next(e for e in logs if e["event"] == "engine.replay_refused")
+            assert event["checkpoint_dir"] == str(directory) and event["policy_version"] == 1
+            registry = server.metrics.registry
+            assert registry.get_sample_value("sluice_weight_replays_refused_total") >= 1
+            info = await client.info()
+            assert info.state == pb.SERVING_STATE_RESTARTING and info.policy_version == 1
+            async with grpc.aio.insecure_channel(target) as channel:
+                assert await health_status(channel) == NOT_SERVING
+            # Restored as it was applied: the next retry replays it and serves again.
+            weights.write_bytes(original)
+            os.utime(weights, ns=(applied.st_atime_ns, applied.st_mtime_ns))
+            assert await wait_until(serving)
+            served = [(await client.complete(greedy(p))).token_ids for p in PROMPTS]
+            assert served == expected and (await client.info()).policy_version == 1
