@@ -4,8 +4,9 @@ An update is checked and accepted (`start`: a source that can be seen to be bad 
 reading its tensors fails at once, before anything pauses), waits at step boundaries while a
 DRAIN lets running requests finish (`advance`), then is staged (every tensor read and
 validated before any parameter changes), applied to running requests by its in-flight policy,
-swapped in and published under its version. Its progress goes to `sink` as it happens (the process loop sends it down the
-pipe) or collects in `events`, ending with exactly one APPLIED or FAILED. "An update is in
+swapped in and published under its version. Its progress goes to `sink` as it happens (the
+process loop sends it down the pipe) or collects in `events`, ending with exactly one APPLIED
+or FAILED. "An update is in
 progress" is `pending`, and nowhere else.
 
 With tensor parallelism every rank stages its shard and all swap, or none does
