@@ -139,21 +139,28 @@ async def test_200_requests_through_nginx_all_succeed_and_both_replicas_serve_so
 async def test_requests_without_a_key_go_to_the_replica_with_fewer_calls_in_flight(pair, nginx):
     async with AsyncClient(nginx.target) as client:
         # A GenerateStream call held open is one call in flight on one replica for as long as
-        # it stays open, however soon its request finishes.
+        # it stays open, however soon its request finishes. Which replica that is: the one
+        # whose finished counter moved once the request's `finished` event is read (the
+        # counter goes up before the event is sent). Polling `running` instead races the
+        # request, which may finish before a poll sees it.
+        before_held = [metric(r, FINISHED) for r in pair]
         held = client.stream()
-        await held.start([0, 30, 31], max_tokens=500, ignore_eos=True)
-        while not any(r_info(replica).running for replica in pair):
-            await asyncio.sleep(0.02)
-        busy = next(i for i, replica in enumerate(pair) if r_info(replica).running)
+        await held.start([0, 30, 31], max_tokens=2, ignore_eos=True)
+        # NOTE: read from the call itself: leaving an `async for` over the stream would
+        # cancel the call once its generator is collected.
+        while not (await held.call.read()).HasField("finished"):
+            pass
         before = [metric(r, FINISHED) for r in pair]
+        held_on = [b - a for a, b in zip(before_held, before, strict=True)]
+        assert sorted(held_on) == [0, 1], held_on
+        busy = held_on.index(1)
         for i in range(10):
             await client.complete([0, 31, i], max_tokens=1)
         served = [metric(r, FINISHED) - b for r, b in zip(pair, before, strict=True)]
-        held.call.cancel()  # the client goes away: nginx closes the replica's stream
-        while sum(r_info(replica).running for replica in pair) > 0:  # aborted there, too
-            await asyncio.sleep(0.02)
-    # Round robin would have split them 5 and 5; the held call's own request may have finished.
-    assert served[1 - busy] == 10 and served[busy] <= 1, (busy, served)
+        await held.done_sending()  # the call ends: its only request has finished
+        assert await held.call.read() is grpc.aio.EOF
+    # Round robin would have split them 5 and 5.
+    assert served[1 - busy] == 10 and served[busy] == 0, (busy, served)
 
 
 @pytest.mark.timeout(60)
