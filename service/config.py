@@ -99,6 +99,19 @@ class ServiceConfig:
         "pinging more often is disconnected (set your clients' keepalive time above it)",
         group=NETWORK,
     )
+    # gRPC's own default is 120 s: a connection that never finishes its handshake (a scanner, a
+    # slow-loris) holds one of the server's file descriptors that long.
+    handshake_timeout: float = setting(
+        5.0,
+        "seconds a new connection has to finish its TLS and HTTP/2 handshake before it is closed",
+        group=NETWORK,
+    )
+    max_connections: int | None = setting(
+        None,
+        "connections held at once, handshaking ones included; more are closed as they come "
+        "(default: the open-file limit, ulimit -n, less 128 the server keeps for itself)",
+        group=NETWORK,
+    )
     api_token: str | None = setting(
         None,
         "file with the token Generation calls must send as 'authorization: Bearer <it>'",
@@ -218,6 +231,8 @@ class ServiceConfig:
             raise ValueError("max_concurrent_rpcs: must be at least 1")
         if self.max_concurrent_streams is not None and self.max_concurrent_streams < 1:
             raise ValueError("max_concurrent_streams: must be at least 1 when set")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError("max_connections: must be at least 1 when set")
         if self.served_model_name == "":
             raise ValueError("served_model_name: must not be empty when set")
         if self.max_message_bytes < MIN_MESSAGE_BYTES:
@@ -227,6 +242,7 @@ class ServiceConfig:
             "keepalive_time",
             "keepalive_timeout",
             "keepalive_min_ping_interval",
+            "handshake_timeout",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0")

@@ -25,6 +25,7 @@ from service.auth import BearerTokenInterceptor
 from service.call_limit import CallLimit
 from service.call_metrics import CallMetrics
 from service.config import ServiceConfig
+from service.connections import ConnectionWatch, connection_options, max_connections
 from service.decoding import DecodingInterceptor
 from service.engine_client import EngineClient, EngineStartError, EngineState, EngineTarget
 from service.engine_process import StartProcess
@@ -100,6 +101,7 @@ class SluiceServer:
                 ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES),
                 *CORE_PENDING_OPTIONS,
                 *_connection_options(config),
+                *connection_options(config),  # the handshake timeout, the connection bound
                 # A second server on a used port must fail, not share it: the two would split
                 # the connections, so a Cancel or UpdateWeights would reach only one of them.
                 ("grpc.so_reuseport", 0),
@@ -115,6 +117,7 @@ class SluiceServer:
         self.ready = asyncio.Event()
         self._startup: asyncio.Task[None] | None = None
         self._health_updates: set[asyncio.Task[None]] = set()
+        self._connection_watch: ConnectionWatch | None = None
 
     def bind(self) -> int:
         """Listen on the configured address, and the metrics one when configured; raises
@@ -128,6 +131,9 @@ class SluiceServer:
                 port = self.grpc.add_secure_port(self.config.address, credentials)
         except RuntimeError as exc:  # gRPC says only that it failed, not why
             raise BindError(self.config.address, _bind_failure(self.config)) from exc
+        limit = max_connections(self.config)
+        if limit is not None:
+            self._connection_watch = ConnectionWatch(port, limit, self.config.handshake_timeout)
         if self.config.metrics_port is not None:
             host, metrics_port = self.config.metrics_host, self.config.metrics_port
             try:
@@ -142,6 +148,8 @@ class SluiceServer:
     async def start(self) -> None:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc.start()
+        if self._connection_watch is not None:
+            self._connection_watch.start()
         if self.metrics_http is not None:
             self.metrics_http.start()
         self._startup = asyncio.create_task(self._start_engine(), name="engine-startup")
@@ -181,6 +189,8 @@ class SluiceServer:
         await self.grpc.stop(FINAL_FLUSH_S)
         for task in list(self._health_updates):
             task.cancel()
+        if self._connection_watch is not None:
+            self._connection_watch.stop()
         if self.metrics_http is not None:
             await asyncio.to_thread(self.metrics_http.stop)
         log.info("server.stopped")
@@ -273,6 +283,7 @@ async def serve(config: ServiceConfig) -> int:
         port=port,
         address=f"{config.host}:{port}",
         tls=config.tls_mode,
+        max_connections=max_connections(config),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -23,9 +24,11 @@ REPO = Path(__file__).resolve().parent.parent
 class ServerProcess:
     """A `python -m service` child whose JSON log lines land in `log_path`."""
 
-    def __init__(self, log_path: Path, *flags: str, new_session: bool = False) -> None:
+    def __init__(
+        self, log_path: Path, *flags: str, new_session: bool = False, open_files: int | None = None
+    ) -> None:
         """`new_session`: the server leads a process group of its own (its engine joins it), as a
-        server started from a terminal does."""
+        server started from a terminal does. `open_files`: its `ulimit -n` (soft and hard)."""
         self.log_path = log_path
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
         self._log = log_path.open("w")
@@ -36,6 +39,7 @@ class ServerProcess:
             stdout=subprocess.DEVNULL,
             stderr=self._log,
             start_new_session=new_session,
+            preexec_fn=None if open_files is None else lambda: _limit_open_files(open_files),
         )
 
     def events(self, name: str) -> list[dict[str, Any]]:
@@ -91,11 +95,15 @@ class ServerProcess:
         self._log.close()
 
 
+def _limit_open_files(count: int) -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (count, count))
+
+
 @contextlib.contextmanager
 def server_process(
-    log_path: Path, *flags: str, new_session: bool = False
+    log_path: Path, *flags: str, new_session: bool = False, open_files: int | None = None
 ) -> Iterator[ServerProcess]:
-    server = ServerProcess(log_path, *flags, new_session=new_session)
+    server = ServerProcess(log_path, *flags, new_session=new_session, open_files=open_files)
     try:
         yield server
     finally:
