@@ -20,11 +20,13 @@ import structlog
 from engine.config import EngineConfig
 from engine.logs import configure_logging
 from engine.process import die_with_parent
+from engine.rank_beats import RankBeats
 
 log = structlog.get_logger("sluice.engine")
 
 
-def worker_main(config: EngineConfig, path: str, rank: int, port: int) -> None:
+def worker_main(config: EngineConfig, path: str, rank: int, port: int, beats: RankBeats) -> None:
+    beats.start_beating(rank - 1)  # first: rank 0 judges this worker by it from now on
     configure_logging(config.log_level, config.log_format, process=f"engine-rank{rank}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # as rank 0: Ctrl-C is the service's to handle
     die_with_parent()  # NOTE: rank 0 spawns us from its main thread, which lives as long as it

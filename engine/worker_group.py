@@ -4,8 +4,9 @@ Rank 0 (the engine process) serves the rendezvous store, spawns ranks 1..N-1 (ea
 engine/tp_worker.py's `worker_main`), joins the process group with them, and from then on:
 - tells them every step through the model runner's StepChannel;
 - pings them when idle, so an idle group stays inside the collective timeout;
-- watches their liveness: a worker that exits takes rank 0's whole process down at once
-  (`engine.worker_died`), so no rank is left waiting in a collective for a peer that is gone.
+- watches their liveness: a worker that exits (`engine.worker_died`), or stops stamping its
+  RankBeats slot (`engine.worker_hung`: stopped, frozen), takes rank 0's whole process down at
+  once, so no rank is left waiting in a collective for a peer that is gone or stuck.
   The service then sees its engine exit and restarts the whole group. Workers, in turn, die
   with rank 0 (die_with_parent): none outlives the engine, hence none outlives the server.
 """
@@ -24,6 +25,7 @@ import structlog
 import torch
 
 from engine.config import EngineConfig
+from engine.rank_beats import BEAT_INTERVAL_S, RankBeats
 from engine.step_channel import Op, StepChannel, StepHeader
 from engine.tensor_parallel import (
     COLLECTIVE_TIMEOUT_S,
@@ -50,11 +52,12 @@ class WorkerGroup:
         self.processes: list[Any] = []
         self.closing = False
         self.channel: StepChannel | None = None
+        self.beats = RankBeats(ctx, size - 1)
         with _children_allowed():
             for rank in range(1, size):
                 process = ctx.Process(
                     target=worker_main,
-                    args=(config, str(path), rank, store.port),
+                    args=(config, str(path), rank, store.port, self.beats),
                     name=f"sluice-engine-rank{rank}",
                     daemon=True,
                 )
@@ -90,20 +93,33 @@ class WorkerGroup:
 
     def _watch(self) -> None:
         sentinels = {p.sentinel: p for p in self.processes}
-        ready = wait(list(sentinels))
-        if self.closing:
-            return
-        dead = sentinels[ready[0]]
-        log.critical(
-            "engine.worker_died",
-            rank=self.processes.index(dead) + 1,
-            worker_pid=dead.pid,
-            exitcode=dead.exitcode,
-            reason="a tensor-parallel rank exited: the engine cannot run without it",
-        )
+        while True:
+            ready = wait(list(sentinels), timeout=BEAT_INTERVAL_S)
+            if self.closing:
+                return
+            if ready:
+                dead = sentinels[ready[0]]
+                log.critical(
+                    "engine.worker_died",
+                    rank=self.processes.index(dead) + 1,
+                    worker_pid=dead.pid,
+                    exitcode=dead.exitcode,
+                    reason="a tensor-parallel rank exited: the engine cannot run without it",
+                )
+                break
+            if (silent := self.beats.silent()) is not None:
+                slot, seconds = silent
+                log.critical(
+                    "engine.worker_hung",
+                    rank=slot + 1,
+                    worker_pid=self.processes[slot].pid,
+                    silent_s=round(seconds, 1),
+                    reason="a tensor-parallel rank stopped showing signs of life",
+                )
+                break
         for process in self.processes:
             if process.is_alive():
-                process.kill()
+                process.kill()  # SIGKILL: also ends a stopped one
         # NOTE: not an exception: the main thread may be blocked in a collective with the dead
         # rank, and it would never see one. The service restarts the whole group.
         os._exit(1)

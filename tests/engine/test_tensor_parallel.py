@@ -3,20 +3,21 @@
 Two ranks split every layer; greedy ids must equal one rank's and transformers', logprobs within
 1e-4; batching with preemption, the prefix cache and n > 1 give one rank's tokens; weight
 updates (checkpoint, tensor file, in-process, live) swap on both ranks or on none; a size that
-does not divide the model is refused before any worker starts; a killed worker takes the engine
-down and the service restarts the whole group.
+does not divide the model is refused before any worker starts; a killed worker, or a stopped one
+while the engine is idle, takes the engine down and the service restarts the whole group.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from server_process import server_process, wait_gone
+from server_process import force_kill, server_process, wait_gone
 from sluice_client import Client, build_request
 from test_hf_equivalence import hf_greedy, prompts
 from tiny_models import load_hf_model, make_checkpoint
@@ -168,3 +169,26 @@ def test_a_killed_worker_restarts_the_group_through_the_service(tiny_llama, tmp_
         with Client(server.target) as client:
             assert client.complete(request).token_ids == expected
     assert wait_gone(restarted, 10), "a worker outlived the server"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_stopped_worker_of_an_idle_engine_restarts_the_group_within_the_heartbeat_timeout(
+    tiny_llama, tmp_path
+) -> None:
+    flags = ("--model", str(tiny_llama), "--device", "cpu", "--dtype", "float32")
+    flags += ("--tensor-parallel-size", "2", "--cpu-threads", "1", "--heartbeat-timeout", "6")
+    with server_process(tmp_path / "server.log", *flags) as server:
+        server.wait_health("SERVING")
+        worker = int(server.wait_for("engine.worker_spawned")["worker_pid"])
+        os.kill(worker, signal.SIGSTOP)  # rank 0 alone would go on heartbeating
+        try:
+            server.wait_health("NOT_SERVING", timeout=6 + 2)
+        finally:
+            force_kill(worker)  # whatever the test saw, leave no stopped worker behind
+        hung = server.wait_for("engine.worker_hung")
+        assert hung["worker_pid"] == worker
+        server.wait_for("engine.worker_spawned", 2, timeout=60)
+        server.wait_health("SERVING", timeout=60)
+        with Client(server.target) as client:
+            assert client.complete([0, 17, 42, 99], max_tokens=3).reason == "LENGTH"
