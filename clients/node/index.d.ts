@@ -286,8 +286,10 @@ export class Client {
   close(): void;
   /** The events of one request; a refusal or failure throws SluiceError; break cancels. */
   generate(prompt: Prompt, options?: GenerateOptions): AsyncIterable<GenerateEvent>;
-  /** Runs one request to its end: the Completion of sample 0. */
-  complete(prompt: Prompt, options?: GenerateOptions): Promise<Completion>;
+  /** Runs one request to its end: its Completion (n = 1, the default). */
+  complete(prompt: Prompt, options?: GenerateOptions & { n?: 1 }): Promise<Completion>;
+  /** n > 1: its n Completions in index order (an array); n = 1: one Completion. */
+  complete(prompt: Prompt, options: GenerateOptions & { n: number }): Promise<Completion | Completion[]>;
   stream(options?: RoutedCallOptions): GenerateStream;
   /** Behind a load balancer, reaches the replica running them only with their `affinity`. */
   cancel(requestIds: string | readonly string[], options?: RoutedCallOptions): Promise<CancelResult>;

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 from service_harness import running_server
-from sluice_client import AsyncClient, Collector, build_request
+from sluice_client import AsyncClient, Client, Collector, build_request
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -17,9 +18,15 @@ SHARED = [0] + [(7 * i) % 290 + 2 for i in range(96)]  # a 97-token shared prefi
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def client(tiny_llama: Path):
+async def target(tiny_llama: Path):
     server = running_server(tiny_llama, fake=False, engine={"num_kv_pages": 256})
-    async with server as (_, target), AsyncClient(target) as c:
+    async with server as (_, address):
+        yield address
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client(target: str):
+    async with AsyncClient(target) as c:
         yield c
 
 
@@ -74,3 +81,21 @@ async def test_a_stop_string_ends_only_the_sample_that_matched(client: AsyncClie
         by_index[0].reason == "STOP_STRING" and by_index[0].text == texts[0][: texts[0].index(stop)]
     )
     assert by_index[1].reason == "LENGTH" and by_index[1].text == texts[1]
+
+
+async def test_complete_with_n_returns_every_sample_in_index_order(
+    client: AsyncClient, target: str
+) -> None:
+    prompt = SHARED[:20]
+    params = {"temperature": 1.0, "seed": 5, "max_tokens": 6, "ignore_eos": True}
+    samples = await client.complete(prompt, n=3, **params)
+    assert isinstance(samples, list) and [c.index for c in samples] == [0, 1, 2]
+    assert all(c.started is not None and c.started.prompt_tokens == 20 for c in samples)
+    by_request = await client.complete(build_request(prompt, n=3, **params))
+    assert [c.token_ids for c in by_request] == [c.token_ids for c in samples]
+    with Client(target) as sync_client:
+        from_sync = await asyncio.to_thread(sync_client.complete, prompt, n=3, **params)
+    assert [c.token_ids for c in from_sync] == [c.token_ids for c in samples]
+    assert len({tuple(c.token_ids) for c in samples}) == 3  # three samples, not one thrice
+    one = await client.complete(prompt, **params)
+    assert not isinstance(one, list) and one.token_ids == samples[0].token_ids

@@ -84,10 +84,13 @@ export class Client {
     return queue;
   }
 
-  /** Runs one request to its end: the Completion of sample 0 (all samples: collect(generate())). */
+  /**
+   * Runs one request to its end: its Completion when `n` is 1 (the default), the array of its
+   * n Completions in index order when `n` > 1.
+   */
   async complete(prompt, options = {}) {
-    const [first] = await collect(this.generate(prompt, options));
-    return first;
+    const samples = (await collect(this.generate(prompt, options))).sort((a, b) => a.index - b.index);
+    return (options.n ?? 1) > 1 ? samples : samples[0];
   }
 
   /** A GenerateStream call (see GenerateStream); `deadlineMs` bounds the whole call. */

@@ -55,6 +55,18 @@ test("greedy token ids equal the Python client's for the same prompts", async ()
   assert.deepEqual(node, python);
 });
 
+test('complete with n > 1 returns every sample in index order; n = 1 one Completion', async () => {
+  const options = { maxTokens: 6, temperature: 1, seed: 5, ignoreEos: true };
+  const samples = await client.complete(PROMPTS[2], { ...options, n: 3 });
+  assert.ok(Array.isArray(samples));
+  assert.deepEqual(samples.map((c) => c.index), [0, 1, 2]);
+  assert.ok(samples.every((c) => c.started !== null && c.reason === 'LENGTH'));
+  assert.equal(new Set(samples.map((c) => c.tokenIds.join())).size, 3, 'three samples, not one thrice');
+  const one = await client.complete(PROMPTS[2], { ...options, n: 1 });
+  assert.ok(!Array.isArray(one));
+  assert.deepEqual(one.tokenIds, samples[0].tokenIds);
+});
+
 test('generate yields started, token chunks with logprobs and version, then one finished', async () => {
   const events = [];
   for await (const event of client.generate('Hello', { ...GREEDY, logprobs: true })) events.push(event);

@@ -19,6 +19,8 @@ export async function usage(target: string): Promise<void> {
   void completion.tokenIds;
   const all: Completion[] = await collect(client.generate('x', { n: 2 }));
   void all;
+  const samples = await client.complete('x', { n: 3 });
+  if (Array.isArray(samples)) void samples.map((sample) => sample.index);
 
   const routed = new Client(target, { affinity: 'conversation-1' });
   await routed.complete('Hi', { affinity: 'conversation-2', maxTokens: 1 });

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import grpc
 from sluice.v1 import generation_pb2 as pb
@@ -12,7 +12,7 @@ from sluice.v1 import generation_pb2_grpc
 
 from sluice_client.affinity import with_affinity
 from sluice_client.channels import TlsConfig, aio_secure_or_insecure
-from sluice_client.requests import Collector, Completion, build_request
+from sluice_client.requests import Collector, Completion, build_request, samples_asked
 from sluice_client.retry import Retry, channel_options
 
 Prompt = str | Sequence[int]
@@ -74,21 +74,45 @@ class AsyncClient:
         finally:
             call.cancel()  # closing the iterator early cancels the call; a no-op once ended
 
+    @overload
     async def complete(
         self,
         prompt: Prompt | pb.GenerateRequest,
         *,
+        n: Literal[1] | None = None,
         timeout: float | None = None,
         affinity: str | None = None,
         **params: Any,
-    ) -> Completion:
-        """One request's events put together."""
+    ) -> Completion: ...
+
+    @overload
+    async def complete(
+        self,
+        prompt: Prompt | pb.GenerateRequest,
+        *,
+        n: int,
+        timeout: float | None = None,
+        affinity: str | None = None,
+        **params: Any,
+    ) -> Completion | list[Completion]: ...
+
+    async def complete(
+        self,
+        prompt: Prompt | pb.GenerateRequest,
+        *,
+        n: int | None = None,
+        timeout: float | None = None,
+        affinity: str | None = None,
+        **params: Any,
+    ) -> Completion | list[Completion]:
+        """One request's events put together: as for `Client.complete`, its Completion (n = 1)
+        or the list of its n Completions in index order (n > 1)."""
+        if n is not None:
+            params["n"] = n
         collector = Collector()
-        completion: Completion | None = None
         async for event in self.generate(prompt, timeout=timeout, affinity=affinity, **params):
-            completion = collector.add(event)
-        assert completion is not None, "the server sent no events"
-        return completion
+            collector.add(event)
+        return collector.of_one_request(samples_asked(prompt, params))
 
     def stream(
         self, *, timeout: float | None = None, affinity: str | None = None

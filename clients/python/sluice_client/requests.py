@@ -128,6 +128,7 @@ class Collector:
     def __init__(self) -> None:
         self.completions: dict[tuple[str, int], Completion] = {}
         self.refused: list[Completion] = []
+        self._started: dict[str, pb.Started] = {}  # by request id
 
     def add(self, event: pb.GenerateResponse) -> Completion:
         if event.WhichOneof("event") == "refused":
@@ -138,10 +139,28 @@ class Collector:
         completion = self.completions.get(key)
         if completion is None:
             completion = self.completions[key] = Completion(event.request_id, event.index)
+            # NOTE: `started` is sent once per request, with index 0, before any other index's
+            # first event: a sample seen later gets it here.
+            completion.started = self._started.get(event.request_id)
         completion.add(event)
         if event.WhichOneof("event") == "started":
-            # `started` is sent once per request, with index 0.
+            self._started[event.request_id] = event.started
             for (rid, _), other in self.completions.items():
                 if rid == event.request_id:
                     other.started = event.started
         return completion
+
+    def of_one_request(self, n: int) -> Completion | list[Completion]:
+        """The result of `complete`: the one Completion of a request of n = 1, or the n of a
+        request of n > 1 in index order (fewer only if the call ended early)."""
+        samples = sorted(self.completions.values(), key=lambda c: c.index)
+        assert samples, "the server sent no events"
+        return samples if n > 1 else samples[0]
+
+
+def samples_asked(prompt: object, params: dict[str, object]) -> int:
+    """n of a `complete` call: of the GenerateRequest given, else its `n=` keyword (default 1)."""
+    if isinstance(prompt, pb.GenerateRequest):
+        return prompt.n if prompt.HasField("n") else 1
+    n = params.get("n")
+    return n if isinstance(n, int) else 1

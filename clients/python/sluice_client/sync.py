@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import queue
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import grpc
 from sluice.v1 import admin_pb2 as admin_pb
@@ -19,7 +19,7 @@ from sluice.v1 import generation_pb2 as pb
 
 from sluice_client.affinity import with_affinity
 from sluice_client.channels import TlsConfig, secure_or_insecure
-from sluice_client.requests import Collector, Completion, build_request
+from sluice_client.requests import Collector, Completion, build_request, samples_asked
 from sluice_client.retry import Retry, channel_options
 from sluice_client.weights import DEFAULT_CHUNK_BYTES, Tensors, build_header, tensor_chunks
 
@@ -89,20 +89,45 @@ class Client:
         finally:
             call.cancel()  # a no-op once the call has ended
 
+    @overload
     def complete(
         self,
         prompt: Prompt | pb.GenerateRequest,
         *,
+        n: Literal[1] | None = None,
         timeout: float | None = None,
         affinity: str | None = None,
         **params: Any,
-    ) -> Completion:
+    ) -> Completion: ...
+
+    @overload
+    def complete(
+        self,
+        prompt: Prompt | pb.GenerateRequest,
+        *,
+        n: int,
+        timeout: float | None = None,
+        affinity: str | None = None,
+        **params: Any,
+    ) -> Completion | list[Completion]: ...
+
+    def complete(
+        self,
+        prompt: Prompt | pb.GenerateRequest,
+        *,
+        n: int | None = None,
+        timeout: float | None = None,
+        affinity: str | None = None,
+        **params: Any,
+    ) -> Completion | list[Completion]:
+        """Runs one request to its end. n = 1 (the default): its Completion; n > 1 (`n=`, or
+        the `n` of a GenerateRequest given): the list of its n Completions, in index order."""
+        if n is not None:
+            params["n"] = n
         collector = Collector()
-        completion: Completion | None = None
         for event in self.generate(prompt, timeout=timeout, affinity=affinity, **params):
-            completion = collector.add(event)
-        assert completion is not None, "the server sent no events"
-        return completion
+            collector.add(event)
+        return collector.of_one_request(samples_asked(prompt, params))
 
     def stream(
         self, *, timeout: float | None = None, affinity: str | None = None
