@@ -26,6 +26,9 @@ from service.config import ServiceConfig
 ENV_PREFIX = "SLUICE_"
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 C = TypeVar("C")
+# Spellings of a flag documented before the flags were derived from the config, kept so that
+# scripts written against them still start: option -> (flag name, the value it gives).
+ALIASES: dict[str, tuple[str, Any]] = {"--disable-prefix-cache": ("enable_prefix_cache", False)}
 
 
 def parse_bool(text: str) -> bool:
@@ -110,6 +113,12 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
                 help=text,
                 metavar=flag.metavar,
             )
+    for alias, (name, value) in ALIASES.items():
+        option = "--" + name.replace("_", "-")
+        shown = option if value else "--no-" + option.removeprefix("--")
+        parser.add_argument(
+            alias, dest=name, action="store_const", const=value, help=f"the same as {shown}"
+        )
 
 
 def config_from_args(

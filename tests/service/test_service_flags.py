@@ -157,3 +157,9 @@ def test_the_flag_tables_in_the_docs_are_current():
     text = (REPO / "docs" / "service.md").read_text()
     documented = text.split("<!-- flags: begin -->\n")[1].split("<!-- flags: end -->")[0]
     assert documented == flag_tables(), "regenerate with: python -m service.flags"
+
+
+def test_the_older_spelling_disable_prefix_cache_still_turns_the_prefix_cache_off():
+    parsed = build_parser().parse_args(["--disable-prefix-cache"])
+    assert service_config(parsed).engine.enable_prefix_cache is False
+    assert service_config(build_parser().parse_args([])).engine.enable_prefix_cache is True
