@@ -14,6 +14,11 @@ import importlib.util, sys
 present = [m for m in ("torch", "numpy", "safetensors") if importlib.util.find_spec(m)]
 sys.exit(f"a client-only install has {present}" if present else 0)
 PY
+# `sluice serve` without the server: exit 1, saying what to install (not argparse's choices).
+if served="$("$client/sluice" serve --model m 2>&1)" || ! grep -q "pip install" <<<"$served"; then
+  echo "check_client_package: sluice serve in a client-only install said: $served" >&2
+  exit 1
+fi
 
 coproc SERVER { .venv/bin/python tests/serve_tiny.py; }
 read -r ready <&"${SERVER[0]}"

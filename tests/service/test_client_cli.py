@@ -31,11 +31,17 @@ async def run(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-async def test_tokenize_prints_the_ids_the_server_gives(target, capsys):
+async def test_tokenize_counts_the_tokens_the_server_makes_of_a_text_prompt(target, capsys):
     code, out, _ = await run(capsys, "tokenize", "--target", target, "hello world")
     async with AsyncClient(target) as client:
-        expected = await client.tokenize("hello world")
+        expected = await client.tokenize("hello world", add_special_tokens=True)
+        started = (await client.complete("hello world", max_tokens=1)).started
     assert code == 0 and json.loads(out) == expected and expected
+    assert started is not None and len(expected) == started.prompt_tokens  # BOS included
+    code, out, _ = await run(
+        capsys, "tokenize", "--target", target, "--no-add-special-tokens", "hello world"
+    )
+    assert code == 0 and json.loads(out) == expected[1:]
 
 
 async def test_cancel_ends_a_request_started_on_another_connection(target, capsys):
@@ -55,7 +61,9 @@ async def test_generate_info_and_health_verbs(target, capsys):
     code, out, err = await run(capsys, "generate", "--target", target, "abc", "--max-tokens", "3")
     assert code == 0 and out.startswith("abc") and "[FINISH_REASON_LENGTH]" in err
     code, out, _ = await run(capsys, "info", "--target", target)
-    assert code == 0 and json.loads(out)["state"] == "SERVING_STATE_SERVING"
+    info = json.loads(out)
+    assert code == 0 and info["state"] == "SERVING_STATE_SERVING"
+    assert info["policyVersion"] == "0"  # a field at 0 is shown too (uint64: a JSON string)
     code, out, _ = await run(capsys, "health", "--target", target)
     assert code == 0 and out.endswith("SERVING\n")
 
@@ -63,3 +71,33 @@ async def test_generate_info_and_health_verbs(target, capsys):
 async def test_a_failed_call_is_one_line_and_exit_1(target, capsys):
     code, out, err = await run(capsys, "tokenize", "--target", "127.0.0.1:1", "x")
     assert code == 1 and out == "" and err.startswith("UNAVAILABLE: ")
+
+
+async def test_generate_prints_nothing_on_stdout_when_the_call_fails(capsys):
+    code, out, err = await run(capsys, "generate", "--target", "127.0.0.1:1", "my prompt")
+    assert code == 1 and out == "" and err.startswith("UNAVAILABLE: ")
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["generate", "--max-tokens", "-1", "x"], "--max-tokens"),
+        (["generate", "--seed", "-3", "x"], "--seed"),
+        (["generate", "--max-tokens", "4294967296", "x"], "--max-tokens"),
+        (["update-weights", "--checkpoint", "d", "--version", "-1"], "--version"),
+        (["update-weights", "--checkpoint", "d", "--drain-timeout-ms", "-5"], "--drain-timeout-ms"),
+    ],
+)
+async def test_a_number_out_of_its_range_is_a_usage_error_naming_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 1
+    assert f"argument {flag}: must be in [" in err and len(err.splitlines()) == 1, err
+
+
+async def test_serve_without_the_server_package_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "entry_points", lambda group: [])  # the client package alone
+    for argv in (["serve", "--model", "m", "--port", "1"], ["serve", "--help"]):
+        code, out, err = await run(capsys, *argv)
+        assert code == 1 and out == "" and "pip install" in err and "scripts/setup.sh" in err

@@ -14,9 +14,10 @@ import re
 import sys
 import time
 import typing
+from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sluice.v1 import admin_pb2
@@ -26,6 +27,11 @@ if TYPE_CHECKING:
 
 UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 DEFAULT_TARGET = "127.0.0.1:50051"
+UINT32, UINT64 = 2**32 - 1, 2**64 - 1
+SERVER_MISSING = (
+    "sluice serve: the server is not installed (this is the client package alone); install it "
+    "from a checkout of the repository: pip install . (at its root), or bash scripts/setup.sh"
+)
 
 
 def quiet_grpc_core() -> None:
@@ -44,6 +50,22 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * UNITS[match.group(2)])
 
 
+def int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high], the range the request field takes, so that
+    a bad value is a usage error naming its flag (protobuf's own names no field)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}")
+        return value
+
+    return parse
+
+
 def read_token(path: Path | None) -> str | None:
     return None if path is None else path.read_text().strip()
 
@@ -60,15 +82,17 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True)
     for entry in entry_points(group="sluice.commands"):
         entry.load()(verbs)
+    if "serve" not in verbs.choices:
+        add_serve_missing(verbs)
 
     gen = verbs.add_parser("generate", help="stream a completion to stdout")
     add_client_flags(gen)
     gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--max-tokens", type=int_in(1, UINT32), default=64)
     gen.add_argument("--temperature", type=float)
     gen.add_argument("--top-p", type=float)
-    gen.add_argument("--top-k", type=int)
-    gen.add_argument("--seed", type=int)
+    gen.add_argument("--top-k", type=int_in(-(2**31), 2**31 - 1))
+    gen.add_argument("--seed", type=int_in(0, UINT64))
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     add_affinity_flag(gen)
@@ -86,7 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     tokenize = verbs.add_parser("tokenize", help="print the token ids of a text as JSON")
     add_client_flags(tokenize)
     tokenize.add_argument("text")
-    tokenize.add_argument("--add-special-tokens", action="store_true")
+    tokenize.add_argument(
+        "--add-special-tokens",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="add the special tokens (BOS) the server adds to a text prompt (default: on)",
+    )
     tokenize.set_defaults(run=run_tokenize)
 
     cancel = verbs.add_parser("cancel", help="cancel requests by id (from any connection)")
@@ -112,8 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     update.add_argument(
         "--inflight", choices=["drain", "abort", "continue", "recompute"], default="drain"
     )
-    update.add_argument("--version", type=int, default=0, help="new policy version (0 = +1)")
-    update.add_argument("--drain-timeout-ms", type=int, help="DRAIN: fail after this long")
+    update.add_argument(
+        "--version", type=int_in(0, UINT64), default=0, help="new policy version (0 = +1)"
+    )
+    update.add_argument(
+        "--drain-timeout-ms", type=int_in(0, UINT32), help="DRAIN: fail after this long"
+    )
     update.add_argument("--chunk-bytes", type=parse_bytes, default="4M", help="--tensors chunks")
     update.add_argument("--admin-token-file", type=Path)
     update.add_argument(
@@ -124,6 +157,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_tls_flags(update)
     update.set_defaults(run=run_update_weights)
     return parser
+
+
+def add_serve_missing(verbs: Any) -> None:
+    """`serve` where only the client is installed: whatever its flags, it says what to install."""
+    # NOTE: no prefix characters, so every flag of the real `serve` is a plain argument here.
+    serve = verbs.add_parser(
+        "serve", help="run the server (needs the server package)", prefix_chars="\0", add_help=False
+    )
+    serve.add_argument("flags", nargs="*")
+    serve.set_defaults(run=run_serve_missing)
+
+
+def run_serve_missing(args: argparse.Namespace) -> int:
+    print(SERVER_MISSING, file=sys.stderr)
+    return 1
 
 
 def add_client_flags(p: argparse.ArgumentParser) -> None:
@@ -189,9 +237,11 @@ def run_generate(args: argparse.Namespace) -> int:
             ignore_eos=args.ignore_eos,
             affinity=args.affinity,
         )
-        sys.stdout.write(args.prompt)
         for event in events:
             match event.WhichOneof("event"):
+                case "started":  # the call was accepted: only now is the prompt echoed
+                    sys.stdout.write(args.prompt)
+                    sys.stdout.flush()
                 case "tokens":
                     sys.stdout.write(event.tokens.text)
                     sys.stdout.flush()
@@ -210,7 +260,9 @@ def run_info(args: argparse.Namespace) -> int:
 
     with connect(args) as client:
         info = client.info()
-    print(json.dumps(json_format.MessageToDict(info), indent=2))
+    # Every field, 0 and empty ones too: a policy version of 0 is a version.
+    fields = json_format.MessageToDict(info, always_print_fields_with_no_presence=True)
+    print(json.dumps(fields, indent=2))
     return 0
 
 
