@@ -12,6 +12,7 @@ Imports neither torch nor grpc: both processes import it.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import sys
@@ -46,6 +47,7 @@ def configure_logging(level: str = "info", fmt: str = "json", process: str = "se
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         _ProcessFields(process),
+        _enum_values,
         structlog.processors.StackInfoRenderer(),
     ]
     renderer: list[Processor]
@@ -96,6 +98,17 @@ class _ProcessFields:
         # Read per event: a test or a tool may configure before it forks.
         event_dict.setdefault("pid", os.getpid())
         return event_dict
+
+
+def _enum_values(logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
+    """An enum field (or one in a list or tuple field) as its value: the console renderer shows
+    a field's repr, `<FinishReason.LENGTH: 'length'>` where a reader wants `length`."""
+    for key, value in event_dict.items():
+        if isinstance(value, enum.Enum):
+            event_dict[key] = value.value
+        elif isinstance(value, list | tuple) and any(isinstance(v, enum.Enum) for v in value):
+            event_dict[key] = [v.value if isinstance(v, enum.Enum) else v for v in value]
+    return event_dict
 
 
 def _lead_with_when_and_what(

@@ -156,6 +156,26 @@ def test_console_format_writes_a_readable_line_and_a_multi_line_traceback():
     assert rest[-1] == "ZeroDivisionError: division by zero"
 
 
+@pytest.mark.parametrize("fmt", ["console", "json"])
+def test_an_enum_field_is_written_as_its_value(fmt):
+    code, stderr = run_logged(
+        """
+        import structlog
+        from engine.messages import FinishReason
+        structlog.get_logger("sluice.x").info(
+            "done", reason=FinishReason.LENGTH, reasons=[FinishReason.STOP, None]
+        )
+        """,
+        fmt=fmt,
+    )
+    assert code == 0 and "FinishReason" not in stderr, stderr
+    if fmt == "json":
+        [event] = events(stderr)
+        assert (event["reason"], event["reasons"]) == ("length", ["stop", None])
+    else:
+        assert "reason=length" in stderr and "reasons=['stop', None]" in stderr, stderr
+
+
 @pytest.mark.parametrize(
     ("field", "value"), [("log_format", "xml"), ("log_level", "verbose"), ("log_level", "INFO")]
 )
