@@ -240,9 +240,8 @@ async def admit(
         prompt = await tokenizer.encode(req.text, add_special_tokens=True)
     else:
         prompt = list(req.token_ids.ids)
-    if len(prompt) >= info.max_model_len:
-        violation = ("prompt", _no_room(len(prompt), info))
-        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, violation[1], [violation])
+    if len(prompt) >= info.max_model_len:  # the message of a token ids prompt too long
+        raise invalid_argument([("prompt", _no_room(len(prompt), info))])
     if req.HasField("min_policy_version") and req.min_policy_version > policy_version:
         # UNAVAILABLE with a retry delay, not FAILED_PRECONDITION: the weights it asks for are
         # on their way (an update in progress here, or already applied on another replica

@@ -391,3 +391,18 @@ async def test_every_waiting_token_goes_out_as_one_chunk(model_dir):
     events = [e async for e in servicer._run(_Submitted(admission, queue, None))]
     assert [e.WhichOneof("event") for e in events] == ["started", "tokens", "finished"]
     assert list(events[1].tokens.token_ids) == [36, 66, 71]
+
+
+async def test_a_text_and_a_token_ids_prompt_past_the_context_get_one_message(client):
+    text = "the cat sat on the mat " * 12
+    ids = await client.tokenize(text, add_special_tokens=True)  # what the server makes of it
+    assert len(ids) >= 64  # the fake model's context
+    refused = []
+    for prompt in (text, ids):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.complete(prompt, max_tokens=1)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert violated_fields(err.value) == ["prompt"]
+        refused.append(err.value.details())
+    assert refused[0] == refused[1], refused
+    assert f"{len(ids)} prompt tokens leave no room in the context of 64 tokens" in refused[0]
