@@ -29,6 +29,7 @@ from service.connections import ConnectionWatch, connection_options, max_connect
 from service.decoding import DecodingInterceptor
 from service.engine_client import EngineClient, EngineStartError, EngineState, EngineTarget
 from service.engine_process import StartProcess
+from service.grpc_core_log import grpc_core_log
 from service.metrics import Gauges, Metrics
 from service.metrics_http import MetricsHttpServer
 from service.priority import yield_to_engine
@@ -58,9 +59,10 @@ CORE_PENDING_OPTIONS = [
 class BindError(OSError):
     """The server cannot listen on its address."""
 
-    def __init__(self, address: str, reason: str) -> None:
+    def __init__(self, address: str, reason: str, grpc_core: str = "") -> None:
         super().__init__(f"cannot listen on {address}: {reason}")
         self.address = address
+        self.grpc_core = grpc_core  # what gRPC's C core said about it, if anything
 
 
 class SluiceServer:
@@ -124,13 +126,20 @@ class SluiceServer:
         TlsError if a TLS file is unusable, BindError if an address cannot be bound (in use,
         say). Returns the gRPC port. Health and reflection share the port, and its TLS."""
         credentials = server_credentials(self.config)  # before binding: nothing half started
-        try:
-            if credentials is None:
-                port = self.grpc.add_insecure_port(self.config.address)
-            else:
-                port = self.grpc.add_secure_port(self.config.address, credentials)
-        except RuntimeError as exc:  # gRPC says only that it failed, not why
-            raise BindError(self.config.address, _bind_failure(self.config)) from exc
+        failure: RuntimeError | None = None
+        with grpc_core_log() as core_lines:  # its plain-text line would break stderr's JSON
+            try:
+                if credentials is None:
+                    port = self.grpc.add_insecure_port(self.config.address)
+                else:
+                    port = self.grpc.add_secure_port(self.config.address, credentials)
+            except RuntimeError as exc:  # gRPC says only that it failed, not why
+                failure = exc
+        if failure is not None:
+            reason = _bind_failure(self.config)
+            raise BindError(self.config.address, reason, "\n".join(core_lines)) from failure
+        if core_lines:
+            log.warning("server.grpc_core", lines=core_lines)
         limit = max_connections(self.config)
         if limit is not None:
             self._connection_watch = ConnectionWatch(port, limit, self.config.handshake_timeout)
@@ -271,7 +280,9 @@ async def serve(config: ServiceConfig) -> int:
     try:
         server, port = create_server(config, start_process=start_process)
     except BindError as exc:
-        log.error("server.bind_failed", address=exc.address, error=str(exc))
+        log.error(
+            "server.bind_failed", address=exc.address, error=str(exc), grpc_core=exc.grpc_core
+        )
         return 1
     except TlsError as exc:
         log.error("server.tls_invalid", error=str(exc))
