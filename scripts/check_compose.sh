@@ -1,24 +1,33 @@
 #!/usr/bin/env bash
 # Validates docker-compose.yml with `docker-compose config` (Debian's docker-compose package,
-# installed here when missing): the schema, variable defaults, that the `cpu` profile adds the
-# sluice-cpu service and the `replicas` profile two replicas and nginx. Nothing is built or
-# started.
+# installed here when missing): the schema, variable defaults, and what each profile selects:
+# only `sluice` by default, `cpu` adds exactly sluice-cpu, `replicas` exactly two replicas and
+# nginx. Nothing is built or started. (`config --services` lists every service whatever the
+# profile, so the selection is read from the `profiles:` of the rendered config instead.)
+# COMPOSE_FILE, when set, names another file to check (tests/test_deploy_files.py uses it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/apt_install.sh docker-compose
 docker-compose config -q
-expect_services() {  # profile, then the services it must add
-  local profile=$1 services
+selects() {  # `selects PROFILE SERVICE...`: --profile PROFILE starts exactly these services
+  local profile=$1 args=() selected
   shift
-  docker-compose --profile "$profile" config -q
-  services=$(docker-compose --profile "$profile" config --services)
-  for service in "$@"; do
-    grep -qx "$service" <<<"$services" || {
-      echo "check_compose: no service $service with --profile $profile (got: $services)" >&2
-      exit 1
-    }
-  done
+  [ -n "$profile" ] && args=(--profile "$profile")
+  # A service runs under --profile P when it has no `profiles:` or P is among them. Debian's
+  # docker-compose is Python with PyYAML, so python3 can read what it rendered.
+  selected=$(docker-compose "${args[@]}" config | python3 -c '
+import sys, yaml
+profile = sys.argv[1]
+services = yaml.safe_load(sys.stdin)["services"]
+print(" ".join(sorted(n for n, s in services.items() if profile in s.get("profiles", [profile]))))
+' "$profile")
+  expected=$(printf "%s\n" "$@" | LC_ALL=C sort | xargs)
+  if [ "$selected" != "$expected" ]; then
+    echo "check_compose: --profile '${profile}' selects: $selected (expected: $expected)" >&2
+    exit 1
+  fi
 }
-expect_services cpu sluice sluice-cpu
-expect_services replicas sluice-replica-1 sluice-replica-2 sluice-lb
+selects "" sluice
+selects cpu sluice sluice-cpu
+selects replicas sluice sluice-replica-1 sluice-replica-2 sluice-lb
 echo "docker-compose.yml: valid ($(docker-compose version --short 2>/dev/null || echo docker-compose))"

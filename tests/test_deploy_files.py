@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -219,3 +222,22 @@ def test_nginx_hashes_the_affinity_header_and_refuses_admin():
     text = (ROOT / "deploy/nginx/sluice.conf").read_text()
     assert "hash $http_x_sluice_affinity consistent;" in text
     assert re.search(r"location /sluice\.v1\.Admin/ \{[^}]*add_header grpc-status 7 always;", text)
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="needs docker-compose (CI)")
+def test_check_compose_fails_when_a_service_is_in_the_wrong_profile(tmp_path: Path):
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert text.count("profiles: [replicas]") == 2  # the replicas' anchor and nginx
+    moved = tmp_path / "docker-compose.yml"
+    moved.write_text(text.replace("profiles: [replicas]", "profiles: [cpu]"))
+
+    def check(compose_file: Path) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "COMPOSE_FILE": str(compose_file)}
+        script = ROOT / "scripts" / "check_compose.sh"
+        return subprocess.run(
+            ["bash", str(script)], env=env, capture_output=True, text=True, timeout=120
+        )
+
+    assert check(ROOT / "docker-compose.yml").returncode == 0
+    wrong = check(moved)
+    assert wrong.returncode == 1 and "--profile 'cpu' selects:" in wrong.stderr, wrong.stderr
