@@ -80,6 +80,14 @@ class ServiceConfig:
         "Generation calls running at once; more are RESOURCE_EXHAUSTED (Cancel exempt)",
         group=NETWORK,
     )
+    # Only GenerateStream: it lasts as long as its caller likes (a Generate call ends with its
+    # request), so without this one connection could hold every slot of --max-concurrent-rpcs.
+    max_streams_per_connection: int | None = setting(
+        None,
+        "GenerateStream calls one connection may run at once; more are RESOURCE_EXHAUSTED "
+        "(default: half of --max-concurrent-rpcs)",
+        group=NETWORK,
+    )
     max_concurrent_streams: int | None = setting(
         None,
         "HTTP/2 streams (calls) at once per connection (default: gRPC's, no limit)",
@@ -135,6 +143,27 @@ class ServiceConfig:
         60.0,
         "seconds UpdateWeights waits for the caller's next message before ABORTED",
         group=WEIGHTS,
+    )
+    # GenerateStream flow control: a caller that sends starts and never reads must not make
+    # the service admit (and buffer the outputs of) requests without bound.
+    max_stream_requests: int = setting(
+        256,
+        "requests one GenerateStream may have in flight (its refusals unsent included); its "
+        "next start is read once one ends",
+        group=SUPERVISION,
+    )
+    max_stream_buffer_bytes: int = setting(
+        64 * 2**20,
+        "outputs (estimated bytes) one GenerateStream may hold unsent; past it its requests are "
+        "cancelled and the call ends RESOURCE_EXHAUSTED",
+        group=SUPERVISION,
+        size=True,
+    )
+    stream_idle_timeout: float = setting(
+        300.0,
+        "seconds a GenerateStream with no request in flight waits for the caller's next "
+        "message before it ends ABORTED",
+        group=SUPERVISION,
     )
     max_waiting: int = setting(
         1024,
@@ -229,6 +258,12 @@ class ServiceConfig:
             raise ValueError("max_pipe_backlog_bytes: must be at least 1")
         if self.max_concurrent_rpcs < 1:
             raise ValueError("max_concurrent_rpcs: must be at least 1")
+        if self.max_streams_per_connection is not None and self.max_streams_per_connection < 1:
+            raise ValueError("max_streams_per_connection: must be at least 1 when set")
+        if self.max_stream_requests < 1:
+            raise ValueError("max_stream_requests: must be at least 1")
+        if self.max_stream_buffer_bytes < 1:
+            raise ValueError("max_stream_buffer_bytes: must be at least 1")
         if self.max_concurrent_streams is not None and self.max_concurrent_streams < 1:
             raise ValueError("max_concurrent_streams: must be at least 1 when set")
         if self.max_connections is not None and self.max_connections < 1:
@@ -239,6 +274,7 @@ class ServiceConfig:
             raise ValueError(f"max_message_bytes: must be at least {MIN_MESSAGE_BYTES}")
         for name in (
             "update_idle_timeout",
+            "stream_idle_timeout",
             "keepalive_time",
             "keepalive_timeout",
             "keepalive_min_ping_interval",
@@ -264,6 +300,13 @@ class ServiceConfig:
                 raise ValueError(
                     f"{name}: must exceed the engine's heartbeat interval ({HEARTBEAT_INTERVAL_S} s)"
                 )
+
+    @property
+    def streams_per_connection(self) -> int:
+        """--max-streams-per-connection, or its default: half of --max-concurrent-rpcs."""
+        if self.max_streams_per_connection is not None:
+            return self.max_streams_per_connection
+        return max(1, self.max_concurrent_rpcs // 2)
 
     @property
     def address(self) -> str:

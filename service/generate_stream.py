@@ -6,18 +6,31 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import structlog
 from sluice.v1 import generation_pb2 as pb
 
 from service.admission import Refusal
+from service.buffer_meter import BufferMeter
 
 log = structlog.get_logger("sluice.servicer")
 
 # After the request stream fails: how long the engine may take to confirm the aborts of the
 # stream's requests before the service ends them itself.
 FINALS_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    """What one call may hold: `max_requests` requests in flight (admitted, their last event
+    not yet written; unsent refusals count too), `max_buffer_bytes` of outputs not yet taken
+    (BufferMeter), and `idle_timeout` seconds with nothing in flight and no message read."""
+
+    max_requests: int
+    max_buffer_bytes: int
+    idle_timeout: float
 
 
 @dataclass(frozen=True)
@@ -58,29 +71,46 @@ class GenerateStreamCall:
     service sends those `finished` events itself (without usage). Then `failure` holds the
     status the call must end with (INVALID_ARGUMENT for an undecodable message, INTERNAL for a
     bug); it stays None when the caller closed its side and every request finished.
+
+    Flow control (`limits`): with `max_requests` in flight, the next start is not read (the
+    caller's sends back up) until one ends. A caller that does not read makes its requests'
+    outputs pile up in their Inboxes: past `max_buffer_bytes` every request is cancelled and
+    the call fails as above, with RESOURCE_EXHAUSTED. A call with nothing in flight that reads
+    no message for `idle_timeout` seconds ends ABORTED.
     """
 
-    def __init__(self, start: Start, cancel: Cancel) -> None:
+    def __init__(self, start: Start, cancel: Cancel, limits: StreamLimits) -> None:
         self.start = start
         self.cancel = cancel
+        self.limits = limits
         self.failure: Refusal | None = None
+        # The Inboxes of this call's requests count what they hold here (servicer sets it).
+        self.meter = BufferMeter(limits.max_buffer_bytes, self._over_budget)
         # Events to send (with the pump that waits for each), and finished tasks (the reader's
         # and the pumps') to collect.
         self._events: asyncio.Queue[_Event | asyncio.Task[None]] = asyncio.Queue()
         self._pumps: dict[asyncio.Task[None], _Pump] = {}
+        self._unsent_refusals = 0
+        self._room = asyncio.Event()  # set when a request ends or a refusal is written
+        self._admitting = False  # the reader is in `start`: a request may be on its way
+        self._active_at = 0.0  # loop time of the last message read or request ended
+        self._reader: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[Any] | None = None  # grpc.aio's, iterating `run`
+        self._abandon_timer: asyncio.TimerHandle | None = None
+        self._overflow: Refusal | None = None
 
     async def run(
         self, requests: AsyncIterator[pb.GenerateStreamRequest]
     ) -> AsyncIterator[pb.GenerateResponse]:
         loop = asyncio.get_running_loop()
-        reader = asyncio.create_task(self._read(requests))
+        self._active_at = loop.time()
+        self._task = asyncio.current_task()
+        reader = self._reader = asyncio.create_task(self._read(requests))
         reader.add_done_callback(self._events.put_nowait)  # collected below, like a pump
         reading, give_up_at = True, None
         try:
             while reading or self._pumps:
-                if give_up_at is None:
-                    item = await self._events.get()  # (no wait_for: one frame less per event)
-                else:
+                if give_up_at is not None:
                     try:
                         timeout = max(0.0, give_up_at - loop.time())
                         item = await asyncio.wait_for(self._events.get(), timeout)
@@ -88,21 +118,41 @@ class GenerateStreamCall:
                         for event in self._end_unconfirmed():
                             yield event
                         return
+                elif self._pumps:
+                    item = await self._events.get()  # (no wait_for: one frame less per event)
+                else:
+                    try:
+                        timeout = max(0.0, self._active_at + self.limits.idle_timeout - loop.time())
+                        item = await asyncio.wait_for(self._events.get(), timeout)
+                    except TimeoutError:
+                        if not self._pumps and not self._admitting:
+                            self.failure = self._idle_refusal()
+                            return
+                        self._active_at = loop.time()  # a request is on its way: not idle
+                        continue
                 if isinstance(item, tuple):
                     event, pump = item
                     yield event  # grpc.aio resumes this generator once the event is written
                     if pump is not None:
                         pump.sent.set()
-                elif item is reader:
+                    else:
+                        self._unsent_refusals -= 1
+                        self._room.set()
+                elif item is reader:  # it ended, or (again) the call went over its budget
                     reading = False
-                    self.failure = _failure(reader)
-                    if self.failure is not None:
+                    if self.failure is None and give_up_at is None:
+                        self.failure = self._overflow or _failure(reader)
+                    if self.failure is not None and give_up_at is None:
                         self.cancel([pump.request_id for pump in self._pumps.values()])
                         give_up_at = loop.time() + FINALS_TIMEOUT
                 else:
                     del self._pumps[item]
+                    self._active_at = loop.time()
+                    self._room.set()
                     item.result()  # a failed pump is a bug: surface it
         finally:
+            if self._abandon_timer is not None:
+                self._abandon_timer.cancel()
             # Client gone, the engine too slow, or a bug: cancelling a pump aborts its request.
             tasks = {reader, *self._pumps}
             for task in tasks:
@@ -110,10 +160,15 @@ class GenerateStreamCall:
             await asyncio.wait(tasks, timeout=5.0)
 
     async def _read(self, requests: AsyncIterator[pb.GenerateStreamRequest]) -> None:
+        loop = asyncio.get_running_loop()
         starts = 0
         async for message in requests:
+            self._active_at = loop.time()
             match message.WhichOneof("action"):
                 case "start":
+                    # NOTE: the flow control of the request side: while this waits, nothing
+                    # more is read, and HTTP/2 stops the caller's sends once its window fills.
+                    await self._wait_for_room()
                     start_index, starts = starts, starts + 1
                     # The request's log lines carry its id: its refusal here, and (the pump's
                     # task copies this context) every line of its run. `start` rebinds it when
@@ -122,11 +177,69 @@ class GenerateStreamCall:
                         request_id=message.start.request_id
                     ):
                         await self._start(message.start, start_index)
+                    self._active_at = loop.time()
                 case "cancel_request_id":
                     self.cancel([message.cancel_request_id])
 
+    async def _wait_for_room(self) -> None:
+        logged = False
+        while len(self._pumps) + self._unsent_refusals >= self.limits.max_requests:
+            if not logged:
+                logged = True
+                log.info(
+                    "stream.full",
+                    in_flight=len(self._pumps),
+                    unsent_refusals=self._unsent_refusals,
+                    limit=self.limits.max_requests,
+                )
+            self._room.clear()
+            await self._room.wait()
+
+    def _idle_refusal(self) -> Refusal:
+        timeout = self.limits.idle_timeout
+        log.info("stream.idle", idle_timeout=timeout)
+        return Refusal(
+            grpc.StatusCode.ABORTED,
+            f"the stream was idle: no request in flight and no message for {timeout:g} s "
+            "(--stream-idle-timeout)",
+        )
+
+    def _over_budget(self) -> None:
+        """The meter passed its budget (on the router's path: no await). Cancel every request
+        and stop reading; `run` then ends the call as after a failed reader."""
+        budget = self.limits.max_buffer_bytes
+        log.warning(
+            "stream.not_reading",
+            held_bytes=self.meter.held,
+            budget_bytes=budget,
+            in_flight=len(self._pumps),
+        )
+        self._overflow = Refusal(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"the caller did not read its responses: the outputs waiting to be sent passed "
+            f"{budget} bytes (--max-stream-buffer-bytes); every request of the stream was "
+            "cancelled",
+        )
+        self.cancel([pump.request_id for pump in self._pumps.values()])
+        assert self._reader is not None  # the meter counts only requests the reader started
+        if self._reader.done():
+            self._events.put_nowait(self._reader)  # `run` sees the failure as the reader's
+        else:
+            self._reader.cancel()
+        # NOTE: `run` may be suspended in a write the caller never lets finish (HTTP/2 flow
+        # control), where no timeout of its own can fire: cancel the task writing.
+        loop = asyncio.get_running_loop()
+        self._abandon_timer = loop.call_later(2 * FINALS_TIMEOUT, self._abandon)
+
+    def _abandon(self) -> None:
+        """Cancelling grpc.aio's task ends the call CANCELLED and gives its slot back."""
+        if self._task is not None and not self._task.done():
+            log.warning("stream.abandoned", reason="the caller still does not read")
+            self._task.cancel()
+
     async def _start(self, request: pb.GenerateRequest, start_index: int) -> None:
         """Admit one request and start its pump, or queue its `refused` event."""
+        self._admitting = True
         try:
             admitted = await self.start(request)
         except Refusal as refusal:
@@ -136,10 +249,13 @@ class GenerateStreamCall:
                 message=refusal.message,
                 start=start_index,
             )
+            self._unsent_refusals += 1
             self._events.put_nowait(
                 (_refused_event(request.request_id, start_index, refusal), None)
             )
             return
+        finally:
+            self._admitting = False
         pump = _Pump(admitted.request_id, admitted.prompt_tokens, set(range(admitted.n)))
         task = asyncio.create_task(self._pump(admitted.events, pump))
         self._pumps[task] = pump

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from engine.messages import FinishReason, RequestOutput
+from service.buffer_meter import BufferMeter, output_bytes
 
 
 class Inbox:
@@ -23,9 +24,12 @@ class Inbox:
     step, so this is on the service's per-token path. With an `interval` (seconds), a take
     comes no sooner than `interval` after the previous one, unless a final output is waiting:
     what arrives meanwhile goes out in the same chunk.
+
+    With a `meter` (a GenerateStream's), what waits here is counted in it until it is taken
+    or `release`d.
     """
 
-    __slots__ = ("_holding", "_interval", "_outputs", "_taken_at", "_waiter")
+    __slots__ = ("_held", "_holding", "_interval", "_outputs", "_taken_at", "_waiter", "meter")
 
     def __init__(self, interval: float = 0.0) -> None:
         self._outputs: list[RequestOutput] = []
@@ -33,9 +37,15 @@ class Inbox:
         self._interval = interval
         self._taken_at = -math.inf
         self._holding = False  # waiting out the interval: only a final output cuts it short
+        self.meter: BufferMeter | None = None
+        self._held = 0  # what this inbox added to the meter and has not taken back
 
     def put_nowait(self, output: RequestOutput) -> None:
         self._outputs.append(output)
+        if self.meter is not None:
+            size = output_bytes(output)
+            self._held += size
+            self.meter.add(size)
         waiter = self._waiter
         if waiter is not None and not waiter.done() and (not self._holding or output.finished):
             waiter.set_result(None)
@@ -58,7 +68,19 @@ class Inbox:
                     timer.cancel()
             self._taken_at = loop.time()
         outputs, self._outputs = self._outputs, []
+        self._give_back()
         return outputs
+
+    def release(self) -> None:
+        """The handler is done with this inbox: what still waits is dropped and uncounted."""
+        self._outputs = []
+        self._give_back()
+        self.meter = None
+
+    def _give_back(self) -> None:
+        if self.meter is not None and self._held:
+            self.meter.remove(self._held)
+            self._held = 0
 
     async def _wait(self, loop: asyncio.AbstractEventLoop) -> None:
         self._waiter = loop.create_future()

@@ -91,7 +91,9 @@ class SluiceServer:
         # Always installed: with no admin token it is what refuses Admin (PERMISSION_DENIED).
         auth = BearerTokenInterceptor(config.api_token, config.admin_token)
         # After auth: a call refused for its token never takes a slot.
-        self.call_limit = CallLimit(config.max_concurrent_rpcs, config.retry_after)
+        self.call_limit = CallLimit(
+            config.max_concurrent_rpcs, config.retry_after, config.streams_per_connection
+        )
         self.grpc = grpc.aio.server(
             # In this order: every call is counted, refused ones included; a caller without the
             # token is refused before it takes a slot or is parsed; a call over the limit is

@@ -20,7 +20,7 @@ from service.admission import Admission, Refusal, admit, invalid_argument, text_
 from service.completion import Completion
 from service.config import ServiceConfig
 from service.engine_client import EngineClient, EngineState, EngineUnavailableError
-from service.generate_stream import Admitted, GenerateStreamCall
+from service.generate_stream import Admitted, GenerateStreamCall, StreamLimits
 from service.metrics import Metrics
 from service.routing import Inbox
 from service.tokenizer import Tokenizer
@@ -82,11 +82,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
         async def start(request: pb.GenerateRequest) -> Admitted:
             submitted = await self._submit(request, deadline)
+            submitted.inbox.meter = call.meter  # no await since submit: nothing arrived yet
             added = submitted.admission.request
             events = self._run(submitted)
             return Admitted(added.request_id, added.n, len(added.prompt_token_ids), events)
 
-        call = GenerateStreamCall(start, self._cancel)
+        limits = StreamLimits(
+            max_requests=self.config.max_stream_requests,
+            max_buffer_bytes=self.config.max_stream_buffer_bytes,
+            idle_timeout=self.config.stream_idle_timeout,
+        )
+        call = GenerateStreamCall(start, self._cancel, limits)
         async for event in call.run(request_iterator):
             yield event
         if call.failure is not None:
@@ -247,6 +253,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise
         finally:
             self.engine.detach(rid)
+            submitted.inbox.release()  # what it still holds no longer counts against a stream
             # NOTE: request_id passed explicitly: a generator closed by the garbage collector
             # runs this in whatever context is current then.
             if abandoned is not None:

@@ -16,13 +16,14 @@ from engine.messages import AddRequest, FinishReason, RequestOutput, SamplingPar
 from service.admission import Admission
 from service.completion import OutputSettings
 from service.config import ServiceConfig
-from service.generate_stream import Admitted, GenerateStreamCall
+from service.generate_stream import Admitted, GenerateStreamCall, StreamLimits
 from service.metrics import Metrics
 from service.routing import Inbox
 from service.servicer import GenerationServicer, _Submitted
 from service.tokenizer import Tokenizer
 
 IDS = [104, 101, 108, 108, 111]  # the ids the fake engine "generates", in order
+LIMITS = StreamLimits(max_requests=8, max_buffer_bytes=2**20, idle_timeout=60.0)
 
 
 class _Engine:
@@ -101,7 +102,7 @@ async def test_generate_stream_merges_what_came_while_the_previous_event_was_wri
         for rid in ("a", "b"):
             yield pb.GenerateStreamRequest(start=pb.GenerateRequest(request_id=rid))
 
-    call = GenerateStreamCall(start, lambda ids: None)
+    call = GenerateStreamCall(start, lambda ids: None, LIMITS)
     stream = call.run(requests())
     first = asyncio.ensure_future(anext(stream))
     while len(queues) < 2:  # both admitted
@@ -136,7 +137,7 @@ async def test_a_cancelled_generate_stream_aborts_requests_waiting_for_their_wri
         yield pb.GenerateStreamRequest(start=pb.GenerateRequest(request_id="a"))
         await asyncio.Event().wait()  # the caller keeps its side open
 
-    stream = GenerateStreamCall(start, lambda ids: None).run(requests())
+    stream = GenerateStreamCall(start, lambda ids: None, LIMITS).run(requests())
     first = asyncio.ensure_future(anext(stream))
     while "a" not in queues:
         await asyncio.sleep(0)
