@@ -1,7 +1,9 @@
 """BearerTokenInterceptor: the API token for Generation and the admin token for Admin.
 
 Tokens travel as `authorization: Bearer <token>` metadata. They are compared in constant time
-(hmac.compare_digest) and never logged.
+(hmac.compare_digest) and never logged. A call that needs a token and carries more than one
+`authorization` entry is UNAUTHENTICATED: which one counts must not depend on the order a proxy
+or a client library happens to keep.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import grpc
 # Health checks and reflection stay open: load balancers and grpcurl probe them without tokens.
 OPEN_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 ADMIN_PREFIX = "/sluice.v1.Admin/"
+MANY_TOKENS = "more than one authorization metadata entry: send exactly one"
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -39,7 +42,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         method: str = handler_call_details.method
         if handler is None or method.startswith(OPEN_PREFIXES):
             return handler
-        presented = _presented(handler_call_details)
+        entries = _presented(handler_call_details)
+        presented = entries[0] if len(entries) == 1 else None
         if method.startswith(ADMIN_PREFIX):
             if self._admin is None:
                 return _refusing(
@@ -47,6 +51,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
                     grpc.StatusCode.PERMISSION_DENIED,
                     "the Admin service is disabled: the server has no admin token",
                 )
+            if len(entries) > 1:
+                return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED, MANY_TOKENS)
             if presented is None or not hmac.compare_digest(presented, self._admin):
                 return _refusing(
                     handler, grpc.StatusCode.UNAUTHENTICATED, "missing or invalid admin token"
@@ -54,6 +60,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
             return handler
         if self._api is None:
             return handler
+        if len(entries) > 1:
+            return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED, MANY_TOKENS)
         if presented is None:
             return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED, "missing bearer token")
         if not hmac.compare_digest(presented, self._api):
@@ -65,12 +73,13 @@ def _bearer(token: str) -> bytes:
     return f"Bearer {token}".encode()
 
 
-def _presented(details: grpc.HandlerCallDetails) -> bytes | None:
-    metadata = dict(details.invocation_metadata or ())
-    presented = metadata.get("authorization")
-    if isinstance(presented, str):
-        presented = presented.encode()
-    return presented
+def _presented(details: grpc.HandlerCallDetails) -> list[bytes]:
+    """Every `authorization` entry of the call's metadata, in order."""
+    return [
+        value.encode() if isinstance(value, str) else value
+        for key, value in details.invocation_metadata or ()
+        if key == "authorization"
+    ]
 
 
 def _refusing(

@@ -24,6 +24,8 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from server_process import run_serve
 from service_harness import health_status, make_fake_model, running_server
+from sluice.v1 import generation_pb2 as pb
+from sluice.v1 import generation_pb2_grpc
 from sluice_client import AsyncClient, TlsConfig, cli
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -163,6 +165,21 @@ async def test_the_api_token_still_applies_over_tls(tls_target, pki):
     tls = TlsConfig(ca_file=pki.ca)
     assert await refusal(tls_target, tls) == "UNAUTHENTICATED"
     assert await refusal(tls_target, tls, "wrong") == "PERMISSION_DENIED"
+
+
+@pytest.mark.parametrize("right_first", [True, False])
+async def test_two_authorization_entries_are_unauthenticated_whichever_order(
+    tls_target, pki, right_first
+):
+    entries = [("authorization", f"Bearer {API_TOKEN}"), ("authorization", "Bearer wrong")]
+    metadata = entries if right_first else entries[::-1]
+    credentials = TlsConfig(ca_file=pki.ca).credentials()
+    async with grpc.aio.secure_channel(tls_target, credentials) as channel:
+        generation = generation_pb2_grpc.GenerationStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await generation.GetServerInfo(pb.GetServerInfoRequest(), metadata=metadata)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "more than one authorization" in (refused.value.details() or "")
 
 
 # ---- mTLS ----
