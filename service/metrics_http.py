@@ -21,6 +21,7 @@ log = structlog.get_logger("sluice.metrics")
 
 PATH = "/metrics"
 CONNECTION_TIMEOUT_S = 10.0  # a scraper silent this long (sending or reading) is dropped
+LISTEN_BACKLOG = 1024  # (the kernel caps it at net.core.somaxconn)
 
 
 class MetricsHttpServer:
@@ -51,6 +52,9 @@ class MetricsHttpServer:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True  # a stalled scraper must not keep the process alive
+    # The listen backlog: connections the kernel completes before the listener thread accepts
+    # them. socketserver's 5 made 649 of a burst of 1,000 connects time out at 0.5 s.
+    request_queue_size = LISTEN_BACKLOG
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A connection that failed (a scraper gone or too slow): one log line, not the

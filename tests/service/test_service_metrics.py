@@ -13,19 +13,24 @@ import asyncio
 import contextlib
 import json
 import os
+import selectors
 import signal
 import socket
 import time
+import typing
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import ServerProcess, run_serve, server_process, wait_gone
 from service_harness import make_fake_model, running_server
 from sluice_client import AsyncClient, Client, build_request
+
+from service.metrics_http import MetricsHttpServer
 
 REPO = Path(__file__).resolve().parents[2]
 ADMIN_TOKEN = "metrics-admin"
@@ -211,6 +216,31 @@ async def test_stalled_scrapers_slow_neither_generation_nor_other_scrapes(server
             assert value(samples, "sluice_engine_up") == 1
             stalled_seconds = await generation_seconds()
     assert stalled_seconds < 3 * normal + 1.0, (normal, stalled_seconds)
+
+
+def test_a_burst_of_connects_waits_in_the_listen_backlog_until_accepted():
+    """Connects that arrive before the listener thread accepts them (here: it is not started)
+    are completed by the kernel, up to the backlog; past it they hang until they time out."""
+    http = MetricsHttpServer(CollectorRegistry(), "127.0.0.1", 0)
+    burst = 256
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(burst)]
+    try:
+        with selectors.DefaultSelector() as selector:
+            for sock in sockets:
+                sock.setblocking(False)
+                sock.connect_ex(("127.0.0.1", http.port))
+                selector.register(sock, selectors.EVENT_WRITE)
+            connected, end = 0, time.monotonic() + 2.0
+            while connected < burst and time.monotonic() < end:
+                for key, _ in selector.select(timeout=max(0.0, end - time.monotonic())):
+                    selector.unregister(key.fileobj)
+                    sock = typing.cast(socket.socket, key.fileobj)
+                    connected += sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
+        assert connected == burst
+    finally:
+        for sock in sockets:
+            sock.close()
+        http.stop()
 
 
 @pytest.mark.slow
