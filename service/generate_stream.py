@@ -98,6 +98,7 @@ class GenerateStreamCall:
         self._task: asyncio.Task[Any] | None = None  # grpc.aio's, iterating `run`
         self._abandon_timer: asyncio.TimerHandle | None = None
         self._overflow: Refusal | None = None
+        self._was_full = False
 
     async def run(
         self, requests: AsyncIterator[pb.GenerateStreamRequest]
@@ -182,10 +183,11 @@ class GenerateStreamCall:
                     self.cancel([message.cancel_request_id])
 
     async def _wait_for_room(self) -> None:
-        logged = False
+        """Until the call is below `max_requests`. Logged the first time only: a busy stream
+        fed faster than its requests end waits before most of its starts."""
         while len(self._pumps) + self._unsent_refusals >= self.limits.max_requests:
-            if not logged:
-                logged = True
+            if not self._was_full:
+                self._was_full = True
                 log.info(
                     "stream.full",
                     in_flight=len(self._pumps),
