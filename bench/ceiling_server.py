@@ -178,9 +178,9 @@ def record_writes(servicer_class: Any, router_class: Any) -> tuple[list[Write], 
 async def serve(model_dir: str) -> None:
     from engine.logs import configure_logging
     from service.config import ServiceConfig
-    from service.routing import RequestRouter
+    from service.engine_link.routing import RequestRouter
+    from service.rpc.servicer import GenerationServicer
     from service.server import create_server
-    from service.servicer import GenerationServicer
 
     writes: list[Write] = []
     arrivals: dict[str, float] = {}

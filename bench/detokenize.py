@@ -25,8 +25,8 @@ from typing import Any
 
 from bench.checkpoints import _tiny_models
 from bench.common import emit, machine
-from service.fast_decode import byte_level_alphabet, load_tables
-from service.tokenizer import Tokenizer
+from service.text.fast_decode import byte_level_alphabet, load_tables
+from service.text.tokenizer import Tokenizer
 
 MULTILINGUAL = (
     "日本語のテキストを少し書きます。中文文本也在这里。Русский текст, Ελληνικά γράμματα, "

@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_batch(rows: int, vocab: int, context: int, rl: bool, device: str) -> Any:
     import torch
 
-    from engine.sampler import SamplingBatch
+    from engine.sampling.sampler import SamplingBatch
 
     g = torch.Generator().manual_seed(rows)
     floats = torch.tensor([1.0 if rl else 0.0, 0.9, 0.0, 1.1 if rl else 1.0, 0.0, 0.0])
@@ -71,7 +71,7 @@ def variants(rows: int, logits: Any, args: argparse.Namespace, sync: Any) -> lis
     """The fused sampler's time on the RL setting with one option left out, and per shape."""
     import dataclasses
 
-    from engine.fused_sampler import FusedSampler
+    from engine.sampling.fused_sampler import FusedSampler
 
     out = []
     rl = make_batch(rows, args.vocab, args.context, True, args.device)
@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from engine.sampler import Sampler
-    from engine.sampler_choice import make_sampler
+    from engine.sampling.sampler import Sampler
+    from engine.sampling.sampler_choice import make_sampler
 
     device = torch.device(args.device)
     fused = make_sampler("triton", device)

@@ -44,7 +44,7 @@ from typing import Any
 from bench.common import emit, log, machine, percentile
 from bench.offline import add_model_flags, resolve_model
 from bench.workload import Workload, make_workload
-from service.priority import Spawner, lower_priority
+from service.ops.priority import Spawner, lower_priority
 
 REPO = Path(__file__).resolve().parent.parent
 

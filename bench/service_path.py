@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     from multiprocessing.reduction import ForkingPickler
 
     from engine.messages import EngineStats, RequestOutput, StepOutput
-    from service.completion import Completion, OutputSettings
-    from service.tokenizer import Tokenizer
+    from service.text.completion import Completion, OutputSettings
+    from service.text.tokenizer import Tokenizer
 
     sys.path.insert(0, str(REPO / "tests"))
     from tiny_models import make_tokenizer

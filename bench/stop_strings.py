@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from bench.common import emit, machine
-from service.stop_strings import StopAutomaton, StopStringMatcher
+from service.text.stop_strings import StopAutomaton, StopStringMatcher
 
 PIECE_CHARS = 4
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "then", "sleeps")

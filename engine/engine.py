@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from engine.execution.model_runner import Sampled
+from engine.execution.model_shard import load_shard, resolve_device, resolve_dtype
 from engine.generation_result import GenerationResult
 from engine.messages import (
     EngineStats,
@@ -36,16 +38,14 @@ from engine.messages import (
     UpdateWeights,
     WeightsProgress,
 )
-from engine.model_runner import Sampled
-from engine.model_shard import load_shard, resolve_device, resolve_dtype
 from engine.models.hf_config import load_model_config
-from engine.models.sharding import Sharding
-from engine.prefix_cache import PrefixCache
-from engine.request import Request, RequestStatus
-from engine.scheduler import ScheduledBatch, Scheduler
-from engine.tensor_parallel import TensorParallel
-from engine.weight_updater import WeightUpdater
-from engine.worker_group import WorkerGroup
+from engine.parallel.sharding import Sharding
+from engine.parallel.tensor_parallel import TensorParallel
+from engine.parallel.worker_group import WorkerGroup
+from engine.scheduling.prefix_cache import PrefixCache
+from engine.scheduling.request import Request, RequestStatus
+from engine.scheduling.scheduler import ScheduledBatch, Scheduler
+from engine.weights.weight_updater import WeightUpdater
 
 
 class LLMEngine:
@@ -62,7 +62,7 @@ class LLMEngine:
         tp = TensorParallel()
         if size > 1:
             Sharding(cfg, 0, size)  # a size that does not divide the model fails here, alone
-            from engine.tp_worker import rank_threads
+            from engine.parallel.tp_worker import rank_threads
 
             torch.set_num_threads(rank_threads(config))
             self.workers = WorkerGroup(config, path, self.device)
@@ -461,7 +461,7 @@ class LLMEngine:
 
 def _resolve_model_path(model: str) -> Path:
     if model == "demo":
-        from engine.demo import ensure_demo_checkpoint
+        from engine.demo.checkpoint import ensure_demo_checkpoint
 
         return ensure_demo_checkpoint()
     return Path(model)

@@ -20,22 +20,27 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from sluice.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
-from service.admin import AdminServicer
-from service.auth import BearerTokenInterceptor
-from service.call_limit import CallLimit
-from service.call_metrics import CallMetrics
 from service.config import ServiceConfig
-from service.connections import ConnectionWatch, connection_options, max_connections
-from service.decoding import DecodingInterceptor
-from service.engine_client import EngineClient, EngineStartError, EngineState, EngineTarget
-from service.engine_process import StartProcess
-from service.grpc_core_log import grpc_core_log
-from service.metrics import Gauges, Metrics
-from service.metrics_http import MetricsHttpServer
-from service.priority import yield_to_engine
-from service.servicer import GenerationServicer
-from service.tls import TlsError, server_credentials
-from service.tokenizer import Tokenizer
+from service.engine_link.engine_client import (
+    EngineClient,
+    EngineStartError,
+    EngineState,
+    EngineTarget,
+)
+from service.engine_link.engine_process import StartProcess
+from service.ops.connections import ConnectionWatch, connection_options, max_connections
+from service.ops.grpc_core_log import grpc_core_log
+from service.ops.metrics import Gauges, Metrics
+from service.ops.metrics_http import MetricsHttpServer
+from service.ops.priority import yield_to_engine
+from service.ops.tls import TlsError, server_credentials
+from service.rpc.admin import AdminServicer
+from service.rpc.auth import BearerTokenInterceptor
+from service.rpc.call_limit import CallLimit
+from service.rpc.call_metrics import CallMetrics
+from service.rpc.decoding import DecodingInterceptor
+from service.rpc.servicer import GenerationServicer
+from service.text.tokenizer import Tokenizer
 
 log = structlog.get_logger("sluice.server")
 

@@ -25,8 +25,8 @@ from torch import nn
 from engine.attention.metadata import AttentionMetadata
 from engine.models.hf_config import ModelConfig
 from engine.models.rope import RotaryEmbedding
-from engine.models.sharding import Sharding
-from engine.tensor_parallel import TensorParallel
+from engine.parallel.sharding import Sharding
+from engine.parallel.tensor_parallel import TensorParallel
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V pages of one layer
 

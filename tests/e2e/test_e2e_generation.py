@@ -13,7 +13,7 @@ from sluice.v1 import generation_pb2 as pb
 from sluice_client import AsyncClient, Collector, build_request
 
 from engine.messages import SamplingParams
-from service.tokenizer import Tokenizer
+from service.text.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 

@@ -17,7 +17,7 @@ import pytest
 from server_process import server_process
 from sluice_client import AsyncClient, build_request
 
-from service.priority import yield_to_engine
+from service.ops.priority import yield_to_engine
 
 pytestmark = [
     pytest.mark.slow,

@@ -38,7 +38,7 @@ STAGE_DELAY_S = 0.1  # per tensor; the tiny Llama has 21, so staging takes over 
 
 def slow_staging_engine_main(config: EngineConfig, conn: Connection) -> None:
     """engine_main whose weight staging takes STAGE_DELAY_S per tensor (a large checkpoint)."""
-    from engine.weight_update import StagedWeights
+    from engine.weights.staging import StagedWeights
 
     add = StagedWeights.add
 

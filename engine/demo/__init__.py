@@ -1,0 +1,5 @@
+"""The built-in demo model (`--model demo`): `checkpoint` trains it on `demo_corpus.txt` once.
+
+Apart from the engine proper: only `engine.engine` imports it, when the model is `demo`. May
+import `models` and `attention`.
+"""

@@ -1,0 +1,113 @@
+"""ModelShard: one rank's model, KV pool and model runner, built the same way on every rank.
+
+With tensor parallelism every rank runs `load_shard` in the same order (rank 0 inside
+LLMEngine, the others in engine/tp_worker.py), so the collectives it makes (the KV page count,
+CUDA-graph warm-ups) match rank for rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engine.attention import make_backend
+from engine.config import EngineConfig
+from engine.execution.model_runner import ModelRunner
+from engine.models.hf_config import ModelConfig
+from engine.models.llama import LlamaForCausalLM
+from engine.parallel.tensor_parallel import TensorParallel
+from engine.sampling.sampler_choice import make_sampler
+from engine.scheduling.page_pool import PagePool
+from engine.weights.loading import build_model
+
+CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on the CPU
+
+
+@dataclass
+class ModelShard:
+    model: LlamaForCausalLM
+    pool: PagePool
+    runner: ModelRunner
+
+
+def load_shard(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    path: Path,
+    tp: TensorParallel,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> ModelShard:
+    """Load this rank's weights, size its KV pool (every rank gets the smallest count any
+    rank can hold: page ids are rank 0's) and build its runner, CUDA graphs captured."""
+    backend = make_backend(config.attention_backend, device, cfg.head_dim**-0.5, config.page_size)
+    model = build_model(cfg, path, backend, device, dtype, tp)
+    kv_heads = model.sharding.num_kv_heads
+    pages = kv_pages(config, cfg, kv_heads, dtype, device)
+    if tp.enabled:
+        count = torch.tensor([pages], dtype=torch.int64)
+        dist.all_reduce(count, op=dist.ReduceOp.MIN, group=tp.control)
+        pages = int(count.item())
+    pool = PagePool(pages, config.page_size, cfg.num_layers, kv_heads, cfg.head_dim, dtype, device)
+    runner = ModelRunner(
+        model,
+        pool,
+        device,
+        cfg.eos_token_ids,
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
+        make_sampler(config.sampler, device),
+    )
+    if device.type == "cuda" and not config.enforce_eager:
+        runner.attach_graphs(capture=True, compile=config.compile)
+    elif config.compile:
+        runner.attach_graphs(capture=False, compile=True)
+    return ModelShard(model, pool, runner)
+
+
+def kv_pages(
+    config: EngineConfig, cfg: ModelConfig, kv_heads: int, dtype: torch.dtype, device: torch.device
+) -> int:
+    """KV pages for `kv_heads` heads per layer: num_kv_pages, else what the byte budget holds."""
+    if config.num_kv_pages is not None:
+        return config.num_kv_pages
+    per_page = PagePool.bytes_per_page(
+        config.page_size, cfg.num_layers, kv_heads, cfg.head_dim, dtype
+    )
+    budget = config.kv_cache_memory
+    if budget is None and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * config.gpu_memory_utilization)
+    elif budget is None:
+        # Enough for every sequence at full length, within a fixed CPU budget.
+        full = config.max_num_seqs * -(-cfg.max_model_len // config.page_size)
+        budget = min(CPU_KV_CACHE_BYTES, full * per_page)
+    pages = budget // per_page
+    if pages < 1:
+        raise ValueError(f"kv_cache_memory: {budget} bytes hold no {per_page}-byte page")
+    return pages
+
+
+def resolve_device(name: str, rank: int = 0, tp_size: int = 1) -> torch.device:
+    """The device of rank `rank`: with tensor parallelism on CUDA, GPU `rank`."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and tp_size > 1:
+        if torch.cuda.device_count() < tp_size:
+            raise ValueError(
+                f"tensor_parallel_size: {tp_size} ranks need {tp_size} GPUs, "
+                f"this machine has {torch.cuda.device_count()}"
+            )
+        return torch.device("cuda", rank)
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype

@@ -1,0 +1,131 @@
+"""StepChannel: what rank 0 tells the other tensor-parallel ranks, and how they hear it.
+
+Every message starts with one broadcast of a fixed 8-int header (an Op and a step's sizes). A
+STEP is followed by one more broadcast: the used prefixes of the step's int buffers (token ids,
+positions, KV slots, sequence lengths, query starts, the block table, the sampled rows) and the
+KV page copies made since the last step (the partial prompt page an n > 1 sibling forks),
+packed into one int64 tensor. So a step costs two small broadcasts on the control group, sized
+by the step's tokens and pages, never by the model. Rank 0's page tables are the only ones:
+workers see page ids, never requests.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+import torch
+
+from engine.execution.step_inputs import StepArrays
+from engine.parallel.tensor_parallel import TensorParallel
+
+HEADER_SIZE = 8
+
+
+class Op(IntEnum):
+    STEP = 1  # a forward: header sizes, then the packed inputs
+    STAGE = 2  # a weight update's staging (engine/sharded_update.py), then its verdict
+    GATHER = 3  # send every parameter shard to rank 0 (live_weights)
+    PING = 4  # nothing: keeps idle workers inside the collective timeout
+    STOP = 5  # leave the group and exit
+
+
+@dataclass
+class StepHeader:
+    op: Op
+    num_tokens: int = 0
+    num_seqs: int = 0
+    width: int = 0  # block-table width
+    graph_size: int = 0  # the padded CUDA-graph rows; 0: an eager step
+    num_rows: int = 0  # rows sampled (0: no LM head this step)
+    rows_are_tokens: bool = False  # row i samples token i (no sample_rows sent)
+    num_copies: int = 0  # (src, dst) KV page copies to make before the forward
+
+    @property
+    def table_entries(self) -> int:
+        return (self.graph_size or self.num_seqs) * self.width
+
+
+class StepChannel:
+    """Rank 0 `send`s, every other rank `receive`s, into the same host StepArrays."""
+
+    def __init__(self, tp: TensorParallel, arrays: StepArrays, max_copies: int) -> None:
+        self.tp = tp
+        self.arrays = arrays
+        self.header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
+        capacity = sum(a.size for a in _int_arrays(arrays)) + 2 * max_copies
+        self.payload = torch.zeros(capacity, dtype=torch.int64)
+        self._payload = self.payload.numpy()
+        self.last_send = time.monotonic()  # rank 0: when it last told the workers anything
+
+    def send(self, header: StepHeader, copies: list[tuple[int, int]] | None = None) -> None:
+        self.last_send = time.monotonic()
+        self.header.numpy()[:] = [
+            header.op,
+            header.num_tokens,
+            header.num_seqs,
+            header.width,
+            header.graph_size,
+            header.num_rows,
+            header.rows_are_tokens,
+            header.num_copies,
+        ]
+        self.tp.broadcast(self.header)
+        if header.op is not Op.STEP:
+            return
+        parts = self._parts(header)
+        if copies:
+            parts.append(np.asarray(copies, dtype=np.int64).reshape(-1))
+        total = sum(p.size for p in parts)
+        np.concatenate(parts, out=self._payload[:total])
+        self.tp.broadcast(self.payload[:total])
+
+    def receive(self) -> tuple[StepHeader, list[tuple[int, int]]]:
+        """The next message's header; a STEP's inputs are then in the arrays, and the page
+        copies to make first are returned."""
+        self.tp.broadcast(self.header)
+        values = self.header.tolist()
+        op, tokens, seqs, width, graph_size, rows, rows_are_tokens, copies = values
+        header = StepHeader(
+            Op(op), tokens, seqs, width, graph_size, rows, bool(rows_are_tokens), copies
+        )
+        if header.op is not Op.STEP:
+            return header, []
+        parts = self._parts(header)
+        total = sum(p.size for p in parts) + 2 * header.num_copies
+        self.tp.broadcast(self.payload[:total])
+        offset = 0
+        for part in parts:
+            part[:] = self._payload[offset : offset + part.size]
+            offset += part.size
+        flat = self._payload[offset:total].tolist()
+        return header, list(zip(flat[::2], flat[1::2], strict=True))
+
+    def _parts(self, h: StepHeader) -> list[np.ndarray]:
+        """Views of the arrays a step reads, in payload order."""
+        a = self.arrays
+        parts = [
+            a.input_ids[: h.num_tokens],
+            a.positions[: h.num_tokens],
+            a.slot_mapping[: h.num_tokens],
+            a.seq_lens[: h.num_seqs],
+            a.query_start_loc[: h.num_seqs + 1],
+            a.block_tables[: h.table_entries],
+        ]
+        if h.num_rows and not h.rows_are_tokens:
+            parts.append(a.sample_rows[: h.num_rows])
+        return parts
+
+
+def _int_arrays(a: StepArrays) -> list[np.ndarray]:
+    return [
+        a.input_ids,
+        a.positions,
+        a.slot_mapping,
+        a.seq_lens,
+        a.query_start_loc,
+        a.block_tables,
+        a.sample_rows,
+    ]

@@ -1,0 +1,216 @@
+"""Batched sampling with per-row parameters and no host sync: the torch reference.
+
+Order of operations per row (it defines the logprobs callers get, docs/service.md):
+  raw logits -> penalties (repetition, frequency, presence) and min_tokens suppression
+  -> divide by temperature (greedy counts as 1)         => "processed" logits, logprobs here
+  -> top-k, top-p, min-p truncation -> sample (greedy rows: argmax of processed logits).
+
+Randomness is counter-based: row noise is a hash of (request seed, output index, token id),
+so a seeded request samples the same tokens whatever else is batched with it, and resumes
+identically after preemption. Sampling is the exponential race: argmax(w / E) over the kept
+tokens, w = exp(logit - max), E ~ Exp(1).
+
+Every decision (the kept set, the race, top logprob ids) is computed with the reproducible
+arithmetic of engine/sampling_math.py, so the fused kernel (engine/fused_sampler.py) picks
+exactly these tokens. Ties: top-k keeps every token tied with the k-th (as Hugging Face's
+warper does); top-p keeps or drops a group of tied tokens together; the race and greedy take
+the lowest token id among equal scores; top logprobs list equal logits by token id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling.sampling_math import (
+    MASK32,
+    MASS_SCALE,
+    exp_weights,
+    exponential_noise,
+    order_keys,
+    uniform,
+)
+
+__all__ = ["Sampler", "SamplerOutput", "SamplingBatch", "uniform"]
+
+FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition", "frequency", "presence")
+INT_COLUMNS = ("seed_low", "seed_high", "counter", "top_k", "output_start")
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling inputs for one step, built on the host, tensors on the device.
+
+    `floats` [rows, 6] float32: temperature (0 exactly = greedy: the model runner writes 0 for
+    every row whose params are `greedy`), top_p, min_p, repetition, frequency and presence
+    penalties. `ints` [rows, 5] int64: the seed's low and high 32 bits, the output index of the
+    token being sampled (the noise counter), top_k (0 = off), and the column of `context_ids`
+    where the row's output starts. The flags say which options any row uses.
+    """
+
+    floats: torch.Tensor
+    ints: torch.Tensor
+    context_ids: torch.Tensor | None = None  # [rows, width] prompt+output, padded with vocab
+    suppress_ids: torch.Tensor | None = None  # [rows, width] ids to ban, padded with vocab
+    all_greedy: bool = False
+    use_top_k: bool = False
+    use_top_p: bool = False
+    use_min_p: bool = False
+    use_penalties: bool = False  # then context_ids is set
+    num_top_logprobs: int = 0  # max over rows; 0 = none
+    logprobs: bool = False  # any row wants logprobs (processed)
+    raw_logprobs: bool = False  # any row wants raw logprobs
+    raw_rows: torch.Tensor | None = None  # [rows] bool, when both kinds are asked for
+
+    def column(self, name: str) -> torch.Tensor:
+        if name in FLOAT_COLUMNS:
+            return self.floats[:, FLOAT_COLUMNS.index(name)]
+        return self.ints[:, INT_COLUMNS.index(name)]
+
+
+@dataclass
+class SamplerOutput:
+    """What a step sampled, in one tensor so that one copy brings it to the host.
+
+    Without logprobs `values` is [rows] int64 token ids. With them it is [rows, 2 + 2k]
+    float64 (exact for token ids and float32 logprobs): the token id, its logprob, the k top
+    token ids, their logprobs.
+    """
+
+    values: torch.Tensor
+    num_top_logprobs: int = 0
+
+    def unpack(
+        self,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """(token ids, logprobs, top ids, top logprobs) as tensors: for tests and tools."""
+        if self.values.dim() == 1:
+            return self.values, None, None, None
+        k = self.num_top_logprobs
+        v = self.values
+        top = (v[:, 2 : 2 + k].long(), v[:, 2 + k :].float()) if k else (None, None)
+        return v[:, 0].long(), v[:, 1].float(), *top
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        raw = logits  # [rows, vocab] float32
+        temperature = batch.column("temperature")
+        logits = self._processed(logits, batch)
+        logprobs = self._logprobs(raw, logits, batch)
+        greedy = logits.argmax(dim=-1)  # the lowest id among equal maxima
+        if batch.all_greedy:
+            token_ids = greedy
+        else:
+            token_ids = torch.where(temperature > 0, self._race(logits, batch), greedy)
+        if logprobs is None:
+            return SamplerOutput(token_ids)
+        parts = [token_ids[:, None], logprobs.gather(-1, token_ids[:, None])]
+        if batch.num_top_logprobs:
+            top_ids = self._top_ids(raw, logits, batch)
+            parts += [top_ids, logprobs.gather(-1, top_ids)]
+        values = torch.cat([p.to(torch.float64) for p in parts], dim=1)
+        return SamplerOutput(values, batch.num_top_logprobs)
+
+    @staticmethod
+    def _processed(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Penalties, suppression, temperature: the logits a row samples from."""
+        rows, vocab = logits.shape
+        if batch.use_penalties:
+            ids = batch.context_ids
+            assert ids is not None
+            repetition, frequency, presence = batch.floats[:, 3:].unbind(-1)
+            # Only the output counts for frequency and presence; the prompt too for repetition.
+            positions = torch.arange(ids.shape[1], device=ids.device)
+            is_output = positions[None, :] >= batch.column("output_start")[:, None]
+            # Over vocab + 1 columns: the last one soaks up padding.
+            counts = torch.zeros(rows, vocab + 1, device=logits.device)
+            counts = counts.scatter_add_(1, ids, is_output.to(counts.dtype))[:, :vocab]
+            seen = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=logits.device)
+            seen = seen.scatter_(1, ids, True)[:, :vocab]
+            penalised = torch.where(
+                logits > 0, logits / repetition[:, None], logits * repetition[:, None]
+            )
+            logits = torch.where(seen, penalised, logits)
+            logits = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+        if batch.suppress_ids is not None:
+            banned = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=logits.device)
+            banned = banned.scatter_(1, batch.suppress_ids, True)[:, :vocab]
+            logits = logits.masked_fill(banned, float("-inf"))
+        temperature = batch.column("temperature")
+        return logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+
+    @staticmethod
+    def _logprobs(
+        raw: torch.Tensor, processed: torch.Tensor, batch: SamplingBatch
+    ) -> torch.Tensor | None:
+        if not (batch.logprobs or batch.raw_logprobs):
+            return None
+        if not batch.raw_logprobs:
+            return torch.log_softmax(processed, dim=-1)
+        raw_lp = torch.log_softmax(raw, dim=-1)
+        if not batch.logprobs:
+            return raw_lp
+        assert batch.raw_rows is not None
+        return torch.where(batch.raw_rows[:, None], raw_lp, torch.log_softmax(processed, dim=-1))
+
+    @staticmethod
+    def _top_ids(raw: torch.Tensor, processed: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The ids of the k largest logits (raw ones for raw rows), equal logits by id."""
+        source = processed
+        if batch.raw_logprobs:
+            source = (
+                raw
+                if batch.raw_rows is None
+                else torch.where(batch.raw_rows[:, None], raw, processed)
+            )
+        ids = torch.arange(source.shape[-1], device=source.device)
+        ranked = order_keys(source).long() * (MASK32 + 1) + (MASK32 - ids)  # distinct
+        return ranked.topk(batch.num_top_logprobs, dim=-1).indices
+
+    @classmethod
+    def _race(cls, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The exponential race over the kept tokens: [rows] token ids."""
+        weights = exp_weights(logits - logits.max(dim=-1, keepdim=True).values)
+        kept = None
+        if batch.use_top_k or batch.use_top_p:
+            kept = order_keys(logits) >= cls._threshold(logits, weights, batch)
+        if batch.use_min_p:
+            # The row max has weight 1 exactly, so this is p >= min_p * max p.
+            above = weights >= batch.column("min_p")[:, None]
+            kept = above if kept is None else kept & above
+        seeds = batch.ints[:, :2]
+        noise = exponential_noise(seeds, batch.column("counter"), logits.shape[-1])
+        scores = weights / noise
+        if kept is not None:
+            scores = torch.where(kept, scores, -1.0)
+        return scores.argmax(dim=-1)  # the lowest id among equal scores
+
+    @staticmethod
+    def _threshold(
+        logits: torch.Tensor, weights: torch.Tensor, batch: SamplingBatch
+    ) -> torch.Tensor:
+        """[rows, 1]: the least order key top-k and top-p keep.
+
+        top-k keeps the keys >= the k-th largest key. top-p then keeps a token when the mass
+        of the kept tokens strictly above it is at most top_p times their total mass, masses
+        being q = floor(weight * 2^32) summed exactly in int64; tied tokens share that mass
+        above, so they are kept or dropped together.
+        """
+        vocab = logits.shape[-1]
+        sorted_keys, order = order_keys(logits).sort(dim=-1, descending=True)
+        k = torch.full_like(batch.column("top_k"), vocab)
+        if batch.use_top_k:
+            top_k = batch.column("top_k")
+            k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+        threshold = sorted_keys.gather(-1, k[:, None] - 1)
+        if not batch.use_top_p:
+            return threshold
+        in_top_k = sorted_keys >= threshold
+        mass = torch.floor(weights * MASS_SCALE).long().gather(-1, order)
+        mass = torch.where(in_top_k, mass, 0)
+        above = mass.cumsum(dim=-1) - mass
+        limit = batch.column("top_p").double() * mass.sum(dim=-1).double()
+        kept = (above.double() <= limit[:, None]) & in_top_k  # a prefix of the sorted row
+        return sorted_keys.gather(-1, kept.sum(dim=-1, keepdim=True) - 1)

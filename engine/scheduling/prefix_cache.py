@@ -1,0 +1,116 @@
+"""Prefix cache: full KV pages keyed by a hash chained over (policy version, parent, tokens).
+
+It also hands out pages: from the pool's free list first, and only when that is empty by
+evicting the least recently used unreferenced cached page. A hit re-checks the page's token
+ids (hashes can collide) and shares the page by reference count. Folding the policy version
+into the hash means pages computed by older weights are never reused.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from engine.scheduling.page_pool import PagePool
+
+
+class PrefixCache:
+    def __init__(self, pool: PagePool, enabled: bool = True) -> None:
+        self.pool = pool
+        self.enabled = enabled
+        self.page_of_hash: dict[int, int] = {}
+        self.hash_of_page: dict[int, int] = {}
+        self.tokens_of_page: dict[int, tuple[int, ...]] = {}
+        self.evictable: OrderedDict[int, None] = (
+            OrderedDict()
+        )  # unreferenced cached pages, LRU first
+
+    @property
+    def num_available(self) -> int:
+        """Pages that allocate() can hand out now."""
+        return self.pool.num_free + len(self.evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Unreferenced pages kept for reuse (reclaimable)."""
+        return len(self.evictable)
+
+    def allocate(self) -> int:
+        if self.pool.num_free:
+            return self.pool.take_free()
+        page, _ = self.evictable.popitem(last=False)
+        self._forget(page)
+        assert self.pool.ref_counts[page] == 0, f"evicted page {page} is referenced"
+        self.pool.ref_counts[page] = 1
+        return page
+
+    def release(self, page: int) -> None:
+        if not self.pool.release(page):
+            return
+        if page in self.hash_of_page:
+            self.evictable[page] = None  # most recently used last
+        else:
+            self.pool.put_free(page)
+
+    def match(
+        self, version: int, token_ids: list[int], max_tokens: int, hashes: list[int]
+    ) -> list[int]:
+        """Referenced pages holding the longest cached prefix of token_ids[:max_tokens].
+
+        `hashes` (empty on entry) receives the chain hash of every matched page.
+        """
+        if not self.enabled:
+            return []
+        size = self.pool.page_size
+        pages: list[int] = []
+        for start in range(0, max_tokens - size + 1, size):
+            tokens = tuple(token_ids[start : start + size])
+            key = hash((hashes[-1] if hashes else version, tokens))
+            page = self.page_of_hash.get(key)
+            if page is None or self.tokens_of_page[page] != tokens:
+                break
+            if self.pool.ref_counts[page] == 0:
+                del self.evictable[page]
+            self.pool.retain(page)
+            pages.append(page)
+            hashes.append(key)
+        return pages
+
+    def publish(
+        self,
+        version: int,
+        token_ids: list[int],
+        pages: list[int],
+        num_tokens: int,
+        hashes: list[int],
+    ) -> None:
+        """Register the full pages among the first num_tokens (computed) tokens for reuse.
+
+        `hashes` holds the chain hashes of the pages published so far and is extended, so
+        each page is hashed once over a request's life.
+        """
+        if not self.enabled:
+            return
+        size = self.pool.page_size
+        for i in range(len(hashes), num_tokens // size):
+            tokens = tuple(token_ids[i * size : (i + 1) * size])
+            key = hash((hashes[-1] if hashes else version, tokens))
+            hashes.append(key)
+            page = pages[i]
+            if page not in self.hash_of_page and key not in self.page_of_hash:
+                self.page_of_hash[key] = page
+                self.hash_of_page[page] = key
+                self.tokens_of_page[page] = tokens
+
+    def clear(self) -> None:
+        """Forget every entry (after a weight update); unreferenced cached pages become free."""
+        for page in list(self.evictable):
+            del self.evictable[page]
+            self.pool.put_free(page)
+        self.page_of_hash.clear()
+        self.hash_of_page.clear()
+        self.tokens_of_page.clear()
+
+    def _forget(self, page: int) -> None:
+        key = self.hash_of_page.pop(page)
+        del self.page_of_hash[key]
+        del self.tokens_of_page[page]

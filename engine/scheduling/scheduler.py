@@ -1,0 +1,192 @@
+"""Continuous batching: which requests advance this step, and by how many tokens.
+
+Each step, under a token budget and max_num_seqs:
+1. running requests that are decoding take one token each (so decodes never stall behind
+   a long prefill), then running requests part-way through a chunked prefill take a chunk;
+2. waiting requests are admitted by priority, then arrival, while pages and budget allow;
+   a prompt longer than the remaining budget is split across steps (chunked prefill).
+When a running request needs a page and none is available, the newest running request is
+preempted: its pages are released and it is re-queued to recompute (its generated tokens are
+kept). Only a request that alone cannot fit in the whole pool is ended, with ERROR.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from engine.scheduling.prefix_cache import PrefixCache
+from engine.scheduling.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """Requests advancing this step, in packed order, with the tokens each feeds."""
+
+    requests: list[Request] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    def add(self, req: Request, num_tokens: int) -> None:
+        self.requests.append(req)
+        self.query_lens.append(num_tokens)
+
+    def discard(self, req: Request) -> None:
+        if req in self.requests:
+            i = self.requests.index(req)
+            del self.requests[i], self.query_lens[i]
+
+
+class Scheduler:
+    def __init__(self, cache: PrefixCache, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Request] = []  # sorted by Request.sort_key
+        self.running: list[Request] = []  # admission order: the last is the newest
+        self.num_preemptions = 0
+        self.policy_version = 0  # folded into prefix-cache hashes
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # prompt tokens found there
+        self.too_big: list[Request] = []  # requests that alone cannot fit; the engine ends them
+        self.admitting = True  # False while a weight update drains the running requests
+
+    @property
+    def pool_pages(self) -> int:
+        return self.cache.pool.num_pages
+
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
+
+    def remove(self, req: Request, leader: Request | None = None) -> None:
+        """Take a request out of the queues and release its pages (finish or abort)."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        elif req.status is RequestStatus.FORK_PENDING:
+            assert leader is not None, "a pending fork is removed through its leader"
+            leader.pending_forks.remove(req)
+        self._release_pages(req)
+
+    def fork(self, child: Request, leader: Request) -> None:
+        """Start a sibling on its leader's computed prompt: share the full pages, copy the last
+        partial one. Without a free page for the copy, the sibling queues to recompute instead
+        (same tokens, more work)."""
+        leader.pending_forks.remove(child)
+        size = self.cache.pool.page_size
+        full, partial = divmod(child.prompt_len, size)
+        assert leader.num_computed_tokens >= child.prompt_len, "fork before the prompt is computed"
+        if partial and not self.cache.num_available:
+            self.add(child)
+            return
+        child.pages = leader.pages[:full]
+        for page in child.pages:
+            self.cache.pool.retain(page)
+        if partial:
+            copy = self.cache.allocate()
+            self.cache.pool.copy_page(leader.pages[full], copy)
+            child.pages.append(copy)
+        child.page_hashes = leader.page_hashes[:full]
+        child.publish_pages = leader.publish_pages
+        child.num_computed_tokens = child.prompt_len
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decoding + prefilling:
+            budget = self.max_num_batched_tokens - batch.num_tokens
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_tokens = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self._grow(req, req.num_computed_tokens + num_tokens, batch):
+                batch.add(req, num_tokens)
+        self._admit(batch)
+        return batch
+
+    def _grow(self, req: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
+        """Give a running request pages for num_tokens, preempting newer requests if needed."""
+        total = self.cache.pool.pages_for(num_tokens)
+        if total > self.pool_pages:
+            self._drop_too_big(req)
+            return False
+        while total - len(req.pages) > self.cache.num_available:
+            victim = self.running[-1]
+            self.preempt(victim)
+            batch.discard(victim)  # it may have been scheduled earlier in this step
+            if victim is req:
+                return False
+        while len(req.pages) < total:
+            req.pages.append(self.cache.allocate())
+        return True
+
+    def _admit(self, batch: ScheduledBatch) -> None:
+        while self.waiting and self.admitting:
+            budget = self.max_num_batched_tokens - batch.num_tokens
+            req = self.waiting[0]
+            group = 1 + len(req.pending_forks)  # the siblings join when the prompt is done
+            if budget == 0 or len(self.running) + group > self.max_num_seqs:
+                break
+            # NOTE: at least the last token must be computed, so its logits exist to sample.
+            if self.cache.pool.pages_for(req.num_tokens + 1) > self.pool_pages:
+                self.waiting.pop(0)
+                self._drop_too_big(req)
+                continue
+            hit_pages = self.cache.match(
+                self.policy_version, req.token_ids, req.num_tokens - 1, req.page_hashes
+            )
+            num_cached = len(hit_pages) * self.cache.pool.page_size
+            num_tokens = min(req.num_tokens - num_cached, budget)
+            needed = self.cache.pool.pages_for(num_cached + num_tokens) - len(hit_pages)
+            if needed > self.cache.num_available:
+                for page in hit_pages:  # give the hits back; try again next step
+                    self.cache.release(page)
+                req.page_hashes.clear()
+                break
+            self.waiting.pop(0)
+            req.pages = hit_pages + [self.cache.allocate() for _ in range(needed)]
+            req.num_computed_tokens = num_cached
+            if req.first_scheduled_time is None:  # first admission, not a resume
+                req.num_cached_tokens = num_cached
+                self.prefix_queries += req.prompt_len
+                self.prefix_hits += num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            batch.add(req, num_tokens)
+
+    def preempt(self, req: Request) -> None:
+        """Release a running request's pages and queue it to recompute; tokens are kept."""
+        self.running.remove(req)
+        self._release_pages(req)
+        req.num_computed_tokens = 0
+        self.num_preemptions += 1
+        self.add(req)
+
+    def _drop_too_big(self, req: Request) -> None:
+        """Out of the queues, pages released; the engine ends it (and any pending siblings)."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        self._release_pages(req)
+        req.status = RequestStatus.FINISHED
+        self.too_big.append(req)
+
+    def _release_pages(self, req: Request) -> None:
+        for page in req.pages:
+            self.cache.release(page)
+        req.pages = []
+        req.page_hashes.clear()

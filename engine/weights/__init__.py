@@ -1,0 +1,7 @@
+"""Weights: loading a checkpoint at start, and swapping new weights in while serving.
+
+`loading` (safetensors checkpoints into the model by name), `checks` (what an update's source
+can be refused for before anything pauses), `staging` (read and validate, then swap),
+`sharded_update` (the same over every tensor-parallel rank) and `weight_updater` (the update
+state machine of one engine). May import `models`, `parallel`, `scheduling` and `engine.messages`.
+"""

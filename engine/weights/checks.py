@@ -1,0 +1,123 @@
+"""Checks of a weight update's source that need no tensor data, made before anything pauses.
+
+A bad update must fail at once: under DRAIN the engine stops admitting new requests while the
+running ones finish, so a refusal found only while staging would hold every new request for
+nothing. From safetensors headers, the tensor refs and in-process tensors' metadata alone:
+the source exists, names only parameters of the model, each with its whole shape and a dtype
+the source may have, and (a checkpoint) every parameter. Left to staging is what needs the
+data: a truncated or corrupt file. The size (this rank's bytes and tensors, in the served
+dtype) is what LOADING events report as their totals.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.parallel.sharding import Sharding
+from engine.weights.loading import IGNORED_SUFFIXES, checkpoint_files
+from engine.weights.sharded_update import UpdateSource
+from engine.weights.staging import DTYPES, check_tensor, invalid
+
+# A checkpoint is cast to the served dtype (like at start-up): any floating-point dtype will do.
+CHECKPOINT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+
+
+@dataclass(frozen=True)
+class UpdateSize:
+    bytes: int
+    tensors: int
+
+
+def check_update(
+    params: Mapping[str, torch.Tensor],
+    sharding: Sharding,
+    source: UpdateSource,
+    tensors: Mapping[str, torch.Tensor] | None,
+) -> UpdateSize:
+    """Raise WeightUpdateError (INVALID_ARGUMENT, naming the tensor or the path) unless
+    `source` can replace the parameters it names; else the size of what it replaces."""
+    if tensors is not None:
+        names = _check_tensors(params, sharding, tensors)
+    elif source.checkpoint_dir is not None:
+        names = _check_checkpoint(params, sharding, source.checkpoint_dir)
+    elif source.tensor_file is not None:
+        names = _check_tensor_file(params, sharding, source)
+    else:
+        raise invalid("the update names no source")
+    size = sum(params[name].numel() * params[name].element_size() for name in names)
+    return UpdateSize(size, len(names))
+
+
+def _check_tensors(
+    params: Mapping[str, torch.Tensor], sharding: Sharding, tensors: Mapping[str, torch.Tensor]
+) -> list[str]:
+    for name, tensor in tensors.items():
+        param = check_tensor(params, sharding, name, tuple(tensor.shape))
+        if tensor.dtype != param.dtype:
+            raise invalid(f"{name}: dtype {tensor.dtype} != served dtype {param.dtype}")
+    return list(tensors)
+
+
+def _check_tensor_file(
+    params: Mapping[str, torch.Tensor], sharding: Sharding, source: UpdateSource
+) -> list[str]:
+    path = source.tensor_file
+    assert path is not None
+    try:
+        file_size = os.stat(path).st_size
+    except OSError as exc:
+        raise invalid(f"tensor file {path!r} is unreadable: {exc}") from exc
+    for ref in source.refs:
+        param = check_tensor(params, sharding, ref.name, tuple(ref.shape))
+        dtype = DTYPES.get(ref.dtype)
+        if dtype is None:
+            raise invalid(f"{ref.name}: dtype {ref.dtype!r} is not one of {sorted(DTYPES)}")
+        if dtype != param.dtype:
+            raise invalid(f"{ref.name}: dtype {ref.dtype} != served dtype {param.dtype}")
+        numel = 1
+        for dim in ref.shape:
+            numel *= dim
+        if ref.nbytes != numel * dtype.itemsize or ref.offset + ref.nbytes > file_size:
+            raise invalid(f"{ref.name}: {ref.nbytes} bytes do not hold shape {ref.shape}")
+    return [ref.name for ref in source.refs]
+
+
+def _check_checkpoint(
+    params: Mapping[str, torch.Tensor], sharding: Sharding, directory: str
+) -> list[str]:
+    try:
+        headers = [(file, _header(file)) for file in checkpoint_files(Path(directory))]
+    except Exception as exc:  # missing, unreadable or not safetensors: the caller's input
+        raise invalid(f"checkpoint_dir {directory!r} is unreadable: {exc}") from exc
+    seen: set[str] = set()
+    for file, header in headers:
+        for name, (shape, dtype) in header:
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            check_tensor(params, sharding, name, shape, where=f"{file.name}: ")
+            if dtype not in CHECKPOINT_DTYPES:
+                raise invalid(
+                    f"{file.name}: {name}: dtype {dtype} is not a floating-point dtype "
+                    f"({', '.join(CHECKPOINT_DTYPES)})"
+                )
+            seen.add(name)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise invalid(f"checkpoint_dir {directory!r} lacks tensors: {', '.join(missing[:8])}")
+    return list(params)
+
+
+def _header(file: Path) -> list[tuple[str, tuple[tuple[int, ...], str]]]:
+    """Every tensor's name, shape and dtype, from the file's header (no tensor data read)."""
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        entries = []
+        for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+            part = f.get_slice(name)
+            entries.append((name, (tuple(part.get_shape()), part.get_dtype())))
+        return entries

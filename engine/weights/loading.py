@@ -1,0 +1,84 @@
+"""Loads Hugging Face safetensors checkpoints (single file or sharded) into the model by name.
+
+A tensor-parallel rank reads only its slice of each tensor (safetensors' `get_slice`), so no
+rank ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.models.hf_config import ModelConfig
+from engine.models.llama import AttentionBackend, LlamaForCausalLM
+from engine.models.rope import RotaryEmbedding
+from engine.parallel.sharding import Sharding
+from engine.parallel.tensor_parallel import TensorParallel
+
+# Present in some checkpoints, recomputed by us (rotary tables), never loaded.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(
+        f"{directory}: no model.safetensors or model.safetensors.index.json "
+        "(only safetensors checkpoints are supported)"
+    )
+
+
+def build_model(
+    cfg: ModelConfig,
+    directory: Path,
+    backend: AttentionBackend,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TensorParallel | None = None,
+) -> LlamaForCausalLM:
+    """Construct the model (this rank's shard) without initialising it, then fill every
+    parameter from the files."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, backend, tp)
+    model = model.to(dtype).to_empty(device=device)
+    # Rotary tables are computed, not loaded: rebuild them in float32 on the device.
+    model.rotary = RotaryEmbedding(
+        cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling
+    )
+    model.rotary.to(device)
+    load_weights(model, directory, model.sharding)
+    # Inference only: no autograd state, and in-place updates (live_weights) just work.
+    return model.requires_grad_(False).eval()
+
+
+def load_weights(model: torch.nn.Module, directory: Path, sharding: Sharding | None = None) -> None:
+    sharding = sharding or Sharding.whole()
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for path in checkpoint_files(directory):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                if name.endswith(IGNORED_SUFFIXES):
+                    continue
+                if name not in params:
+                    raise ValueError(f"{path.name}: unexpected tensor {name!r} for this model")
+                part = f.get_slice(name)
+                param = params[name]
+                shape = tuple(part.get_shape())
+                expected = sharding.full_shape(name, tuple(param.shape))
+                if shape != expected:
+                    raise ValueError(f"{name}: checkpoint shape {shape} != model shape {expected}")
+                with torch.no_grad():
+                    param.copy_(sharding.take(name, part))
+                loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {directory} lacks tensors: {', '.join(missing[:8])}")

@@ -1,0 +1,170 @@
+"""Weight updates over every tensor-parallel rank: all ranks swap at one step boundary, or none.
+
+Rank 0 (WeightUpdater) sends Op.STAGE, then broadcasts the update's source: a checkpoint
+directory or a tensor file (each rank reads its own slices from it), or in-process tensors
+(broadcast whole, one at a time; each rank keeps its slice). Every rank stages and validates
+its shard, then one all-gather of the verdicts decides: if any rank failed, every rank drops
+what it staged and rank 0 fails the update with that rank's reason; otherwise the workers
+swap at once and rank 0 swaps in WeightUpdater, before its next step reaches them.
+
+`gather_parameters` is the other direction, for live_weights: the whole of every parameter,
+assembled on rank 0 from every rank's shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engine.messages import TensorRef
+from engine.models.llama import LlamaForCausalLM
+from engine.parallel.sharding import Sharding
+from engine.parallel.step_channel import Op, StepChannel, StepHeader
+from engine.weights.staging import (
+    Progress,
+    StagedWeights,
+    WeightUpdateError,
+    stage_checkpoint,
+    stage_tensor_file,
+    stage_tensors,
+)
+
+
+@dataclass(frozen=True)
+class UpdateSource:
+    """Where an update's tensors are, as every rank can read it (plain data)."""
+
+    checkpoint_dir: str | None = None
+    tensor_file: str | None = None
+    refs: tuple[TensorRef, ...] = ()
+    tensors: tuple[tuple[str, tuple[int, ...], str], ...] | None = None  # name, shape, dtype
+
+
+def stage(
+    model: LlamaForCausalLM,
+    source: UpdateSource,
+    progress: Progress,
+    tensors: Mapping[str, torch.Tensor] | None = None,
+    channel: StepChannel | None = None,
+) -> StagedWeights:
+    """Stage this rank's shard of `source`; with a channel (rank 0 of a group) on every rank.
+    Raises WeightUpdateError unless every rank staged its shard."""
+    params = dict(model.named_parameters())
+    tp, sharding = model.tp, model.sharding
+    if not tp.enabled:
+        return _stage_here(params, sharding, source, progress, tensors)
+    if tp.rank == 0:
+        assert channel is not None
+        channel.send(StepHeader(Op.STAGE))
+        tp.broadcast_object(source)
+    staged: StagedWeights | None = None
+    failure: tuple[int, str, str] | None = None
+    try:
+        if source.tensors is not None:
+            staged = _stage_broadcast(model, source, tensors)
+        else:
+            staged = _stage_here(params, sharding, source, progress, None)
+    except WeightUpdateError as exc:
+        failure = (tp.rank, exc.code, exc.message)
+    failures = [f for f in tp.all_gather_object(failure) if f is not None]
+    if failures:
+        rank, code, message = failures[0]
+        raise WeightUpdateError(code, message if rank == 0 else f"rank {rank}: {message}")
+    assert staged is not None
+    return staged
+
+
+def follow_stage(model: LlamaForCausalLM) -> None:
+    """A worker, after Op.STAGE: stage with rank 0, and swap if every rank succeeded."""
+    source: UpdateSource = model.tp.broadcast_object()
+    try:
+        staged = stage(model, source, lambda done, count: None)
+    except WeightUpdateError:
+        return  # rank 0 reports it; nothing changed here
+    staged.apply()
+
+
+def _stage_here(
+    params: Mapping[str, torch.Tensor],
+    sharding: Sharding,
+    source: UpdateSource,
+    progress: Progress,
+    tensors: Mapping[str, torch.Tensor] | None,
+) -> StagedWeights:
+    if tensors is not None:
+        return stage_tensors(params, sharding, tensors)
+    if source.checkpoint_dir is not None:
+        return stage_checkpoint(params, sharding, source.checkpoint_dir, progress)
+    if source.tensor_file is not None:
+        return stage_tensor_file(params, sharding, source.tensor_file, source.refs, progress)
+    raise WeightUpdateError("INVALID_ARGUMENT", "the update names no source")
+
+
+def _stage_broadcast(
+    model: LlamaForCausalLM, source: UpdateSource, tensors: Mapping[str, torch.Tensor] | None
+) -> StagedWeights:
+    """In-process tensors: rank 0 broadcasts each whole tensor; every rank stages its slice.
+    NOTE: every tensor is broadcast even after a bad one: the ranks must make the same
+    collectives; the first failure is raised at the end."""
+    assert source.tensors is not None
+    staged = StagedWeights(dict(model.named_parameters()), model.sharding)
+    first: WeightUpdateError | None = None
+    for name, shape, dtype in source.tensors:
+        if tensors is not None:  # rank 0
+            whole = tensors[name].detach().to("cpu").contiguous()
+        else:
+            whole = torch.empty(shape, dtype=getattr(torch, dtype))
+        model.tp.broadcast(whole)
+        try:
+            staged.add(name, whole, shape, cast=False)
+            staged.tensors[name] = staged.tensors[name].clone()  # not a view of `whole`
+        except WeightUpdateError as exc:
+            first = first or exc
+    if first is not None:
+        raise first
+    return staged
+
+
+def describe(
+    checkpoint_dir: str | None,
+    tensor_file: str | None,
+    refs: tuple[TensorRef, ...],
+    tensors: Mapping[str, torch.Tensor] | None,
+) -> UpdateSource:
+    specs = None
+    if tensors is not None:
+        specs = tuple(
+            (name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+            for name, t in tensors.items()
+        )
+    return UpdateSource(checkpoint_dir, tensor_file, refs, specs)
+
+
+def gather_parameters(
+    model: LlamaForCausalLM, channel: StepChannel | None = None
+) -> dict[str, torch.Tensor]:
+    """Rank 0: every parameter whole (copies), assembled from every rank's shard; a worker
+    (after Op.GATHER) sends its shards and gets {}."""
+    tp = model.tp
+    if tp.rank == 0 and channel is not None:
+        channel.send(StepHeader(Op.GATHER))
+    shards = [Sharding(model.config, r, tp.size) for r in range(tp.size)]
+    whole: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        local = param.detach().to("cpu").contiguous()
+        parts = [torch.empty_like(local) for _ in range(tp.size)] if tp.rank == 0 else None
+        dist.gather(local, parts, dst=0, group=tp.control)
+        if parts is None:
+            continue
+        full = torch.empty(model.sharding.full_shape(name, tuple(local.shape)), dtype=local.dtype)
+        for shard, part in zip(shards, parts, strict=True):
+            split = shard.split(name)
+            if split is None:
+                full.copy_(part)
+            else:
+                full[split.index()] = part
+        whole[name] = full.to(param.device)
+    return whole

@@ -1,0 +1,269 @@
+"""WeightUpdater: the weight-update state machine of one engine.
+
+An update is checked and accepted (`start`: a source that can be seen to be bad without
+reading its tensors fails at once, before anything pauses), waits at step boundaries while a
+DRAIN lets running requests finish (`advance`), then is staged (every tensor read and
+validated before any parameter changes), applied to running requests by its in-flight policy,
+swapped in and published under its version. Its progress goes to `sink` as it happens (the
+process loop sends it down the pipe) or collects in `events`, ending with exactly one APPLIED
+or FAILED. "An update is in
+progress" is `pending`, and nowhere else.
+
+With tensor parallelism every rank stages its shard and all swap, or none does
+(engine/sharded_update.py); versions, policies and events stay here, on rank 0.
+
+The caller (LLMEngine) holds its lock around every call here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.messages import (
+    MAX_POLICY_VERSION,
+    FinishReason,
+    InflightPolicy,
+    UpdateWeights,
+    WeightsPhase,
+    WeightsProgress,
+)
+from engine.models.llama import LlamaForCausalLM
+from engine.parallel.step_channel import StepChannel
+from engine.scheduling.prefix_cache import PrefixCache
+from engine.scheduling.scheduler import Scheduler
+from engine.weights.checks import UpdateSize, check_update
+from engine.weights.sharded_update import describe, gather_parameters, stage
+from engine.weights.staging import StagedWeights, WeightUpdateError
+
+PROGRESS_INTERVAL_S = 0.1  # at most one LOADING event per interval while staging
+
+Abort = Callable[[list[str], FinishReason, str], int]  # (ids, reason, message) -> sequences ended
+
+
+@dataclass
+class PendingUpdate:
+    """A weight update accepted but not yet applied (DRAIN waits for running requests)."""
+
+    msg: UpdateWeights
+    version: int  # the version it will publish
+    started: float  # time.monotonic()
+    size: UpdateSize  # what staging reads: the totals of LOADING events
+    tensors: Mapping[str, torch.Tensor] | None = None  # in-process source
+    last_progress: float = 0.0
+
+
+class WeightUpdater:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        scheduler: Scheduler,
+        cache: PrefixCache,
+        abort: Abort,
+        channel: StepChannel | None = None,
+    ) -> None:
+        self.model = model
+        self.channel = channel  # rank 0 of a tensor-parallel group: reaches the workers
+        self.scheduler = scheduler  # holds the served policy version (it hashes prefixes)
+        self.cache = cache
+        self.abort = abort
+        self.pending: PendingUpdate | None = None
+        self.sink: Callable[[WeightsProgress], None] | None = None
+        self.events: list[WeightsProgress] = []  # collected while no sink is installed
+        self.last_final: WeightsProgress | None = None  # the last APPLIED or FAILED
+
+    @property
+    def in_progress(self) -> bool:
+        return self.pending is not None
+
+    @property
+    def version(self) -> int:
+        return self.scheduler.policy_version
+
+    # ---- the state machine ----
+
+    def start(self, msg: UpdateWeights, tensors: Mapping[str, torch.Tensor] | None) -> None:
+        """Accept an update, or fail it at once (before PAUSED, admission untouched) if its
+        version or its source (check_update) is bad; ABORT, CONTINUE and RECOMPUTE swap now,
+        DRAIN stops admitting and swaps in `advance` once nothing runs."""
+        if self.pending is not None:
+            self._failed(msg, "FAILED_PRECONDITION", "an update is in progress")
+            return
+        version = msg.policy_version or self.version + 1
+        refusal = self._version_refusal(version)
+        if refusal is not None:
+            self._failed(msg, *refusal)
+            return
+        params = dict(self.model.named_parameters())
+        source = describe(msg.checkpoint_dir, msg.tensor_file, msg.tensors, tensors)
+        try:
+            size = check_update(params, self.model.sharding, source, tensors)
+        except WeightUpdateError as exc:
+            self._failed(msg, exc.code, exc.message)
+            return
+        self.pending = PendingUpdate(msg, version, time.monotonic(), size, tensors)
+        self._event(WeightsPhase.PAUSED, in_flight=len(self.scheduler.running))
+        if msg.inflight is InflightPolicy.DRAIN:
+            self.scheduler.admitting = False  # new requests wait; advance() swaps
+        else:
+            self._swap()
+
+    def advance(self) -> None:
+        """At a step boundary: swap a draining update once nothing runs, or time it out."""
+        update = self.pending
+        if update is None or update.msg.inflight is not InflightPolicy.DRAIN:
+            return
+        if not self.scheduler.running:
+            self._swap()
+        elif update.msg.drain_timeout is not None:
+            waited = time.monotonic() - update.started
+            if waited > update.msg.drain_timeout:
+                running = len(self.scheduler.running)
+                why = f"drain timed out after {waited:.1f}s with {running} requests running"
+                self._end(WeightsPhase.FAILED, error_code="ABORTED", message=why)
+
+    def is_pending(self, msg: UpdateWeights) -> bool:
+        return self.pending is not None and self.pending.msg is msg
+
+    def outcome(self, msg: UpdateWeights) -> WeightsProgress:
+        """The APPLIED event of a finished update, or its failure raised as WeightUpdateError.
+        Its events are dropped from `events` (an in-process caller has its answer)."""
+        assert not self.is_pending(msg)
+        self.events = [e for e in self.events if e.update_id != msg.update_id]
+        final = self.last_final
+        assert final is not None and final.update_id == msg.update_id
+        if final.phase is WeightsPhase.FAILED:
+            raise WeightUpdateError(final.error_code, final.message)
+        return final
+
+    @contextlib.contextmanager
+    def live(self, policy_version: int) -> Iterator[dict[str, torch.Tensor]]:
+        """The served parameters to mutate in place; `policy_version` (0 = served + 1) is
+        published on exit as a CONTINUE update, nothing if the block raises.
+
+        Tensor parallel: whole copies of the parameters, gathered from every rank; on exit
+        every rank stages its slice of them and all swap (nothing changes if the block raises).
+        """
+        if self.pending is not None:
+            raise WeightUpdateError("FAILED_PRECONDITION", "an update is in progress")
+        version = policy_version or self.version + 1
+        refusal = self._version_refusal(version)
+        if refusal is not None:
+            raise WeightUpdateError(*refusal)
+        if not self.model.tp.enabled:
+            yield dict(self.model.named_parameters())
+        else:
+            whole = gather_parameters(self.model, self.channel)
+            yield whole
+            source = describe(None, None, (), whole)
+            stage(self.model, source, lambda done, count: None, whole, self.channel).apply()
+        self._publish(version, InflightPolicy.CONTINUE)
+
+    def _version_refusal(self, version: int) -> tuple[str, str] | None:
+        """(error code, why) when `version` cannot be the next served version."""
+        if version > MAX_POLICY_VERSION:
+            return "OUT_OF_RANGE", f"policy_version {version} exceeds {MAX_POLICY_VERSION}"
+        if version <= self.version:
+            return (
+                "FAILED_PRECONDITION",
+                f"policy_version {version} must exceed the served {self.version}",
+            )
+        return None
+
+    def _swap(self) -> None:
+        """Stage (validate) the new tensors, handle running requests, swap, publish."""
+        update = self.pending
+        assert update is not None
+        try:
+            staged = self._stage(update)
+        except WeightUpdateError as exc:
+            self._end(WeightsPhase.FAILED, error_code=exc.code, message=exc.message)
+            return
+        running = list(self.scheduler.running)
+        counts = {"aborted": 0, "continued": 0, "recomputed": 0}
+        match update.msg.inflight:
+            case InflightPolicy.ABORT:
+                why = f"aborted by a weight update to policy version {update.version}"
+                ids = list(dict.fromkeys(req.request_id for req in running))
+                counts["aborted"] = self.abort(ids, FinishReason.ABORTED, why)
+            case InflightPolicy.RECOMPUTE:
+                counts["recomputed"] = len(running)
+                for req in running:
+                    self.scheduler.preempt(req)
+            case InflightPolicy.CONTINUE:
+                counts["continued"] = len(running)
+        staged.apply()
+        previous = self.version
+        self._publish(update.version, update.msg.inflight)
+        self._end(WeightsPhase.APPLIED, previous_version=previous, **counts)
+
+    def _stage(self, update: PendingUpdate) -> StagedWeights:
+        msg = update.msg
+
+        def progress(bytes_done: int, tensors_done: int) -> None:
+            now = time.monotonic()
+            if now - update.last_progress >= PROGRESS_INTERVAL_S:
+                update.last_progress = now
+                self._event(
+                    WeightsPhase.LOADING,
+                    bytes_done=bytes_done,
+                    bytes_total=update.size.bytes,
+                    tensors_done=tensors_done,
+                    tensors_total=update.size.tensors,
+                )
+
+        if update.tensors is None and msg.checkpoint_dir is None and msg.tensor_file is None:
+            raise WeightUpdateError("INVALID_ARGUMENT", "the update names no source")
+        source = describe(msg.checkpoint_dir, msg.tensor_file, msg.tensors, update.tensors)
+        staged = stage(self.model, source, progress, update.tensors, self.channel)
+        total, count = staged.nbytes, len(staged.tensors)
+        self._event(
+            WeightsPhase.LOADING,
+            bytes_done=total,
+            bytes_total=total,
+            tensors_done=count,
+            tensors_total=count,
+        )
+        return staged
+
+    def _publish(self, version: int, inflight: InflightPolicy) -> None:
+        """Make `version` the served one. Cached prefixes of older weights are dropped; the KV
+        that running requests keep (CONTINUE) mixes versions, so it is never published."""
+        self.scheduler.policy_version = version
+        self.cache.clear()
+        if inflight is InflightPolicy.CONTINUE:
+            for req in self.scheduler.running:
+                req.publish_pages = False
+
+    # ---- progress ----
+
+    def _event(self, phase: WeightsPhase, **fields: Any) -> None:
+        update = self.pending
+        assert update is not None
+        self._emit(
+            WeightsProgress(update.msg.update_id, phase, policy_version=update.version, **fields)
+        )
+
+    def _end(self, phase: WeightsPhase, **fields: Any) -> None:
+        assert self.pending is not None
+        self._event(phase, seconds=time.monotonic() - self.pending.started, **fields)
+        self.pending = None
+        self.scheduler.admitting = True
+
+    def _failed(self, msg: UpdateWeights, code: str, message: str) -> None:
+        self._emit(
+            WeightsProgress(msg.update_id, WeightsPhase.FAILED, error_code=code, message=message)
+        )
+
+    def _emit(self, event: WeightsProgress) -> None:
+        if event.final:
+            self.last_final = event
+        if self.sink is not None:
+            self.sink(event)
+        else:
+            self.events.append(event)

@@ -1,0 +1,405 @@
+"""EngineClient: the service's one handle on the engine, whichever process currently runs it.
+
+It owns the facts the rest of the service reads: the engine's state, the served policy version
+(`policy_version`, which never goes backwards), whether a weight update is in progress
+(`updating_weights`, the one update slot), and the last stats. Requests go to the engine through
+`submit` and come back through the RequestRouter; weight updates through `update_weights`.
+The engine process itself is an EngineProcess; the Supervisor replaces it when it is lost, and
+replays the ReplayLog into the new one before it serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from multiprocessing.process import BaseProcess
+
+import structlog
+
+from engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineDead,
+    EngineStats,
+    FinishReason,
+    FromEngine,
+    GetState,
+    Heartbeat,
+    ModelInfo,
+    Ready,
+    Shutdown,
+    StepOutput,
+    ToEngine,
+    UpdateWeights,
+    WeightsPhase,
+    WeightsProgress,
+)
+from engine.process import engine_main
+from service.config import ServiceConfig
+from service.engine_link.checkpoint_fingerprint import checkpoint_fingerprint
+from service.engine_link.engine_process import (
+    EngineProcess,
+    EngineStartError,
+    EngineTarget,
+    EngineUnavailableError,
+    StartProcess,
+)
+from service.engine_link.replay_log import ReplayLog
+from service.engine_link.routing import Inbox, RequestRouter
+from service.engine_link.supervisor import EngineState, Supervisor
+from service.ops.metrics import Metrics
+
+log = structlog.get_logger("sluice.engine_client")
+
+__all__ = [
+    "EngineClient",
+    "EngineStartError",
+    "EngineState",
+    "EngineTarget",
+    "EngineUnavailableError",
+    "UpdateInProgressError",
+]
+
+
+class UpdateInProgressError(RuntimeError):
+    """The one weight-update slot is taken."""
+
+
+@dataclass
+class _UpdateRoute:
+    """Where one weight update's progress goes, until its final message."""
+
+    update: UpdateWeights
+    queue: asyncio.Queue[WeightsProgress]
+    on_final: Callable[[WeightsProgress], None] | None
+    replay: bool  # re-applied to a restarted engine: changes neither the version nor the log
+    fingerprint: str | None = None  # a checkpoint's, when it was sent (ReplayLog.changed)
+
+
+class EngineClient:
+    def __init__(
+        self,
+        config: ServiceConfig,
+        metrics: Metrics,
+        *,
+        target: EngineTarget = engine_main,
+        on_state: Callable[[EngineState], None] | None = None,
+        start_process: StartProcess = BaseProcess.start,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.state = EngineState.STARTING
+        self.info: ModelInfo | None = None
+        self.stats = EngineStats()
+        self.policy_version = config.engine.policy_version
+        self.restarts = 0
+        self.router = RequestRouter(config.stream_interval)
+        self.replay_log = ReplayLog()
+        self.engine: EngineProcess | None = None
+        self._target = target
+        self._start_process = start_process
+        self._on_state = on_state
+        self._updates: dict[str, _UpdateRoute] = {}  # sent to the engine, no final message yet
+        self._update_claimed = False
+        self._stats_waiters: list[asyncio.Future[None]] = []
+        self._supervisor: asyncio.Task[None] | None = None
+
+    # ---- lifecycle ----
+
+    async def start(self) -> ModelInfo:
+        """Spawn the engine and wait for Ready; then supervise it in the background."""
+        info = await self.launch()
+        self.policy_version = info.policy_version
+        self.set_state(EngineState.SERVING)
+        self._supervisor = asyncio.create_task(Supervisor(self).run(), name="engine-supervisor")
+        self._supervisor.add_done_callback(_log_task_failure)
+        return info
+
+    async def shutdown(self, timeout: float) -> None:
+        """Ask the engine to abort what is left (ABORTED outputs reach the handlers) and exit;
+        kill it if it has not exited after `timeout` seconds. Deletes the replay log's files."""
+        self.set_state(EngineState.STOPPING)
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+        engine = self.engine
+        if engine is not None:
+            with contextlib.suppress(EngineUnavailableError):
+                self._send(Shutdown())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(engine.lost.wait(), timeout)
+            self.lose(engine, "the server is shutting down")
+            await engine.close(timeout=0)
+        self.replay_log.clear()
+        self.set_state(EngineState.STOPPED)
+
+    @property
+    def stopping(self) -> bool:
+        return self.state in (EngineState.STOPPING, EngineState.STOPPED)
+
+    @property
+    def busy(self) -> bool:
+        """Requests or updates are waiting on the engine: it must make progress."""
+        return bool(len(self.router) or self._updates)
+
+    # ---- requests ----
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self.router
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.router)
+
+    @property
+    def waiting(self) -> int:
+        """Admitted requests the engine has not produced anything for yet."""
+        return self.router.waiting
+
+    def submit(self, request: AddRequest) -> Inbox:
+        """Send a request to the engine; its outputs arrive in the returned Inbox.
+
+        The caller has checked `has(request.request_id)` is False. The last output of every
+        index has `finish_reason` set (ERROR with a message if the engine is lost). Raises
+        EngineUnavailableError when the engine cannot take it now.
+        """
+        self._send(request)
+        return self.router.add(request.request_id, request.n)
+
+    def abort(self, request_ids: list[str], reason: FinishReason, index: int | None = None) -> None:
+        """Abort in the engine (only sample `index` when given); each aborted sample's final
+        output (with `reason`) follows as usual."""
+        ids = [rid for rid in request_ids if rid in self.router]
+        if ids:
+            with contextlib.suppress(EngineUnavailableError):
+                self._send(AbortRequests(ids, reason, index))
+
+    def detach(self, request_id: str) -> None:
+        """The handler stopped listening; outputs are dropped from now on."""
+        self.router.detach(request_id)
+
+    # ---- weight updates ----
+
+    @property
+    def updating_weights(self) -> bool:
+        """A weight update holds the slot: being received, or applied by the engine."""
+        return self._update_claimed
+
+    def claim_update(self) -> None:
+        """Take the one weight-update slot; UpdateInProgressError if it is taken. It is freed
+        by the update's final message, or by `release_update` if the update is never sent."""
+        if self._update_claimed:
+            raise UpdateInProgressError("another weight update is in progress")
+        self._update_claimed = True
+
+    def release_update(self) -> None:
+        assert not any(not r.replay for r in self._updates.values()), "release a sent update"
+        self._update_claimed = False
+
+    def update_weights(
+        self,
+        update: UpdateWeights,
+        on_final: Callable[[WeightsProgress], None] | None = None,
+    ) -> asyncio.Queue[WeightsProgress]:
+        """Send a weight update (the caller holds the slot); its progress arrives on the
+        returned queue, ending with one final message (APPLIED, or FAILED with a gRPC status
+        name in `error_code`; UNAVAILABLE if the engine is lost meanwhile). `on_final` runs on
+        the event loop when that final message is routed, also when nobody reads the queue
+        any more; the slot is free by then. Raises EngineUnavailableError if the engine cannot
+        take it now (the caller still holds the slot)."""
+        assert self._update_claimed, "claim_update() first"
+        queue = self._send_update(update, on_final, replay=False)
+        if update.checkpoint_dir is not None:  # before the engine reads it: what it will read
+            self._updates[update.update_id].fingerprint = checkpoint_fingerprint(
+                update.checkpoint_dir
+            )
+        return queue
+
+    def _send_update(
+        self,
+        update: UpdateWeights,
+        on_final: Callable[[WeightsProgress], None] | None,
+        replay: bool,
+    ) -> asyncio.Queue[WeightsProgress]:
+        assert update.update_id not in self._updates, update.update_id
+        self._send(update)
+        queue: asyncio.Queue[WeightsProgress] = asyncio.Queue()
+        self._updates[update.update_id] = _UpdateRoute(update, queue, on_final, replay)
+        return queue
+
+    async def replay(self) -> None:
+        """Re-apply the replay log to a freshly started engine, in order. Raises
+        EngineStartError if an update fails, or if the checkpoint directory to replay changed
+        since its update was applied: the engine must not serve older weights, nor other
+        weights under the same version."""
+        changed = await asyncio.to_thread(self.replay_log.changed)
+        if changed is not None:
+            self.metrics.weight_replay_refused()
+            log.error(
+                "engine.replay_refused",
+                policy_version=changed.policy_version,
+                checkpoint_dir=changed.checkpoint_dir,
+                reason="the checkpoint directory changed since this version was applied from it",
+            )
+            raise EngineStartError(
+                f"checkpoint_dir {changed.checkpoint_dir!r} changed since policy version "
+                f"{changed.policy_version} was applied from it: not serving other weights under "
+                "that version (restore the directory, or restart the server)"
+            )
+        for n, entry in enumerate(self.replay_log.entries()):
+            update = replace(entry, update_id=f"replay-{self.restarts}-{n}")
+            queue = self._send_update(update, None, replay=True)
+            while not (final := await queue.get()).final:
+                pass
+            if final.phase is WeightsPhase.FAILED:
+                raise EngineStartError(
+                    f"replaying policy version {entry.policy_version} failed: {final.message}"
+                )
+            log.info("engine.replayed", policy_version=entry.policy_version)
+
+    def _route_progress(self, progress: WeightsProgress) -> None:
+        route = self._updates.get(progress.update_id)
+        if route is None:
+            log.error("engine.unknown_update", update_id=progress.update_id)
+            return
+        if progress.final:
+            del self._updates[progress.update_id]
+            if not route.replay:
+                # Published at once: a caller that saw Applied may ask for
+                # min_policy_version = the new one, or start the next update.
+                if progress.phase is WeightsPhase.APPLIED:
+                    self.policy_version = progress.policy_version
+                    self.replay_log.record(route.update, progress.policy_version, route.fingerprint)
+                self._update_claimed = False
+        route.queue.put_nowait(progress)
+        if progress.final and route.on_final is not None:
+            route.on_final(progress)
+
+    def _fail_updates(self, message: str) -> None:
+        updates, self._updates = self._updates, {}
+        for update_id, route in updates.items():
+            failed = WeightsProgress(
+                update_id, WeightsPhase.FAILED, error_code="UNAVAILABLE", message=message
+            )
+            if not route.replay:
+                self._update_claimed = False
+            route.queue.put_nowait(failed)
+            if route.on_final is not None:
+                route.on_final(failed)
+
+    # ---- stats ----
+
+    async def refresh_stats(self, timeout: float = 1.0) -> EngineStats:
+        """Ask for fresh stats; fall back to the last known ones after `timeout`."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        try:
+            self._send(GetState())
+        except EngineUnavailableError:
+            return self.stats
+        self._stats_waiters.append(waiter)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(waiter), timeout)
+        return self.stats
+
+    def _update_stats(self, stats: EngineStats) -> None:
+        self.stats = stats
+        self.metrics.engine_stats(stats)
+        for waiter in self._stats_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._stats_waiters.clear()
+
+    # ---- the engine process ----
+
+    async def launch(self) -> ModelInfo:
+        """Start a new engine process and wait for its Ready; EngineStartError if it dies or
+        times out first (it is killed then)."""
+        self.metrics.engine_started()
+        engine = EngineProcess(
+            self.config.engine,
+            self._target,
+            on_messages=self._dispatch,
+            on_lost=self.lose,
+            max_backlog_bytes=self.config.max_pipe_backlog_bytes,
+            start_process=self._start_process,
+        )
+        self.engine = engine
+        log.info("engine.spawned", engine_pid=engine.pid, model=self.config.engine.model)
+        try:
+            info = await asyncio.wait_for(asyncio.shield(engine.ready), self.config.ready_timeout)
+        except (TimeoutError, EngineStartError) as exc:
+            self.lose(engine, f"no Ready: {exc or 'timed out'}")
+            await engine.close(timeout=0)
+            raise EngineStartError(str(exc) or "timed out waiting for Ready") from exc
+        except asyncio.CancelledError:
+            self.lose(engine, "the launch was cancelled")
+            await engine.close(timeout=0)
+            raise
+        log.info("engine.ready", model=info.model, path=info.path, total_pages=info.total_pages)
+        return info
+
+    def lose(self, engine: EngineProcess, reason: str) -> None:
+        """`engine` is gone (or must be given up): end every in-flight request with ERROR and
+        fail every pending update. Idempotent; the Supervisor then restarts it."""
+        if engine.lost.is_set():
+            return
+        engine.lost.set()
+        if not engine.ready.done():
+            engine.ready.set_exception(EngineStartError(reason))
+            engine.ready.exception()  # observed: nobody waits for it when the server stops early
+        if engine is not self.engine:
+            return  # a replaced incarnation: what it carried was failed when it was replaced
+        self.stats = EngineStats()  # nothing runs or waits in a lost engine
+        if not self.stopping:
+            log.error("engine.lost", reason=reason, in_flight=len(self.router))
+        message = f"the engine failed: {reason}"
+        self.router.fail_all(message, self.policy_version)
+        self._fail_updates(message)
+
+    def _send(self, msg: ToEngine) -> None:
+        engine = self.engine
+        if engine is None or engine.lost.is_set():
+            raise EngineUnavailableError(f"the engine is {self.state.value}")
+        engine.send(msg)
+
+    def _dispatch(self, engine: EngineProcess, batch: list[FromEngine]) -> None:
+        for msg in batch:
+            if engine.lost.is_set():
+                return
+            match msg:
+                case StepOutput(outputs=outputs, stats=stats):
+                    self._update_stats(stats)
+                    for output in outputs:
+                        if self.router.route(output):
+                            self.metrics.request_started(output.prompt_tokens)
+                        if output.metrics is not None:
+                            self.metrics.request_ended(output)
+                case Heartbeat(stats=stats):
+                    self._update_stats(stats)
+                case WeightsProgress() as progress:
+                    self._route_progress(progress)
+                case Ready(info=info):
+                    self.info = info
+                    if not engine.ready.done():
+                        engine.ready.set_result(info)
+                case EngineDead(reason=reason, traceback=tb):
+                    log.error("engine.dead", reason=reason, traceback=tb)
+                    self.lose(engine, reason)
+                case _:
+                    log.error("engine.unexpected_message", type=type(msg).__name__)
+
+    def set_state(self, state: EngineState) -> None:
+        if state is self.state:
+            return
+        log.info("engine.state", state=state.value)
+        self.state = state
+        if self._on_state is not None:
+            self._on_state(state)
+
+
+def _log_task_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("engine.supervisor_failed", exc_info=task.exception())

@@ -1,0 +1,100 @@
+"""Supervisor: keeps an engine serving. Watches the current engine process and replaces it
+when it is lost.
+
+The engine is lost when it says so (EngineDead), its pipe closes, its process exits, or it makes
+no progress: no message for `stall_timeout` seconds while requests or updates wait on it, or for
+`heartbeat_timeout` seconds while idle (an idle engine sends a Heartbeat every second). A lost
+engine is killed, every in-flight request ends with ERROR, and a new one is started with bounded
+exponential backoff; it serves again only once the replay log has been re-applied to it, so the
+policy version and the weights never go backwards. Nothing that goes wrong while restarting
+stops the supervisor: it tries again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+
+from service.engine_link.engine_process import (
+    EngineProcess,
+    EngineStartError,
+    EngineUnavailableError,
+)
+
+if TYPE_CHECKING:
+    from service.engine_link.engine_client import EngineClient
+
+log = structlog.get_logger("sluice.supervisor")
+
+WATCH_INTERVAL_S = 0.5
+
+
+class EngineState(enum.Enum):
+    STARTING = "starting"
+    SERVING = "serving"
+    RESTARTING = "restarting"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+class Supervisor:
+    def __init__(self, client: EngineClient) -> None:
+        self.client = client
+        self.config = client.config
+
+    async def run(self) -> None:
+        while True:
+            engine = self.client.engine
+            assert engine is not None
+            await self._watch(engine)
+            if self.client.stopping:
+                return
+            self.client.set_state(EngineState.RESTARTING)
+            await engine.close(timeout=0)
+            await self._restart()
+            self.client.restarts += 1
+            self.client.metrics.engine_restarted()
+            self.client.set_state(EngineState.SERVING)
+
+    async def _watch(self, engine: EngineProcess) -> None:
+        """Return once `engine` is lost; declare it lost if it exits or stops making progress."""
+        while not engine.lost.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(engine.lost.wait(), WATCH_INTERVAL_S)
+            if engine.lost.is_set():
+                return
+            if not engine.process.is_alive():
+                self.client.lose(engine, f"the engine process exited ({engine.process.exitcode})")
+                return
+            silent = time.monotonic() - engine.last_message
+            busy = self.client.busy
+            limit = self.config.stall_timeout if busy else self.config.heartbeat_timeout
+            if silent > limit:
+                what = "with work in flight" if busy else "while idle"
+                self.client.lose(engine, f"no progress for {silent:.1f}s {what}")
+
+    async def _restart(self) -> None:
+        """Start engines until one is Ready and has replayed every applied update."""
+        delay = self.config.restart_backoff
+        while True:
+            log.warning("engine.restarting", in_seconds=delay)
+            await asyncio.sleep(delay)
+            try:
+                await self.client.launch()
+                await asyncio.wait_for(self.client.replay(), self.config.ready_timeout)
+                return
+            except (EngineStartError, EngineUnavailableError, TimeoutError) as exc:
+                # EngineUnavailableError: the new engine was lost before or during the replay.
+                log.error("engine.restart_failed", error=str(exc) or type(exc).__name__)
+            except Exception:  # spawning failed (an OS error) or a bug: logged, then retried
+                log.exception("engine.restart_failed")
+            engine = self.client.engine
+            if engine is not None:
+                self.client.lose(engine, "the restart failed")
+                await engine.close(timeout=0)
+            delay = min(max(delay * 2, 0.1), self.config.restart_backoff_max)

@@ -1,0 +1,312 @@
+"""AdminServicer: sluice.v1.Admin, live weight updates over the EngineClient.
+
+UpdateWeights, in order: (auth is the interceptor's) read and validate the header
+(INVALID_ARGUMENT with google.rpc.BadRequest); refuse while the engine is not serving
+(UNAVAILABLE); refuse a version not above the served one (FAILED_PRECONDITION) or past the
+largest uint64 (OUT_OF_RANGE), then a second update while one holds the engine client's update
+slot (FAILED_PRECONDITION); for inline tensors, assemble every chunk into one temporary
+file (TensorFileWriter); send `UpdateWeights` to the engine and relay its progress. The engine's
+FAILED becomes the call's status, after the events already sent. The update slot and the tensor
+file are released when the engine's final message arrives (or at once if the update is never
+sent), not when the call ends: a caller that
+walks away mid-update cannot start a second update under the first, nor delete its file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from typing import NoReturn
+
+import grpc
+import structlog
+from sluice.v1 import admin_pb2 as pb
+from sluice.v1 import admin_pb2_grpc
+
+from engine.messages import (
+    MAX_POLICY_VERSION,
+    InflightPolicy,
+    TensorRef,
+    UpdateWeights,
+    WeightsPhase,
+    WeightsProgress,
+)
+from service.config import ServiceConfig
+from service.engine_link.engine_client import (
+    EngineClient,
+    EngineState,
+    EngineUnavailableError,
+    UpdateInProgressError,
+)
+from service.engine_link.tensor_file import ChunkError, TensorFileWriter
+from service.ops.metrics import Metrics
+from service.rpc.admission import Refusal
+
+log = structlog.get_logger("sluice.admin")
+
+INFLIGHT_POLICIES = {
+    pb.INFLIGHT_POLICY_UNSPECIFIED: InflightPolicy.DRAIN,
+    pb.INFLIGHT_POLICY_DRAIN: InflightPolicy.DRAIN,
+    pb.INFLIGHT_POLICY_ABORT: InflightPolicy.ABORT,
+    pb.INFLIGHT_POLICY_CONTINUE: InflightPolicy.CONTINUE,
+    pb.INFLIGHT_POLICY_RECOMPUTE: InflightPolicy.RECOMPUTE,
+}
+
+# The tensor file cannot grow to hold the update: disk full, quota, or past the largest file the
+# file system (or RLIMIT_FSIZE) allows; ext4's is 16 TiB, the most an update may declare.
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    def __init__(
+        self,
+        config: ServiceConfig,
+        engine: EngineClient,
+        metrics: Metrics,
+        draining: Callable[[], bool],
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.metrics = metrics
+        self._draining = draining
+
+    async def UpdateWeights(
+        self,
+        request_iterator: AsyncIterator[pb.UpdateWeightsRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.UpdateWeightsProgress]:
+        messages = _arriving_within(request_iterator, self.config.update_idle_timeout)
+        update_id = uuid.uuid4().hex
+        try:
+            header = _validated_header(await anext(messages, None))
+            self._check_accepting(header)
+            progress = await self._start(update_id, header, messages)
+        except Refusal as refusal:
+            log.info("weights.refused", update_id=update_id, code=refusal.code.name)
+            self.metrics.weight_update_ended("refused")
+            await context.abort_with_status(refusal.to_status())
+            return
+        except asyncio.CancelledError:
+            self.metrics.weight_update_ended("abandoned")  # the caller left before sending it all
+            raise
+        try:
+            while True:
+                event = await progress.get()
+                match event.phase:
+                    case WeightsPhase.PAUSED:
+                        yield pb.UpdateWeightsProgress(paused=pb.Paused(in_flight=event.in_flight))
+                    case WeightsPhase.LOADING:
+                        yield pb.UpdateWeightsProgress(loading=_loading(event))
+                    case WeightsPhase.APPLIED:
+                        yield pb.UpdateWeightsProgress(applied=_applied(event))
+                        return
+                    case WeightsPhase.FAILED:
+                        await context.abort(_status_code(event.error_code), event.message)
+                        return
+        except asyncio.CancelledError:
+            # The caller left; the engine carries on and the slot frees at its final message.
+            log.info("weights.caller_gone", update_id=update_id)
+            raise
+
+    def _check_accepting(self, header: pb.UpdateWeightsHeader) -> None:
+        if self._draining():
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        if self.engine.state is not EngineState.SERVING:
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, f"the engine is {self.engine.state.value}")
+        served = self.engine.policy_version
+        if header.policy_version and header.policy_version <= served:
+            raise Refusal(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"policy_version {header.policy_version} must exceed the served version {served}",
+            )
+        if not header.policy_version and served >= MAX_POLICY_VERSION:
+            raise Refusal(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"the served policy version {served} is the largest there is: no next version",
+            )
+        try:
+            self.engine.claim_update()  # NOTE: no await since the checks above: they still hold
+        except UpdateInProgressError as exc:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
+
+    async def _start(
+        self,
+        update_id: str,
+        header: pb.UpdateWeightsHeader,
+        messages: AsyncIterator[pb.UpdateWeightsRequest],
+    ) -> asyncio.Queue[WeightsProgress]:
+        """Receive the tensors (if inline) and hand the update to the engine. Owns the slot:
+        releases it (and the file) itself on any failure, else when the engine finishes."""
+        writer: TensorFileWriter | None = None
+        try:
+            update = UpdateWeights(
+                update_id,
+                policy_version=header.policy_version,
+                inflight=INFLIGHT_POLICIES[header.inflight],
+                drain_timeout=(
+                    header.drain_timeout_ms / 1000 if header.HasField("drain_timeout_ms") else None
+                ),
+            )
+            if header.WhichOneof("source") == "checkpoint_dir":
+                update = replace(update, checkpoint_dir=header.checkpoint_dir)
+            else:
+                writer = TensorFileWriter(self.config.weights_dir)
+                refs = await _receive(writer, messages)
+                update = replace(update, tensor_file=writer.path, tensors=refs)
+            log.info(
+                "weights.update",
+                update_id=update_id,
+                policy_version=update.policy_version,
+                inflight=update.inflight.value,
+                checkpoint_dir=update.checkpoint_dir,
+                tensors=len(update.tensors),
+                bytes=writer.bytes_received if writer else None,
+            )
+            started = time.monotonic()
+            return self.engine.update_weights(
+                update, on_final=lambda final: self._finished(final, writer, started)
+            )
+        except EngineUnavailableError as exc:
+            self._release(writer)
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
+        except OSError as exc:  # the tensor file: no room for it, or a bad --weights-dir
+            self._release(writer)
+            code = (
+                grpc.StatusCode.RESOURCE_EXHAUSTED
+                if exc.errno in NO_ROOM
+                else grpc.StatusCode.UNAVAILABLE
+            )
+            raise Refusal(code, f"cannot write the tensor file in --weights-dir: {exc}") from exc
+        except BaseException:
+            self._release(writer)
+            raise
+
+    def _finished(
+        self, final: WeightsProgress, writer: TensorFileWriter | None, started: float
+    ) -> None:
+        elapsed = time.monotonic() - started
+        seconds = round(elapsed, 3)
+        applied = final.phase is WeightsPhase.APPLIED
+        self.metrics.weight_update_ended("applied" if applied else "failed", elapsed)
+        if applied:
+            log.info(
+                "weights.applied",
+                update_id=final.update_id,
+                previous_version=final.previous_version,
+                policy_version=final.policy_version,
+                aborted=final.aborted,
+                continued=final.continued,
+                recomputed=final.recomputed,
+                seconds=seconds,
+            )
+        else:
+            log.warning(
+                "weights.failed",
+                update_id=final.update_id,
+                code=final.error_code,
+                message=final.message,
+                seconds=seconds,
+            )
+        # The slot is already free (the engine client freed it when it routed `final`).
+        if writer is not None and final.phase is WeightsPhase.APPLIED:
+            writer.close()  # the replay log owns the file now: it is replayed after a restart
+        elif writer is not None:
+            writer.delete()
+
+    def _release(self, writer: TensorFileWriter | None) -> None:
+        """The update was never sent: free the slot and delete the file."""
+        if writer is not None:
+            writer.delete()
+        self.engine.release_update()
+
+
+def _validated_header(first: pb.UpdateWeightsRequest | None) -> pb.UpdateWeightsHeader:
+    if first is None or first.WhichOneof("part") != "header":
+        _invalid("header", "the first message must be the header")
+    header = first.header
+    match header.WhichOneof("source"):
+        case None:
+            _invalid("header.source", "set checkpoint_dir or inline_tensors")
+        case "checkpoint_dir" if not header.checkpoint_dir:
+            _invalid("header.checkpoint_dir", "must not be empty")
+        case "inline_tensors" if not header.inline_tensors:
+            _invalid("header.inline_tensors", "must be true (TensorChunk messages follow)")
+    if header.inflight not in INFLIGHT_POLICIES:
+        _invalid("header.inflight", f"unknown in-flight policy {header.inflight}")
+    return header
+
+
+async def _receive(
+    writer: TensorFileWriter, messages: AsyncIterator[pb.UpdateWeightsRequest]
+) -> tuple[TensorRef, ...]:
+    """Every TensorChunk until the caller closes its side, written into `writer`'s file."""
+    try:
+        async for message in messages:
+            if message.WhichOneof("part") != "tensor":
+                _invalid("header", "only the first message may be a header; then TensorChunks")
+            chunk = message.tensor
+            await writer.add(chunk.name, chunk.dtype, list(chunk.shape), chunk.offset, chunk.data)
+        return writer.finish()
+    except ChunkError as exc:
+        _invalid(exc.field, exc.message)
+
+
+async def _arriving_within(
+    messages: AsyncIterator[pb.UpdateWeightsRequest], timeout: float
+) -> AsyncIterator[pb.UpdateWeightsRequest]:
+    """`messages`, as long as each (or the end of the stream) arrives within `timeout` seconds
+    of the one before; then Refusal ABORTED. A stalled caller must not hold the update slot."""
+    iterator = aiter(messages)
+    while True:
+        try:
+            message = await asyncio.wait_for(anext(iterator), timeout)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise Refusal(
+                grpc.StatusCode.ABORTED,
+                f"the update was abandoned: no message from the caller for {timeout:g} s "
+                "(--update-idle-timeout)",
+            ) from None
+        yield message
+
+
+def _invalid(field_name: str, description: str) -> NoReturn:
+    raise Refusal(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"invalid update: {field_name}: {description}",
+        [(field_name, description)],
+    )
+
+
+def _status_code(name: str) -> grpc.StatusCode:
+    """The engine names a grpc.StatusCode; anything else is a bug (INTERNAL)."""
+    code = getattr(grpc.StatusCode, name, None)
+    if not isinstance(code, grpc.StatusCode) or code is grpc.StatusCode.OK:
+        log.error("weights.unknown_status", error_code=name)
+        return grpc.StatusCode.INTERNAL
+    return code
+
+
+def _loading(event: WeightsProgress) -> pb.Loading:
+    return pb.Loading(
+        bytes_done=event.bytes_done,
+        bytes_total=event.bytes_total,
+        tensors_done=event.tensors_done,
+        tensors_total=event.tensors_total,
+    )
+
+
+def _applied(event: WeightsProgress) -> pb.Applied:
+    return pb.Applied(
+        previous_version=event.previous_version,
+        policy_version=event.policy_version,
+        aborted=event.aborted,
+        continued=event.continued,
+        recomputed=event.recomputed,
+        seconds=event.seconds,
+    )

@@ -1,0 +1,283 @@
+"""Admission control: turn a GenerateRequest into an engine AddRequest, or refuse it.
+
+Every refusal before admission is a `Refusal` with one deliberate status code (the table in
+docs/service.md):
+UNAVAILABLE and RESOURCE_EXHAUSTED (with google.rpc.RetryInfo and the grpc-retry-pushback-ms
+trailer), DEADLINE_EXCEEDED, INVALID_ARGUMENT (with google.rpc.BadRequest naming fields),
+ALREADY_EXISTS.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+from sluice.v1 import generation_pb2 as pb
+
+from engine.messages import AddRequest, ModelInfo, SamplingParams
+from service.config import MAX_REQUEST_ID_LENGTH
+from service.text.completion import OutputSettings
+from service.text.tokenizer import Tokenizer
+
+# Stop strings are matched on every token's text. OpenAI and TGI (by default) take 4; 32 of up
+# to 256 characters leave room for chat and tool-call markers and keep matching cheap.
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 256
+# Stop token ids are checked at every step (and suppressed until min_tokens); eos variants and
+# turn markers are a handful.
+MAX_STOP_TOKEN_IDS = 256
+
+# engine.messages.SamplingParams field -> the proto field path callers see.
+FIELD_PATHS = {
+    **{
+        name: f"sampling.{name}"
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "frequency_penalty",
+            "presence_penalty",
+            "repetition_penalty",
+            "seed",
+        )
+    },
+    **{name: f"stop.{name}" for name in ("max_tokens", "min_tokens", "stop_token_ids")},
+    "top_logprobs": "output.top_logprobs",
+}
+
+# gRPC's standard trailer: a client's retry policy waits this many milliseconds before its next
+# attempt (instead of its own backoff). gRPC clients honour it for these codes only.
+PUSHBACK_KEY = "grpc-retry-pushback-ms"
+PUSHBACK_CODES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
+# The delay a refusal suggests is retry_after times a random factor in [1, RETRY_JITTER): calls
+# refused in the same instant, all told the same delay, would all come back in the same instant.
+RETRY_JITTER = 1.5
+
+
+class Refusal(Exception):
+    """A request refused before admission: a non-OK status and no events.
+
+    `retry_after` (seconds): retrying later may succeed. The caller is told `retry_delay_ms`,
+    retry_after with jitter (see RETRY_JITTER), drawn once: RetryInfo, the pushback trailer and
+    a GenerateStream `Refused` event of this refusal all carry the same value.
+    """
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        violations: list[tuple[str, str]] | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.violations = violations or []
+        self.retry_delay_ms = (
+            None
+            if retry_after is None
+            else round(retry_after * random.uniform(1.0, RETRY_JITTER) * 1000)
+        )
+
+    def to_status(self) -> grpc.Status:
+        details = []
+        if self.violations:
+            bad_request = error_details_pb2.BadRequest(
+                field_violations=[
+                    error_details_pb2.BadRequest.FieldViolation(field=f, description=d)
+                    for f, d in self.violations
+                ]
+            )
+            details.append(_pack(bad_request))
+        if self.retry_delay_ms is not None:
+            delay = duration_pb2.Duration()
+            delay.FromMilliseconds(self.retry_delay_ms)
+            details.append(_pack(error_details_pb2.RetryInfo(retry_delay=delay)))
+        status = status_pb2.Status(
+            code=getattr(code_pb2, self.code.name), message=self.message, details=details
+        )
+        trailers = rpc_status.to_status(status).trailing_metadata
+        if self.retry_delay_ms is not None and self.code in PUSHBACK_CODES:
+            trailers = (*trailers, (PUSHBACK_KEY, str(self.retry_delay_ms)))
+        return _Status(self.code, self.message, trailers)
+
+
+@dataclass(frozen=True)
+class _Status(grpc.Status):
+    code: grpc.StatusCode
+    details: str
+    trailing_metadata: tuple[tuple[str, str | bytes], ...]
+
+
+def _pack(message: error_details_pb2.BadRequest | error_details_pb2.RetryInfo) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A validated request: what the engine runs and what the service does with its output."""
+
+    request: AddRequest
+    output: OutputSettings
+
+
+def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
+    """The engine's parameters for a request; proto defaults where a field is unset."""
+    s, stop, out = req.sampling, req.stop, req.output
+    defaults = SamplingParams()
+    return SamplingParams(
+        temperature=s.temperature if s.HasField("temperature") else defaults.temperature,
+        top_p=s.top_p if s.HasField("top_p") else defaults.top_p,
+        top_k=s.top_k if s.HasField("top_k") else defaults.top_k,
+        min_p=s.min_p if s.HasField("min_p") else defaults.min_p,
+        frequency_penalty=s.frequency_penalty,
+        presence_penalty=s.presence_penalty,
+        repetition_penalty=(
+            s.repetition_penalty
+            if s.HasField("repetition_penalty")
+            else defaults.repetition_penalty
+        ),
+        seed=s.seed if s.HasField("seed") else None,
+        max_tokens=stop.max_tokens if stop.HasField("max_tokens") else None,
+        min_tokens=stop.min_tokens,
+        stop_token_ids=tuple(stop.stop_token_ids),
+        ignore_eos=stop.ignore_eos,
+        logprobs=out.logprobs or out.top_logprobs > 0,
+        top_logprobs=out.top_logprobs,
+        raw_logprobs=out.raw_logprobs,
+    )
+
+
+def field_violations(
+    req: pb.GenerateRequest, info: ModelInfo, tokenizer: Tokenizer
+) -> list[tuple[str, str]]:
+    """Every invalid field of a request that can be judged without tokenizing. Each check
+    costs little next to receiving the request: a prompt that cannot fit is refused here."""
+    errors: list[tuple[str, str]] = []
+    if len(req.request_id) > MAX_REQUEST_ID_LENGTH:
+        errors.append(("request_id", f"must be at most {MAX_REQUEST_ID_LENGTH} characters"))
+    match req.WhichOneof("prompt"):
+        case None:
+            errors.append(("prompt", "set text or token_ids"))
+        case "text" if not req.text:
+            errors.append(("text", "must not be empty"))
+        case "text":
+            errors += text_violations(req.text, info, tokenizer)
+        case "token_ids" if not req.token_ids.ids:
+            errors.append(("token_ids.ids", "must not be empty"))
+        case "token_ids" if len(req.token_ids.ids) >= info.max_model_len:
+            errors.append(("prompt", _no_room(len(req.token_ids.ids), info)))
+        case "token_ids" if max(req.token_ids.ids) >= info.vocab_size:
+            errors.append(("token_ids.ids", f"every id must be in [0, {info.vocab_size})"))
+    if req.HasField("n") and not 1 <= req.n <= info.max_num_seqs:
+        errors.append(("n", f"must be in [1, {info.max_num_seqs}] (max_num_seqs)"))
+    errors += _stop_violations(req.stop)
+    params = sampling_params(req)
+    errors += [(FIELD_PATHS.get(f, f), d) for f, d in params.errors(info.vocab_size)]
+    return errors
+
+
+def text_violations(text: str, info: ModelInfo, tokenizer: Tokenizer) -> list[tuple[str, str]]:
+    """`text` if it is too long to be a prompt, judged by its size alone (not encoded)."""
+    limit = tokenizer.max_text_bytes(info.max_model_len)
+    # A character is 1 to 4 UTF-8 bytes: most texts need no encode (a copy) to be judged.
+    if len(text) <= limit // 4:
+        return []
+    size = len(text.encode())
+    if size <= limit:
+        return []
+    return [
+        (
+            "text",
+            f"{size} bytes cannot fit in the context of {info.max_model_len} tokens "
+            f"(at most {limit} bytes for this tokenizer)",
+        )
+    ]
+
+
+def _stop_violations(stop: pb.StopParams) -> list[tuple[str, str]]:
+    errors: list[tuple[str, str]] = []
+    if len(stop.stop) > MAX_STOP_STRINGS:
+        errors.append(("stop.stop", f"at most {MAX_STOP_STRINGS} stop strings"))
+    elif any(not s for s in stop.stop):
+        errors.append(("stop.stop", "stop strings must not be empty"))
+    elif any(len(s) > MAX_STOP_STRING_CHARS for s in stop.stop):
+        errors.append(
+            ("stop.stop", f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
+        )
+    if len(stop.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        errors.append(("stop.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids"))
+    return errors
+
+
+async def admit(
+    req: pb.GenerateRequest,
+    *,
+    info: ModelInfo,
+    tokenizer: Tokenizer,
+    policy_version: int,
+    deadline: float | None,
+    retry_after: float,
+) -> Admission:
+    """Validate and tokenize; raises Refusal. Queue and duplicate checks are the caller's,
+    made right before submitting (no await in between). `retry_after`: the delay suggested to a
+    request refused for weights older than its `min_policy_version`."""
+    if deadline is not None and deadline <= time.time():
+        raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline has already passed")
+    violations = field_violations(req, info, tokenizer)
+    if violations:
+        raise invalid_argument(violations)
+    if req.WhichOneof("prompt") == "text":
+        prompt = await tokenizer.encode(req.text, add_special_tokens=True)
+    else:
+        prompt = list(req.token_ids.ids)
+    if len(prompt) >= info.max_model_len:  # the message of a token ids prompt too long
+        raise invalid_argument([("prompt", _no_room(len(prompt), info))])
+    if req.HasField("min_policy_version") and req.min_policy_version > policy_version:
+        # UNAVAILABLE with a retry delay, not FAILED_PRECONDITION: the weights it asks for are
+        # on their way (an update in progress here, or already applied on another replica
+        # behind the same balancer), so the clients' retry policy tries again by itself.
+        raise Refusal(
+            grpc.StatusCode.UNAVAILABLE,
+            f"min_policy_version {req.min_policy_version} is newer than the served "
+            f"policy version {policy_version}",
+            retry_after=retry_after,
+        )
+    request = AddRequest(
+        request_id=req.request_id or uuid.uuid4().hex,
+        prompt_token_ids=prompt,
+        params=sampling_params(req),
+        n=req.n if req.HasField("n") else 1,
+        priority=req.priority,
+        deadline=deadline,
+        min_policy_version=req.min_policy_version if req.HasField("min_policy_version") else None,
+    )
+    output = OutputSettings(
+        stop=tuple(req.stop.stop),
+        include_stop_str_in_output=req.stop.include_stop_str_in_output,
+        skip_special_tokens=(
+            req.output.skip_special_tokens if req.output.HasField("skip_special_tokens") else True
+        ),
+    )
+    return Admission(request, output)
+
+
+def invalid_argument(violations: list[tuple[str, str]]) -> Refusal:
+    """The refusal of a request with these (field, description) violations."""
+    description = "; ".join(f"{f}: {d}" for f, d in violations)
+    return Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {description}", violations)
+
+
+def _no_room(prompt_tokens: int, info: ModelInfo) -> str:
+    return (
+        f"{prompt_tokens} prompt tokens leave no room in the context of {info.max_model_len} tokens"
+    )

@@ -1,0 +1,6 @@
+"""Text: tokenizing prompts and turning engine tokens back into text.
+
+`tokenizer` (encode, incremental detokenize), `fast_decode` (per-id tables for the decoders that
+allow them), `stop_strings` (matching across chunks) and `completion` (one index's outputs as
+TokenChunk and Finished events). May import `engine.messages` and the generated stubs.
+"""

@@ -1,0 +1,143 @@
+"""The demo checkpoint: a plain Hugging Face checkpoint, built once, the same bytes every time.
+
+Builds use a couple of training steps so the whole file runs in seconds; the full recipe differs
+only in its step count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny_models import load_hf_model
+from tokenizers import Tokenizer
+
+from engine.attention.torch_ref import TorchRefAttention
+from engine.demo import checkpoint as demo
+from engine.demo.checkpoint import ensure_demo_checkpoint
+from engine.models.hf_config import load_model_config
+from engine.models.llama import LlamaForCausalLM
+
+STEPS = 2
+HF_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Two OpenMP threads on a busy 2-core machine run these tiny steps 20x slower than one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_demo_checkpoint(tmp_path_factory.mktemp("cache"), train_steps=STEPS)
+
+
+def load_ours(directory: Path) -> LlamaForCausalLM:
+    cfg = load_model_config(directory)
+    model = LlamaForCausalLM(cfg, TorchRefAttention(scale=cfg.head_dim**-0.5))
+    model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=True)
+    return model.eval()
+
+
+def test_demo_directory_holds_a_hugging_face_checkpoint(demo_dir: Path) -> None:
+    assert all((demo_dir / name).is_file() for name in HF_FILES)
+    config = json.loads((demo_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["model_type"] == "llama"
+    tokenizer = Tokenizer.from_file(str(demo_dir / "tokenizer.json"))
+    eos = json.loads((demo_dir / "generation_config.json").read_text())["eos_token_id"]
+    assert eos == tokenizer.token_to_id("</s>") == config["eos_token_id"]
+    encoding = tokenizer.encode("The café")
+    assert encoding.ids[0] == tokenizer.token_to_id("<s>")
+    assert tokenizer.decode(encoding.ids) == "The café"
+    assert tokenizer.get_vocab_size() == config["vocab_size"]
+
+
+def test_transformers_loads_the_demo_checkpoint_with_our_logits(demo_dir: Path) -> None:
+    ids = torch.tensor([Tokenizer.from_file(str(demo_dir / "tokenizer.json")).encode("The ").ids])
+    ids = torch.cat([ids, torch.arange(20).view(1, -1)], dim=1)
+    with torch.no_grad():
+        ours = load_ours(demo_dir).dense_forward(ids)
+        theirs = load_hf_model(demo_dir)(ids).logits
+    torch.testing.assert_close(ours, theirs.float(), rtol=0, atol=1e-5)
+
+
+def test_second_call_returns_the_directory_without_rebuilding(
+    demo_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fail(*args: object) -> None:
+        raise AssertionError("rebuilt an existing demo checkpoint")
+
+    monkeypatch.setattr(demo, "build_demo_checkpoint", fail)
+    assert ensure_demo_checkpoint(demo_dir.parent, train_steps=STEPS) == demo_dir
+
+
+def test_cached_demo_checkpoint_names_a_built_directory_and_builds_nothing(
+    demo_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(demo, "RECIPE", dataclasses.replace(demo.RECIPE, steps=STEPS))
+    assert demo.cached_demo_checkpoint(demo_dir.parent) == demo_dir
+    assert demo.cached_demo_checkpoint(tmp_path) is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_same_recipe_builds_identical_bytes(demo_dir: Path, tmp_path: Path) -> None:
+    again = ensure_demo_checkpoint(tmp_path, train_steps=STEPS)
+    assert again.name == demo_dir.name
+    for name in HF_FILES:
+        assert (again / name).read_bytes() == (demo_dir / name).read_bytes(), name
+
+
+def test_changed_recipe_gets_another_directory() -> None:
+    corpus = demo.load_corpus()
+    fingerprint = demo.RECIPE.fingerprint(corpus)
+    assert dataclasses.replace(demo.RECIPE, steps=STEPS).fingerprint(corpus) != fingerprint
+    assert demo.RECIPE.fingerprint(corpus + " ") != fingerprint
+
+
+def test_concurrent_callers_share_one_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    builds = []
+    build = demo.build_demo_checkpoint
+
+    def counting_build(*args: object) -> None:
+        builds.append(args)
+        build(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(demo, "build_demo_checkpoint", counting_build)
+    results: list[Path] = []
+    callers = [
+        threading.Thread(target=lambda: results.append(ensure_demo_checkpoint(tmp_path, STEPS)))
+        for _ in range(3)
+    ]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert len(builds) == 1
+    assert len(results) == 3 and len(set(results)) == 1
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == [results[0].name]
+
+
+def test_demo_module_does_not_import_transformers() -> None:
+    code = "import sys, engine.demo; assert 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

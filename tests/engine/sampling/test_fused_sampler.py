@@ -1,0 +1,232 @@
+"""The fused Triton sampler picks exactly the torch Sampler's tokens (logprobs to 1e-5):
+compiled on CUDA, else on the CPU through Triton's interpreter.
+
+NOTE: the interpreter is chosen when triton is first imported, so without CUDA this module
+sets TRITON_INTERPRET=1 at collection (as tests/engine/test_attention_triton.py does).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from engine.sampling.sampler import Sampler, SamplingBatch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip(
+            "triton was imported before the interpreter was chosen", allow_module_level=True
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+VOCAB = 300
+PAD = VOCAB
+
+
+@pytest.fixture(scope="module")
+def fused() -> ModuleType:
+    import engine.sampling.fused_sampler as module
+
+    return module
+
+
+def make_batch(rows: list[dict], vocab: int = VOCAB, **flags: object) -> SamplingBatch:
+    """One row per dict (temperature, top_k, top_p, min_p, penalties, seed, step, context,
+    prompt_len, banned); the batch flags follow from the rows unless given."""
+    floats, ints, contexts, bans = [], [], [], []
+    for i, r in enumerate(rows):
+        rep, freq, pres = r.get("penalties", (1.0, 0.0, 0.0))
+        floats.append([r.get("temperature", 1.0), r.get("top_p", 1.0), r.get("min_p", 0.0)])
+        floats[-1] += [rep, freq, pres]
+        seed = r.get("seed", 1000 + 7 * i)
+        ints.append([seed & 0xFFFFFFFF, seed >> 32, r.get("step", 0), r.get("top_k", 0)])
+        ints[-1].append(r.get("prompt_len", 0))
+        contexts.append(r.get("context", []))
+        bans.append(r.get("banned", []))
+    sampled = [r for r in rows if r.get("temperature", 1.0) > 0]
+    batch = SamplingBatch(
+        torch.tensor(floats, device=DEVICE),
+        torch.tensor(ints, dtype=torch.int64, device=DEVICE),
+        all_greedy=not sampled,
+        use_top_k=any(r.get("top_k", 0) > 0 for r in sampled),
+        use_top_p=any(r.get("top_p", 1.0) < 1.0 for r in sampled),
+        use_min_p=any(r.get("min_p", 0.0) > 0.0 for r in sampled),
+        use_penalties=any(r.get("penalties", (1.0, 0.0, 0.0)) != (1.0, 0.0, 0.0) for r in rows),
+    )
+    if batch.use_penalties:
+        batch.context_ids = padded(contexts)
+    if any(bans):
+        batch.suppress_ids = padded(bans)
+    return replace(batch, **flags)
+
+
+def padded(rows: list[list[int]]) -> torch.Tensor:
+    width = max(1, max(map(len, rows)))
+    return torch.tensor([r + [PAD] * (width - len(r)) for r in rows], device=DEVICE)
+
+
+def make_logits(rows: int, seed: int = 0, scale: float = 3.0, step: float = 0.0) -> torch.Tensor:
+    """Random logits; `step` > 0 rounds them to multiples of it, so that ties abound."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, VOCAB, generator=g) * scale
+    if step:
+        logits = torch.round(logits / step) * step
+    return logits.to(DEVICE)
+
+
+def assert_same_sampling(fused: ModuleType, logits: torch.Tensor, batch: SamplingBatch) -> None:
+    expected = Sampler()(logits, batch).unpack()
+    got = fused.FusedSampler(block=64, ways=4)(logits, batch).unpack()
+    assert torch.equal(got[0], expected[0]), (got[0], expected[0])
+    for g, e in zip(got[1:], expected[1:], strict=True):
+        assert (g is None) == (e is None)
+    if expected[1] is not None:
+        torch.testing.assert_close(got[1], expected[1], rtol=0, atol=1e-5)
+    if expected[2] is not None:
+        assert torch.equal(got[2], expected[2]), (got[2], expected[2])
+        torch.testing.assert_close(got[3], expected[3], rtol=0, atol=1e-5)
+
+
+CONTEXT = {"context": [5, 9, 9, 17, 9, 250, 5, 299, 0], "prompt_len": 3}
+OPTIONS = {
+    "greedy": {"temperature": 0.0},
+    "temperature": {"temperature": 0.7},
+    "top_k": {"top_k": 7},
+    "top_k_all": {"top_k": VOCAB + 5},
+    "top_p": {"top_p": 0.6},
+    "min_p": {"min_p": 0.05},
+    "repetition": {"penalties": (1.3, 0.0, 0.0), **CONTEXT},
+    "frequency": {"penalties": (1.0, 0.5, 0.0), **CONTEXT},
+    "presence": {"penalties": (1.0, 0.0, -0.8), **CONTEXT},
+    "banned": {"banned": [1, 2, 3, 42]},
+    "rl": {"top_k": 50, "top_p": 0.9, "penalties": (1.1, 0.0, 0.0), **CONTEXT},
+}
+
+
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_each_option_picks_the_torch_samplers_tokens(fused: ModuleType, option: str) -> None:
+    # Eight steps of one request: every row its own output index, so eight independent draws.
+    rows = [{**OPTIONS[option], "step": step} for step in range(8)]
+    assert_same_sampling(fused, make_logits(8, seed=len(option)), make_batch(rows))
+
+
+@pytest.mark.parametrize(
+    "logprobs", ["processed", "raw", "mixed"], ids=["processed", "raw", "mixed"]
+)
+def test_logprobs_and_top_logprobs_match_within_1e_5(fused: ModuleType, logprobs: str) -> None:
+    rows = [OPTIONS["rl"], OPTIONS["greedy"], OPTIONS["banned"], OPTIONS["temperature"]]
+    raw_rows = torch.tensor([logprobs != "processed", logprobs == "raw", True, False])
+    flags = {
+        "num_top_logprobs": 5,
+        "logprobs": logprobs != "raw",
+        "raw_logprobs": logprobs != "processed",
+        "raw_rows": raw_rows.to(DEVICE) if logprobs == "mixed" else None,
+    }
+    assert_same_sampling(fused, make_logits(4, seed=3), make_batch(rows, **flags))
+
+
+def test_a_mixed_batch_picks_the_torch_samplers_tokens(fused: ModuleType) -> None:
+    rows = [
+        {**OPTIONS[name], "step": i, "seed": 99 + i}
+        for i, name in enumerate(
+            ["greedy", "rl", "top_p", "temperature", "min_p", "frequency", "top_k", "banned"]
+        )
+    ]
+    rows[3]["min_p"] = 0.2  # a row with min-p and a row with top-k in the same batch
+    flags = {"num_top_logprobs": 3, "logprobs": True}
+    assert_same_sampling(fused, make_logits(8, seed=11, scale=2.0), make_batch(rows, **flags))
+
+
+def test_ties_are_broken_the_same_way(fused: ModuleType) -> None:
+    # Logits in steps of 0.5: the k-th value, top-p groups, maxima and top logprobs all tie.
+    rows = [
+        {"top_k": 5, "step": 0},
+        {"top_k": 1, "step": 1},
+        {"top_p": 0.3, "step": 2},
+        {"top_p": 0.5, "top_k": 9, "step": 3},
+        {"min_p": 0.5, "step": 4},
+        {"temperature": 0.0},
+    ]
+    logits = make_logits(len(rows), seed=5, scale=1.0, step=0.5)
+    batch = make_batch(rows, num_top_logprobs=6, logprobs=True)
+    assert_same_sampling(fused, logits, batch)
+
+
+def test_many_seeds_of_the_rl_setting_agree(fused: ModuleType) -> None:
+    rows = [{**OPTIONS["rl"], "seed": 5000 + i, "step": i % 5} for i in range(8)]
+    assert_same_sampling(fused, make_logits(8, seed=7, scale=4.0), make_batch(rows))
+
+
+def test_noise_at_the_top_of_the_hash_range_is_drawn_as_the_torch_sampler_draws_it(
+    fused: ModuleType,
+) -> None:
+    # Seed 1234 at output index 4891 hashes token 222 to the top of the uniform range, which
+    # rounds to 1 in float32 unless capped (tests/engine/test_sampling.py). Equal weights: the
+    # token wins the race. A weight of 0: it must not be drawn.
+    edge = {"seed": 1234, "step": 4891}
+    rows = [edge, {**edge, "top_p": 0.999}, edge, {**edge, "top_p": 0.999}]
+    logits = torch.zeros(4, VOCAB)
+    logits[2:, 222] = -1000.0
+    batch = make_batch(rows)
+    assert_same_sampling(fused, logits.to(DEVICE), batch)
+    ids = fused.FusedSampler(block=64, ways=4)(logits.to(DEVICE), batch).values.tolist()
+    assert ids[:2] == [222, 222] and 222 not in ids[2:]
+
+
+def test_the_penalty_scratch_is_clean_after_each_call(fused: ModuleType) -> None:
+    sampler = fused.FusedSampler(block=64, ways=4)
+    logits = make_logits(2, seed=1)
+    first = make_batch([OPTIONS["frequency"], OPTIONS["banned"]])
+    sampler(logits, first)
+    assert sampler._marks is not None and int(sampler._marks.abs().sum()) == 0
+    # A batch without those marks must not see the first one's.
+    second = make_batch([OPTIONS["presence"], {"temperature": 0.0}])
+    expected = Sampler()(logits, second).values
+    assert torch.equal(sampler(logits, second).values, expected)
+
+
+def test_an_engine_with_the_fused_sampler_generates_the_torch_engines_tokens(
+    fused: ModuleType, tiny_llama: Path
+) -> None:
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    rl = SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=50, repetition_penalty=1.1, logprobs=True,
+        top_logprobs=5, max_tokens=6, ignore_eos=True, seed=3, min_tokens=2,
+    )  # fmt: skip
+    params = [rl, replace(rl, temperature=0.0, seed=4), replace(rl, raw_logprobs=True, seed=5)]
+    prompts = [[0, 17, 42, 99], [5, 6, 7], [1, 2, 3, 4, 5, 6]]
+    results = {}
+    for name in ("torch", "triton"):
+        config = EngineConfig(model=str(tiny_llama), device=DEVICE, sampler=name)
+        engine = LLMEngine(config)
+        assert isinstance(engine.runner.sampler, fused.FusedSampler) == (name == "triton")
+        results[name] = engine.generate(prompts, params)
+    for got, expected in zip(results["triton"], results["torch"], strict=True):
+        assert got.token_ids == expected.token_ids
+        assert got.logprobs is not None and expected.logprobs is not None
+        assert got.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
+        assert [ids for ids, _ in got.top_logprobs] == [ids for ids, _ in expected.top_logprobs]
+
+
+def test_the_kernels_exp_and_log_equal_the_references_bit_for_bit(fused: ModuleType) -> None:
+    from engine.sampling.sampling_math import U_MAX, exp_weights, neg_log
+
+    g = torch.Generator().manual_seed(0)
+    edges = [0.0, -0.0, -1e-30, -1e-7, -79.999, -80.0, -80.001, -1e4, float("-inf")]
+    d = torch.cat([torch.tensor(edges), -torch.rand(4087, generator=g) * 90]).to(DEVICE)
+    k = torch.cat([torch.tensor([0, 1, 2**23, 2**24 - 1]), torch.randint(2**24, (4092,))])
+    u = ((k.float() + 0.5) * 2.0**-24).clamp(max=U_MAX).to(DEVICE)  # as the samplers draw it
+    w, e = torch.empty_like(d), torch.empty_like(u)
+    kernel = fused.math_kernel()
+    kernel[(d.numel() // 1024,)](d, u, w, e, d.numel(), BLOCK=1024, enable_fp_fusion=False)
+    assert torch.equal(w.view(torch.int32), exp_weights(d).view(torch.int32))
+    assert torch.equal(e.view(torch.int32), neg_log(u).view(torch.int32))
