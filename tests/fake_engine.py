@@ -44,7 +44,7 @@ from engine.messages import (
     WeightsPhase,
     WeightsProgress,
 )
-from engine.process import die_with_parent
+from engine.parent_death import die_with_parent
 
 TOTAL_PAGES = 64
 EOS = 1

@@ -20,7 +20,7 @@ import structlog
 from engine.config import EngineConfig
 from engine.logs import configure_logging
 from engine.parallel.rank_beats import RankBeats
-from engine.process import die_with_parent
+from engine.parent_death import die_with_parent
 
 log = structlog.get_logger("sluice.engine")
 

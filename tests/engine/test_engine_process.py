@@ -101,7 +101,7 @@ from engine.config import EngineConfig
 
 
 def late_child(marker):
-    from engine.process import die_with_parent
+    from engine.parent_death import die_with_parent
 
     time.sleep(1.0)  # the parent is gone by now
     die_with_parent()
