@@ -46,9 +46,10 @@ from service.engine_link.engine_process import (
     EngineUnavailableError,
     StartProcess,
 )
+from service.engine_link.engine_state import EngineState
 from service.engine_link.replay_log import ReplayLog
 from service.engine_link.routing import Inbox, RequestRouter
-from service.engine_link.supervisor import EngineState, Supervisor
+from service.engine_link.supervisor import Supervisor
 from service.ops.metrics import Metrics
 
 log = structlog.get_logger("sluice.engine_client")

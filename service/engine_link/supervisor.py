@@ -14,36 +14,48 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import structlog
 
+from service.config import ServiceConfig
 from service.engine_link.engine_process import (
     EngineProcess,
     EngineStartError,
     EngineUnavailableError,
 )
-
-if TYPE_CHECKING:
-    from service.engine_link.engine_client import EngineClient
+from service.engine_link.engine_state import EngineState
+from service.ops.metrics import Metrics
 
 log = structlog.get_logger("sluice.supervisor")
 
 WATCH_INTERVAL_S = 0.5
 
 
-class EngineState(enum.Enum):
-    STARTING = "starting"
-    SERVING = "serving"
-    RESTARTING = "restarting"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
+class Supervised(Protocol):
+    """What the Supervisor reads and calls on the engine's owner (the EngineClient)."""
+
+    restarts: int
+
+    @property
+    def config(self) -> ServiceConfig: ...
+    @property
+    def metrics(self) -> Metrics: ...
+    @property
+    def engine(self) -> EngineProcess | None: ...
+    @property
+    def stopping(self) -> bool: ...
+    @property
+    def busy(self) -> bool: ...
+    def set_state(self, state: EngineState) -> None: ...
+    def lose(self, engine: EngineProcess, reason: str) -> None: ...
+    async def launch(self) -> object: ...
+    async def replay(self) -> None: ...
 
 
 class Supervisor:
-    def __init__(self, client: EngineClient) -> None:
+    def __init__(self, client: Supervised) -> None:
         self.client = client
         self.config = client.config
 

@@ -1,0 +1,233 @@
+"""The package layout's rules, read from the source: no import cycle among the modules of
+engine/ and service/, and the boundary between the two sides.
+
+The graph is built with `ast`, not by importing: every `import` and `from ... import` in a
+module counts, at module level or inside a function (a function-level import still runs, and a
+cycle through one fails at run time), except those under `if TYPE_CHECKING:`. `from engine.x
+import name` is an edge to `engine.x.name` when that is a module, else to `engine.x` (a
+package means its `__init__`). Importing a submodule also runs its parents' `__init__`s, but
+those are not edges here: every `__init__` that imports its own submodules would be a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "service")
+
+# What service/ may import from engine/: the pipe protocol and the config (with the setting
+# fields the config is made of), the process entry (a spawn target that imports torch only
+# inside it, and parent_death, which it calls first), the logs both processes configure alike,
+# and the package itself (which loads LLMEngine lazily, the plain-data GenerationResult at once).
+SHARED = {
+    "engine",
+    "engine.generation_result",
+    "engine.config",
+    "engine.messages",
+    "engine.settings",
+    "engine.process",
+    "engine.parent_death",
+    "engine.logs",
+}
+
+
+def module_files() -> dict[str, Path]:
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join(parts)] = path
+    return modules
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(
+    tree: ast.AST, module_level_only: bool, type_checking: bool
+) -> list[ast.Import | ast.ImportFrom]:
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if module_level_only and isinstance(
+                child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda
+            ):
+                continue
+            if not type_checking and isinstance(child, ast.If) and _is_type_checking(child.test):
+                for other in child.orelse:
+                    visit_one(other)
+                continue
+            visit_one(child)
+
+    def visit_one(node: ast.AST) -> None:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        visit(node)
+
+    visit(tree)
+    return found
+
+
+def imported_modules(
+    name: str,
+    path: Path,
+    modules: set[str],
+    module_level_only: bool = False,
+    type_checking: bool = False,
+) -> set[str]:
+    """The engine/service modules `name` (at `path`) imports: outside TYPE_CHECKING blocks
+    unless `type_checking`, and with `module_level_only` outside functions (what importing
+    `name` runs)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    edges = set()
+    tree = ast.parse(path.read_text(), str(path))
+    for node in _imports(tree, module_level_only, type_checking):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                for alias in node.names
+            ]
+        for target in targets:
+            # `import engine.x.y` names a module; the longest known prefix is the one run.
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                edges.add(target)
+    return edges
+
+
+def import_graph(
+    module_level_only: bool = False, type_checking: bool = False
+) -> dict[str, set[str]]:
+    files = module_files()
+    names = set(files)
+    return {
+        name: imported_modules(name, path, names, module_level_only, type_checking)
+        for name, path in files.items()
+    }
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` as a path that ends where it starts, or None."""
+    done: set[str] = set()
+    stack: list[str] = []
+    on_stack: set[str] = set()
+
+    def visit(node: str) -> list[str] | None:
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in on_stack:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in done:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        stack.pop()
+        on_stack.discard(node)
+        done.add(node)
+        return None
+
+    for node in sorted(graph):
+        if node not in done:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_no_import_cycle_among_engine_and_service_modules():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_no_cycle_is_closed_by_a_type_checking_import_either():
+    # Such a cycle runs nowhere, but it says two modules each need the other: the layout keeps
+    # one of them below (service.engine_link.supervisor names what it needs in a Protocol).
+    cycle = find_cycle(import_graph(type_checking=True))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_sees_a_cycle_through_a_function_level_import(tmp_path):
+    (tmp_path / "a.py").write_text("from engine.b import f\n")
+    (tmp_path / "b.py").write_text("def f():\n    from engine import a\n")
+    (tmp_path / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine.a import x\n"
+    )
+    names = {"engine", "engine.a", "engine.b", "engine.c"}
+    graph = {
+        f"engine.{m}": imported_modules(f"engine.{m}", tmp_path / f"{m}.py", names) for m in "abc"
+    }
+    assert graph == {"engine.a": {"engine.b"}, "engine.b": {"engine.a"}, "engine.c": set()}
+    assert find_cycle(graph) == ["engine.a", "engine.b", "engine.a"]
+
+
+def test_service_imports_from_the_engine_only_the_shared_modules():
+    crossing = {
+        (name, target)
+        for name, targets in import_graph().items()
+        if name.split(".")[0] == "service"
+        for target in targets
+        if target.split(".")[0] == "engine" and target not in SHARED
+    }
+    assert crossing == set()
+
+
+def test_importing_a_shared_engine_module_imports_only_shared_ones():
+    # engine.process imports LLMEngine inside engine_main, in the engine process only.
+    graph = import_graph(module_level_only=True)
+    assert {(m, t) for m in SHARED for t in graph[m] if t not in SHARED} == set()
+
+
+def test_engine_never_imports_grpc_asyncio_or_the_generated_stubs():
+    banned = ("grpc", "grpc_status", "grpc_health", "grpc_reflection", "asyncio", "sluice")
+    found = []
+    for name, path in module_files().items():
+        if not name.startswith("engine"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            roots = []
+            if isinstance(node, ast.Import):
+                roots = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                roots = [node.module.split(".")[0]]
+            found += [(name, root) for root in roots if root in banned]
+    assert found == []
+
+
+def test_service_never_imports_torch_by_name():
+    found = []
+    for name, path in module_files().items():
+        if not name.startswith("service"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found += [(name, a.name) for a in node.names if a.name.split(".")[0] == "torch"]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+                found.append((name, node.module))
+    assert found == []
+
+
+def test_every_package_says_what_lives_there():
+    missing = [
+        str(path.relative_to(REPO))
+        for package in PACKAGES
+        for path in (REPO / package).rglob("__init__.py")
+        if not ast.get_docstring(ast.parse(path.read_text()))
+    ]
+    assert missing == []
