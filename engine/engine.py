@@ -3,8 +3,10 @@
 Usable directly by a trainer in the same process (`generate`), and by the engine process's
 pipe loop (`add_request` / `abort` / `step`). `step()` is: schedule (after step-boundary work:
 expired deadlines, a pending weight swap), run, postprocess. Every request ends with exactly one
-output whose `finish_reason` is set. Weight updates are WeightUpdater's (engine/weight_updater.py);
-`generate`'s results are GenerationResult (engine/generation_result.py).
+output whose `finish_reason` is set (engine/request_outputs.py builds them; a request that
+engine/request_validation.py refuses ends at once). Weight updates are WeightUpdater's
+(engine/weights/weight_updater.py); `generate`'s results are GenerationResult
+(engine/generation_result.py).
 
 With `tensor_parallel_size` N > 1 this process is rank 0: it starts N-1 worker processes
 (engine/worker_group.py), holds the scheduler, the page tables and the sampler, and its model
@@ -32,7 +34,6 @@ from engine.messages import (
     FinishReason,
     InflightPolicy,
     ModelInfo,
-    RequestMetrics,
     RequestOutput,
     SamplingParams,
     UpdateWeights,
@@ -42,6 +43,8 @@ from engine.models.hf_config import load_model_config
 from engine.parallel.sharding import Sharding
 from engine.parallel.tensor_parallel import TensorParallel
 from engine.parallel.worker_group import WorkerGroup
+from engine.request_outputs import error_output, request_output, stop_reason
+from engine.request_validation import request_error
 from engine.scheduling.prefix_cache import PrefixCache
 from engine.scheduling.request import Request, RequestStatus
 from engine.scheduling.scheduler import ScheduledBatch, Scheduler
@@ -122,10 +125,12 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         prompt = list(prompt_token_ids)
-        error = self._validate(prompt, params, n, min_policy_version)
+        limits = (self.model_config, self.config.max_num_seqs, self.policy_version)
+        error = request_error(prompt, params, n, min_policy_version, *limits)
         if error is not None:
             for index in range(max(n, 1)):
-                self.pending.append(self._error_output(request_id, index, len(prompt), error))
+                out = error_output(request_id, index, len(prompt), error, self.policy_version)
+                self.pending.append(out)
             return
         max_tokens = self.model_config.max_model_len - len(prompt)
         if params.max_tokens is not None:
@@ -154,26 +159,6 @@ class LLMEngine:
         self.scheduler.add(leader)
         self.requests[request_id] = seqs
 
-    def _validate(
-        self, prompt: list[int], params: SamplingParams, n: int, min_version: int | None
-    ) -> str | None:
-        vocab, max_len = self.model_config.vocab_size, self.model_config.max_model_len
-        if not prompt:
-            return "prompt: is empty"
-        if len(prompt) >= max_len:
-            return f"prompt: {len(prompt)} tokens leave no room in the context of {max_len}"
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            return f"prompt: token id {bad} is outside the vocabulary [0, {vocab})"
-        if not 1 <= n <= self.config.max_num_seqs:
-            return f"n: must be in [1, max_num_seqs={self.config.max_num_seqs}]"
-        errors = params.errors(vocab)
-        if errors:
-            return "; ".join(f"{name}: {why}" for name, why in errors)
-        if min_version is not None and min_version > self.policy_version:
-            return f"min_policy_version: {min_version} > served version {self.policy_version}"
-        return None
-
     def abort(
         self,
         request_ids: Sequence[str],
@@ -188,7 +173,7 @@ class LLMEngine:
             for req in list(self.requests.get(request_id, [])):
                 if not req.is_finished and index in (None, req.index):
                     self._finish(req, reason, message)
-                    self.pending.append(self._output(req, [], None, None))
+                    self.pending.append(request_output(req, [], None, None, self.policy_version))
                     ended += 1
         return ended
 
@@ -267,21 +252,11 @@ class LLMEngine:
             k = req.params.top_logprobs
             if k and sampled.top_ids is not None and sampled.top_logprobs is not None:
                 top = [(sampled.top_ids[row][:k], sampled.top_logprobs[row][:k])]
-            reason = self._stop_reason(req, token)
+            reason = stop_reason(req, token, self.model_config.eos_token_ids)
             if reason is not None:
                 self._finish(req, reason, None)
-            outputs.append(self._output(req, [token], logprobs, top))
+            outputs.append(request_output(req, [token], logprobs, top, self.policy_version))
         return outputs
-
-    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
-        params = req.params
-        if not params.ignore_eos and token in self.model_config.eos_token_ids:
-            return FinishReason.STOP
-        if token in params.stop_token_ids:
-            return FinishReason.STOP
-        if req.num_output_tokens >= req.max_tokens:
-            return FinishReason.LENGTH
-        return None
 
     def _expire_deadlines(self) -> None:
         now = time.time()
@@ -301,7 +276,7 @@ class LLMEngine:
             )
             # Pending siblings go to the queue on their own and end the same way next step.
             self._finish(req, FinishReason.ERROR, message)
-            self.pending.append(self._output(req, [], None, None))
+            self.pending.append(request_output(req, [], None, None, self.policy_version))
 
         self.scheduler.too_big.clear()
 
@@ -319,50 +294,7 @@ class LLMEngine:
         if all(s.is_finished for s in seqs):
             self.requests.pop(req.request_id, None)
 
-    # ---- outputs ----
-
-    def _output(
-        self,
-        req: Request,
-        tokens: list[int],
-        logprobs: list[float] | None,
-        top: list[tuple[list[int], list[float]]] | None,
-    ) -> RequestOutput:
-        metrics = None
-        if req.is_finished and req.finish_time is not None:
-            first_token = req.first_token_time or req.finish_time
-            metrics = RequestMetrics(
-                queue_time=(req.first_scheduled_time or req.finish_time) - req.arrival_time,
-                time_to_first_token=first_token - req.arrival_time,
-                decode_time=req.finish_time - first_token,
-            )
-        return RequestOutput(
-            request_id=req.request_id,
-            index=req.index,
-            new_token_ids=tokens,
-            policy_version=self.policy_version,
-            logprobs=logprobs,
-            top_logprobs=top,
-            finish_reason=req.finish_reason,
-            error=req.error,
-            prompt_tokens=req.prompt_len,
-            cached_tokens=req.num_cached_tokens,
-            completion_tokens=req.num_output_tokens,
-            metrics=metrics,
-        )
-
-    def _error_output(
-        self, request_id: str, index: int, prompt_len: int, error: str
-    ) -> RequestOutput:
-        return RequestOutput(
-            request_id=request_id,
-            index=index,
-            new_token_ids=[],
-            policy_version=self.policy_version,
-            finish_reason=FinishReason.ERROR,
-            error=error,
-            prompt_tokens=prompt_len,
-        )
+    # ---- stats ----
 
     def stats(self) -> EngineStats:
         """A consistent snapshot, policy version included."""

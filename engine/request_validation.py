@@ -1,0 +1,37 @@
+"""The checks a new request passes before it is queued; a failure is that request's ERROR output.
+
+The sampling parameters check their own fields (SamplingParams.errors, engine/messages.py).
+"""
+
+from __future__ import annotations
+
+from engine.messages import SamplingParams
+from engine.models.hf_config import ModelConfig
+
+
+def request_error(
+    prompt: list[int],
+    params: SamplingParams,
+    n: int,
+    min_version: int | None,
+    model: ModelConfig,
+    max_num_seqs: int,
+    policy_version: int,
+) -> str | None:
+    """What is wrong with this request, as `field: why` (several joined by '; '), or None."""
+    vocab, max_len = model.vocab_size, model.max_model_len
+    if not prompt:
+        return "prompt: is empty"
+    if len(prompt) >= max_len:
+        return f"prompt: {len(prompt)} tokens leave no room in the context of {max_len}"
+    bad = next((t for t in prompt if not 0 <= t < vocab), None)
+    if bad is not None:
+        return f"prompt: token id {bad} is outside the vocabulary [0, {vocab})"
+    if not 1 <= n <= max_num_seqs:
+        return f"n: must be in [1, max_num_seqs={max_num_seqs}]"
+    errors = params.errors(vocab)
+    if errors:
+        return "; ".join(f"{name}: {why}" for name, why in errors)
+    if min_version is not None and min_version > policy_version:
+        return f"min_policy_version: {min_version} > served version {policy_version}"
+    return None
