@@ -1,6 +1,7 @@
 """Sampling: the next token of every row, with per-row parameters and no host sync.
 
 `sampler` (the torch reference), `fused_sampler` (the same contract as one Triton kernel),
-`sampling_math` (the decision arithmetic both reproduce bit for bit) and `sampler_choice` (which
-one a device gets). May import `engine.attention` (whether Triton is available), nothing else.
+`sampling_math` (the decision arithmetic both reproduce bit for bit; `fused_math` is it in
+Triton) and `sampler_choice` (which one a device gets). May import `engine.attention` (whether
+Triton is available), nothing else.
 """

@@ -10,9 +10,10 @@ processed logit of a token is recomputed from the raw one in every pass):
    key T with count(keys >= T) >= k, top-p then the least key T whose mass strictly above is
    at most top_p times the top-k mass, WAYS thresholds per pass (log_WAYS of the key range);
 4. the exponential race over the kept tokens.
-Every decision uses engine/sampling_math.py's arithmetic with the same operations in the same
-order (correctly rounded division, no fused multiply-add), so the kernel picks exactly the
-tokens the torch Sampler picks; logprobs agree to float32 rounding.
+Every decision uses engine/sampling/sampling_math.py's arithmetic with the same operations in
+the same order (correctly rounded division, no fused multiply-add; its exp, log and hash as
+Triton functions in engine/sampling/fused_math.py), so the kernel picks exactly the tokens the
+torch Sampler picks; logprobs agree to float32 rounding.
 
 The kernel also runs under Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors, which is
 how the tests check it against the torch Sampler.
@@ -26,70 +27,16 @@ import triton
 import triton.language as tl
 
 from engine.sampling import sampling_math as sm
+from engine.sampling.fused_math import exp_weights, fmix32, neg_log, order_keys
 from engine.sampling.sampler import SamplerOutput, SamplingBatch
 
 SEEN = 1 << 24  # scratch flags above a 24-bit output count
 BANNED = 1 << 25
 
-_LOG2E = tl.constexpr(sm.LOG2E)
-_LN2 = tl.constexpr(sm.LN2)
-_SQRT2 = tl.constexpr(sm.SQRT2)
-_MIN_EXP = tl.constexpr(sm.MIN_EXPONENT)
 _MASS = tl.constexpr(sm.MASS_SCALE)
 _U_MAX = tl.constexpr(sm.U_MAX)
-_E1, _E2, _E3, _E4, _E5, _E6 = (tl.constexpr(c) for c in sm.EXP2_COEFFS)
-_A3, _A5, _A7, _A9 = (tl.constexpr(c) for c in sm.ATANH_COEFFS)
 _SEEN = tl.constexpr(SEEN)
 _BANNED = tl.constexpr(BANNED)
-
-
-@triton.jit
-def _order_keys(x):
-    bits = tl.where(x == 0, 0.0, x).to(tl.int32, bitcast=True)
-    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-
-
-@triton.jit
-def _exp_weights(d):
-    t = tl.maximum(d, _MIN_EXP) * _LOG2E
-    n = tl.floor(t)
-    f = t - n
-    p = f * _E6 + _E5
-    p = p * f + _E4
-    p = p * f + _E3
-    p = p * f + _E2
-    p = p * f + _E1
-    p = p * f + 1.0
-    scale = ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
-    return tl.where(d < _MIN_EXP, 0.0, p * scale)
-
-
-@triton.jit
-def _neg_log(u):
-    bits = u.to(tl.int32, bitcast=True)
-    exponent = (bits >> 23) - 127
-    m = ((bits & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
-    big = m > _SQRT2
-    m = tl.where(big, m * 0.5, m)
-    exponent = exponent + big.to(tl.int32)
-    r = m - 1.0
-    s = tl.math.div_rn(r, r + 2.0)
-    z = s * s
-    p = z * _A9 + _A7
-    p = p * z + _A5
-    p = p * z + _A3
-    s2 = s + s
-    log_m = s2 + s2 * (z * p)
-    return -(exponent.to(tl.float32) * _LN2 + log_m)
-
-
-@triton.jit
-def _fmix32(x):  # uint32
-    x = x ^ (x >> 16)
-    x = x * 0x85EBCA6B
-    x = x ^ (x >> 13)
-    x = x * 0xC2B2AE35
-    return x ^ (x >> 16)
 
 
 @triton.jit
@@ -192,7 +139,7 @@ def _sample(
             raw_m = new_raw_m
         m = new_m
         if TOP_K or TOP_P:
-            keys = tl.where(mask, _order_keys(x), 2147483647)
+            keys = tl.where(mask, order_keys(x), 2147483647)
             key_min = tl.minimum(key_min, tl.min(keys, axis=0))
     log_total = 0.0
     if LOGPROBS:
@@ -223,7 +170,7 @@ def _sample(
             if RAW:
                 source = tl.where(is_raw, raw, x)
             ids = (start + offs).to(tl.int64)
-            ranked = _order_keys(source).to(tl.int64) * 4294967296 + (low_mask - ids)
+            ranked = order_keys(source).to(tl.int64) * 4294967296 + (low_mask - ids)
             ranked = tl.where(mask & (ranked < previous), ranked, -9223372036854775807 - 1)
             best = tl.maximum(best, tl.max(ranked, axis=0))
         previous = best
@@ -281,7 +228,7 @@ def _threshold(
     offs = tl.arange(0, BLOCK)
     ways = tl.arange(0, WAYS).to(tl.int64)
     lo = key_min.to(tl.int64)
-    key_max = _order_keys(m).to(tl.int64)
+    key_max = order_keys(m).to(tl.int64)
     if TOP_K:
         if top_k > 0:
             if top_k < vocab:
@@ -320,8 +267,8 @@ def _threshold(
                             marks_row + start + offs, mask=mask, other=0, cache_modifier=".cg"
                         )
                     x = _processed(raw, marks, rep, freq, pres, divisor, PENALTIES, BANS)
-                    keys = _order_keys(x).to(tl.int64)
-                    mass = tl.floor(_exp_weights(x - m) * _MASS).to(tl.int64)
+                    keys = order_keys(x).to(tl.int64)
+                    mass = tl.floor(exp_weights(x - m) * _MASS).to(tl.int64)
                     mass = tl.where(mask & (keys >= k_floor), mass, 0)
                     kept_mass += mass
                     hit = keys[:, None] > points[None, :]
@@ -343,7 +290,7 @@ def _block_keys(
     marks = 0
     if PENALTIES or BANS:
         marks = tl.load(marks_row + offs, mask=mask, other=0, cache_modifier=".cg")
-    return _order_keys(_processed(raw, marks, rep, freq, pres, divisor, PENALTIES, BANS))
+    return order_keys(_processed(raw, marks, rep, freq, pres, divisor, PENALTIES, BANS))
 
 
 @triton.jit
@@ -355,7 +302,7 @@ def _race(
     seed_low = tl.load(row_ints).to(tl.uint32)
     seed_high = tl.load(row_ints + 1).to(tl.uint32)
     counter = (tl.load(row_ints + 2) & 4294967295).to(tl.uint32)
-    row_key = _fmix32(seed_high ^ _fmix32(seed_low ^ _fmix32(counter)))
+    row_key = fmix32(seed_high ^ fmix32(seed_low ^ fmix32(counter)))
     offs = tl.arange(0, BLOCK)
     best = -1.0
     token = 0
@@ -366,33 +313,19 @@ def _race(
         if PENALTIES or BANS:
             marks = tl.load(marks_row + start + offs, mask=mask, other=0, cache_modifier=".cg")
         x = _processed(raw, marks, rep, freq, pres, divisor, PENALTIES, BANS)
-        weights = _exp_weights(x - m)
-        kept = mask & (_order_keys(x) >= threshold)
+        weights = exp_weights(x - m)
+        kept = mask & (order_keys(x) >= threshold)
         if MIN_P:
             kept = kept & (weights >= min_p)
-        bits = _fmix32(row_key ^ ((start + offs).to(tl.uint32) * 0x9E3779B9))
+        bits = fmix32(row_key ^ ((start + offs).to(tl.uint32) * 0x9E3779B9))
         u = tl.minimum(((bits >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08, _U_MAX)
-        scores = tl.where(kept, tl.math.div_rn(weights, _neg_log(u)), -1.0)
+        scores = tl.where(kept, tl.math.div_rn(weights, neg_log(u)), -1.0)
         block_best = tl.max(scores, axis=0)
         token = tl.where(
             block_best > best, start + tl.argmax(scores, 0, tie_break_left=True), token
         )
         best = tl.maximum(best, block_best)
     return token
-
-
-@triton.jit
-def _apply_math(d_ptr, u_ptr, w_ptr, e_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    tl.store(w_ptr + offs, _exp_weights(tl.load(d_ptr + offs, mask=mask)), mask=mask)
-    tl.store(e_ptr + offs, _neg_log(tl.load(u_ptr + offs, mask=mask, other=0.5)), mask=mask)
-
-
-def math_kernel() -> triton.JITFunction:
-    """w = exp_weights(d) and E = neg_log(u) elementwise: the tests compare them bit for bit
-    with engine/sampling_math.py's."""
-    return _apply_math
 
 
 class FusedSampler:

@@ -2,7 +2,7 @@
 compiled on CUDA, else on the CPU through Triton's interpreter.
 
 NOTE: the interpreter is chosen when triton is first imported, so without CUDA this module
-sets TRITON_INTERPRET=1 at collection (as tests/engine/test_attention_triton.py does).
+sets TRITON_INTERPRET=1 at collection (as tests/engine/attention/test_attention_triton.py does).
 """
 
 from __future__ import annotations
@@ -217,7 +217,8 @@ def test_an_engine_with_the_fused_sampler_generates_the_torch_engines_tokens(
         assert [ids for ids, _ in got.top_logprobs] == [ids for ids, _ in expected.top_logprobs]
 
 
-def test_the_kernels_exp_and_log_equal_the_references_bit_for_bit(fused: ModuleType) -> None:
+def test_the_kernels_exp_and_log_equal_the_references_bit_for_bit() -> None:
+    from engine.sampling.fused_math import math_kernel
     from engine.sampling.sampling_math import U_MAX, exp_weights, neg_log
 
     g = torch.Generator().manual_seed(0)
@@ -226,7 +227,7 @@ def test_the_kernels_exp_and_log_equal_the_references_bit_for_bit(fused: ModuleT
     k = torch.cat([torch.tensor([0, 1, 2**23, 2**24 - 1]), torch.randint(2**24, (4092,))])
     u = ((k.float() + 0.5) * 2.0**-24).clamp(max=U_MAX).to(DEVICE)  # as the samplers draw it
     w, e = torch.empty_like(d), torch.empty_like(u)
-    kernel = fused.math_kernel()
+    kernel = math_kernel()
     kernel[(d.numel() // 1024,)](d, u, w, e, d.numel(), BLOCK=1024, enable_fp_fusion=False)
     assert torch.equal(w.view(torch.int32), exp_weights(d).view(torch.int32))
     assert torch.equal(e.view(torch.int32), neg_log(u).view(torch.int32))
