@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from multiprocessing.process import BaseProcess
 
 import structlog
@@ -50,6 +50,7 @@ from service.engine_link.engine_state import EngineState
 from service.engine_link.replay_log import ReplayLog
 from service.engine_link.routing import Inbox, RequestRouter
 from service.engine_link.supervisor import Supervisor
+from service.engine_link.update_route import UpdateInProgressError, UpdateRoute
 from service.ops.metrics import Metrics
 
 log = structlog.get_logger("sluice.engine_client")
@@ -62,21 +63,6 @@ __all__ = [
     "EngineUnavailableError",
     "UpdateInProgressError",
 ]
-
-
-class UpdateInProgressError(RuntimeError):
-    """The one weight-update slot is taken."""
-
-
-@dataclass
-class _UpdateRoute:
-    """Where one weight update's progress goes, until its final message."""
-
-    update: UpdateWeights
-    queue: asyncio.Queue[WeightsProgress]
-    on_final: Callable[[WeightsProgress], None] | None
-    replay: bool  # re-applied to a restarted engine: changes neither the version nor the log
-    fingerprint: str | None = None  # a checkpoint's, when it was sent (ReplayLog.changed)
 
 
 class EngineClient:
@@ -102,7 +88,7 @@ class EngineClient:
         self._target = target
         self._start_process = start_process
         self._on_state = on_state
-        self._updates: dict[str, _UpdateRoute] = {}  # sent to the engine, no final message yet
+        self._updates: dict[str, UpdateRoute] = {}  # sent to the engine, no final message yet
         self._update_claimed = False
         self._stats_waiters: list[asyncio.Future[None]] = []
         self._supervisor: asyncio.Task[None] | None = None
@@ -228,7 +214,7 @@ class EngineClient:
         assert update.update_id not in self._updates, update.update_id
         self._send(update)
         queue: asyncio.Queue[WeightsProgress] = asyncio.Queue()
-        self._updates[update.update_id] = _UpdateRoute(update, queue, on_final, replay)
+        self._updates[update.update_id] = UpdateRoute(update, queue, on_final, replay)
         return queue
 
     async def replay(self) -> None:
