@@ -178,9 +178,14 @@ def record_writes(servicer_class: Any, router_class: Any) -> tuple[list[Write], 
 async def serve(model_dir: str) -> None:
     from engine.logs import configure_logging
     from service.config import ServiceConfig
-    from service.engine_link.routing import RequestRouter
-    from service.rpc.servicer import GenerationServicer
     from service.server import create_server
+
+    try:
+        from service.engine_link.routing import RequestRouter
+        from service.rpc.servicer import GenerationServicer
+    except ModuleNotFoundError:  # a baseline revision from before service/ had subpackages
+        from service.routing import RequestRouter
+        from service.servicer import GenerationServicer
 
     writes: list[Write] = []
     arrivals: dict[str, float] = {}
