@@ -1,0 +1,136 @@
+"""The server bench.serve measures: `python -m service` started and awaited, and its CPU use.
+
+`server` starts it on 127.0.0.1 port 0 with the phase's settings and yields its address once
+it logs `server.listening` and its health is SERVING; `cpu_seconds` reads what the load
+generator, the service process and its engine have used so far from /proc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from service.ops.priority import Spawner, lower_priority
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cpu_seconds(server_pid: int | None) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by this process (the load generator), the
+    server process and its children (the engine). Linux /proc; empty elsewhere."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    seconds = {"client": usage.ru_utime + usage.ru_stime}
+    if server_pid is None or not os.path.isdir("/proc"):
+        return seconds
+    tick = os.sysconf("SC_CLK_TCK")
+    engine = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            text = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue  # the process ended meanwhile
+        fields = text[text.rindex(")") + 2 :].split()
+        ppid, used = int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
+        if int(entry) == server_pid:
+            seconds["service"] = used
+        elif ppid == server_pid:
+            engine += used
+    seconds["engine"] = engine
+    return seconds
+
+
+@contextmanager
+def server(
+    args: argparse.Namespace, model_dir: Path, dtype: str, spawner: Spawner | None
+) -> Iterator[tuple[str, int]]:
+    """`python -m service` on 127.0.0.1 port 0; yields (HOST:PORT, pid) once it is SERVING."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "service",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--device",
+        args.device,
+        "--dtype",
+        dtype,
+        "--max-num-seqs",
+        str(args.max_concurrency),
+        "--shutdown-grace",
+        "5",
+        "--no-enable-prefix-cache",
+        "--service-niceness",
+        str(args.service_niceness),
+    ]
+    env = dict(os.environ)
+    if args.threads:  # the engine process inherits it: torch sizes its pool from it
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    with tempfile.NamedTemporaryFile("w+", prefix="sluice-serve-", suffix=".log") as logfile:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=logfile, stderr=logfile)
+        try:
+            target = _wait_listening(proc, Path(logfile.name), args.ready_timeout)
+            asyncio.run(_wait_serving(target, args.ready_timeout))
+            # After the server started: it (and its engine) keep their priority, and so do
+            # the offline runs, which `spawner` starts.
+            if spawner is not None:
+                lower_priority(args.client_niceness, spare=spawner.native_id)
+            yield target, proc.pid
+        except BaseException:
+            logfile.seek(0)
+            sys.stderr.write(logfile.read()[-4000:])
+            raise
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_listening(proc: subprocess.Popen[bytes], path: Path, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before listening")
+        for line in path.read_text().splitlines():
+            if '"server.listening"' in line:
+                event = json.loads(line)
+                return f"127.0.0.1:{event['port']}"
+        time.sleep(0.1)
+    raise TimeoutError("the server did not log server.listening in time")
+
+
+async def _wait_serving(target: str, timeout: float) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.2)
+    raise TimeoutError("the server did not become SERVING in time")
