@@ -54,8 +54,9 @@ step() {  # step NAME SECONDS MODULE ARGS...: skipped when the budget cannot cov
 }
 
 # Compiled on CUDA: the Triton attention and sampler kernels, CUDA graphs, torch.compile.
-GPU_TESTS=(tests/engine/test_gpu_fast_path.py tests/engine/test_attention_triton.py
-  tests/engine/test_cuda_graph.py tests/engine/test_fused_sampler.py tests/engine/test_sampling.py)
+GPU_TESTS=(tests/engine/execution/test_gpu_fast_path.py
+  tests/engine/attention/test_attention_triton.py tests/engine/execution/test_cuda_graph.py
+  tests/engine/sampling/test_fused_sampler.py tests/engine/sampling/test_sampling.py)
 if chosen gpu-tests; then
   echo "== gpu-tests (limit 240 s): pytest ${GPU_TESTS[*]}" >&2
   start=$SECONDS

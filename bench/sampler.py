@@ -2,7 +2,8 @@
 
 Per batch size and setting (greedy; RL: temperature 1, top-p 0.9, top-k 50, logprobs with
 top-5, repetition penalty 1.1 over a 1,024-token context), the median time of one sampler
-call, and whether both picked the same tokens (they must: tests/engine/test_fused_sampler.py).
+call, and whether both picked the same tokens (they must:
+tests/engine/sampling/test_fused_sampler.py).
 
     python -m bench.sampler --device cuda --batches 64 256 --vocab 128256
 

@@ -9,8 +9,8 @@ engine/request_validation.py refuses ends at once). Weight updates are WeightUpd
 (engine/generation_result.py).
 
 With `tensor_parallel_size` N > 1 this process is rank 0: it starts N-1 worker processes
-(engine/worker_group.py), holds the scheduler, the page tables and the sampler, and its model
-runner sends each step's inputs to the workers. `close()` stops them.
+(engine/parallel/worker_group.py), holds the scheduler, the page tables and the sampler, and its
+model runner sends each step's inputs to the workers. `close()` stops them.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ for _ in $(seq 1 100); do
   sleep 0.2
 done
 [ -n "$PORT" ] || { echo "the server did not report its port; log: $LOG" >&2; exit 1; }
-CACHED="$(.venv/bin/python -c 'from engine.demo import cached_demo_checkpoint as c; print(c() or "")')"
+CACHED="$(.venv/bin/python -c 'from engine.demo.checkpoint import cached_demo_checkpoint as c; print(c() or "")')"
 if [ -n "$CACHED" ]; then
   echo "sluice is listening on 127.0.0.1:$PORT; loading the demo model from $CACHED..." >&2
 else

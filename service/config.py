@@ -44,7 +44,7 @@ class ServiceConfig:
     # Off by default: with the engine's torch threads on every core (the CPU default) a service
     # below them only runs in the engine's gaps (health checks took 75-84 ms at p50 instead of
     # 3-5 ms under load). With a core left to it, the engine first in line is what lets 64 served
-    # streams keep up with the offline engine on a 2-core machine (service/priority.py).
+    # streams keep up with the offline engine on a 2-core machine (service/ops/priority.py).
     service_niceness: int = setting(
         0,
         "nice levels added to the service's own threads, not the engine's, so that the engine "

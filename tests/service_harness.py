@@ -33,7 +33,7 @@ async def running_server(
 ) -> AsyncIterator[tuple[SluiceServer, str]]:
     """A started, SERVING server and its target address; stopped (drained) on exit.
 
-    `fake` runs tests/service/fake_engine.py instead of the real engine; `engine` overrides
+    `fake` runs tests/fake_engine.py instead of the real engine; `engine` overrides
     EngineConfig fields, `config` ServiceConfig fields."""
     engine_config = EngineConfig(
         **{

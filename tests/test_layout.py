@@ -231,3 +231,17 @@ def test_every_package_says_what_lives_there():
         if not ast.get_docstring(ast.parse(path.read_text()))
     ]
     assert missing == []
+
+
+def test_every_package_is_in_the_distribution():
+    import tomllib
+
+    listed = set(
+        tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join(path.parent.relative_to(REPO).parts)
+        for package in PACKAGES
+        for path in (REPO / package).rglob("__init__.py")
+    }
+    assert found == listed

@@ -1,8 +1,8 @@
 """ModelShard: one rank's model, KV pool and model runner, built the same way on every rank.
 
 With tensor parallelism every rank runs `load_shard` in the same order (rank 0 inside
-LLMEngine, the others in engine/tp_worker.py), so the collectives it makes (the KV page count,
-CUDA-graph warm-ups) match rank for rank.
+LLMEngine, the others in engine/parallel/tp_worker.py), so the collectives it makes (the KV page
+count, CUDA-graph warm-ups) match rank for rank.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ embeddings. Module and parameter names equal the checkpoint's, so weights load b
 The forward pass takes a packed batch: every sequence's new tokens concatenated into one
 [tokens] vector, with positions and attention metadata saying where each sequence's KV lives.
 
-Tensor parallelism (engine/models/sharding.py says which slice each rank holds): the modules
+Tensor parallelism (engine/parallel/sharding.py says which slice each rank holds): the modules
 are built at their local sizes, and each layer runs two all-reduces (after o_proj and after
 down_proj); the embedding runs one, and the LM head one all-gather of the vocabulary slices.
 With one rank these collectives are the identity and every module is whole.

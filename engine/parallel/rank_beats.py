@@ -3,7 +3,7 @@
 An idle worker's main thread waits in a collective for rank 0's next message for as long as
 the engine is idle, so that thread's progress says nothing. Instead a thread of each worker
 stamps the worker's slot every BEAT_INTERVAL_S; a worker that is stopped (SIGSTOP), frozen or
-starved of the CPU stops stamping, and rank 0's watcher (engine/worker_group.py) takes the
+starved of the CPU stops stamping, and rank 0's watcher (engine/parallel/worker_group.py) takes the
 whole engine down once a slot is older than SILENCE_LIMIT_S, idle or busy: the service then
 restarts the group. A worker whose main thread alone hangs (in a collective) still stamps: the
 collective timeout and the service's stall timeout end that one.

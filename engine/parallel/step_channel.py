@@ -26,7 +26,7 @@ HEADER_SIZE = 8
 
 class Op(IntEnum):
     STEP = 1  # a forward: header sizes, then the packed inputs
-    STAGE = 2  # a weight update's staging (engine/sharded_update.py), then its verdict
+    STAGE = 2  # a weight update's staging (engine/weights/sharded_update.py), then its verdict
     GATHER = 3  # send every parameter shard to rank 0 (live_weights)
     PING = 4  # nothing: keeps idle workers inside the collective timeout
     STOP = 5  # leave the group and exit

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 # A collective that waits longer than this fails (a hung or lost rank), on every backend.
-# Rank 0 pings idle workers well within it (engine/worker_group.py), and the service's stall
-# timeout usually ends a hung engine sooner.
+# Rank 0 pings idle workers well within it (engine/parallel/worker_group.py), and the service's
+# stall timeout usually ends a hung engine sooner.
 COLLECTIVE_TIMEOUT_S = 300.0
 
 

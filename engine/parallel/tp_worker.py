@@ -1,11 +1,11 @@
 """A tensor-parallel worker process: rank 1..N-1 of one engine.
 
-Started by rank 0 (engine/worker_group.py) with the 'spawn' context. It loads its shard of the
-model the same way rank 0 does (engine/model_shard.py), then follows rank 0's messages on the
-StepChannel until STOP: a step's forward on its shard, a weight update's staging and swap, a
-gather of its parameters. It has no scheduler, no sampler and no pipe: rank 0 owns the page
-tables and the requests. Any failure ends the process (exit status 1), which rank 0's watcher
-turns into the end of the whole engine.
+Started by rank 0 (engine/parallel/worker_group.py) with the 'spawn' context. It loads its shard
+of the model the same way rank 0 does (engine/execution/model_shard.py), then follows rank 0's
+messages on the StepChannel until STOP: a step's forward on its shard, a weight update's staging
+and swap, a gather of its parameters. It has no scheduler, no sampler and no pipe: rank 0 owns
+the page tables and the requests. Any failure ends the process (exit status 1), which rank 0's
+watcher turns into the end of the whole engine.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """WorkerGroup: rank 0's handle on the other tensor-parallel ranks (worker processes).
 
 Rank 0 (the engine process) serves the rendezvous store, spawns ranks 1..N-1 (each runs
-engine/tp_worker.py's `worker_main`), joins the process group with them, and from then on:
+engine/parallel/tp_worker.py's `worker_main`), joins the process group with them, and from then on:
 - tells them every step through the model runner's StepChannel;
 - pings them when idle, so an idle group stays inside the collective timeout;
 - watches their liveness: a worker that exits (`engine.worker_died`), or stops stamping its

@@ -1,6 +1,6 @@
 """The sampler for a device: the fused Triton kernel on CUDA, the torch reference elsewhere.
 
-Both give the same tokens (engine/fused_sampler.py); `EngineConfig.sampler` forces either.
+Both give the same tokens (engine/sampling/fused_sampler.py); `EngineConfig.sampler` forces either.
 """
 
 from __future__ import annotations

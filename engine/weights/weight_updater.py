@@ -10,7 +10,7 @@ or FAILED. "An update is in
 progress" is `pending`, and nowhere else.
 
 With tensor parallelism every rank stages its shard and all swap, or none does
-(engine/sharded_update.py); versions, policies and events stay here, on rank 0.
+(engine/weights/sharded_update.py); versions, policies and events stay here, on rank 0.
 
 The caller (LLMEngine) holds its lock around every call here.
 """

@@ -76,7 +76,7 @@ class Detokenizer(Protocol):
     concatenation of every returned piece equals `decode(all ids)`.
 
     Byte-level and Llama 2 style byte-fallback tokenizers step through per-id tables
-    (service/fast_decode.py, well under a microsecond per token); any other decoder goes
+    (service/text/fast_decode.py, well under a microsecond per token); any other decoder goes
     through `tokenizers`' DecodeStream (WindowStream), which re-decodes a window of ids per
     token.
     """

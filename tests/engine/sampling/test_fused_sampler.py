@@ -169,8 +169,8 @@ def test_noise_at_the_top_of_the_hash_range_is_drawn_as_the_torch_sampler_draws_
     fused: ModuleType,
 ) -> None:
     # Seed 1234 at output index 4891 hashes token 222 to the top of the uniform range, which
-    # rounds to 1 in float32 unless capped (tests/engine/test_sampling.py). Equal weights: the
-    # token wins the race. A weight of 0: it must not be drawn.
+    # rounds to 1 in float32 unless capped (tests/engine/sampling/test_sampling.py). Equal weights:
+    # the token wins the race. A weight of 0: it must not be drawn.
     edge = {"seed": 1234, "step": 4891}
     rows = [edge, {**edge, "top_p": 0.999}, edge, {**edge, "top_p": 0.999}]
     logits = torch.zeros(4, VOCAB)

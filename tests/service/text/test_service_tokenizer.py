@@ -82,7 +82,7 @@ def test_a_normalizer_that_shrinks_text_widens_the_bound(tmp_path):
 
 
 # Incremental detokenization against `tokenizers` itself, on random id sequences. The per-id
-# tables (service/fast_decode.py) must give, token by token, exactly the characters that are
+# tables (service/text/fast_decode.py) must give, token by token, exactly the characters that are
 # complete so far, and with flush() exactly `decode(all ids)`.
 
 SAMPLE_TEXTS = [
