@@ -41,7 +41,7 @@ from engine.attention.torch_ref import TorchRefAttention
 from engine.models.hf_config import parse_model_config
 from engine.models.llama import LlamaForCausalLM
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("engine.demo")  # its name before it moved into engine/demo/
 
 BOS, EOS = "<s>", "</s>"
 BYTE_LEVEL_SPACE = "\u0120"  # how byte-level BPE spells " "

@@ -31,7 +31,7 @@ from engine.config import EngineConfig
 from engine.messages import AddRequest, FromEngine, ModelInfo, ToEngine, UpdateWeights
 
 EngineTarget = Callable[[EngineConfig, Connection], None]
-StartProcess = Callable[[BaseProcess], None]  # BaseProcess.start, or service.priority's
+StartProcess = Callable[[BaseProcess], None]  # BaseProcess.start, or service.ops.priority's
 # Messages that carry caller payloads count against the backlog; control messages (abort,
 # state, shutdown) always pass, so a cancel is never lost to a full queue.
 BOUNDED_MESSAGES = (AddRequest, UpdateWeights)

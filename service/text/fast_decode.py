@@ -31,7 +31,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("service.fast_decode")  # its name before it moved into service/text/
 
 METASPACE_DECODERS = [
     {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
