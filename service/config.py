@@ -82,7 +82,7 @@ class ServiceConfig:
     )
     # Only GenerateStream: it lasts as long as its caller likes (a Generate call ends with its
     # request), so without this one connection could hold every slot of --max-concurrent-rpcs.
-    max_streams_per_connection: int | None = setting(
+    max_generate_streams_per_connection: int | None = setting(
         None,
         "GenerateStream calls one connection may run at once; more are RESOURCE_EXHAUSTED "
         "(default: half of --max-concurrent-rpcs)",
@@ -258,8 +258,11 @@ class ServiceConfig:
             raise ValueError("max_pipe_backlog_bytes: must be at least 1")
         if self.max_concurrent_rpcs < 1:
             raise ValueError("max_concurrent_rpcs: must be at least 1")
-        if self.max_streams_per_connection is not None and self.max_streams_per_connection < 1:
-            raise ValueError("max_streams_per_connection: must be at least 1 when set")
+        if (
+            self.max_generate_streams_per_connection is not None
+            and self.max_generate_streams_per_connection < 1
+        ):
+            raise ValueError("max_generate_streams_per_connection: must be at least 1 when set")
         if self.max_stream_requests < 1:
             raise ValueError("max_stream_requests: must be at least 1")
         if self.max_stream_buffer_bytes < 1:
@@ -302,10 +305,10 @@ class ServiceConfig:
                 )
 
     @property
-    def streams_per_connection(self) -> int:
-        """--max-streams-per-connection, or its default: half of --max-concurrent-rpcs."""
-        if self.max_streams_per_connection is not None:
-            return self.max_streams_per_connection
+    def generate_streams_per_connection(self) -> int:
+        """--max-generate-streams-per-connection, or its default: half of --max-concurrent-rpcs."""
+        if self.max_generate_streams_per_connection is not None:
+            return self.max_generate_streams_per_connection
         return max(1, self.max_concurrent_rpcs // 2)
 
     @property

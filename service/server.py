@@ -97,7 +97,7 @@ class SluiceServer:
         auth = BearerTokenInterceptor(config.api_token, config.admin_token)
         # After auth: a call refused for its token never takes a slot.
         self.call_limit = CallLimit(
-            config.max_concurrent_rpcs, config.retry_after, config.streams_per_connection
+            config.max_concurrent_rpcs, config.retry_after, config.generate_streams_per_connection
         )
         self.grpc = grpc.aio.server(
             # In this order: every call is counted, refused ones included; a caller without the

@@ -65,7 +65,7 @@ class CallLimit(grpc.aio.ServerInterceptor):
             return self._refuse(
                 method,
                 f"this connection is running its limit of {self.per_connection} GenerateStream "
-                "calls (--max-streams-per-connection)",
+                "calls (--max-generate-streams-per-connection)",
             )
         if self.in_use >= self.limit:
             return self._refuse(

@@ -235,7 +235,7 @@ async def test_one_connection_cannot_take_every_call_slot_with_idle_streams(mode
         refused = [r.exception() for r in readers if r.done()]
         assert all(isinstance(e, grpc.aio.AioRpcError) for e in refused)
         assert {e.code() for e in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
-        assert "--max-streams-per-connection" in (refused[0].details() or "")
+        assert "--max-generate-streams-per-connection" in (refused[0].details() or "")
         assert server.call_limit.in_use == 8
         await generate_ok(target)  # the other half of the slots stays for the others
         for call in calls:
