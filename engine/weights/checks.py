@@ -11,6 +11,7 @@ dtype) is what LOADING events report as their totals.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -80,10 +81,10 @@ def _check_tensor_file(
             raise invalid(f"{ref.name}: dtype {ref.dtype!r} is not one of {sorted(DTYPES)}")
         if dtype != param.dtype:
             raise invalid(f"{ref.name}: dtype {ref.dtype} != served dtype {param.dtype}")
-        numel = 1
-        for dim in ref.shape:
-            numel *= dim
-        if ref.nbytes != numel * dtype.itemsize or ref.offset + ref.nbytes > file_size:
+        if (
+            ref.nbytes != math.prod(ref.shape) * dtype.itemsize
+            or ref.offset + ref.nbytes > file_size
+        ):
             raise invalid(f"{ref.name}: {ref.nbytes} bytes do not hold shape {ref.shape}")
     return [ref.name for ref in source.refs]
 
