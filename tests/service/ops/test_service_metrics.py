@@ -194,28 +194,30 @@ async def _scrape_when_idle(
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-async def test_stalled_scrapers_slow_neither_generation_nor_other_scrapes(server):
+async def test_stalled_scrapers_block_neither_generation_nor_other_scrapes(server):
+    """Twenty scrapers that connect and never read hold their sockets open while a generation
+    and three scrapes run concurrently: all of them finish, with the tokens of a generation run
+    without stalls. A metrics server that served connections one at a time would wait on the
+    stalled ones (its read timeout is seconds each), so the bounds below only catch a hang; they
+    compare nothing with the machine's speed."""
     port = metrics_port(server)
     async with AsyncClient(server.target) as client:
 
-        async def generation_seconds() -> float:
-            start = time.monotonic()
+        async def generate() -> list[int]:
             completion = await client.complete(greedy([0, 80, 81], 64))
             assert completion.reason == "LENGTH"
-            return time.monotonic() - start
+            return completion.token_ids
 
-        normal = await generation_seconds()
+        unstalled = await generate()
         with contextlib.ExitStack() as stack:
             for i in range(20):
                 stalled = stack.enter_context(socket.create_connection(("127.0.0.1", port)))
                 if i % 2:  # half send a request and never read the answer
                     stalled.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-            started = time.monotonic()
-            samples = await asyncio.to_thread(scrape, port)
-            assert time.monotonic() - started < 2.0
-            assert value(samples, "sluice_engine_up") == 1
-            stalled_seconds = await generation_seconds()
-    assert stalled_seconds < 3 * normal + 1.0, (normal, stalled_seconds)
+            scrapes = [asyncio.to_thread(scrape, port) for _ in range(3)]
+            tokens, *pages = await asyncio.wait_for(asyncio.gather(generate(), *scrapes), 30)
+    assert tokens == unstalled
+    assert all(value(samples, "sluice_engine_up") == 1 for samples in pages)
 
 
 def test_a_burst_of_connects_waits_in_the_listen_backlog_until_accepted():
