@@ -68,8 +68,9 @@ class DemoRecipe:
     bare_space_rate: float = 0.05  # see _token_stream
     seed: int = 0
     # Bump when the training code changes what a recipe produces, so caches built by the old
-    # code are not mistaken for the new.
-    code_version: int = 1
+    # code are not mistaken for the new. 2: merged q/k/v and gate/up GEMMs (the same
+    # initialisation; the training steps round differently).
+    code_version: int = 2
 
     def __post_init__(self) -> None:
         assert self.hidden_size % self.num_heads == 0, "hidden_size must divide into heads"
@@ -169,7 +170,9 @@ def build_demo_checkpoint(recipe: DemoRecipe, corpus: str, out: Path) -> None:
     finally:
         torch.set_num_threads(threads)
 
-    state = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    # Checkpoint names and shapes (q/k/v and gate/up apart); clones, since safetensors
+    # refuses tensors that share storage, as the rows of a merged projection do.
+    state = {name: t.clone() for name, t in model.checkpoint_tensors().items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save(str(out / "tokenizer.json"))
     _write_json(out / "config.json", config)
@@ -338,7 +341,9 @@ def _init_weights(model: LlamaForCausalLM, recipe: DemoRecipe) -> None:
     """GPT-2 style: N(0, std) matrices, residual outputs scaled down by depth; norms at 1."""
     residual_std = recipe.init_std / math.sqrt(2 * recipe.num_layers)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        # By checkpoint tensor, in module order: each projection draws as when it was its own
+        # parameter (a merged one is drawn part by part).
+        for name, param in model.checkpoint_tensors().items():
             if param.dim() < 2:
                 continue
             residual = name.endswith(("o_proj.weight", "down_proj.weight"))

@@ -1,4 +1,5 @@
-"""Models: the Llama family as Hugging Face configs describe it, and its config and RoPE.
+"""Models: the Llama family as Hugging Face configs describe it, its config, RoPE and the
+merged (q/k/v, gate/up) projections.
 
 May import `engine.attention.metadata` and `engine.parallel` (tensor_parallel, sharding).
 """

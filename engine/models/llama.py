@@ -2,7 +2,9 @@
 
 Llama 2/3/3.1/3.2 (rope scaling linear / llama3), Mistral, Qwen2/2.5 (q/k/v bias),
 Qwen3 (q/k RMSNorm per head, explicit head_dim); grouped-query attention; tied or untied
-embeddings. Module and parameter names equal the checkpoint's, so weights load by name.
+embeddings. Module and parameter names equal the checkpoint's, except that q/k/v are merged
+into one `qkv_proj` and gate/up into one `gate_up_proj` (engine/models/merged_linear.py):
+`checkpoint_tensors()` names every tensor by its checkpoint name, so weights load by name.
 
 The forward pass takes a packed batch: every sequence's new tokens concatenated into one
 [tokens] vector, with positions and attention metadata saying where each sequence's KV lives.
@@ -24,6 +26,7 @@ from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
 from engine.models.hf_config import ModelConfig
+from engine.models.merged_linear import MergedLinear
 from engine.models.rope import RotaryEmbedding
 from engine.parallel.sharding import Sharding
 from engine.parallel.tensor_parallel import TensorParallel
@@ -115,9 +118,9 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads  # this rank's
         self.head_dim = cfg.head_dim
         q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = MergedLinear(
+            cfg.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, cfg.qkv_bias
+        )
         self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, cfg.o_bias, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -132,9 +135,10 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)  # strided column views
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
@@ -146,12 +150,14 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: Sharding, tp: TensorParallel) -> None:
         super().__init__()
         inter = shard.intermediate_size  # this rank's
-        self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=cfg.mlp_bias)
+        self.gate_up_proj = MergedLinear(
+            cfg.hidden_size, {"gate_proj": inter, "up_proj": inter}, cfg.mlp_bias
+        )
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [tokens, 2 * inter]: gate half first
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -219,6 +225,22 @@ class LlamaForCausalLM(nn.Module):
             cache = kv_caches[i] if kv_caches is not None else None
             h = layer(h, positions, self.rotary, self.backend, cache, meta)
         return self.model.norm(h)
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the checkpoint, by its Hugging Face name, in module order (q, k, v
+        before o_proj; gate, up before down_proj) -> this rank's part of it (its shape;
+        Sharding.full_shape gives the whole one), outside autograd. All share the parameters'
+        storage (the parts of merged projections are views of their rows): copying into one
+        changes exactly that tensor of the served weights."""
+        tensors: dict[str, torch.Tensor] = {}
+        for prefix, module in self.named_modules():
+            if isinstance(module, MergedLinear):  # its parts are its parent's projections
+                prefix = prefix.rpartition(".")[0]
+                local = module.checkpoint_tensors()
+            else:
+                local = {name: p.detach() for name, p in module.named_parameters(recurse=False)}
+            tensors |= {f"{prefix}.{name}".lstrip("."): t for name, t in local.items()}
+        return tensors
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -8,6 +8,10 @@ one weight over head_dim, shared by every head) are replicated.
 
 With fewer KV heads than ranks, each KV head is replicated on the ranks whose query heads use
 it (rank r holds KV head r // (ranks / kv_heads)). With one rank every tensor is whole.
+
+Slices are decided by checkpoint name: a rank's merged qkv_proj (gate_up_proj) stacks its
+slices of q, k and v (gate and up), each found by its own name
+(LlamaForCausalLM.checkpoint_tensors).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ nothing. From safetensors headers, the tensor refs and in-process tensors' metad
 the source exists, names only parameters of the model, each with its whole shape and a dtype
 the source may have, and (a checkpoint) every parameter. Left to staging is what needs the
 data: a truncated or corrupt file. The size (this rank's bytes and tensors, in the served
-dtype) is what LOADING events report as their totals.
+dtype) is what LOADING events report as their totals. `params` is the model's
+checkpoint_tensors(), by checkpoint name.
 """
 
 from __future__ import annotations

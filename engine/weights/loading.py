@@ -1,5 +1,8 @@
 """Loads Hugging Face safetensors checkpoints (single file or sharded) into the model by name.
 
+Names are the checkpoint's (`LlamaForCausalLM.checkpoint_tensors`): each tensor is copied into
+its part of the model's parameters, a merged projection's rows included.
+
 A tensor-parallel rank reads only its slice of each tensor (safetensors' `get_slice`), so no
 rank ever holds the whole model.
 """
@@ -15,7 +18,6 @@ from safetensors import safe_open
 from engine.models.hf_config import ModelConfig
 from engine.models.llama import AttentionBackend, LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
-from engine.parallel.sharding import Sharding
 from engine.parallel.tensor_parallel import TensorParallel
 
 # Present in some checkpoints, recomputed by us (rotary tables), never loaded.
@@ -54,14 +56,15 @@ def build_model(
         cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling
     )
     model.rotary.to(device)
-    load_weights(model, directory, model.sharding)
+    load_weights(model, directory)
     # Inference only: no autograd state, and in-place updates (live_weights) just work.
     return model.requires_grad_(False).eval()
 
 
-def load_weights(model: torch.nn.Module, directory: Path, sharding: Sharding | None = None) -> None:
-    sharding = sharding or Sharding.whole()
-    params = dict(model.named_parameters())
+def load_weights(model: LlamaForCausalLM, directory: Path) -> None:
+    """Fill every checkpoint tensor of `model` (this rank's slices) from the files."""
+    sharding = model.sharding
+    params = model.checkpoint_tensors()
     loaded: set[str] = set()
     for path in checkpoint_files(directory):
         with safe_open(str(path), framework="pt", device="cpu") as f:

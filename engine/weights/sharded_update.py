@@ -7,8 +7,9 @@ its shard, then one all-gather of the verdicts decides: if any rank failed, ever
 what it staged and rank 0 fails the update with that rank's reason; otherwise the workers
 swap at once and rank 0 swaps in WeightUpdater, before its next step reaches them.
 
-`gather_parameters` is the other direction, for live_weights: the whole of every parameter,
-assembled on rank 0 from every rank's shard.
+`gather_parameters` is the other direction, for live_weights: the whole of every checkpoint
+tensor (by its checkpoint name, q/k/v and gate/up apart), assembled on rank 0 from every rank's
+shard.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def stage(
 ) -> StagedWeights:
     """Stage this rank's shard of `source`; with a channel (rank 0 of a group) on every rank.
     Raises WeightUpdateError unless every rank staged its shard."""
-    params = dict(model.named_parameters())
+    params = model.checkpoint_tensors()
     tp, sharding = model.tp, model.sharding
     if not tp.enabled:
         return _stage_here(params, sharding, source, progress, tensors)
@@ -110,7 +111,7 @@ def _stage_broadcast(
     NOTE: every tensor is broadcast even after a bad one: the ranks must make the same
     collectives; the first failure is raised at the end."""
     assert source.tensors is not None
-    staged = StagedWeights(dict(model.named_parameters()), model.sharding)
+    staged = StagedWeights(model.checkpoint_tensors(), model.sharding)
     first: WeightUpdateError | None = None
     for name, shape, dtype in source.tensors:
         if tensors is not None:  # rank 0
@@ -146,15 +147,15 @@ def describe(
 def gather_parameters(
     model: LlamaForCausalLM, channel: StepChannel | None = None
 ) -> dict[str, torch.Tensor]:
-    """Rank 0: every parameter whole (copies), assembled from every rank's shard; a worker
-    (after Op.GATHER) sends its shards and gets {}."""
+    """Rank 0: every checkpoint tensor whole (copies, by checkpoint name), assembled from every
+    rank's shard; a worker (after Op.GATHER) sends its shards and gets {}."""
     tp = model.tp
     if tp.rank == 0 and channel is not None:
         channel.send(StepHeader(Op.GATHER))
     shards = [Sharding(model.config, r, tp.size) for r in range(tp.size)]
     whole: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
-        local = param.detach().to("cpu").contiguous()
+    for name, param in model.checkpoint_tensors().items():
+        local = param.to("cpu").contiguous()
         parts = [torch.empty_like(local) for _ in range(tp.size)] if tp.rank == 0 else None
         dist.gather(local, parts, dst=0, group=tp.control)
         if parts is None:

@@ -4,6 +4,9 @@ Everything is read and checked (names, shapes, dtypes) into staging tensors befo
 parameter changes, so a failed update leaves the served weights untouched. The swap itself is
 a copy into the existing parameters (same storage: CUDA graphs and views stay valid).
 
+`params` is the model's checkpoint_tensors(): names are the checkpoint's, and a tensor of a
+merged projection (k_proj, up_proj) is a view of its rows, so its swap writes those rows only.
+
 Sources hold whole tensors; a tensor-parallel rank stages only its slice of each (read alone
 from a checkpoint's files), checked against the whole tensor's shape.
 """

@@ -99,7 +99,7 @@ class WeightUpdater:
         if refusal is not None:
             self._failed(msg, *refusal)
             return
-        params = dict(self.model.named_parameters())
+        params = self.model.checkpoint_tensors()
         source = describe(msg.checkpoint_dir, msg.tensor_file, msg.tensors, tensors)
         try:
             size = check_update(params, self.model.sharding, source, tensors)
@@ -143,8 +143,9 @@ class WeightUpdater:
 
     @contextlib.contextmanager
     def live(self, policy_version: int) -> Iterator[dict[str, torch.Tensor]]:
-        """The served parameters to mutate in place; `policy_version` (0 = served + 1) is
-        published on exit as a CONTINUE update, nothing if the block raises.
+        """The served weights to mutate in place, by checkpoint name (views of the parameters:
+        checkpoint_tensors); `policy_version` (0 = served + 1) is published on exit as a
+        CONTINUE update, nothing if the block raises.
 
         Tensor parallel: whole copies of the parameters, gathered from every rank; on exit
         every rank stages its slice of them and all swap (nothing changes if the block raises).
@@ -156,7 +157,7 @@ class WeightUpdater:
         if refusal is not None:
             raise WeightUpdateError(*refusal)
         if not self.model.tp.enabled:
-            yield dict(self.model.named_parameters())
+            yield self.model.checkpoint_tensors()
         else:
             whole = gather_parameters(self.model, self.channel)
             yield whole

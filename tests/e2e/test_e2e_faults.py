@@ -164,7 +164,7 @@ async def test_an_engine_crash_after_a_checkpoint_and_an_inline_update_keeps_bot
     generator = torch.Generator().manual_seed(5)
     reference = make_engine(checkpoint_b)
     b_only = greedy_ids(reference)
-    shapes = {n: p.shape for n, p in reference.model.named_parameters() if n in INLINE}
+    shapes = {n: t.shape for n, t in reference.model.checkpoint_tensors().items() if n in INLINE}
     new = {name: torch.randn(shape, generator=generator) * 0.2 for name, shape in shapes.items()}
     with reference.live_weights() as live, torch.no_grad():
         for name, tensor in new.items():

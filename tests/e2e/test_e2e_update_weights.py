@@ -238,7 +238,7 @@ async def test_an_inline_update_of_two_chunked_tensors_changes_exactly_those(
     import torch
 
     generator = torch.Generator().manual_seed(5)
-    params = dict(engine_a.model.named_parameters())
+    params = engine_a.model.checkpoint_tensors()
     new = {name: torch.randn(params[name].shape, generator=generator) * 0.2 for name in INLINE}
     tensors = {name: ("F32", list(t.shape), t.numpy().tobytes()) for name, t in new.items()}
     applied = await asyncio.to_thread(admin.update_weights_inline, tensors, chunk_bytes=100)

@@ -25,6 +25,7 @@ from engine.demo import checkpoint as demo
 from engine.demo.checkpoint import ensure_demo_checkpoint
 from engine.models.hf_config import load_model_config
 from engine.models.llama import LlamaForCausalLM
+from engine.weights.loading import load_weights
 
 STEPS = 2
 HF_FILES = (
@@ -53,7 +54,7 @@ def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def load_ours(directory: Path) -> LlamaForCausalLM:
     cfg = load_model_config(directory)
     model = LlamaForCausalLM(cfg, TorchRefAttention(scale=cfg.head_dim**-0.5))
-    model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=True)
+    load_weights(model, directory)  # every tensor by its checkpoint name, none left over
     return model.eval()
 
 
@@ -78,6 +79,13 @@ def test_transformers_loads_the_demo_checkpoint_with_our_logits(demo_dir: Path) 
         ours = load_ours(demo_dir).dense_forward(ids)
         theirs = load_hf_model(demo_dir)(ids).logits
     torch.testing.assert_close(ours, theirs.float(), rtol=0, atol=1e-5)
+
+
+def test_the_saved_tensors_have_the_hugging_face_names_and_shapes(demo_dir: Path) -> None:
+    saved = load_file(str(demo_dir / "model.safetensors"))  # q/k/v and gate/up apart
+    hf = {name: t.shape for name, t in load_hf_model(demo_dir).state_dict().items()}
+    del hf["lm_head.weight"]  # tied to the embedding: not saved
+    assert {name: t.shape for name, t in saved.items()} == hf
 
 
 def test_second_call_returns_the_directory_without_rebuilding(

@@ -148,7 +148,7 @@ def test_drain_timeout_fails_and_keeps_the_old_weights(
 
 
 def bad_updates(engine: LLMEngine, tmp_path: Path) -> dict[str, tuple[dict, str]]:
-    weight = engine.model.model.layers[0].mlp.up_proj.weight
+    weight = engine.model.checkpoint_tensors()["model.layers.0.mlp.up_proj.weight"]
     return {
         "wrong shape": (
             {"source": {"model.layers.0.mlp.up_proj.weight": weight[:-1].clone()}},
@@ -200,9 +200,9 @@ def test_a_tensor_file_update_changes_exactly_the_tensors_it_names(
     tiny_llama: Path, tmp_path: Path
 ) -> None:
     engine = make_engine(tiny_llama)
-    params = dict(engine.model.named_parameters())
-    before = {name: p.detach().clone() for name, p in params.items()}
-    names = ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
+    before = checkpoint_tensors(engine)
+    # k_proj: the middle rows of the merged qkv_proj; the norm: a parameter of its own.
+    names = ["model.layers.0.self_attn.k_proj.weight", "model.norm.weight"]
     new = {name: torch.randn_like(before[name]) for name in names}
     path, refs, offset = tmp_path / "tensors.bin", [], 0
     with open(path, "wb") as f:
@@ -217,9 +217,8 @@ def test_a_tensor_file_update_changes_exactly_the_tensors_it_names(
     engine.start_weight_update(msg)
     assert engine.updater.events[-1].phase == WeightsPhase.APPLIED
     assert engine.stats().policy_version == 5
-    for name, param in engine.model.named_parameters():
-        expected = new.get(name, before[name])
-        assert torch.equal(param, expected), name
+    for name, tensor in checkpoint_tensors(engine).items():
+        assert torch.equal(tensor, new.get(name, before[name])), name
 
 
 def test_prefixes_cached_under_old_weights_are_not_reused(
@@ -236,7 +235,7 @@ def test_live_weights_mutates_in_place_and_publishes_a_version(
     tiny_llama: Path, checkpoint_b: Path
 ) -> None:
     engine = make_engine(tiny_llama)
-    b = dict(make_engine(checkpoint_b).model.named_parameters())
+    b = make_engine(checkpoint_b).model.checkpoint_tensors()
     with engine.live_weights(policy_version=3) as params:
         for name, param in params.items():
             param.copy_(b[name])  # plain in-place copy: the engine holds no autograd state
@@ -246,15 +245,16 @@ def test_live_weights_mutates_in_place_and_publishes_a_version(
         pass
 
 
-def parameters(engine: LLMEngine) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in engine.model.named_parameters()}
+def checkpoint_tensors(engine: LLMEngine) -> dict[str, torch.Tensor]:
+    """Copies of the served weights, by checkpoint name."""
+    return {name: t.clone() for name, t in engine.model.checkpoint_tensors().items()}
 
 
 def test_the_next_version_after_the_largest_is_out_of_range_and_changes_nothing(
     tiny_llama: Path, checkpoint_b: Path
 ) -> None:
     engine = make_engine(tiny_llama, policy_version=MAX_POLICY_VERSION)
-    before = parameters(engine)
+    before = checkpoint_tensors(engine)
     for inflight in (InflightPolicy.DRAIN, InflightPolicy.CONTINUE):
         with pytest.raises(WeightUpdateError) as err:
             engine.update_weights(checkpoint_b, inflight=inflight)  # 0 = served + 1
@@ -264,7 +264,7 @@ def test_the_next_version_after_the_largest_is_out_of_range_and_changes_nothing(
     assert err.value.code == "OUT_OF_RANGE"
     stats = engine.stats()
     assert stats.policy_version == MAX_POLICY_VERSION and not stats.updating_weights
-    assert all(torch.equal(p, before[name]) for name, p in parameters(engine).items())
+    assert all(torch.equal(p, before[name]) for name, p in checkpoint_tensors(engine).items())
     assert engine.generate([PROMPT], GREEDY)[0].policy_versions == [MAX_POLICY_VERSION] * 12
 
 

@@ -110,7 +110,7 @@ def test_every_loading_event_carries_totals_that_bound_its_counts(
     tiny_llama: Path, tmp_path: Path, source: str
 ) -> None:
     engine = make_engine(tiny_llama)
-    params = dict(engine.model.named_parameters())
+    params = engine.model.checkpoint_tensors()
     if source == "checkpoint":
         msg = UpdateWeights("u", 0, InflightPolicy.CONTINUE, checkpoint_dir=str(tiny_llama))
         expected = (sum(p.numel() * 4 for p in params.values()), len(params))

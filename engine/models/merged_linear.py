@@ -1,0 +1,64 @@
+"""MergedLinear: several checkpoint projections of one input, stacked into one weight.
+
+Attention's q, k and v projections read the same input, and so do the MLP's gate and up: each
+group becomes one [sum of outputs, in] weight, and one GEMM per group instead of one per
+projection (a decode step is bound by launches and weight reads, not by FLOPs). Checkpoints keep
+the projections apart, so `checkpoint_tensors` names each part by its checkpoint name, as a
+view of its rows: loading, weight updates and live_weights copy into these views, and the
+merged parameter changes with them.
+
+Column-parallel: each part is built at this rank's local size (engine/parallel/sharding.py says
+which rows of the checkpoint tensor that is), so a rank's weight is its q, k and v (or gate and
+up) slices stacked, in that order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MergedLinear(nn.Module):
+    """`parts` maps each projection's name (`q_proj`, ...) to its output size, in the order its
+    rows are stacked; the forward's output columns follow the same order."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
+        super().__init__()
+        self.parts = dict(parts)
+        out = sum(self.parts.values())
+        self.weight = nn.Parameter(torch.empty(out, in_features))
+        self.bias = nn.Parameter(torch.empty(out)) if bias else None
+        # NOTE: part by part, as separate nn.Linear modules would initialise (and draw from
+        # the RNG): the demo model's initialisation is unchanged by the merge.
+        with torch.no_grad():
+            for name, weight in self._rows(self.weight).items():
+                nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+                if self.bias is not None:
+                    bound = 1 / math.sqrt(in_features)
+                    nn.init.uniform_(self._rows(self.bias)[name], -bound, bound)
+
+    @property
+    def sizes(self) -> list[int]:
+        return list(self.parts.values())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, sum(sizes)]
+        return F.linear(x, self.weight, self.bias)
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """`{part}.weight` (and `{part}.bias`), part by part -> that part's rows: views sharing
+        the merged parameters' storage, outside autograd."""
+        weights = self._rows(self.weight)
+        biases = self._rows(self.bias) if self.bias is not None else {}
+        tensors: dict[str, torch.Tensor] = {}
+        for name in self.parts:
+            tensors[f"{name}.weight"] = weights[name]
+            if name in biases:
+                tensors[f"{name}.bias"] = biases[name]
+        return tensors
+
+    def _rows(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        rows = param.detach().split(self.sizes, dim=0)
+        return dict(zip(self.parts, rows, strict=True))
