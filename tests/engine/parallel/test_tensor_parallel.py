@@ -114,6 +114,40 @@ def test_weight_updates_swap_on_every_rank(tmp_path, engines) -> None:
     assert served() == want_first and two.policy_version == 4
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [{"num_key_value_heads": 1}, {"attention_bias": True, "mlp_bias": True}],
+    ids=["kv_heads_replicated", "qkv_and_mlp_bias"],
+)
+def test_two_ranks_update_one_projection_of_a_merged_weight_as_one_rank(
+    overrides, tmp_path, engines
+) -> None:
+    """Each rank's qkv_proj and gate_up_proj stack its slices of q, k, v and gate, up: an update
+    naming one of them writes that slice on every rank, and live_weights gives them back whole."""
+    checkpoint = make_checkpoint(tmp_path / "llama", "llama", **overrides)
+    saved = load_file(checkpoint / "model.safetensors")
+    one = make_engine(checkpoint, 1)
+    engines.append(two := make_engine(checkpoint, 2))
+    with two.live_weights() as live:  # gathered from both ranks, by checkpoint name
+        assert {n: t.shape for n, t in live.items()} == {n: t.shape for n, t in saved.items()}
+        assert all(torch.equal(live[name], tensor) for name, tensor in saved.items())
+    generator = torch.Generator().manual_seed(3)
+    names = ["model.layers.0.self_attn.v_proj.weight", "model.layers.1.mlp.up_proj.weight"]
+    names += [n for n in ("model.layers.1.self_attn.k_proj.bias",) if n in saved]
+    update = {name: torch.randn(saved[name].shape, generator=generator) * 0.5 for name in names}
+    batch = prompts(one.info.vocab_size, count=2)
+    before = [r.token_ids for r in one.generate(batch, GREEDY)]
+    for engine in (one, two):
+        assert engine.update_weights(update).phase is WeightsPhase.APPLIED
+    hf = load_hf_model(checkpoint)
+    for name, tensor in update.items():
+        hf.state_dict()[name].copy_(tensor)
+    single, split = one.generate(batch, GREEDY), two.generate(batch, GREEDY)
+    for prompt, a, b in zip(batch, single, split, strict=True):
+        assert b.token_ids == a.token_ids == hf_greedy(hf, prompt)[0][:NEW_TOKENS]
+    assert [r.token_ids for r in single] != before  # the update changed what is served
+
+
 def test_a_refused_update_changes_no_rank(tiny_llama, engines) -> None:
     engines.append(two := make_engine(tiny_llama, 2))
     batch = prompts(300, count=2)
