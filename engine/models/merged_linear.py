@@ -28,21 +28,18 @@ class MergedLinear(nn.Module):
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
         super().__init__()
         self.parts = dict(parts)
-        out = sum(self.parts.values())
+        self.sizes = list(self.parts.values())  # the forward's split, without a per-call rebuild
+        out = sum(self.sizes)
         self.weight = nn.Parameter(torch.empty(out, in_features))
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
-        # NOTE: part by part, as separate nn.Linear modules would initialise (and draw from
-        # the RNG): the demo model's initialisation is unchanged by the merge.
-        with torch.no_grad():
-            for name, weight in self._rows(self.weight).items():
-                nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
-                if self.bias is not None:
-                    bound = 1 / math.sqrt(in_features)
-                    nn.init.uniform_(self._rows(self.bias)[name], -bound, bound)
-
-    @property
-    def sizes(self) -> list[int]:
-        return list(self.parts.values())
+        # NOTE: part by part (q weight, q bias, k weight, ...), as separate nn.Linear modules
+        # would initialise and draw from the RNG: the demo model's initialisation is unchanged.
+        bound = 1 / math.sqrt(in_features)
+        for name, rows in self.checkpoint_tensors().items():
+            if name.endswith(".weight"):
+                nn.init.kaiming_uniform_(rows, a=math.sqrt(5))
+            else:
+                nn.init.uniform_(rows, -bound, bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, sum(sizes)]
         return F.linear(x, self.weight, self.bias)
