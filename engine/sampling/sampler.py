@@ -96,7 +96,9 @@ class SamplerOutput:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        raw = logits  # [rows, vocab] float32
+        # The logits in the model's dtype; every step from here is float32 (the fused kernels
+        # upcast at the same point, as they load).
+        raw = logits = logits.float()  # [rows, vocab]
         temperature = batch.column("temperature")
         logits = self._processed(logits, batch)
         logprobs = self._logprobs(raw, logits, batch)

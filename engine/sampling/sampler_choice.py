@@ -36,4 +36,4 @@ def make_sampler(name: str, device: torch.device) -> SamplerFn:
         raise ValueError("sampler: triton needs CUDA (on the CPU only under TRITON_INTERPRET=1)")
     if device.type == "cuda":
         return FusedSampler()
-    return FusedSampler(block=256, ways=8)  # the interpreter: fewer, larger numpy steps
+    return FusedSampler(block=256)  # the interpreter: fewer, larger numpy steps

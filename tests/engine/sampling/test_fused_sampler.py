@@ -84,7 +84,7 @@ def make_logits(rows: int, seed: int = 0, scale: float = 3.0, step: float = 0.0)
 
 def assert_same_sampling(fused: ModuleType, logits: torch.Tensor, batch: SamplingBatch) -> None:
     expected = Sampler()(logits, batch).unpack()
-    got = fused.FusedSampler(block=64, ways=4)(logits, batch).unpack()
+    got = fused.FusedSampler(block=64)(logits, batch).unpack()
     assert torch.equal(got[0], expected[0]), (got[0], expected[0])
     for g, e in zip(got[1:], expected[1:], strict=True):
         assert (g is None) == (e is None)
@@ -177,12 +177,12 @@ def test_noise_at_the_top_of_the_hash_range_is_drawn_as_the_torch_sampler_draws_
     logits[2:, 222] = -1000.0
     batch = make_batch(rows)
     assert_same_sampling(fused, logits.to(DEVICE), batch)
-    ids = fused.FusedSampler(block=64, ways=4)(logits.to(DEVICE), batch).values.tolist()
+    ids = fused.FusedSampler(block=64)(logits.to(DEVICE), batch).values.tolist()
     assert ids[:2] == [222, 222] and 222 not in ids[2:]
 
 
 def test_the_penalty_scratch_is_clean_after_each_call(fused: ModuleType) -> None:
-    sampler = fused.FusedSampler(block=64, ways=4)
+    sampler = fused.FusedSampler(block=64)
     logits = make_logits(2, seed=1)
     first = make_batch([OPTIONS["frequency"], OPTIONS["banned"]])
     sampler(logits, first)
