@@ -2,13 +2,14 @@
 
 Per batch size and setting (greedy; RL: temperature 1, top-p 0.9, top-k 50, logprobs with
 top-5, repetition penalty 1.1 over a 1,024-token context), the median time of one sampler
-call, and whether both picked the same tokens (they must:
-tests/engine/sampling/test_fused_sampler.py).
+call, the fused sampler's kernel launches per call and programs per row, and whether both
+picked the same tokens (they must: tests/engine/sampling/test_fused_sampler.py).
 
-    python -m bench.sampler --device cuda --batches 64 256 --vocab 128256
+    python -m bench.sampler --device cuda --batches 1 64 256 --vocab 128256 --dtype bfloat16
 
 `--variants` also times the fused kernel on the RL setting with one option left out at a time,
-and with other block / ways / num_warps choices: where its time goes, and what tuning would buy.
+and with other block / num_warps / programs choices: where its time goes, and what tuning
+would buy. `--dtype` is the logits' (the model's dtype; the samplers compute in float32).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=128256, help="Llama 3's by default")
     p.add_argument("--context", type=int, default=1024, help="tokens seen by the penalty")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--variants", action="store_true", help="the fused RL step, taken apart")
     return p.parse_args(argv)
 
@@ -59,18 +61,21 @@ LEFT_OUT = {
     "no penalty": {"use_penalties": False, "context_ids": None},
     "no logprobs": {"logprobs": False, "num_top_logprobs": 0},
 }
-SHAPES = [  # (block, ways, num_warps); FusedSampler's default first
-    (1024, 8, 8),
-    (1024, 8, 4),
-    (2048, 8, 8),
-    (1024, 16, 8),
-    (512, 8, 4),
+SHAPES = [  # (block, num_warps, programs per SM); FusedSampler's default first
+    (1024, 8, 2),
+    (1024, 4, 2),
+    (2048, 8, 2),
+    (512, 4, 2),
+    (512, 4, 4),
+    (1024, 8, 1),
 ]
 
 
 def variants(rows: int, logits: Any, args: argparse.Namespace, sync: Any) -> list[dict[str, Any]]:
     """The fused sampler's time on the RL setting with one option left out, and per shape."""
     import dataclasses
+
+    import torch
 
     from engine.sampling.fused_sampler import FusedSampler
 
@@ -80,11 +85,14 @@ def variants(rows: int, logits: Any, args: argparse.Namespace, sync: Any) -> lis
         ms, _ = measure(FusedSampler(), logits, dataclasses.replace(rl, **change), args.iters, sync)
         out.append({"batch": rows, "variant": name, "fused_ms": ms})
     _, expected = measure(FusedSampler(), logits, rl, 1, sync)
-    for block, ways, warps in SHAPES:
-        sampler = FusedSampler(block=block, ways=ways, num_warps=warps)
+    sms = 2  # the interpreter's
+    if logits.device.type == "cuda":
+        sms = torch.cuda.get_device_properties(logits.device).multi_processor_count
+    for block, warps, per_sm in SHAPES:
+        sampler = FusedSampler(block=block, num_programs=per_sm * sms, num_warps=warps)
         ms, got = measure(sampler, logits, rl, args.iters, sync)
         same = bool((got.unpack()[0] == expected.unpack()[0]).all())
-        name = f"block {block}, ways {ways}, warps {warps}"
+        name = f"block {block}, warps {warps}, {per_sm} programs per SM"
         out.append({"batch": rows, "variant": name, "fused_ms": ms, "same_tokens": same})
     for r in out:
         log(f"batch {rows} RL, {r['variant']}: fused {r['fused_ms']:.3f} ms")
@@ -101,6 +109,23 @@ def measure(sampler: Any, logits: Any, batch: Any, iters: int, sync: Any) -> tup
         sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3, out
+
+
+def launches_per_call(sampler: Any, logits: Any, batch: Any) -> int:
+    """The kernel launches of one fused sampler call (FusedSampler.launch counts them)."""
+    launches = []
+    launch = sampler.launch
+
+    def counted(kernel: Any, *args: Any, **kwargs: Any) -> None:
+        launches.append(kernel)
+        launch(kernel, *args, **kwargs)
+
+    sampler.launch = counted
+    try:
+        sampler(logits, batch)
+    finally:
+        del sampler.launch
+    return len(launches)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,17 +145,26 @@ def main(argv: list[str] | None = None) -> int:
     results, rows = [], []
     taken_apart: list[dict[str, Any]] = []
     for batch_size in args.batches:
-        logits = torch.randn(batch_size, args.vocab, device=device) * 4
+        logits = (torch.randn(batch_size, args.vocab, device=device) * 4).to(
+            getattr(torch, args.dtype)
+        )
+        splits = fused.splits(batch_size, args.vocab, device)[0]
         for setting in ("greedy", "rl"):
             batch = make_batch(batch_size, args.vocab, args.context, setting == "rl", args.device)
             torch_ms, expected = measure(Sampler(), logits, batch, args.iters, sync)
             fused_ms, got = measure(fused, logits, batch, args.iters, sync)
             same = torch.equal(got.unpack()[0], expected.unpack()[0])
+            launches = launches_per_call(fused, logits, batch)
             r = {"batch": batch_size, "setting": setting, "torch_ms": torch_ms}
-            r |= {"fused_ms": fused_ms, "same_tokens": same}
+            r |= {"fused_ms": fused_ms, "same_tokens": same, "launches": launches}
+            r |= {"programs_per_row": splits}
             results.append(r)
-            rows.append([batch_size, setting, torch_ms, fused_ms, torch_ms / fused_ms, same])
-            log(f"batch {batch_size} {setting}: torch {torch_ms:.3f} ms, fused {fused_ms:.3f} ms")
+            speed_up = torch_ms / fused_ms
+            rows.append([batch_size, setting, torch_ms, fused_ms, speed_up, launches, splits, same])
+            log(
+                f"batch {batch_size} {setting}: torch {torch_ms:.3f} ms, fused {fused_ms:.3f} ms"
+                f" ({launches} launches per call, {splits} programs per row)"
+            )
         if args.variants:
             taken_apart += variants(batch_size, logits, args, sync)
     result = {
@@ -138,11 +172,13 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "vocab": args.vocab,
         "context": args.context,
+        "dtype": args.dtype,
         "results": results,
         "variants": taken_apart,
         "machine": machine(),
     }
-    emit(result, ["batch", "setting", "torch ms", "fused ms", "speed-up", "same tokens"], rows)
+    columns = ["batch", "setting", "torch ms", "fused ms", "speed-up", "launches", "programs/row"]
+    emit(result, [*columns, "same tokens"], rows)
     checked = results + [r for r in taken_apart if "same_tokens" in r]
     return 0 if all(r["same_tokens"] for r in checked) else 1
 

@@ -7,7 +7,6 @@ token), so that the larger key wins and, among equal keys, the lower token id; 0
 pack, so a zeroed scratch slot is a valid start for `atomic_max`.
 """
 
-# ruff: noqa: SIM102  (a constexpr `if` and a runtime `if` do not merge into one in Triton)
 from __future__ import annotations
 
 import triton

@@ -41,6 +41,7 @@ from engine.sampling.fused_select import (
     RACE,
     SCRATCH,
     digit,
+    histogram,
     in_prefix,
     kept_floor,
     kth_prefix,
@@ -123,7 +124,7 @@ def stats_pass(
         if TOP_K:
             if count_k:
                 u = unsigned_keys(order_keys(x))
-                hist += tl.histogram(digit(u, 0), _BINS, mask=mask)
+                hist += histogram(digit(u, 0), mask)
         if NUM_TOP > 0:
             source = x
             if RAW:
@@ -178,7 +179,7 @@ def count_pass(
                 logits_row, marks_row, start, hi, rep, freq, pres, temp, PENALTIES, BANS, BLOCK
             )
             u = unsigned_keys(order_keys(x))
-            hist += tl.histogram(digit(u, LEVEL), _BINS, mask=mask & in_prefix(u, prefix, LEVEL))
+            hist += histogram(digit(u, LEVEL), mask & in_prefix(u, prefix, LEVEL))
         bins = tl.arange(0, _BINS)
         level_row = counts_row + LEVEL * _BINS
         tl.atomic_add(level_row + bins, hist.to(tl.int64), mask=hist > 0)
@@ -214,7 +215,7 @@ def mass_pass(
             u = unsigned_keys(order_keys(x))
             chosen = mask & (u >= floor) & in_prefix(u, prefix, LEVEL)
             digits = digit(u, LEVEL)
-            present += tl.histogram(digits, _BINS, mask=chosen)
+            present += histogram(digits, chosen)
             mass = tl.floor(exp_weights(x - m) * _MASS).to(tl.int64)
             # NOTE: per-token atomics, but only for survivors: few once top-k or a level has cut.
             tl.atomic_add(mass_row + digits, mass, mask=chosen & (mass > 0))

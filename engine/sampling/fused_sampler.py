@@ -56,7 +56,9 @@ class FusedSampler:
         if self.num_programs is None:
             self.num_programs = 4
             if device.type == "cuda":
-                self.num_programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+                self.num_programs = (
+                    2 * torch.cuda.get_device_properties(device).multi_processor_count
+                )
         wanted = max(1, self.num_programs // rows)
         slice_len = triton.cdiv(triton.cdiv(vocab, wanted), self.block) * self.block
         return triton.cdiv(vocab, slice_len), slice_len

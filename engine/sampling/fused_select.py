@@ -16,6 +16,7 @@ levels already built, the same walk in every program of a row, to the prefix the
 A row's scratch (int64, zero between calls) holds the histograms and two atomic maxima.
 """
 
+# ruff: noqa: SIM102  (a constexpr `if` and a runtime `if` do not merge into one in Triton)
 from __future__ import annotations
 
 import triton
@@ -43,6 +44,14 @@ def unsigned_keys(keys):
 @triton.jit
 def digit(u, LEVEL: tl.constexpr):
     return ((u >> (24 - 8 * LEVEL)) & 255).to(tl.int32)
+
+
+@triton.jit
+def histogram(digits, chosen):
+    """Counts of the chosen digits per bin (no `mask` argument: older Tritons lack it)."""
+    counts = tl.histogram(tl.where(chosen, digits, 0), _BINS)
+    dropped = tl.sum((chosen == 0).to(tl.int32), axis=0)
+    return counts - tl.where(tl.arange(0, _BINS) == 0, dropped, 0)
 
 
 @triton.jit

@@ -82,9 +82,13 @@ def make_logits(rows: int, seed: int = 0, scale: float = 3.0, step: float = 0.0)
     return logits.to(DEVICE)
 
 
-def assert_same_sampling(fused: ModuleType, logits: torch.Tensor, batch: SamplingBatch) -> None:
+def assert_same_sampling(
+    fused: ModuleType, logits: torch.Tensor, batch: SamplingBatch, per_row: int = 3
+) -> None:
+    """`per_row` programs per row: 3 splits 300 tokens into slices of 128, 128 and 44."""
     expected = Sampler()(logits, batch).unpack()
-    got = fused.FusedSampler(block=64)(logits, batch).unpack()
+    sampler = fused.FusedSampler(block=64, num_programs=per_row * logits.shape[0])
+    got = sampler(logits, batch).unpack()
     assert torch.equal(got[0], expected[0]), (got[0], expected[0])
     for g, e in zip(got[1:], expected[1:], strict=True):
         assert (g is None) == (e is None)
@@ -181,12 +185,13 @@ def test_noise_at_the_top_of_the_hash_range_is_drawn_as_the_torch_sampler_draws_
     assert ids[:2] == [222, 222] and 222 not in ids[2:]
 
 
-def test_the_penalty_scratch_is_clean_after_each_call(fused: ModuleType) -> None:
-    sampler = fused.FusedSampler(block=64)
+def test_the_scratch_is_clean_after_each_call(fused: ModuleType) -> None:
+    sampler = fused.FusedSampler(block=64, num_programs=6)
     logits = make_logits(2, seed=1)
-    first = make_batch([OPTIONS["frequency"], OPTIONS["banned"]])
+    first = make_batch([OPTIONS["rl"], OPTIONS["banned"]], num_top_logprobs=2, logprobs=True)
     sampler(logits, first)
     assert sampler._marks is not None and int(sampler._marks.abs().sum()) == 0
+    assert sampler._scratch is not None and int(sampler._scratch.abs().sum()) == 0
     # A batch without those marks must not see the first one's.
     second = make_batch([OPTIONS["presence"], {"temperature": 0.0}])
     expected = Sampler()(logits, second).values
@@ -231,3 +236,95 @@ def test_the_kernels_exp_and_log_equal_the_references_bit_for_bit() -> None:
     kernel[(d.numel() // 1024,)](d, u, w, e, d.numel(), BLOCK=1024, enable_fp_fusion=False)
     assert torch.equal(w.view(torch.int32), exp_weights(d).view(torch.int32))
     assert torch.equal(e.view(torch.int32), neg_log(u).view(torch.int32))
+
+
+def test_rows_split_into_slices_that_do_not_divide_the_vocabulary(fused: ModuleType) -> None:
+    sampler = fused.FusedSampler(block=64, num_programs=8)
+    cpu = torch.device("cpu")
+    assert sampler.splits(1, VOCAB, cpu) == (5, 64)  # 4 slices of 64, one of 44
+    assert sampler.splits(2, VOCAB, cpu) == (3, 128)  # 128, 128 and 44
+    assert sampler.splits(4, VOCAB, cpu) == (2, 192)  # 192 and 108
+    assert sampler.splits(64, VOCAB, cpu) == (1, 320)  # many rows: one program each
+
+
+@pytest.mark.parametrize("per_row", [1, 2, 5, 8])
+def test_every_split_count_picks_the_torch_samplers_tokens(fused: ModuleType, per_row: int) -> None:
+    rows = [
+        {**OPTIONS["rl"], "step": 0},
+        {"top_p": 0.8, "step": 1},
+        {"top_k": 3, "top_p": 0.95, "step": 2},
+        {**OPTIONS["banned"], "min_p": 0.1},
+    ]
+    flags = {"num_top_logprobs": 5, "logprobs": True}
+    batch = make_batch(rows, **flags)
+    assert_same_sampling(fused, make_logits(4, seed=21), batch, per_row=per_row)
+
+
+def test_a_single_row_spread_over_the_whole_grid_matches(fused: ModuleType) -> None:
+    for i, option in enumerate(["rl", "top_p", "temperature", "greedy"]):
+        rows = [{**OPTIONS[option], "step": i}]
+        batch = make_batch(rows, num_top_logprobs=2, logprobs=True)
+        assert_same_sampling(fused, make_logits(1, seed=30 + i), batch, per_row=5)
+
+
+def test_many_rows_of_mixed_options_match(fused: ModuleType) -> None:
+    names = sorted(OPTIONS)
+    rows = [{**OPTIONS[names[i % len(names)]], "step": i, "seed": 7 * i} for i in range(24)]
+    assert_same_sampling(fused, make_logits(24, seed=40, scale=2.0), make_batch(rows), per_row=2)
+
+
+def test_ties_at_the_top_k_boundary_keep_the_whole_group(fused: ModuleType) -> None:
+    # Ten tokens share the largest logit, spread over every slice: top-k 4 keeps all ten,
+    # top-k 12 keeps them and the two next (a tie group of its own at 1.0 straddling k).
+    logits = torch.zeros(4, VOCAB)
+    tied = [3, 70, 129, 130, 190, 255, 256, 280, 298, 299]
+    logits[:, tied] = 5.0
+    logits[:, [10, 150, 290]] = 1.0
+    rows = [
+        {"top_k": 4, "step": 0},
+        {"top_k": 12, "step": 1},
+        {"top_k": 10, "top_p": 0.3, "step": 2},
+        {"top_k": 11, "top_p": 0.99, "step": 3},
+    ]
+    batch = make_batch(rows, num_top_logprobs=4, logprobs=True)
+    assert_same_sampling(fused, logits.to(DEVICE), batch)
+    # Row 0's eight draws are all among the ten (the reference's rule, checked against it).
+    eight = make_batch([{**rows[0], "step": step} for step in range(8)])
+    ids = fused.FusedSampler(block=64, num_programs=24)(logits[:1].repeat(8, 1), eight).values
+    assert set(ids.tolist()) <= set(tied) and len(set(ids.tolist())) > 1
+
+
+@pytest.mark.parametrize("top_k", [0, 1, 9, 60])
+def test_top_p_with_and_without_top_k_matches(fused: ModuleType, top_k: int) -> None:
+    rows = [{"top_k": top_k, "top_p": p, "step": i} for i, p in enumerate([0.05, 0.5, 0.9, 1.0])]
+    assert_same_sampling(fused, make_logits(4, seed=50 + top_k, scale=1.5), make_batch(rows))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_logits_in_the_models_dtype_match(fused: ModuleType, dtype: torch.dtype) -> None:
+    rows = [OPTIONS["rl"], OPTIONS["top_p"], OPTIONS["greedy"], OPTIONS["frequency"]]
+    batch = make_batch(rows, num_top_logprobs=3, logprobs=True)
+    assert_same_sampling(fused, make_logits(4, seed=60).to(dtype), batch)
+
+
+def test_launches_per_call_follow_the_options(fused: ModuleType) -> None:
+    launches = []
+    sampler = fused.FusedSampler(block=64)
+    launch = sampler.launch
+    sampler.launch = lambda kernel, *a, **k: (launches.append(kernel), launch(kernel, *a, **k))
+    logits = make_logits(2, seed=1)
+    sampler(logits, make_batch([OPTIONS["greedy"]] * 2))
+    assert len(launches) == 2  # the stats pass, the merge
+    launches.clear()
+    sampler(logits, make_batch([OPTIONS["rl"]] * 2, num_top_logprobs=5, logprobs=True))
+    assert len(launches) == 10  # stats, 3 top-k digits, 4 top-p digits, the race, the merge
+
+
+@pytest.mark.parametrize("option", [{"top_k": 5}, {"top_p": 0.03}, {"top_k": 40, "top_p": 0.05}])
+def test_a_threshold_off_by_one_token_would_show(fused: ModuleType, option: dict) -> None:
+    # Nearly flat logits: every kept token wins about as often as any other, so keeping one
+    # token too many or too few changes some of the 32 draws. All in [1, 2) and close: they
+    # share the first radix digits and crowd the bins of the third, which the walk must split.
+    rows = [{**option, "step": step} for step in range(32)]
+    logits = (1.5 + make_logits(1, seed=70, scale=3e-4)).repeat(32, 1)
+    assert_same_sampling(fused, logits, make_batch(rows), per_row=2)
