@@ -22,6 +22,14 @@ _HALF = tl.constexpr(1 << 31)
 
 
 @triton.jit
+def program_slice(vocab, slice_len):
+    """(row, first token, end): program (row, split)'s tokens."""
+    row = tl.program_id(0).to(tl.int64)
+    lo = tl.program_id(1) * slice_len
+    return row, lo, tl.minimum(lo + slice_len, vocab)
+
+
+@triton.jit
 def row_floats(floats_ptr, row):
     """(temperature, top_p, min_p, repetition, frequency, presence): SamplingBatch.floats."""
     base = floats_ptr + row * 6

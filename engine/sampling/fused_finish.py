@@ -20,7 +20,7 @@ from engine.sampling.fused_blocks import (
     pack_token,
     row_floats,
 )
-from engine.sampling.fused_select import COUNTS, GREEDY, PRESENT, RACE, SCRATCH
+from engine.sampling.fused_select import COUNTS, GATHERED, GREEDY, PRESENT, RACE, SCRATCH
 
 _SCRATCH = tl.constexpr(SCRATCH)
 _MIN64 = tl.constexpr(-(1 << 63))
@@ -107,6 +107,7 @@ def finish(
     tl.store(scratch_row + RACE, 0)
     if TOP_K:
         _zero(scratch_row + COUNTS, PRESENT - COUNTS, BLOCK)
+        tl.store(scratch_row + GATHERED, 0)
     if TOP_P:
         _zero(scratch_row + PRESENT, GREEDY - PRESENT, BLOCK)
     if PENALTIES or BANS:

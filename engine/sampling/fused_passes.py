@@ -27,15 +27,15 @@ from engine.sampling.fused_blocks import (
     load_block,
     pack,
     pack_key,
+    program_slice,
     row_floats,
     scatter_ids,
 )
-from engine.sampling.fused_math import exp_weights, fmix32, neg_log, order_keys
+from engine.sampling.fused_math import exp_weights, order_keys
 from engine.sampling.fused_select import (
     BINS,
     COUNTS,
     GREEDY,
-    LEVELS,
     MASSES,
     PRESENT,
     RACE,
@@ -49,21 +49,13 @@ from engine.sampling.fused_select import (
     top_p_prefix,
     unsigned_keys,
 )
+from engine.sampling.fused_survivors import race_scores, row_noise_key, top_k_floor
 
 _MASS = tl.constexpr(sm.MASS_SCALE)
-_U_MAX = tl.constexpr(sm.U_MAX)
 _BINS = tl.constexpr(BINS)
-_LEVELS = tl.constexpr(LEVELS)
 _SCRATCH = tl.constexpr(SCRATCH)
 _MIN64 = tl.constexpr(-(1 << 63))
 _MAX64 = tl.constexpr((1 << 63) - 1)
-
-
-@triton.jit
-def _slice(vocab, slice_len):
-    row = tl.program_id(0).to(tl.int64)
-    lo = tl.program_id(1) * slice_len
-    return row, lo, tl.minimum(lo + slice_len, vocab)
 
 
 @triton.jit
@@ -75,7 +67,7 @@ def stats_pass(
     LOGPROBS: tl.constexpr, RAW: tl.constexpr, NUM_TOP: tl.constexpr, TOPB: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
-    row, lo, hi = _slice(vocab, slice_len)
+    row, lo, hi = program_slice(vocab, slice_len)
     logits_row = logits_ptr + row * logits_stride
     marks_row = marks_ptr + row * vocab
     scratch_row = scratch_ptr + row * _SCRATCH
@@ -165,7 +157,7 @@ def count_pass(
     logits_ptr, logits_stride, floats_ptr, ints_ptr, marks_ptr, scratch_ptr, vocab, slice_len,
     PENALTIES: tl.constexpr, BANS: tl.constexpr, LEVEL: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    row, lo, hi = _slice(vocab, slice_len)
+    row, lo, hi = program_slice(vocab, slice_len)
     temp, _, _, rep, freq, pres = row_floats(floats_ptr, row)
     top_k = tl.load(ints_ptr + row * 5 + 3)
     if (temp > 0) & (top_k > 0) & (top_k < vocab):
@@ -189,19 +181,19 @@ def count_pass(
 def mass_pass(
     logits_ptr, logits_stride, floats_ptr, ints_ptr, marks_ptr, scratch_ptr, vocab, slice_len,
     PENALTIES: tl.constexpr, BANS: tl.constexpr, TOP_K: tl.constexpr, LEVEL: tl.constexpr,
-    BLOCK: tl.constexpr,
+    SURVIVORS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    row, lo, hi = _slice(vocab, slice_len)
+    row, lo, hi = program_slice(vocab, slice_len)
     temp, top_p, _, rep, freq, pres = row_floats(floats_ptr, row)
-    top_k = tl.load(ints_ptr + row * 5 + 3)
-    if (temp > 0) & (top_p < 1.0):
+    scratch_row = scratch_ptr + row * _SCRATCH
+    floor = tl.full((), 0, tl.int64)
+    gathered = tl.full((), 0, tl.int32)
+    if TOP_K:
+        top_k = tl.load(ints_ptr + row * 5 + 3)
+        floor, gathered = top_k_floor(scratch_row, temp, top_k, vocab, SURVIVORS)
+    if (temp > 0) & (top_p < 1.0) & (gathered == 0):
         logits_row = logits_ptr + row * logits_stride
         marks_row = marks_ptr + row * vocab
-        scratch_row = scratch_ptr + row * _SCRATCH
-        floor = tl.full((), 0, tl.int64)
-        if TOP_K:
-            if (top_k > 0) & (top_k < vocab):
-                floor = kth_prefix(scratch_row + COUNTS, top_k, _LEVELS)
         prefix = tl.full((), 0, tl.int64)
         if LEVEL > 0:
             prefix = top_p_prefix(scratch_row, top_p_limit(scratch_row, top_p), LEVEL)
@@ -228,22 +220,22 @@ def mass_pass(
 def race_pass(
     logits_ptr, logits_stride, floats_ptr, ints_ptr, marks_ptr, scratch_ptr, vocab, slice_len,
     PENALTIES: tl.constexpr, BANS: tl.constexpr, TOP_K: tl.constexpr, TOP_P: tl.constexpr,
-    MIN_P: tl.constexpr, BLOCK: tl.constexpr,
+    MIN_P: tl.constexpr, SURVIVORS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """argmax of weight / Exp(1) noise over the kept tokens, the lowest id among equals."""
-    row, lo, hi = _slice(vocab, slice_len)
+    row, lo, hi = program_slice(vocab, slice_len)
     temp, top_p, min_p, rep, freq, pres = row_floats(floats_ptr, row)
-    if temp > 0:
-        row_ints = ints_ptr + row * 5
+    row_ints = ints_ptr + row * 5
+    scratch_row = scratch_ptr + row * _SCRATCH
+    gathered = tl.full((), 0, tl.int32)
+    if TOP_K:
+        gathered = top_k_floor(scratch_row, temp, tl.load(row_ints + 3), vocab, SURVIVORS)[1]
+    if (temp > 0) & (gathered == 0):
         logits_row = logits_ptr + row * logits_stride
         marks_row = marks_ptr + row * vocab
-        scratch_row = scratch_ptr + row * _SCRATCH
         floor = kept_floor(scratch_row, tl.load(row_ints + 3), top_p, vocab, TOP_K, TOP_P)
         m = key_value(pack_key(tl.load(scratch_row + GREEDY)))
-        seed_low = tl.load(row_ints).to(tl.uint32)
-        seed_high = tl.load(row_ints + 1).to(tl.uint32)
-        counter = (tl.load(row_ints + 2) & 4294967295).to(tl.uint32)
-        row_key = fmix32(seed_high ^ fmix32(seed_low ^ fmix32(counter)))
+        row_key = row_noise_key(row_ints)
         best = tl.full((), 0, tl.int64)
         for start in range(lo, hi, BLOCK):
             ids, mask, _, x = load_block(
@@ -253,8 +245,6 @@ def race_pass(
             kept = mask & (unsigned_keys(order_keys(x)) >= floor)
             if MIN_P:
                 kept = kept & (weights >= min_p)
-            bits = fmix32(row_key ^ (ids.to(tl.uint32) * 0x9E3779B9))
-            u = tl.minimum(((bits >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08, _U_MAX)
-            scores = tl.where(kept, tl.math.div_rn(weights, neg_log(u)), -1.0)
+            scores = race_scores(weights, ids, kept, row_key)
             best = tl.maximum(best, block_best(scores, ids))
         tl.atomic_max(scratch_row + RACE, best)

@@ -5,10 +5,12 @@ fills the GPU as well as many; the launches of a call (engine/sampling/fused_pas
 engine/sampling/fused_finish.py) are, with the options a batch uses:
 1. `stats_pass`: penalty and ban marks, then max, greedy argmax, log-sum-exp partials,
    top-logprob candidates and top-k's first radix histogram, in one pass;
-2. top-k: `count_pass` x 3, the other radix digits (engine/sampling/fused_select.py);
-3. top-p: `mass_pass` x 4, a radix select weighted by the masses, among top-k's survivors;
-4. `race_pass`: the exponential race over the kept tokens;
-5. `finish`: one program per row merges the slices' partials and writes the output.
+2. top-k: `count_pass` x 3, the other radix digits (engine/sampling/fused_select.py), then
+   `gather_pass` copies the survivors of a row with few (engine/sampling/fused_survivors.py);
+3. top-p: `mass_pass` x 4, a radix select weighted by the masses, for the other rows;
+4. top-k: `survivors_race`, top-p, min-p and the race on a row's gathered survivors;
+5. `race_pass`: the exponential race over the kept tokens of the other sampled rows;
+6. `finish`: one program per row merges the slices' partials and writes the output.
 A pass reads the logits in their own dtype and recomputes the processed logits from them
 (nothing [rows, vocab] is written but the penalty marks). Every decision uses
 engine/sampling/sampling_math.py's arithmetic with the same operations in the same order
@@ -28,23 +30,32 @@ import triton
 from engine.sampling.fused_finish import finish
 from engine.sampling.fused_passes import count_pass, mass_pass, race_pass, stats_pass
 from engine.sampling.fused_select import LEVELS, SCRATCH
+from engine.sampling.fused_survivors import gather_pass, survivors_race
 from engine.sampling.sampler import SamplerOutput, SamplingBatch
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class FusedSampler:
-    """Sampler's contract in 2 to 10 kernel launches (by the options the batch uses).
+    """Sampler's contract in 2 to 12 kernel launches (by the options the batch uses).
 
     `block` tokens per iteration; `num_programs` the programs a call aims at (rows times
-    splits), by default twice the GPU's SMs (4 under the interpreter). The scratch for penalty
+    splits), by default twice the GPU's SMs (4 under the interpreter); `survivors` the most
+    top-k survivors a row may have to be finished on them alone (a power of 2). The scratch for penalty
     and ban marks ([rows, vocab] int32) and for the radix histograms and winners ([rows,
     SCRATCH] int64), zero between calls, is allocated on the first step that needs it and grows
     with the batch.
     """
 
-    def __init__(self, block: int = 1024, num_programs: int | None = None, num_warps: int = 8):
+    def __init__(
+        self,
+        block: int = 1024,
+        num_programs: int | None = None,
+        num_warps: int = 8,
+        survivors: int = 1024,
+    ) -> None:
         self.block = block
+        self.survivors = survivors
         self.num_programs = num_programs
         self.num_warps = num_warps
         self._marks: torch.Tensor | None = None
@@ -98,16 +109,27 @@ class FusedSampler:
             NUM_TOP=k, TOPB=top_slots,
         )  # fmt: skip
         pass_args = (*row_args, marks, scratch, vocab, slice_len)
+        room = {"SURVIVORS": self.survivors}
+        cands = torch.empty(rows * self.survivors if top_k else 1, dtype=torch.int64, device=device)
         if top_k:
             for level in range(1, LEVELS):
                 self.launch(count_pass, grid, *pass_args, **flags, LEVEL=level)
+            self.launch(
+                gather_pass, grid, *row_args, marks, scratch, cands, vocab, slice_len, **flags,
+                **room,
+            )  # fmt: skip
         if top_p:
             for level in range(LEVELS):
-                self.launch(mass_pass, grid, *pass_args, **flags, TOP_K=top_k, LEVEL=level)
+                self.launch(mass_pass, grid, *pass_args, **flags, TOP_K=top_k, LEVEL=level, **room)
+        if top_k:
+            self.launch(
+                survivors_race, (rows,), batch.floats, batch.ints, scratch, cands, vocab,
+                TOP_P=top_p, MIN_P=batch.use_min_p, **room,
+            )  # fmt: skip
         if sample:
             self.launch(
                 race_pass, grid, *pass_args, **flags, TOP_K=top_k, TOP_P=top_p,
-                MIN_P=batch.use_min_p,
+                MIN_P=batch.use_min_p, **room,
             )  # fmt: skip
         self.launch(
             finish, (rows,), logits, logits.stride(0), batch.floats, ctx, ctx.stride(0),

@@ -29,7 +29,8 @@ PRESENT = COUNTS + LEVELS * BINS  # top-p counts of survivors (which bins are no
 MASSES = PRESENT + LEVELS * BINS  # top-p masses of survivors
 GREEDY = MASSES + LEVELS * BINS  # max pack of (processed key, token): the argmax and the max
 RACE = GREEDY + 1  # max pack of (race score key, token): the sampled token
-SCRATCH = RACE + 1
+GATHERED = RACE + 1  # survivors gathered so far (engine/sampling/fused_survivors.py)
+SCRATCH = GATHERED + 1
 
 _BINS = tl.constexpr(BINS)
 _HALF = tl.constexpr(1 << 31)
@@ -63,16 +64,29 @@ def in_prefix(u, prefix, LEVEL: tl.constexpr):
 @triton.jit
 def kth_prefix(counts_row, k, LEVELS_DONE: tl.constexpr):
     """The first LEVELS_DONE digits of the k-th largest u, from the count histograms."""
+    return _kth_walk(counts_row, k, LEVELS_DONE)[0]
+
+
+@triton.jit
+def top_k_survivors(counts_row, k):
+    """(the k-th largest u, how many keys are at least it: k and the k-th's ties)."""
+    return _kth_walk(counts_row, k, LEVELS)
+
+
+@triton.jit
+def _kth_walk(counts_row, k, LEVELS_DONE: tl.constexpr):
     bins = tl.arange(0, _BINS).to(tl.int64)
     prefix = tl.full((), 0, tl.int64)
     need = k.to(tl.int64)
+    kept = need
     for level in tl.static_range(LEVELS_DONE):
         h = tl.load(counts_row + level * _BINS + bins)
         at_or_above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h
         b = tl.max(tl.where(at_or_above >= need, bins, -1), axis=0)
+        kept = k - need + tl.sum(tl.where(bins == b, at_or_above, 0), axis=0)
         need -= tl.sum(tl.where(bins == b, at_or_above - h, 0), axis=0)
         prefix = prefix * _BINS + b
-    return prefix
+    return prefix, kept
 
 
 @triton.jit

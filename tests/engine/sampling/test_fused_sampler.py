@@ -83,11 +83,18 @@ def make_logits(rows: int, seed: int = 0, scale: float = 3.0, step: float = 0.0)
 
 
 def assert_same_sampling(
-    fused: ModuleType, logits: torch.Tensor, batch: SamplingBatch, per_row: int = 3
+    fused: ModuleType,
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    per_row: int = 3,
+    survivors: int = 16,
 ) -> None:
-    """`per_row` programs per row: 3 splits 300 tokens into slices of 128, 128 and 44."""
+    """`per_row` programs per row: 3 splits 300 tokens into slices of 128, 128 and 44. Rows
+    with top-k up to `survivors` (and fewer ties) finish on their gathered survivors, the
+    others by the radix passes."""
     expected = Sampler()(logits, batch).unpack()
-    sampler = fused.FusedSampler(block=64, num_programs=per_row * logits.shape[0])
+    programs = per_row * logits.shape[0]
+    sampler = fused.FusedSampler(block=64, num_programs=programs, survivors=survivors)
     got = sampler(logits, batch).unpack()
     assert torch.equal(got[0], expected[0]), (got[0], expected[0])
     for g, e in zip(got[1:], expected[1:], strict=True):
@@ -317,14 +324,21 @@ def test_launches_per_call_follow_the_options(fused: ModuleType) -> None:
     assert len(launches) == 2  # the stats pass, the merge
     launches.clear()
     sampler(logits, make_batch([OPTIONS["rl"]] * 2, num_top_logprobs=5, logprobs=True))
-    assert len(launches) == 10  # stats, 3 top-k digits, 4 top-p digits, the race, the merge
+    # Stats, 3 top-k digits, the gathering, 4 top-p digits, the survivors' race, the race, the merge.
+    assert len(launches) == 12
 
 
-@pytest.mark.parametrize("option", [{"top_k": 5}, {"top_p": 0.03}, {"top_k": 40, "top_p": 0.05}])
-def test_a_threshold_off_by_one_token_would_show(fused: ModuleType, option: dict) -> None:
+@pytest.mark.parametrize(
+    ("option", "survivors"),
+    [({"top_k": 5}, 16), ({"top_p": 0.03}, 16), ({"top_k": 40, "top_p": 0.05}, 16)]
+    + [({"top_k": 5}, 1), ({"top_k": 40, "top_p": 0.05}, 64)],
+)
+def test_a_threshold_off_by_one_token_would_show(
+    fused: ModuleType, option: dict, survivors: int
+) -> None:
     # Nearly flat logits: every kept token wins about as often as any other, so keeping one
     # token too many or too few changes some of the 32 draws. All in [1, 2) and close: they
     # share the first radix digits and crowd the bins of the third, which the walk must split.
     rows = [{**option, "step": step} for step in range(32)]
     logits = (1.5 + make_logits(1, seed=70, scale=3e-4)).repeat(32, 1)
-    assert_same_sampling(fused, logits, make_batch(rows), per_row=2)
+    assert_same_sampling(fused, logits, make_batch(rows), per_row=2, survivors=survivors)
