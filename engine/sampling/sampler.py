@@ -11,8 +11,9 @@ identically after preemption. Sampling is the exponential race: argmax(w / E) ov
 tokens, w = exp(logit - max), E ~ Exp(1).
 
 Every decision (the kept set, the race, top logprob ids) is computed with the reproducible
-arithmetic of engine/sampling/sampling_math.py, so the fused kernel
-(engine/sampling/fused_sampler.py) picks exactly these tokens. Ties: top-k keeps every token tied
+arithmetic of engine/sampling/sampling_math.py, so the fused kernels
+(engine/sampling/fused_sampler.py) pick exactly these tokens. The logits may come in the
+model's dtype; everything is float32 from the first operation on. Ties: top-k keeps every token tied
 with the k-th (as Hugging Face's warper does); top-p keeps or drops a group of tied tokens
 together; the race and greedy take the lowest token id among equal scores; top logprobs list
 equal logits by token id.

@@ -1,7 +1,7 @@
 """The sampler's decision arithmetic, reproducible bit for bit by any implementation.
 
 Which token a sampled row draws must not depend on how a float reduction was ordered or on
-whose `exp` or `log` ran, so that the fused CUDA kernel (engine/sampling/fused_sampler.py) picks
+whose `exp` or `log` ran, so that the fused CUDA kernels (engine/sampling/fused_sampler.py) pick
 exactly the token this torch code picks. Every value a decision reads is therefore built from
 correctly rounded float32 `+ - * /`, comparisons, float<->int conversions and integer ops:
 - `exp_weights`: w = exp(x - max) by a fixed polynomial for 2^f and an exponent built from
