@@ -280,9 +280,10 @@ def test_many_rows_of_mixed_options_match(fused: ModuleType) -> None:
     assert_same_sampling(fused, make_logits(24, seed=40, scale=2.0), make_batch(rows), per_row=2)
 
 
-def test_ties_at_the_top_k_boundary_keep_the_whole_group(fused: ModuleType) -> None:
+@pytest.mark.parametrize("survivors", [1, 16], ids=["radix", "gathered"])
+def test_ties_at_the_top_k_boundary_keep_the_whole_group(fused: ModuleType, survivors: int) -> None:
     # Ten tokens share the largest logit, spread over every slice: top-k 4 keeps all ten,
-    # top-k 12 keeps them and the two next (a tie group of its own at 1.0 straddling k).
+    # top-k 12 keeps them and all three at 1.0 (the 12th is one of them).
     logits = torch.zeros(4, VOCAB)
     tied = [3, 70, 129, 130, 190, 255, 256, 280, 298, 299]
     logits[:, tied] = 5.0
@@ -294,10 +295,11 @@ def test_ties_at_the_top_k_boundary_keep_the_whole_group(fused: ModuleType) -> N
         {"top_k": 11, "top_p": 0.99, "step": 3},
     ]
     batch = make_batch(rows, num_top_logprobs=4, logprobs=True)
-    assert_same_sampling(fused, logits.to(DEVICE), batch)
+    assert_same_sampling(fused, logits.to(DEVICE), batch, survivors=survivors)
     # Row 0's eight draws are all among the ten (the reference's rule, checked against it).
     eight = make_batch([{**rows[0], "step": step} for step in range(8)])
-    ids = fused.FusedSampler(block=64, num_programs=24)(logits[:1].repeat(8, 1), eight).values
+    sampler = fused.FusedSampler(block=64, num_programs=24, survivors=survivors)
+    ids = sampler(logits[:1].repeat(8, 1).to(DEVICE), eight).values
     assert set(ids.tolist()) <= set(tied) and len(set(ids.tolist())) > 1
 
 
