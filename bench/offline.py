@@ -1,9 +1,12 @@
-"""Offline throughput: the nano-vllm workload through LLMEngine.generate and HF generate.
+"""Offline throughput: the nano-vllm workload through LLMEngine.generate and an HF decode loop.
 
 Both run in this process, on the same checkpoint files, at the same torch thread count; HF
 runs the same prompts in padded batches (left padding, `--hf-batch-size` prompts per batch, in
 workload order) and is credited only with each request's own output tokens, as a serving
-benchmark counts them. Output tokens/s for both and their ratio.
+benchmark counts them. Output tokens/s for both and their ratio. The HF side is a decode loop
+over the model's forward with its KV cache (bench/hf_reference.py), not `generate`, whose
+`min_new_tokens` masks EOS where the engine under ignore_eos may pick it; at `--temperature 0`
+the JSON also counts the sequences that are token for token the engine's.
 
 With `--tensor-parallel-size N` the engine also runs with one rank in the same run (each of the
 N ranks gets threads / N torch threads, so both use the same cores), and the ratio N ranks / 1
@@ -11,6 +14,7 @@ rank is reported.
 
     python -m bench.offline --shape tiny --scale 0.25 --threads 2
     python -m bench.offline --shape tiny --scale 0.25 --threads 2 --tensor-parallel-size 2 --skip-hf
+    python -m bench.offline --shape tiny --scale 0.25 --threads 1 --temperature 0  # + identity
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 from bench.checkpoints import SHAPES, ensure_checkpoint
 from bench.common import emit, log, machine, process_cpu_seconds, set_threads
+from bench.hf_reference import decode_loop, load_model, token_identity
 from bench.workload import Workload, make_workload
 
 
@@ -81,8 +86,9 @@ def run_engine(
     prefix_cache: bool = True,
     tensor_parallel_size: int = 1,
     threads: int | None = None,
-) -> dict[str, Any]:
-    """Time LLMEngine.generate on the whole workload (after a short warm-up)."""
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """Time LLMEngine.generate on the whole workload (after a short warm-up); also each
+    request's output ids."""
     import torch
 
     if threads is not None:
@@ -124,7 +130,7 @@ def run_engine(
     engine.close()
     del engine
     _free(torch, device)
-    return {
+    record = {
         "seconds": elapsed,
         "cpu_cores_busy": cpu / elapsed,  # below the thread count: the machine was contended
         "load_seconds": load_s,
@@ -139,37 +145,36 @@ def run_engine(
         "prefix_cache": prefix_cache,
         "tensor_parallel_size": tensor_parallel_size,
     }
+    return record, [r.token_ids for r in results]
 
 
 def run_hf(
     model_dir: Path, workload: Workload, device: str, dtype: str, batch_size: int
-) -> dict[str, Any]:
-    """Time HF generate over padded batches of the workload's prompts, in workload order."""
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """Time the HF decode loop (bench/hf_reference.py) over padded batches of the workload's
+    prompts, in workload order; also each request's own output ids."""
     import torch
-    import transformers
 
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    model: Any = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, dtype)
-    )
-    model = model.to(device).eval()
+    model = load_model(model_dir, dtype, device)
     pad = model.config.eos_token_id
-    _hf_generate(model, workload.prompts[:2], 8, workload.temperature, pad, device)  # warm-up
+    generator = torch.Generator(device=device).manual_seed(workload.seed)
+    decode_loop(model, workload.prompts[:2], 8, workload.temperature, pad, generator)  # warm-up
     _sync(torch, device)
     start, cpu = time.perf_counter(), process_cpu_seconds()
     padded_tokens = 0
+    tokens: list[list[int]] = []
     for first in range(0, workload.num_requests, batch_size):
         prompts = workload.prompts[first : first + batch_size]
-        longest = max(workload.output_lens[first : first + batch_size])
-        out = _hf_generate(model, prompts, longest, workload.temperature, pad, device)
-        padded_tokens += out.numel() - out.shape[0] * max(map(len, prompts))
+        lens = workload.output_lens[first : first + batch_size]
+        rows = decode_loop(model, prompts, max(lens), workload.temperature, pad, generator)
+        padded_tokens += len(rows) * max(lens)
+        tokens += [row[:n] for row, n in zip(rows, lens, strict=True)]
     _sync(torch, device)
     elapsed = time.perf_counter() - start
     cpu = process_cpu_seconds() - cpu
     del model
     _free(torch, device)
-    return {
+    record = {
         "seconds": elapsed,
         "cpu_cores_busy": cpu / elapsed,
         "output_tokens": workload.output_tokens,
@@ -179,32 +184,7 @@ def run_hf(
         "generated_tokens_with_padding": padded_tokens,
         "batch_size": batch_size,
     }
-
-
-def _hf_generate(
-    model: Any, prompts: list[list[int]], new_tokens: int, temperature: float, pad: int, device: str
-) -> Any:
-    import torch
-
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):  # left padding
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
-    sampled = temperature > 0
-    with torch.inference_mode():
-        return model.generate(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,  # ignore_eos: every row generates the full length
-            do_sample=sampled,
-            temperature=temperature if sampled else None,
-            top_k=0 if sampled else None,  # HF's default top_k=50 would do extra work
-            top_p=1.0 if sampled else None,
-            pad_token_id=pad,
-        )
+    return record, tokens
 
 
 def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -240,13 +220,15 @@ def main(argv: list[str] | None = None) -> int:
     engine_runs: list[dict[str, Any]] = []
     one_rank_runs: list[dict[str, Any]] = []  # with --tensor-parallel-size > 1
     hf_by_size: dict[int, list[dict[str, Any]]] = {size: [] for size in args.hf_batch_sizes}
+    engine_tokens: list[list[int]] = []  # the last run's (all runs agree when greedy)
+    hf_tokens: dict[int, list[list[int]]] = {}
     # With --tensor-parallel-size N > 1, each repeat also runs 1 rank: the baseline of the ratio.
     sizes = [(args.tensor_parallel_size, engine_runs)]
     if args.tensor_parallel_size > 1:
         sizes.append((1, one_rank_runs))
     for _ in range(args.repeat):
         for tp_size, runs in sizes:
-            run = run_engine(
+            run, tokens = run_engine(
                 model_dir,
                 workload,
                 args.device,
@@ -261,8 +243,10 @@ def main(argv: list[str] | None = None) -> int:
             label = "engine" if runs is engine_runs else "engine, 1 rank"
             log(f"{label}: {run['output_tokens_per_s']:.1f} output tokens/s")
             runs.append(run)
+            if runs is engine_runs:
+                engine_tokens = tokens
         for size in [] if args.skip_hf else args.hf_batch_sizes:
-            run = run_hf(model_dir, workload, args.device, dtype, size)
+            run, hf_tokens[size] = run_hf(model_dir, workload, args.device, dtype, size)
             log(f"hf batch {size}: {run['output_tokens_per_s']:.1f} output tokens/s")
             hf_by_size[size].append(run)
     engine = _best(engine_runs)
@@ -293,6 +277,13 @@ def main(argv: list[str] | None = None) -> int:
         "tensor_parallel_size": args.tensor_parallel_size,
         "engine_one_rank": one_rank,  # best of `repeat`; with --tensor-parallel-size > 1
         "ratio_ranks_over_one_rank": tp_ratio,
+        "hf_reference": "decode loop over the forward, KV cached (bench/hf_reference.py)",
+        # Greedy only: sampled runs draw from different random streams.
+        "token_identity_engine_hf": {
+            size: token_identity(engine_tokens, tokens) for size, tokens in hf_tokens.items()
+        }
+        if workload.temperature == 0
+        else None,
         "machine": machine(),
     }
     ranks = f", {args.tensor_parallel_size} ranks" if args.tensor_parallel_size > 1 else ""
@@ -315,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     rows += [
         [
-            f"HF generate, batch {r['batch_size']}",
+            f"HF decode loop, batch {r['batch_size']}",
             r["seconds"],
             r["output_tokens_per_s"],
             r["requests_per_s"],
@@ -326,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     emit(result, header, rows)
     if ratio is not None:
         log(f"ratio engine/HF output tokens/s: {ratio:.2f}x")
+    for size, identity in (result["token_identity_engine_hf"] or {}).items():
+        log(f"token-identical with HF batch {size}: {identity['identical']}/{identity['of']}")
     if tp_ratio is not None:
         log(f"ratio {args.tensor_parallel_size} ranks / 1 rank output tokens/s: {tp_ratio:.2f}x")
     return 0
