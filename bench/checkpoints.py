@@ -83,6 +83,35 @@ SHAPES: dict[str, Shape] = {
         },
         "the demo model's size (4 layers, hidden 256), 4096 positions",
     ),
+    # Against vLLM's CPU build (bench/peer_vllm.py), whose CPU attention needs head_dim >= 32.
+    "tiny-hd32": Shape(
+        "llama",
+        {
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 320,
+            "max_position_embeddings": 4096,
+            "tie_word_embeddings": False,
+        },
+        "0.38M parameters: tiny's vocabulary and layers at head_dim 32, 4096 positions",
+    ),
+    "llama-75m": Shape(
+        "llama",
+        {
+            "hidden_size": 768,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 4,
+            "vocab_size": 32000,
+            "max_position_embeddings": 4096,
+            "tie_word_embeddings": True,
+        },
+        "75M parameters: hidden 768, 8 layers, head_dim 64, GQA 12/4, Llama 2's vocabulary size",
+    ),
     # Real shapes (the published configs, random weights).
     "qwen2.5-0.5b": Shape(
         "qwen2",
