@@ -175,6 +175,35 @@ def prefix(r: dict[str, Any]) -> str:
     )
 
 
+def peer_vllm(r: dict[str, Any]) -> str:
+    w, same, hf = r["workload"], r["token_identity_sluice_vllm"], r.get("hf_check")
+    header = ["run", "first", "sluice tok/s", "vLLM tok/s", "sluice / vLLM"]
+    header += ["load s sluice / vLLM", "peak RSS MiB sluice / vLLM (process tree)"]
+    rows = [
+        [i, run["first"], run["sluice"]["output_tokens_per_s"], run["vllm"]["output_tokens_per_s"],
+         run["ratio_sluice_over_vllm"],
+         f"{run['sluice']['load_seconds']:.1f} / {run['vllm']['load_seconds']:.1f}",
+         f"{run['sluice']['peak_rss_tree_mib']:.0f} / {run['vllm']['peak_rss_tree_mib']:.0f}"]
+        for i, run in enumerate(r["runs"])
+    ]  # fmt: skip
+    checked = ""
+    if hf:
+        checked = (
+            f"; against the HF argmax loop on the first {hf['requests']}: sluice "
+            f"{hf['sluice']['identical']}, vLLM {hf['vllm']['identical']}"
+        )
+    return (
+        f"**Sluice vs vLLM {r['vllm_version']} (CPU), {r['model']}** ({r['dtype']}, "
+        f"{r['threads']} threads, KV cache {r['kv_cache_gib']} GiB, max_num_seqs "
+        f"{r['max_num_seqs']}, max_num_batched_tokens {r['max_num_batched_tokens']}; "
+        f"{w['num_requests']} requests, prompts {w['prompt_len'][0]}..{w['prompt_len'][1]}, "
+        f"outputs {w['output_len'][0]}..{w['output_len'][1]}, greedy, ignore_eos)\n\n"
+        + markdown(header, rows)
+        + f"\n\nmedian sluice / vLLM: **{r['median_ratio']:.2f}x**; token-identical sequences: "
+        f"{same['identical']} of {same['of']}{checked}"
+    )
+
+
 def summary(folders: list[Path]) -> str:
     """One row per result file of the headline numbers, to compare repeated runs."""
     rows = []
@@ -251,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve": serve,
         "prefix": prefix,
         "service_ceiling": service_ceiling,
+        "peer_vllm": peer_vllm,
     }
     for folder in args.folders:
         for path in sorted(folder.glob("*.json")):
