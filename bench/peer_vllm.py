@@ -74,11 +74,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache of each, whole GiB")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--repeat", type=int, default=2, help="runs of each; the first alternates")
+    p.add_argument(
+        "--repeat", type=int, default=2, help="runs of each engine, alternating which goes first"
+    )
     p.add_argument("--hf-check", type=int, default=4, help="requests checked against HF argmax")
     p.add_argument("--vllm-python", type=Path, help="a python with vllm (default: made)")
     p.add_argument(
         "--vllm-env", nargs="*", default=[], metavar="KEY=VALUE", help="more env for vLLM"
+    )
+    p.add_argument(
+        "--sluice-env", nargs="*", default=[], metavar="KEY=VALUE", help="more env for Sluice"
     )
     p.add_argument("--timeout", type=float, default=3600, help="seconds per engine run")
     return p.parse_args(argv)
@@ -110,7 +115,7 @@ def worker_command(engine: str, vllm_python: Path, spec: Path, out: Path) -> lis
 def worker_env(
     engine: str, threads: int, kv_cache_gib: int, vllm_python: Path, extra: Sequence[str] = ()
 ) -> dict[str, str]:
-    """The child's environment: vLLM's CPU settings, and `extra` KEY=VALUE pairs for vLLM."""
+    """The child's environment: vLLM's CPU settings for vLLM, then `extra` KEY=VALUE pairs."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     if engine == "vllm":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
@@ -119,9 +124,9 @@ def worker_env(
         preload = [str(p) for p in vllm_preloads(vllm_python)]
         if preload:
             env["LD_PRELOAD"] = ":".join(filter(None, [*preload, env.get("LD_PRELOAD", "")]))
-        for pair in extra:
-            key, _, value = pair.partition("=")
-            env[key] = value
+    for pair in extra:
+        key, _, value = pair.partition("=")
+        env[key] = value
     return env
 
 
@@ -228,15 +233,17 @@ def main(argv: list[str] | None = None) -> int:
             order = ENGINES if index % 2 == 0 else ENGINES[::-1]
             run: dict[str, Any] = {"first": order[0]}
             for engine in order:
-                env = worker_env(
-                    engine, args.threads, args.kv_cache_gib, vllm_python, args.vllm_env
-                )
+                extra = args.vllm_env if engine == "vllm" else args.sluice_env
+                env = worker_env(engine, args.threads, args.kv_cache_gib, vllm_python, extra)
                 run[engine] = run_worker(engine, vllm_python, spec, folder, args.timeout, env)
                 log(f"{engine}: {run[engine]['output_tokens_per_s']:.1f} output tokens/s")
             runs.append(run)
     summary = summarize(runs)
     vllm_version = runs[0]["vllm"].get("vllm_version")
-    vllm_env = worker_env("vllm", args.threads, args.kv_cache_gib, vllm_python, args.vllm_env)
+    envs = {
+        engine: worker_env(engine, args.threads, args.kv_cache_gib, vllm_python, extra)
+        for engine, extra in (("sluice", args.sluice_env), ("vllm", args.vllm_env))
+    }
     result = {
         "benchmark": "peer_vllm",
         "model": args.shape if args.model is None else str(args.model),
@@ -250,8 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         **summary,
         "hf_check": hf_check(model_dir, args.dtype, workload, args.hf_check, runs),
         "vllm_version": vllm_version,
-        # what the vLLM child's environment sets beyond this process's
-        "vllm_env": {k: v for k, v in vllm_env.items() if os.environ.get(k) != v},
+        # what each child's environment sets beyond this process's
+        **{
+            f"{engine}_env": {k: v for k, v in env.items() if os.environ.get(k) != v}
+            for engine, env in envs.items()
+        },
         "machine": machine(),
     }
     rows = [

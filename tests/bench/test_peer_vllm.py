@@ -42,7 +42,8 @@ def test_vllm_worker_runs_by_path_isolated_and_gets_cores_and_kv_cache() -> None
     env = peer_vllm.worker_env("vllm", 2, 1, Path("/v/bin/python"), ["VLLM_X=a=b"])
     assert (env["VLLM_CPU_KVCACHE_SPACE"], env["VLLM_CPU_OMP_THREADS_BIND"]) == ("1", "0-1")
     assert env["VLLM_X"] == "a=b"
-    assert "VLLM_CPU_KVCACHE_SPACE" not in peer_vllm.worker_env("sluice", 2, 1, Path("/v"))
+    sluice = peer_vllm.worker_env("sluice", 2, 1, Path("/v"), ["OMP_WAIT_POLICY=PASSIVE"])
+    assert "VLLM_CPU_KVCACHE_SPACE" not in sluice and sluice["OMP_WAIT_POLICY"] == "PASSIVE"
 
 
 def record(rate: float, tokens: list[list[int]]) -> dict[str, Any]:
