@@ -20,6 +20,11 @@ engine's `step()` is timed while every request decodes one token per step. Repor
   only, its times mean nothing.
 
     python -m bench.decode --shape tiny --batches 1 8 64 256 --context 256 --threads 2
+
+`--host-only` times only the host's work per step (bench/host_only.py), for this tree and, with
+`--baseline-rev REV`, for REV's, alternating `--rounds` times:
+
+    python -m bench.decode --host-only --batches 64 256 --baseline-rev 832212e
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+from bench.checkpoints import ensure_checkpoint
 from bench.common import emit, log, machine, process_cpu_seconds, set_threads
 from bench.offline import add_model_flags, resolve_model
 from bench.step_timers import Timers, breakdown, instrument
@@ -51,6 +57,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sampler", choices=("auto", "torch", "triton"), default="auto")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--op-rows", type=int, default=32, help="rows of the op-count steps")
+    p.add_argument(
+        "--host-only",
+        action="store_true",
+        help="host time per step only: stand-in forward and sampler (bench/host_only.py)",
+    )
+    p.add_argument("--baseline-rev", help="--host-only: also time this git revision, alternately")
     return p.parse_args(argv)
 
 
@@ -244,6 +256,8 @@ def _sync(device: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.host_only:
+        return host_only_main(args)
     if args.sampler == "triton" and not args.device.startswith("cuda"):
         import os
 
@@ -356,6 +370,22 @@ def main(argv: list[str] | None = None) -> int:
         "host",
     ]
     emit(result, header, rows)
+    return 0
+
+
+def host_only_main(args: argparse.Namespace) -> int:
+    """The forward and sampler stand-ins' run: this tree and --baseline-rev, alternately."""
+    from bench import host_only
+    from bench.common import revision
+
+    model_dir = ensure_checkpoint(args.shape, dtype="float32")
+    result = host_only.run(args, model_dir, revision())
+    result["machine"] = machine()
+    rows = [
+        [r["revision"], r["batch"], r["host_ms_per_step"], r["with_outputs_ms"]]
+        for r in result["results"]
+    ]
+    emit(result, ["revision", "batch", "host ms/step", "with outputs ms"], rows)
     return 0
 
 
