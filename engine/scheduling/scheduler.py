@@ -136,11 +136,16 @@ class Scheduler:
         return True
 
     def _admit(self, batch: ScheduledBatch) -> None:
+        if not (self.waiting and self.admitting):
+            return
+        # NOTE: running leaders' pending siblings join when their prompts are done: their
+        # places are taken, or a step could sample more rows than max_num_seqs.
+        taken = len(self.running) + sum([len(r.pending_forks) for r in self.running])
         while self.waiting and self.admitting:
             budget = self.max_num_batched_tokens - batch.num_tokens
             req = self.waiting[0]
             group = 1 + len(req.pending_forks)  # the siblings join when the prompt is done
-            if budget == 0 or len(self.running) + group > self.max_num_seqs:
+            if budget == 0 or taken + group > self.max_num_seqs:
                 break
             # NOTE: at least the last token must be computed, so its logits exist to sample.
             if self.cache.pool.pages_for(req.num_tokens + 1) > self.pool_pages:
@@ -167,6 +172,7 @@ class Scheduler:
                 self.prefix_hits += num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            taken += group
             batch.add(req, num_tokens)
 
     def preempt(self, req: Request) -> None:

@@ -88,6 +88,23 @@ def test_higher_priority_is_admitted_first(tiny_llama: Path) -> None:
     assert finished == ["high", "low"]
 
 
+def test_pending_siblings_keep_their_places_from_later_admissions(tiny_llama: Path) -> None:
+    # A leader of n=2 admitted first reserves its sibling's place: the two requests behind it
+    # must not both join, or the step ending its prompt samples 4 rows with max_num_seqs 3.
+    engine = make_engine(tiny_llama, max_num_seqs=3)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request("pair", some_prompts(1, 6)[0], params, n=2)
+    for k in range(2):
+        engine.add_request(f"single-{k}", some_prompts(1, 9, seed=k + 1)[0], params)
+    most = 0
+    while engine.has_work():
+        engine.step()
+        reserved = sum(len(r.pending_forks) for r in engine.scheduler.running)
+        most = max(most, len(engine.scheduler.running) + reserved)
+    assert most == 3
+    assert_all_pages_returned(engine)
+
+
 def test_request_that_cannot_fit_in_the_pool_ends_with_error_alone(tiny_llama: Path) -> None:
     engine = make_engine(tiny_llama, num_kv_pages=4, page_size=4)
     huge, small = some_prompts(1, 40)[0], [0, 5, 6]
