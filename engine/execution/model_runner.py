@@ -16,6 +16,7 @@ the same forward (and LM head) on its shard, and samples nothing.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,12 +24,15 @@ import numpy as np
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.execution import sampling_slots as slot_bits
 from engine.execution.cuda_graph import CUDAGraphRunner
+from engine.execution.sampling_slots import SamplingSlots
 from engine.execution.step_inputs import StepInputs
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.step_channel import Op, StepChannel, StepHeader
 from engine.sampling.sampler import SamplerOutput, SamplingBatch
 from engine.sampling.sampler_choice import make_sampler
+from engine.scheduling.block_table import BlockTable
 from engine.scheduling.page_pool import PagePool
 from engine.scheduling.request import Request
 from engine.scheduling.scheduler import ScheduledBatch
@@ -81,8 +85,7 @@ class ModelRunner:
         sizes = (max_tokens, max_num_seqs, self.max_pages, max_num_seqs)
         self.host = StepInputs.allocate(*sizes, torch.device("cpu"), pin=device.type == "cuda")
         self.arrays = self.host.numpy()
-        self._floats_flat = self.arrays.sampling_floats.reshape(-1)  # views, same memory
-        self._ints_flat = self.arrays.sampling_ints.reshape(-1)
+        self.sampling_slots = SamplingSlots()
         # On the CPU the host buffers are the step's tensors: nothing to copy.
         self.inputs = self.host if device.type == "cpu" else StepInputs.allocate(*sizes, device)
         self.graphs: CUDAGraphRunner | None = None
@@ -116,7 +119,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> Sampled:
         num_seqs = len(batch.requests)
-        width = max(len(r.pages) for r in batch.requests)
+        width = max([len(r.pages) for r in batch.requests])  # the widest row the step reads
         graphs = self.graphs
         decode = batch.num_tokens == num_seqs
         size = graphs.bucket(num_seqs) if graphs is not None and decode else None
@@ -138,7 +141,7 @@ class ModelRunner:
             if not step.rows_are_tokens:
                 hidden = hidden[self._sample_rows(step)]
             logits = self.model.compute_logits(hidden)
-        out = self.sampler(logits, self._sampling_batch(step.sampling))
+        out = self.sampler(logits, self._sampling_batch(step.sampling, _block_table(batch)))
         return self._to_host(step.sampling, out)
 
     def _send(self, step: PreparedStep, graph_size: int) -> None:
@@ -225,64 +228,78 @@ class ModelRunner:
         self, batch: ScheduledBatch, width: int, graph_rows: int | None = None
     ) -> PreparedStep:
         """Write the step's inputs into the host buffers (no tensors are created here).
-        A graphed step's block table is page-major for its `graph_rows` (padded) rows."""
+        A graphed step's block table is page-major for its `graph_rows` (padded) rows.
+
+        The rows of the block table are gathered from the scheduler's BlockTable (kept as
+        pages are added) with one numpy index: no per-row rewrite."""
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the previous step's uploads have been read
-        reqs = batch.requests
+        reqs, table = batch.requests, _block_table(batch)
+        slots = np.fromiter((r.slot for r in reqs), np.int64, len(reqs))
         if batch.num_tokens == len(reqs):
-            self._fill_decode(reqs)
+            self._fill_decode(reqs, table.pages, slots)
         else:
-            self._fill_packed(reqs, batch.query_lens)
+            self._fill_packed(reqs, batch.query_lens, table.pages, slots)
         if graph_rows is None:
             tables = self.arrays.block_table(len(reqs), width)
         else:
-            tables = self.arrays.block_table(graph_rows, width, page_major=True)
-        for i, r in enumerate(reqs):
-            tables[i, : len(r.pages)] = r.pages
+            tables = self.arrays.block_table(graph_rows, width, page_major=True)[: len(reqs)]
+        # Entries past a row's pages are whatever the slot held: valid ids, never attended.
+        tables[...] = table.pages[slots, :width]
         return self._sampled_rows(batch, width)
 
-    def _fill_decode(self, reqs: list[Request]) -> None:
-        """One token per sequence: a few list comprehensions, no per-token loop."""
+    def _fill_decode(self, reqs: list[Request], pages: np.ndarray, slots: np.ndarray) -> None:
+        """One token per sequence: two list comprehensions, the rest in numpy."""
         a, size, num_seqs = self.arrays, self.page_size, len(reqs)
-        starts = [r.num_computed_tokens for r in reqs]
-        a.input_ids[:num_seqs] = [r.token_ids[s] for r, s in zip(reqs, starts, strict=True)]
-        a.positions[:num_seqs] = starts
-        a.slot_mapping[:num_seqs] = [
-            r.pages[s // size] * size + s % size for r, s in zip(reqs, starts, strict=True)
-        ]
-        a.seq_lens[:num_seqs] = starts
-        a.seq_lens[:num_seqs] += 1
+        a.input_ids[:num_seqs] = [r.token_ids[r.num_computed_tokens] for r in reqs]
+        positions = a.positions[:num_seqs]
+        positions[:] = [r.num_computed_tokens for r in reqs]
+        a.slot_mapping[:num_seqs] = pages[slots, positions // size] * size + positions % size
+        np.add(positions, 1, out=a.seq_lens[:num_seqs], casting="unsafe")
         a.query_start_loc[: num_seqs + 1] = np.arange(num_seqs + 1)
 
-    def _fill_packed(self, reqs: list[Request], query_lens: list[int]) -> None:
-        """Any mix of prefill chunks and decodes: numpy ranges per sequence."""
-        a, size = self.arrays, self.page_size
-        t = 0
-        for i, (r, n) in enumerate(zip(reqs, query_lens, strict=True)):
-            s = r.num_computed_tokens
-            positions = np.arange(s, s + n)
-            a.input_ids[t : t + n] = r.token_ids[s : s + n]
-            a.positions[t : t + n] = positions
-            a.slot_mapping[t : t + n] = (
-                np.asarray(r.pages)[positions // size] * size + positions % size
-            )
-            a.seq_lens[i] = s + n
-            t += n
+    def _fill_packed(
+        self, reqs: list[Request], query_lens: list[int], pages: np.ndarray, slots: np.ndarray
+    ) -> None:
+        """Any mix of prefill chunks and decodes: every token's position and slot in numpy."""
+        a, size, num_seqs = self.arrays, self.page_size, len(reqs)
+        starts = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, num_seqs)
+        lens = np.asarray(query_lens, dtype=np.int64)
+        num_tokens = int(lens.sum())
         a.query_start_loc[0] = 0
-        np.cumsum(query_lens, out=a.query_start_loc[1 : len(reqs) + 1])
+        np.cumsum(lens, out=a.query_start_loc[1 : num_seqs + 1])
+        seq = np.repeat(np.arange(num_seqs), lens)  # each token's sequence
+        first = a.query_start_loc[:num_seqs].astype(np.int64)
+        positions = starts[seq] + np.arange(num_tokens) - first[seq]
+        a.input_ids[:num_tokens] = list(
+            itertools.chain.from_iterable(
+                r.token_ids[s : s + n]
+                for r, s, n in zip(reqs, starts.tolist(), query_lens, strict=True)
+            )
+        )
+        a.positions[:num_tokens] = positions
+        a.slot_mapping[:num_tokens] = pages[slots[seq], positions // size] * size + positions % size
+        a.seq_lens[:num_seqs] = starts + lens
 
     def _sampled_rows(self, batch: ScheduledBatch, width: int) -> PreparedStep:
         """Which requests sample, from which token row (written to `sample_rows` unless row i
         is token i, the steady decode case)."""
+        reqs, lens = batch.requests, batch.query_lens
+        num_seqs, num_tokens = len(reqs), batch.num_tokens
+        ends = [
+            r.num_computed_tokens + n == len(r.token_ids) for r, n in zip(reqs, lens, strict=True)
+        ]
+        forks = any([r.pending_forks for r in reqs])
+        if num_tokens == num_seqs and all(ends) and not forks:  # steady decode: row i, token i
+            return PreparedStep(num_tokens, num_seqs, width, list(reqs), True, num_seqs)
         rows: list[int] = []
         sampling: list[Request] = []
-        num_seqs, num_tokens = len(batch.requests), batch.num_tokens
-        ends = self.arrays.query_start_loc[1 : num_seqs + 1].tolist()
-        for r, n, end in zip(batch.requests, batch.query_lens, ends, strict=True):
-            if r.num_computed_tokens + n == r.num_tokens:
+        last = self.arrays.query_start_loc[1 : num_seqs + 1].tolist()
+        for r, end, row in zip(reqs, ends, last, strict=True):
+            if end:
                 # Siblings (n > 1) sample their first tokens from the leader's last prompt row.
                 for seq in [r, *r.pending_forks] if r.pending_forks else [r]:
-                    rows.append(end - 1)
+                    rows.append(row - 1)
                     sampling.append(seq)
         rows_are_tokens = len(rows) == num_tokens and rows == list(range(num_tokens))
         if not rows_are_tokens:
@@ -302,58 +319,44 @@ class ModelRunner:
             top_lps = [row[2 + k :] for row in packed]
         return Sampled(sampling, token_ids, logprobs, top_ids, top_lps)
 
-    def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
-        """Per-row sampling inputs: the per-row numbers through the step buffers (one pass
-        over the rows, two copies); token lists (penalties, min_tokens) as tensors of their
-        own, only when some row needs them."""
-        floats: list[float] = []
-        ints: list[int] = []
-        banned: list[tuple[int, ...]] = []  # per row, while min_tokens is not reached yet
-        for r in reqs:
-            p = r.params
-            num_output = len(r.token_ids) - r.prompt_len
-            # Greedy rows go to the sampler as temperature 0: `greedy` is the only rule.
-            temperature = 0.0 if p.greedy else p.temperature
-            floats += (temperature, p.top_p, p.min_p)
-            floats += (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
-            ints += (r.seed & 0xFFFFFFFF, r.seed >> 32, num_output, p.top_k, r.prompt_len)
-            banned.append(self._stop_ids(r) if num_output < p.min_tokens else ())
-        rows = len(reqs)
-        # Flat lists fill numpy several times faster than lists of tuples.
-        self._floats_flat[: 6 * rows] = floats
-        self._ints_flat[: 5 * rows] = ints
+    def _sampling_batch(self, reqs: list[Request], table: BlockTable) -> SamplingBatch:
+        """Per-row sampling inputs: each row's numbers gathered from SamplingSlots (written
+        once per request) into the step buffers, two copies; token lists (penalties,
+        min_tokens) as tensors of their own, only when some row needs them."""
+        a, rows = self.arrays, len(reqs)
+        flags, top, banned = self.sampling_slots.gather(
+            table, reqs, a.sampling_floats, a.sampling_ints
+        )
         f, i = self.inputs.sampling_floats[:rows], self.inputs.sampling_ints[:rows]
         if self.inputs is not self.host:
             f.copy_(self.host.sampling_floats[:rows], non_blocking=True)
             i.copy_(self.host.sampling_ints[:rows], non_blocking=True)
-
-        params = [r.params for r in reqs]
-        distinct = list({id(p): p for p in params}.values())  # often one shared object
-        sampled = [p for p in distinct if not p.greedy]
         batch = SamplingBatch(
             floats=f,
             ints=i,
-            all_greedy=not sampled,
-            use_top_k=any(p.top_k > 0 for p in sampled),
-            use_top_p=any(p.top_p < 1.0 for p in sampled),
-            use_min_p=any(p.min_p > 0.0 for p in sampled),
-            use_penalties=any(
-                p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
-                for p in distinct
-            ),
-            num_top_logprobs=max(p.top_logprobs for p in distinct),
-            logprobs=any(p.logprobs and not p.raw_logprobs for p in distinct),
-            raw_logprobs=any(p.logprobs and p.raw_logprobs for p in distinct),
+            all_greedy=not flags & slot_bits.SAMPLED,
+            use_top_k=bool(flags & slot_bits.TOP_K),
+            use_top_p=bool(flags & slot_bits.TOP_P),
+            use_min_p=bool(flags & slot_bits.MIN_P),
+            use_penalties=bool(flags & slot_bits.PENALTIES),
+            num_top_logprobs=top,
+            logprobs=bool(flags & slot_bits.LOGPROBS),
+            raw_logprobs=bool(flags & slot_bits.RAW_LOGPROBS),
         )
         if batch.num_top_logprobs:
-            batch.logprobs = batch.logprobs or any(not p.raw_logprobs for p in distinct)
-            batch.raw_logprobs = batch.raw_logprobs or any(p.raw_logprobs for p in distinct)
+            batch.logprobs = batch.logprobs or bool(flags & slot_bits.NOT_RAW)
+            batch.raw_logprobs = batch.raw_logprobs or bool(flags & slot_bits.RAW)
         if batch.logprobs and batch.raw_logprobs:
-            batch.raw_rows = torch.tensor([p.raw_logprobs for p in params], device=self.device)
+            raw = [r.params.raw_logprobs for r in reqs]
+            batch.raw_rows = torch.tensor(raw, device=self.device)
         if batch.use_penalties:
             batch.context_ids = self._padded([r.token_ids for r in reqs])
-        if any(banned):
-            batch.suppress_ids = self._padded([list(b) for b in banned])
+        if len(banned):  # rows still below their min_tokens: their stop ids are banned
+            stop_ids: list[tuple[int, ...]] = [()] * rows
+            for row in banned.tolist():
+                stop_ids[row] = self._stop_ids(reqs[row])
+            if any(stop_ids):
+                batch.suppress_ids = self._padded([list(b) for b in stop_ids])
         return batch
 
     def _stop_ids(self, req: Request) -> tuple[int, ...]:
@@ -365,3 +368,8 @@ class ModelRunner:
         width = max(1, max(len(r) for r in rows))
         padded = [r + [self.vocab_size] * (width - len(r)) for r in rows]
         return torch.tensor(padded, dtype=torch.int64, device=self.device)
+
+
+def _block_table(batch: ScheduledBatch) -> BlockTable:
+    assert batch.block_table is not None, "a batch from the Scheduler carries its block table"
+    return batch.block_table

@@ -38,6 +38,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     pages: list[int] = field(default_factory=list)
+    slot: int | None = None  # its row in the scheduler's BlockTable while it holds pages
     page_hashes: list[int] = field(default_factory=list)  # prefix-cache chain hashes of pages
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission

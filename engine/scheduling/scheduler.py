@@ -15,31 +15,38 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from engine.scheduling.block_table import BlockTable
 from engine.scheduling.prefix_cache import PrefixCache
 from engine.scheduling.request import Request, RequestStatus
+
+RUNNING = RequestStatus.RUNNING
 
 
 @dataclass
 class ScheduledBatch:
-    """Requests advancing this step, in packed order, with the tokens each feeds."""
+    """Requests advancing this step, in packed order, with the tokens each feeds; their page
+    rows are in `block_table` (at each request's `slot`)."""
 
     requests: list[Request] = field(default_factory=list)
     query_lens: list[int] = field(default_factory=list)
+    block_table: BlockTable | None = None
+    num_tokens: int = field(init=False)  # sum(query_lens), kept as rows come and go
+
+    def __post_init__(self) -> None:
+        self.num_tokens = sum(self.query_lens)
 
     def __bool__(self) -> bool:
         return bool(self.requests)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.query_lens)
-
     def add(self, req: Request, num_tokens: int) -> None:
         self.requests.append(req)
         self.query_lens.append(num_tokens)
+        self.num_tokens += num_tokens
 
     def discard(self, req: Request) -> None:
         if req in self.requests:
             i = self.requests.index(req)
+            self.num_tokens -= self.query_lens[i]
             del self.requests[i], self.query_lens[i]
 
 
@@ -56,6 +63,7 @@ class Scheduler:
         self.prefix_hits = 0  # prompt tokens found there
         self.too_big: list[Request] = []  # requests that alone cannot fit; the engine ends them
         self.admitting = True  # False while a weight update drains the running requests
+        self.block_table = BlockTable(max_num_seqs)  # every page change goes through it
 
     @property
     def pool_pages(self) -> int:
@@ -94,6 +102,7 @@ class Scheduler:
             copy = self.cache.allocate()
             self.cache.pool.copy_page(leader.pages[full], copy)
             child.pages.append(copy)
+        self.block_table.assign(child)
         child.page_hashes = leader.page_hashes[:full]
         child.publish_pages = leader.publish_pages
         child.num_computed_tokens = child.prompt_len
@@ -104,18 +113,35 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        for req in decoding + prefilling:
-            budget = self.max_num_batched_tokens - batch.num_tokens
+        """Linear in the running requests: a running token count, and `_grow` only for a
+        request whose new tokens reach past its last page (a decode: once a page)."""
+        batch = ScheduledBatch(block_table=self.block_table)
+        decoding: list[Request] = []
+        prefilling: list[Request] = []
+        for r in self.running:
+            left = len(r.token_ids) - r.num_computed_tokens
+            if left == 1:
+                decoding.append(r)
+            elif left > 1:
+                prefilling.append(r)
+        size, limit, running = self.cache.pool.page_size, self.max_num_batched_tokens, RUNNING
+        for req in decoding:
+            if batch.num_tokens == limit:
+                break
+            if req.status is not running:
+                continue  # preempted earlier in this loop
+            end = req.num_computed_tokens + 1
+            if end <= len(req.pages) * size or self._grow(req, end, batch):
+                batch.add(req, 1)
+        for req in prefilling:
+            budget = limit - batch.num_tokens
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            num_tokens = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self._grow(req, req.num_computed_tokens + num_tokens, batch):
-                batch.add(req, num_tokens)
+            if req.status is not running:
+                continue
+            end = req.num_computed_tokens + min(req.num_tokens - req.num_computed_tokens, budget)
+            if end <= len(req.pages) * size or self._grow(req, end, batch):
+                batch.add(req, end - req.num_computed_tokens)
         self._admit(batch)
         return batch
 
@@ -133,6 +159,7 @@ class Scheduler:
                 return False
         while len(req.pages) < total:
             req.pages.append(self.cache.allocate())
+        self.block_table.extend(req)
         return True
 
     def _admit(self, batch: ScheduledBatch) -> None:
@@ -165,6 +192,7 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             req.pages = hit_pages + [self.cache.allocate() for _ in range(needed)]
+            self.block_table.assign(req)
             req.num_computed_tokens = num_cached
             if req.first_scheduled_time is None:  # first admission, not a resume
                 req.num_cached_tokens = num_cached
@@ -194,5 +222,6 @@ class Scheduler:
     def _release_pages(self, req: Request) -> None:
         for page in req.pages:
             self.cache.release(page)
+        self.block_table.release(req)
         req.pages = []
         req.page_hashes.clear()

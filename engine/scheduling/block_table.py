@@ -1,0 +1,76 @@
+"""BlockTable: the page ids of every request that holds pages, one numpy row per slot.
+
+The scheduler is the only code that changes a request's pages, and it keeps this table in
+step: a request takes a slot when it gets its first pages (admission, fork), its row gains an
+entry when it gains a page, and the slot is freed when its pages are released (preemption,
+finish, abort). The model runner then gathers a step's rows with one numpy index instead of
+rewriting every row from each request's page list every step.
+
+`epochs[slot]` counts the requests that have held the slot, so per-slot state kept elsewhere
+(the model runner's sampling parameters) can tell that a slot changed hands and refresh it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.scheduling.request import Request
+
+
+class BlockTable:
+    def __init__(self, num_slots: int, width: int = 16) -> None:
+        self.pages = np.zeros((max(num_slots, 1), max(width, 1)), dtype=np.int32)
+        self.num_pages = np.zeros(self.pages.shape[0], dtype=np.int64)  # per slot
+        self.epochs = np.zeros(self.pages.shape[0], dtype=np.int64)
+        self.free = list(range(self.pages.shape[0] - 1, -1, -1))  # pop() takes the lowest
+
+    @property
+    def num_slots(self) -> int:
+        return self.pages.shape[0]
+
+    def assign(self, req: Request) -> None:
+        """Give a request that just got its pages (admitted, forked) a slot holding them."""
+        assert req.slot is None, f"{req.key} already holds slot {req.slot}"
+        if not self.free:
+            self._resize(2 * self.num_slots, self.pages.shape[1])
+        slot = self.free.pop()
+        req.slot = slot
+        self.epochs[slot] += 1
+        self.num_pages[slot] = 0
+        self.extend(req)
+
+    def extend(self, req: Request) -> None:
+        """Append the pages `req` gained since its row was last written."""
+        slot = req.slot
+        assert slot is not None, f"{req.key} holds pages but no slot"
+        start, end = int(self.num_pages[slot]), len(req.pages)
+        if end > self.pages.shape[1]:
+            self._resize(self.num_slots, max(end, 2 * self.pages.shape[1]))
+        self.pages[slot, start:end] = req.pages[start:end]
+        self.num_pages[slot] = end
+
+    def release(self, req: Request) -> None:
+        """Free the slot of a request whose pages were released (no-op without one)."""
+        if req.slot is None:
+            return
+        self.num_pages[req.slot] = 0
+        self.free.append(req.slot)
+        req.slot = None
+
+    def row(self, req: Request) -> list[int]:
+        """The pages the table holds for `req` (what its page list must equal)."""
+        assert req.slot is not None
+        return self.pages[req.slot, : self.num_pages[req.slot]].tolist()
+
+    def _resize(self, num_slots: int, width: int) -> None:
+        """Grow (rare: a fork burst past max_num_seqs, a longer request than seen so far).
+        New entries are page 0: any valid id does, they are never attended to."""
+        old_slots, old_width = self.pages.shape
+        pages = np.zeros((num_slots, width), dtype=np.int32)
+        pages[:old_slots, :old_width] = self.pages
+        self.pages = pages
+        if num_slots > old_slots:
+            grow = num_slots - old_slots
+            self.num_pages = np.concatenate([self.num_pages, np.zeros(grow, np.int64)])
+            self.epochs = np.concatenate([self.epochs, np.zeros(grow, np.int64)])
+            self.free = list(range(num_slots - 1, old_slots - 1, -1)) + self.free
