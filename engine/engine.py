@@ -48,6 +48,7 @@ from engine.request_validation import request_error
 from engine.scheduling.prefix_cache import PrefixCache
 from engine.scheduling.request import Request, RequestStatus
 from engine.scheduling.scheduler import ScheduledBatch, Scheduler
+from engine.step_outputs import StepOutputs
 from engine.weights.weight_updater import WeightUpdater
 
 
@@ -190,16 +191,16 @@ class LLMEngine:
 
     # ---- the step ----
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> Sequence[RequestOutput]:
         """Advance every scheduled request by one forward pass; return what changed."""
         with self.lock:
             return self._step()
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> Sequence[RequestOutput]:
         batch = self._schedule()
         outputs, self.pending = self.pending, []  # ended outside the batch: aborts, errors
         if batch:
-            outputs += self._postprocess(batch, self.runner.run(batch))
+            return self._postprocess(batch, self.runner.run(batch), outputs)
         return outputs
 
     def _schedule(self) -> ScheduledBatch:
@@ -214,14 +215,19 @@ class LLMEngine:
                 req.first_scheduled_time = now
         return batch
 
-    def _postprocess(self, batch: ScheduledBatch, sampled: Sampled) -> list[RequestOutput]:
+    def _postprocess(
+        self, batch: ScheduledBatch, sampled: Sampled, first: list[RequestOutput]
+    ) -> StepOutputs:
         """Count the computed tokens, publish full pages to the prefix cache, append the
-        sampled tokens; returns one output per sampled row."""
+        sampled tokens; returns `first`, then one output per sampled row."""
+        size, caching = self.pool.page_size, self.cache.enabled
         for req, num_tokens in zip(batch.requests, batch.query_lens, strict=True):
             req.num_computed_tokens += num_tokens
             if req.num_computed_tokens <= req.prompt_len:
                 self.prompt_tokens_computed += num_tokens
-            if req.publish_pages:
+            # Only a step that fills a page has anything to publish.
+            full = req.num_computed_tokens // size
+            if caching and req.publish_pages and full > len(req.page_hashes):
                 self.cache.publish(
                     self.policy_version,
                     req.token_ids,
@@ -229,33 +235,35 @@ class LLMEngine:
                     req.num_computed_tokens,
                     req.page_hashes,
                 )
-        return self._append_sampled(sampled)
+        return self._append_sampled(sampled, first)
 
-    def _append_sampled(self, sampled: Sampled) -> list[RequestOutput]:
+    def _append_sampled(self, sampled: Sampled, first: list[RequestOutput]) -> StepOutputs:
+        """Append each row's token, end the requests it stops; outputs as StepOutputs."""
+        reqs, tokens = sampled.requests, sampled.token_ids
         # NOTE: siblings fork before any token is appended: a leader that stops at its first
         # token releases the prompt pages they start from.
-        for req in sampled.requests:
-            if req.status is RequestStatus.FORK_PENDING:
-                self.scheduler.fork(req, self.requests[req.request_id][0])
-        outputs = []
-        now = time.monotonic()
-        for row, req in enumerate(sampled.requests):
-            token = sampled.token_ids[row]
+        for req in [r for r in reqs if r.status is RequestStatus.FORK_PENDING]:
+            self.scheduler.fork(req, self.requests[req.request_id][0])
+        for req, token in zip(reqs, tokens, strict=True):
             req.token_ids.append(token)
-            self.tokens_generated += 1
-            if req.first_token_time is None:
-                req.first_token_time = now
-            logprobs = None
-            if req.params.logprobs and sampled.logprobs is not None:
-                logprobs = [sampled.logprobs[row]]
-            top = None
-            k = req.params.top_logprobs
-            if k and sampled.top_ids is not None and sampled.top_logprobs is not None:
-                top = [(sampled.top_ids[row][:k], sampled.top_logprobs[row][:k])]
-            reason = stop_reason(req, token, self.model_config.eos_token_ids)
+        self.tokens_generated += len(reqs)
+        now = time.monotonic()
+        for req in [r for r in reqs if r.first_token_time is None]:
+            req.first_token_time = now
+        counts = [len(r.token_ids) - r.prompt_len for r in reqs]
+        eos = self.model_config.eos_token_ids
+        # Rows that may stop (stop_reason decides): an EOS id, stop ids to check, the length.
+        maybe = [
+            row
+            for row, (r, t, c) in enumerate(zip(reqs, tokens, counts, strict=True))
+            if c >= r.max_tokens or t in eos or r.params.stop_token_ids
+        ]
+        outputs = StepOutputs(first, sampled, counts, self.policy_version)
+        for row in maybe:
+            reason = stop_reason(reqs[row], tokens[row], eos)
             if reason is not None:
-                self._finish(req, reason, None)
-            outputs.append(request_output(req, [token], logprobs, top, self.policy_version))
+                self._finish(reqs[row], reason, None)
+                outputs.build_final(row)  # its values are final now
         return outputs
 
     def _expire_deadlines(self) -> None:

@@ -300,10 +300,46 @@ class WeightsProgress:
         return self.phase in (WeightsPhase.APPLIED, WeightsPhase.FAILED)
 
 
+@dataclass
+class TokenColumns:
+    """A step's plain rows as columns: request indexes that gained one token, did not end and
+    asked for no logprobs (most rows of a decode step). Row i is the RequestOutput that
+    `outputs()` builds; the columns pickle in a tenth of the time the objects do."""
+
+    request_ids: list[str]
+    indexes: list[int]
+    token_ids: list[int]
+    prompt_tokens: list[int]
+    cached_tokens: list[int]
+    completion_tokens: list[int]
+    policy_version: int
+
+    def outputs(self) -> list[RequestOutput]:
+        version = self.policy_version
+        return [
+            RequestOutput(request_id, index, [token], version, None, None, None, None, p, c, n)
+            for request_id, index, token, p, c, n in zip(
+                self.request_ids,
+                self.indexes,
+                self.token_ids,
+                self.prompt_tokens,
+                self.cached_tokens,
+                self.completion_tokens,
+                strict=True,
+            )
+        ]
+
+
 @dataclass(frozen=True)
 class StepOutput:
+    """One engine step's outputs: `outputs`, then the rows in `columns` (all_outputs())."""
+
     outputs: list[RequestOutput]
     stats: EngineStats
+    columns: TokenColumns | None = None
+
+    def all_outputs(self) -> list[RequestOutput]:
+        return (self.outputs + self.columns.outputs()) if self.columns else self.outputs
 
 
 @dataclass(frozen=True)
@@ -337,6 +373,7 @@ __all__ = [
     "RequestOutput",
     "Ready",
     "StepOutput",
+    "TokenColumns",
     "Heartbeat",
     "EngineDead",
     "ToEngine",

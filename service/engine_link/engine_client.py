@@ -357,9 +357,9 @@ class EngineClient:
             if engine.lost.is_set():
                 return
             match msg:
-                case StepOutput(outputs=outputs, stats=stats):
+                case StepOutput(stats=stats):
                     self._update_stats(stats)
-                    for output in outputs:
+                    for output in msg.all_outputs():  # the columns' rows built here
                         if self.router.route(output):
                             self.metrics.request_started(output.prompt_tokens)
                         if output.metrics is not None:

@@ -1,4 +1,4 @@
-"""The state that lives across steps: block-table rows and sampling rows.
+"""The state that lives across steps: block-table rows, sampling rows, columnar outputs.
 
 Each engine here runs against a reference engine with room for everything (no preemption,
 no slot reuse): tokens must match exactly, and after every step the persistent state must
@@ -7,6 +7,7 @@ equal what the requests hold.
 
 from __future__ import annotations
 
+import pickle
 import random
 from pathlib import Path
 
@@ -14,6 +15,8 @@ import numpy as np
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.execution.sampling_slots import _row
+from engine.messages import RequestOutput
+from engine.step_outputs import StepOutputs
 
 SEEDED = SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=12, ignore_eos=True)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -95,3 +98,43 @@ def test_a_slot_taken_over_by_other_params_samples_them(tiny_llama: Path) -> Non
     got = run_checked(shared, work)
     for k, result in enumerate(alone):
         assert got[(f"req-{k}", 0)] == result[("req-0", 0)]
+
+
+def test_step_outputs_read_later_keep_the_values_of_their_step(tiny_llama: Path) -> None:
+    engine = make_engine(tiny_llama)
+    engine.add_request("a", prompts(1)[0], GREEDY)
+    first = engine.step()
+    second = engine.step()
+    assert isinstance(first, StepOutputs)
+    for _ in range(3):
+        engine.step()
+    # Read only now: each still reports its own step's count.
+    assert [o.completion_tokens for o in first] == [1]
+    assert [o.completion_tokens for o in second] == [2]
+    copy = pickle.loads(pickle.dumps(second))
+    assert type(copy) is list and copy == list(second) and second == copy
+    assert all(isinstance(o, RequestOutput) for o in copy)
+
+
+def test_the_pipe_message_carries_every_output_of_the_step(tiny_llama: Path) -> None:
+    from engine.process import step_message
+
+    engine = make_engine(tiny_llama)
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=6, logprobs=True, top_logprobs=2)
+    short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    for k, params in enumerate([GREEDY, with_logprobs, short, SEEDED]):
+        engine.add_request(f"r{k}", prompts(4)[k], params, n=2 if k == 3 else 1)
+    columns_seen = 0
+    while engine.has_work():
+        outputs = engine.step()
+        expected = {(o.request_id, o.index): o for o in outputs}
+        msg = pickle.loads(pickle.dumps(step_message(outputs, engine.stats())))
+        got = {(o.request_id, o.index): o for o in msg.all_outputs()}
+        assert got == expected and len(msg.all_outputs()) == len(outputs)
+        columns_seen += len(msg.columns.token_ids) if msg.columns else 0
+        # Only plain rows travel as columns: none ended, none asked for logprobs.
+        assert all(
+            o.finish_reason is None and o.logprobs is None
+            for o in msg.all_outputs()[len(msg.outputs) :]
+        )
+    assert columns_seen > 0

@@ -1,0 +1,165 @@
+"""StepOutputs: what one engine step produced, as columns, read as a list of RequestOutputs.
+
+Postprocessing records a step's sampled rows as columns (the request, its token, its output
+count after the token) instead of building an object per row; a RequestOutput is built for a
+row only when something reads the sequence (all of them at once, on first access). A row
+whose request ended this step, and every output produced outside the step (aborts, errors),
+is built at once: its values are final.
+
+What a lazily built output holds is the step's, not the read's: the output count and policy
+version are recorded at the step, and the rest (ids, prompt length, cached tokens) never
+change over a request's life. Pickling sends the built list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, overload
+
+from engine.messages import RequestOutput, TokenColumns
+from engine.request_outputs import request_output
+from engine.scheduling.request import Request
+
+if TYPE_CHECKING:
+    from engine.execution.model_runner import Sampled
+
+
+class StepOutputs(Sequence[RequestOutput]):
+    def __init__(
+        self, first: list[RequestOutput], sampled: Sampled, counts: list[int], policy_version: int
+    ) -> None:
+        self.first = first  # outputs ahead of the rows: made outside the step
+        self.requests = sampled.requests  # one per sampled row
+        self.token_ids = sampled.token_ids
+        self.counts = counts  # completion tokens after this step's token
+        self.policy_version = policy_version
+        self.built: dict[int, RequestOutput] = {}  # rows built already (their request ended)
+        self.logprobs = sampled.logprobs
+        self.top_ids = sampled.top_ids
+        self.top_logprobs = sampled.top_logprobs
+        self._list: list[RequestOutput] | None = None
+
+    def build_final(self, row: int) -> None:
+        """Build row `row`'s output now: its request just ended (finish reason, metrics)."""
+        req = self.requests[row]
+        lp, top = self.row_logprobs(req, row)
+        self.built[row] = request_output(req, [self.token_ids[row]], lp, top, self.policy_version)
+
+    def row_output(self, row: int) -> RequestOutput:
+        """The RequestOutput of sampled row `row` (building it if needed)."""
+        out = self.built.get(row)
+        if out is not None:
+            return out
+        req = self.requests[row]
+        lp, top = self.row_logprobs(req, row)
+        return RequestOutput(
+            req.request_id,
+            req.index,
+            [self.token_ids[row]],
+            self.policy_version,
+            lp,
+            top,
+            None,
+            None,
+            req.prompt_len,
+            req.num_cached_tokens,
+            self.counts[row],
+        )
+
+    def row_logprobs(
+        self, req: Request, row: int
+    ) -> tuple[list[float] | None, list[tuple[list[int], list[float]]] | None]:
+        """What row `row` (of `req`) reports of the logprobs sampled: what it asked for."""
+        lp = None
+        if req.params.logprobs and self.logprobs is not None:
+            lp = [self.logprobs[row]]
+        top = None
+        k = req.params.top_logprobs
+        if k and self.top_ids is not None and self.top_logprobs is not None:
+            top = [(self.top_ids[row][:k], self.top_logprobs[row][:k])]
+        return lp, top
+
+    def outputs(self) -> list[RequestOutput]:
+        """Every output as a list, built once."""
+        if self._list is None:
+            if self.logprobs is None:
+                version = self.policy_version
+                rows = [
+                    RequestOutput(
+                        r.request_id,
+                        r.index,
+                        [t],
+                        version,
+                        None,
+                        None,
+                        None,
+                        None,
+                        r.prompt_len,
+                        r.num_cached_tokens,
+                        c,
+                    )
+                    for r, t, c in zip(self.requests, self.token_ids, self.counts, strict=True)
+                ]
+                for row, out in self.built.items():
+                    rows[row] = out
+            else:
+                rows = [self.row_output(row) for row in range(len(self.requests))]
+            self._list = self.first + rows
+        return self._list
+
+    def for_pipe(self) -> tuple[list[RequestOutput], TokenColumns]:
+        """(outputs to send as objects, the plain rows as columns): what the engine process
+        sends instead of an object per row. The objects are `first`, the rows that ended and
+        the rows with logprobs; the service reads them all with StepOutput.all_outputs()."""
+        objects = list(self.first)
+        plain: list[int] = []
+        for row, req in enumerate(self.requests):
+            if row in self.built or (self.logprobs is not None and _wants_logprobs(req)):
+                objects.append(self.row_output(row))
+            else:
+                plain.append(row)
+        reqs, tokens, counts = self.requests, self.token_ids, self.counts
+        if len(plain) < len(reqs):
+            reqs = [reqs[i] for i in plain]
+            tokens = [tokens[i] for i in plain]
+            counts = [counts[i] for i in plain]
+        columns = TokenColumns(
+            [r.request_id for r in reqs],
+            [r.index for r in reqs],
+            tokens,
+            [r.prompt_len for r in reqs],
+            [r.num_cached_tokens for r in reqs],
+            counts,
+            self.policy_version,
+        )
+        return objects, columns
+
+    def __len__(self) -> int:
+        return len(self.first) + len(self.requests)
+
+    @overload
+    def __getitem__(self, index: int) -> RequestOutput: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[RequestOutput]: ...
+    def __getitem__(self, index: int | slice) -> RequestOutput | list[RequestOutput]:
+        return self.outputs()[index]
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        return iter(self.outputs())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StepOutputs):
+            return self.outputs() == other.outputs()
+        if isinstance(other, list):
+            return self.outputs() == other
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"StepOutputs({self.outputs()!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return list, (self.outputs(),)
+
+
+def _wants_logprobs(req: Request) -> bool:
+    return req.params.logprobs or req.params.top_logprobs > 0
