@@ -9,9 +9,11 @@ The stand-ins patch points that every revision has: the model runner's `model.fo
 `model.compute_logits` (instance attributes returning fixed tensors of the right shape) and
 its `sampler` (fixed token ids). What is left is the host's work between forwards:
 scheduling, filling the step inputs, building the sampling batch, the device-to-host copy of
-the sampled ids, and postprocessing. Two numbers per batch: `host_ms_per_step`, the median
-`step()` call, and `with_outputs_ms`, the same with every RequestOutput's fields read (what
-a consumer of `step()` pays when the outputs are built lazily).
+the sampled ids, and postprocessing. Three numbers per batch, medians of steps of each kind
+taken in turn: `host_ms_per_step`, a `step()` call; `with_outputs_ms`, the same with every
+RequestOutput's fields read (what a consumer of `step()` pays when the outputs are built
+lazily); `engine_process_ms`, a `step()` and the pickled StepOutput the engine process sends
+for it (the revision's own `engine.process.step_message` when it has one).
 
 The worker imports only the engine and the standard library: the baseline's `bench` package
 need not match this one.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import random
 import shutil
 import statistics
@@ -69,6 +72,7 @@ def measure_batch(engine: Any, batch: int, context: int, steps: int, warmup: int
     assert len(engine.scheduler.running) == batch, "every request decodes in the timed steps"
     plain: list[float] = []
     consumed: list[float] = []
+    piped: list[float] = []
     for _ in range(steps):
         start = time.perf_counter()
         engine.step()
@@ -77,13 +81,29 @@ def measure_batch(engine: Any, batch: int, context: int, steps: int, warmup: int
         read = [(o.request_id, o.index, o.new_token_ids, o.finish_reason) for o in engine.step()]
         consumed.append(time.perf_counter() - start)
         assert len(read) == batch
+        start = time.perf_counter()
+        pickle.dumps(pipe_message(engine.step(), engine.stats()), pickle.HIGHEST_PROTOCOL)
+        piped.append(time.perf_counter() - start)
     engine.abort(ids)
     engine.step()
     return {
         "batch": batch,
         "host_ms_per_step": statistics.median(plain) * 1e3,
         "with_outputs_ms": statistics.median(consumed) * 1e3,
+        "engine_process_ms": statistics.median(piped) * 1e3,
     }
+
+
+def pipe_message(outputs: Any, stats: Any) -> Any:
+    """What the engine process sends for a step: its own `step_message` where the revision
+    has one (outputs as columns), else a StepOutput of the list."""
+    from engine import process
+    from engine.messages import StepOutput
+
+    step_message = getattr(process, "step_message", None)
+    if step_message is not None:
+        return step_message(outputs, stats)
+    return StepOutput(list(outputs), stats)
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -98,7 +118,7 @@ def worker(args: argparse.Namespace) -> int:
     assert here.is_relative_to(args.tree.resolve()), f"imported {here}, not {args.tree}'s"
     torch.set_num_threads(1)
     page_size = 16
-    per_request = args.context + 4 * (args.steps + args.warmup) + 64
+    per_request = args.context + 4 * (3 * args.steps + args.warmup) + 128
     largest = args.max_batch
     llm = LLMEngine(
         EngineConfig(
@@ -208,6 +228,7 @@ def run(args: argparse.Namespace, model: Path, revision: str) -> dict[str, Any]:
                 "batch": batch,
                 "host_ms_per_step": statistics.median(s["host_ms_per_step"] for s in runs),
                 "with_outputs_ms": statistics.median(s["with_outputs_ms"] for s in runs),
+                "engine_process_ms": statistics.median(s["engine_process_ms"] for s in runs),
                 "rounds": [round(s["host_ms_per_step"], 4) for s in runs],
             }
         )
