@@ -13,9 +13,10 @@ the sampled ids, and postprocessing. Three numbers per batch, medians of steps o
 taken in turn: `host_ms_per_step`, a `step()` call; `with_outputs_ms`, the same with every
 RequestOutput's fields read (what a consumer of `step()` pays when the outputs are built
 lazily); `engine_process_ms`, a `step()` and the pickled StepOutput the engine process sends
-for it (the revision's own `engine.process.step_message` when it has one). `host_ms_min` is
-the fastest plain step: on a loaded machine a longer step is preempted more often, which
-inflates its median more than a shorter one's, so the ratio of minimums is the cautious one.
+for it (the revision's own `engine.process.step_message` when it has one). On a loaded
+machine a longer step is preempted more often, which inflates its median more than a shorter
+one's: `host_ms_min` (the fastest plain step) and `host_cpu_ms` (the median plain step's
+process CPU time; torch runs one thread) are the cautious comparisons.
 
 The worker imports only the engine and the standard library: the baseline's `bench` package
 need not match this one.
@@ -75,10 +76,12 @@ def measure_batch(engine: Any, batch: int, context: int, steps: int, warmup: int
     plain: list[float] = []
     consumed: list[float] = []
     piped: list[float] = []
+    cpu: list[float] = []
     for _ in range(steps):
-        start = time.perf_counter()
+        cpu_start, start = time.process_time(), time.perf_counter()
         engine.step()
         plain.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - cpu_start)
         start = time.perf_counter()
         read = [(o.request_id, o.index, o.new_token_ids, o.finish_reason) for o in engine.step()]
         consumed.append(time.perf_counter() - start)
@@ -92,6 +95,7 @@ def measure_batch(engine: Any, batch: int, context: int, steps: int, warmup: int
         "batch": batch,
         "host_ms_per_step": statistics.median(plain) * 1e3,
         "host_ms_min": min(plain) * 1e3,
+        "host_cpu_ms": statistics.median(cpu) * 1e3,
         "with_outputs_ms": statistics.median(consumed) * 1e3,
         "engine_process_ms": statistics.median(piped) * 1e3,
     }
@@ -231,6 +235,7 @@ def run(args: argparse.Namespace, model: Path, revision: str) -> dict[str, Any]:
                 "batch": batch,
                 "host_ms_per_step": statistics.median(s["host_ms_per_step"] for s in runs),
                 "host_ms_min": min(s["host_ms_min"] for s in runs),
+                "host_cpu_ms": statistics.median(s["host_cpu_ms"] for s in runs),
                 "with_outputs_ms": statistics.median(s["with_outputs_ms"] for s in runs),
                 "engine_process_ms": statistics.median(s["engine_process_ms"] for s in runs),
                 "rounds": [round(s["host_ms_per_step"], 4) for s in runs],
