@@ -210,9 +210,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         self._end_too_big()
         now = time.monotonic()
-        for req in batch.requests:
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
+        for req in [r for r in batch.requests if r.first_scheduled_time is None]:
+            req.first_scheduled_time = now
         return batch
 
     def _postprocess(
@@ -220,21 +219,25 @@ class LLMEngine:
     ) -> StepOutputs:
         """Count the computed tokens, publish full pages to the prefix cache, append the
         sampled tokens; returns `first`, then one output per sampled row."""
-        size, caching = self.pool.page_size, self.cache.enabled
-        for req, num_tokens in zip(batch.requests, batch.query_lens, strict=True):
+        reqs, lens = batch.requests, batch.query_lens
+        for req, num_tokens in zip(reqs, lens, strict=True):
             req.num_computed_tokens += num_tokens
-            if req.num_computed_tokens <= req.prompt_len:
-                self.prompt_tokens_computed += num_tokens
-            # Only a step that fills a page has anything to publish.
-            full = req.num_computed_tokens // size
-            if caching and req.publish_pages and full > len(req.page_hashes):
-                self.cache.publish(
-                    self.policy_version,
-                    req.token_ids,
-                    req.pages,
-                    req.num_computed_tokens,
-                    req.page_hashes,
-                )
+        prompt = [
+            n for r, n in zip(reqs, lens, strict=True) if r.num_computed_tokens <= r.prompt_len
+        ]
+        self.prompt_tokens_computed += sum(prompt)
+        if self.cache.enabled:
+            size = self.pool.page_size
+            # Only a request whose step filled a page has anything to publish.
+            for req in [r for r in reqs if r.num_computed_tokens // size > len(r.page_hashes)]:
+                if req.publish_pages:
+                    self.cache.publish(
+                        self.policy_version,
+                        req.token_ids,
+                        req.pages,
+                        req.num_computed_tokens,
+                        req.page_hashes,
+                    )
         return self._append_sampled(sampled, first)
 
     def _append_sampled(self, sampled: Sampled, first: list[RequestOutput]) -> StepOutputs:

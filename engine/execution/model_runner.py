@@ -235,7 +235,7 @@ class ModelRunner:
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the previous step's uploads have been read
         reqs, table = batch.requests, _block_table(batch)
-        slots = np.fromiter((r.slot for r in reqs), np.int64, len(reqs))
+        slots = np.array([r.slot for r in reqs], dtype=np.int64)
         if batch.num_tokens == len(reqs):
             self._fill_decode(reqs, table.pages, slots)
         else:
@@ -263,7 +263,7 @@ class ModelRunner:
     ) -> None:
         """Any mix of prefill chunks and decodes: every token's position and slot in numpy."""
         a, size, num_seqs = self.arrays, self.page_size, len(reqs)
-        starts = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, num_seqs)
+        starts = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
         lens = np.asarray(query_lens, dtype=np.int64)
         num_tokens = int(lens.sum())
         a.query_start_loc[0] = 0

@@ -49,8 +49,8 @@ class SamplingSlots:
             self._resize(table.num_slots)
         rows = len(reqs)
         slots = [r.slot for r in reqs]
-        slotless = [i for i, s in enumerate(slots) if s is None]
-        index = np.array([0 if s is None else s for s in slots], dtype=np.int64)
+        slotless = [i for i, s in enumerate(slots) if s is None] if None in slots else []
+        index = np.array([0 if s is None else s for s in slots] if slotless else slots, np.int64)
         stale = np.flatnonzero(self.epochs[index] != table.epochs[index])
         for i in stale.tolist():
             slot = slots[i]
@@ -64,7 +64,7 @@ class SamplingSlots:
         for i in slotless:  # rare: the step that ends an n > 1 prompt
             row_floats, row_ints, flags[i], top[i], min_tokens[i] = _row(reqs[i])
             floats[i], ints[i] = row_floats, row_ints
-        num_output = np.fromiter((len(r.token_ids) for r in reqs), np.int64, rows)
+        num_output = np.array([len(r.token_ids) for r in reqs], dtype=np.int64)
         num_output -= ints[:rows, 4]  # the prompt length
         ints[:rows, 2] = num_output
         banned = np.flatnonzero(num_output < min_tokens)

@@ -125,14 +125,24 @@ class Scheduler:
             elif left > 1:
                 prefilling.append(r)
         size, limit, running = self.cache.pool.page_size, self.max_num_batched_tokens, RUNNING
-        for req in decoding:
-            if batch.num_tokens == limit:
-                break
-            if req.status is not running:
-                continue  # preempted earlier in this loop
-            end = req.num_computed_tokens + 1
-            if end <= len(req.pages) * size or self._grow(req, end, batch):
-                batch.add(req, 1)
+        if len(decoding) <= limit:
+            # Every decode fits the budget: grow the few that start a page, in order (growing
+            # may preempt newer requests), then take every decode still running.
+            for req in [r for r in decoding if r.num_computed_tokens >= len(r.pages) * size]:
+                if req.status is running:
+                    self._grow(req, req.num_computed_tokens + 1, batch)
+            batch.requests = [r for r in decoding if r.status is running]
+            batch.query_lens = [1] * len(batch.requests)
+            batch.num_tokens = len(batch.requests)
+        else:
+            for req in decoding:
+                if batch.num_tokens == limit:
+                    break
+                if req.status is not running:
+                    continue  # preempted earlier in this loop
+                end = req.num_computed_tokens + 1
+                if end <= len(req.pages) * size or self._grow(req, end, batch):
+                    batch.add(req, 1)
         for req in prefilling:
             budget = limit - batch.num_tokens
             if budget == 0:
