@@ -254,7 +254,9 @@ class ModelRunner:
         a.input_ids[:num_seqs] = [r.token_ids[r.num_computed_tokens] for r in reqs]
         positions = a.positions[:num_seqs]
         positions[:] = [r.num_computed_tokens for r in reqs]
-        a.slot_mapping[:num_seqs] = pages[slots, positions // size] * size + positions % size
+        # int64 before the multiply: page * page_size may pass int32 in a large pool.
+        page = pages[slots, positions // size].astype(np.int64)
+        a.slot_mapping[:num_seqs] = page * size + positions % size
         np.add(positions, 1, out=a.seq_lens[:num_seqs], casting="unsafe")
         a.query_start_loc[: num_seqs + 1] = np.arange(num_seqs + 1)
 
@@ -278,7 +280,8 @@ class ModelRunner:
             )
         )
         a.positions[:num_tokens] = positions
-        a.slot_mapping[:num_tokens] = pages[slots[seq], positions // size] * size + positions % size
+        page = pages[slots[seq], positions // size].astype(np.int64)  # int64: see _fill_decode
+        a.slot_mapping[:num_tokens] = page * size + positions % size
         a.seq_lens[:num_seqs] = starts + lens
 
     def _sampled_rows(self, batch: ScheduledBatch, width: int) -> PreparedStep:
