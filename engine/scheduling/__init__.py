@@ -1,6 +1,6 @@
 """Scheduling: which requests advance each step, and the KV pages they hold.
 
 `request` (a request's state), `scheduler` (continuous batching under a token budget),
-`page_pool` (the paged K/V storage and reference counts) and `prefix_cache` (full pages shared
-by hash). Imports only `engine.messages` and its own modules: no model, no sampler.
+`page_pool` (the paged K/V storage and reference counts), `prefix_cache` (full pages shared
+by hash) and `block_table` (every request's pages, a row per slot, kept as they change). Imports only `engine.messages` and its own modules: no model, no sampler.
 """
