@@ -34,7 +34,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "graphs": {"attention_backend": "triton"},
     "compiled": {"attention_backend": "triton", "compile": True},
     "eager": {"attention_backend": "triton", "enforce_eager": True},
-    "torch_ref": {"attention_backend": "torch_ref", "enforce_eager": True},
+    # The torch reference path throughout: attention, norms and activation.
+    "torch_ref": {
+        "attention_backend": "torch_ref",
+        "layer_kernels": "torch",
+        "enforce_eager": True,
+    },
 }
 
 

@@ -11,6 +11,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch_ref", "triton")
 SAMPLERS = ("auto", "torch", "triton")
+LAYER_KERNELS = ("auto", "torch", "triton")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("json", "console")
 
@@ -75,6 +76,13 @@ class EngineConfig:
         group=EXECUTION,
         choices=SAMPLERS,
     )
+    layer_kernels: str = setting(
+        "auto",
+        "the decoder layer's RMSNorm (with its residual add) and SiLU-and-multiply: auto = "
+        "fused triton kernels on CUDA when installed, else torch",
+        group=EXECUTION,
+        choices=LAYER_KERNELS,
+    )
     tensor_parallel_size: int = setting(
         1,
         "ranks one model is split over (Megatron-style): the engine process is rank 0 and "
@@ -114,6 +122,10 @@ class EngineConfig:
             )
         if self.sampler not in SAMPLERS:
             raise ValueError(f"sampler: expected one of {SAMPLERS}, got {self.sampler!r}")
+        if self.layer_kernels not in LAYER_KERNELS:
+            raise ValueError(
+                f"layer_kernels: expected one of {LAYER_KERNELS}, got {self.layer_kernels!r}"
+            )
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level: expected one of {LOG_LEVELS}, got {self.log_level!r}")
         if self.log_format not in LOG_FORMATS:

@@ -7,12 +7,14 @@ import random
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.models.rope import RotaryEmbedding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class Step:
-    """A packed step over a random paged cache: what one layer's attention sees."""
+    """A packed step over a random paged cache: what one layer's attention sees, q and k not
+    yet rotated (the backend rotates them at `positions`)."""
 
     def __init__(
         self,
@@ -51,8 +53,17 @@ class Step:
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
+        self.positions = torch.tensor(
+            [
+                p
+                for ctx, q_len in zip(context_lens, query_lens, strict=True)
+                for p in range(ctx - q_len, ctx)
+            ]
+        )
+        self.rotary = RotaryEmbedding(head_dim, max(context_lens), 10000.0, None)
         self.page_size = page_size
-        for name in ("k_cache", "v_cache", "q", "k", "v"):
+        self.rotary.to(DEVICE)
+        for name in ("k_cache", "v_cache", "q", "k", "v", "positions"):
             setattr(self, name, getattr(self, name).to(DEVICE))
         block_tables = torch.tensor(
             [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE
@@ -81,5 +92,10 @@ class Step:
         """(output, k_cache, v_cache) after the backend ran on fresh copies of the cache."""
         k_cache, v_cache = self.k_cache.clone(), self.v_cache.clone()
         meta = self.prepared(backend)
-        out = backend.forward(self.q, self.k, self.v, (k_cache, v_cache), meta)
+        cache = (k_cache, v_cache)
+        out = backend.forward(self.q, self.k, self.v, self.positions, self.rotary, cache, meta)
         return out, k_cache, v_cache
+
+    def rotated(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated at their positions by the torch reference (engine/models/rope.py)."""
+        return self.rotary(self.positions, self.q, self.k)

@@ -2,26 +2,29 @@
 
 `torch_ref` runs anywhere and is the correctness reference; `triton` (paged kernels) is the
 fast path on CUDA. `auto` picks triton on CUDA when it can be imported, torch_ref elsewhere.
+May import `engine.layers` (the Triton backend's rotary and KV-write kernel).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_ref import TorchRefAttention
+from engine.layers.kernel_choice import triton_available
 
 if TYPE_CHECKING:
     from engine.models.llama import AttentionBackend
 
-__all__ = ["AttentionMetadata", "TorchRefAttention", "make_backend", "resolve_backend"]
-
-
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+__all__ = [
+    "AttentionMetadata",
+    "TorchRefAttention",
+    "make_backend",
+    "resolve_backend",
+    "triton_available",
+]
 
 
 def resolve_backend(name: str, device: torch.device) -> str:

@@ -1,7 +1,8 @@
 """The reference attention backend: gather a sequence's pages, run SDPA. Any device.
 
-The packed batch is a list of sequences, each contributing `query_len` new tokens whose keys
-and values are written into the paged cache first; each query attends causally to its
+The packed batch is a list of sequences, each contributing `query_len` new tokens: q and k
+are rotated at the tokens' positions (engine/models/rope.py), the keys and values written into
+the paged cache with `index_copy_`, and then each query attends causally to its
 sequence's whole context (cached prefix + new tokens). Decode rows (one query each) are
 sorted by context length and batched into a few padded SDPA calls; prefill rows run one SDPA
 call each.
@@ -13,10 +14,15 @@ starts at position 0 and attends only to its own new tokens.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata, DecodeGroup
+
+if TYPE_CHECKING:
+    from engine.models.rope import RotaryEmbedding
 
 __all__ = ["AttentionMetadata", "TorchRefAttention"]
 
@@ -98,9 +104,12 @@ class TorchRefAttention:
         q: torch.Tensor,  # [tokens, heads, head_dim]
         k: torch.Tensor,  # [tokens, kv_heads, head_dim]
         v: torch.Tensor,
+        positions: torch.Tensor,  # [tokens]
+        rotary: RotaryEmbedding,
         cache: tuple[torch.Tensor, torch.Tensor] | None,  # [pages, page_size, kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [tokens, heads, head_dim]
+        q, k = rotary(positions, q, k)
         if cache is None:
             return self._dense(q, k, v, meta)
         k_cache, v_cache = cache

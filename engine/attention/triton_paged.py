@@ -1,13 +1,15 @@
 """Paged attention in Triton: the fast backend on CUDA.
 
-Three kernels over the PagePool layout (per layer: [pages, page_size, kv_heads, head_dim],
+Kernels over the PagePool layout (per layer: [pages, page_size, kv_heads, head_dim],
 contiguous):
-- `_store_kv`: each new token's K and V into its cache slot (`meta.slot_mapping`).
+- engine/layers/rotary_kv.py's kernel first: rotary on q and k, and each new token's K and V
+  into its cache slot (`meta.slot_mapping`).
 - decode (every sequence feeds one token): `_decode_split` gives each (sequence, KV head,
   split) program one slice of the context and all the query heads that share the KV head
   (GQA), with an online softmax; `_decode_reduce` merges the splits by their log-sum-exp.
-  The split count depends only on the batch size, so a captured graph and an eager step of
-  the same size compute the same thing.
+  With one split (a large batch fills the device without splitting) `_decode_split` writes
+  the output itself and there is no reduce launch. The split count depends only on the
+  batch size, so a captured graph and an eager step of the same size compute the same thing.
 - `_prefill`: ragged packed queries (`meta.query_start_loc`), each attending causally to its
   sequence's whole context through the page table, so a prefill over a cached prefix, a
   chunk of a long prompt and a decode row in a mixed step are all the same case. A program
@@ -20,6 +22,7 @@ Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors, which is how CI tests 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -27,6 +30,13 @@ import triton.language as tl
 
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_ref import TorchRefAttention
+from engine.layers.kernel_choice import interpreting
+from engine.layers.rotary_kv import rotary_kv
+
+if TYPE_CHECKING:
+    from engine.models.rope import RotaryEmbedding
+
+__all__ = ["TritonPagedAttention", "interpreting"]
 
 LOG2E = math.log2(math.e)
 MAX_SPLITS = 16
@@ -36,44 +46,18 @@ PREFILL_BLOCK_N = 64
 
 
 @triton.jit
-def _store_kv(
-    k_ptr,
-    v_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_ptr,
-    stride_k_tok,
-    stride_k_head,
-    stride_v_tok,
-    stride_v_head,
-    KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    token = tl.program_id(0)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    heads = tl.arange(0, BLOCK_H)[:, None]
-    dims = tl.arange(0, BLOCK_D)[None, :]
-    mask = (heads < KV_HEADS) & (dims < HEAD_DIM)
-    dst = slot * (KV_HEADS * HEAD_DIM) + heads * HEAD_DIM + dims
-    k = tl.load(k_ptr + token * stride_k_tok + heads * stride_k_head + dims, mask=mask)
-    v = tl.load(v_ptr + token * stride_v_tok + heads * stride_v_head + dims, mask=mask)
-    tl.store(k_cache_ptr + dst, k, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
-
-
-@triton.jit
 def _decode_split(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
     block_tables_ptr,
     seq_lens_ptr,
-    part_out_ptr,  # [seqs, heads, splits, head_dim] float32
-    part_lse_ptr,  # [seqs, heads, splits] float32, log2 units
+    part_out_ptr,  # [seqs, heads, splits, head_dim] float32; with one split, the output
+    part_lse_ptr,  # [seqs, heads, splits] float32, log2 units; unused with one split
     stride_q_tok,
     stride_q_head,
+    stride_o_tok,  # the output's strides, read with one split only
+    stride_o_head,
     stride_bt,
     stride_bt_page,  # 1 for a row-major table; graphed steps use a page-major one
     NUM_HEADS: tl.constexpr,
@@ -128,11 +112,18 @@ def _decode_split(
 
     # An empty split (short context) leaves denom = 0: log-sum-exp -inf, weight 0 when merged.
     safe_l = tl.maximum(denom, 1e-30)
-    lse = tl.where(denom > 0, m + tl.log2(safe_l), float("-inf"))
-    part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
     out_mask = h_mask[:, None] & d_mask[None, :]
-    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], acc / safe_l[:, None], out_mask)
-    tl.store(part_lse_ptr + part, lse, mask=h_mask)
+    if NUM_SPLITS == 1:  # the whole context in this program: the output itself, no reduce
+        o_off = seq * stride_o_tok + heads[:, None] * stride_o_head + d[None, :]
+        out = acc / safe_l[:, None]
+        tl.store(part_out_ptr + o_off, out.to(part_out_ptr.dtype.element_ty), out_mask)
+    else:
+        lse = tl.where(denom > 0, m + tl.log2(safe_l), float("-inf"))
+        part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
+        tl.store(
+            part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], acc / safe_l[:, None], out_mask
+        )
+        tl.store(part_lse_ptr + part, lse, mask=h_mask)
 
 
 @triton.jit
@@ -244,12 +235,6 @@ def _prefill(
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), row_mask[:, None] & d_mask[None, :])
 
 
-def interpreting() -> bool:
-    """Whether triton was imported under its interpreter (TRITON_INTERPRET=1)."""
-    knobs = getattr(triton, "knobs", None)
-    return bool(knobs is not None and knobs.runtime.interpret)
-
-
 class TritonPagedAttention:
     """The AttentionBackend of Triton kernels; same contract as TorchRefAttention."""
 
@@ -275,31 +260,19 @@ class TritonPagedAttention:
         q: torch.Tensor,  # [tokens, heads, head_dim]
         k: torch.Tensor,  # [tokens, kv_heads, head_dim]
         v: torch.Tensor,
+        positions: torch.Tensor,  # [tokens]
+        rotary: RotaryEmbedding,
         cache: tuple[torch.Tensor, torch.Tensor] | None,  # [pages, page_size, kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [tokens, heads, head_dim]
         if cache is None:
-            return self._dense.forward(q, k, v, None, meta)
+            return self._dense.forward(q, k, v, positions, rotary, None, meta)
         k_cache, v_cache = cache
         assert meta.slot_mapping is not None and meta.block_tables is not None
         assert meta.seq_lens is not None and meta.query_start_loc is not None
-        assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k_cache.is_contiguous()
-        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        block_d = _block_d(head_dim)
-        _store_kv[(k.shape[0],)](
-            k,
-            v,
-            k_cache,
-            v_cache,
-            meta.slot_mapping,
-            k.stride(0),
-            k.stride(1),
-            v.stride(0),
-            v.stride(1),
-            KV_HEADS=kv_heads,
-            HEAD_DIM=head_dim,
-            BLOCK_H=triton.next_power_of_2(kv_heads),
-            BLOCK_D=block_d,
+        # One kernel: rotary on q and k, K and V into the cache (engine/layers/rotary_kv.py).
+        q = rotary_kv(
+            q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping
         )
         out = torch.empty_like(q)
         if meta.decode_only:
@@ -322,10 +295,14 @@ class TritonPagedAttention:
         group = num_heads // kv_heads
         splits = self.num_splits(num_seqs, kv_heads)
         block_d = _block_d(head_dim)
-        part_out = torch.empty(
-            (num_seqs, num_heads, splits, head_dim), dtype=torch.float32, device=q.device
-        )
-        part_lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
+        part_out, part_lse = out, out  # one split writes the output directly
+        if splits > 1:
+            part_out = torch.empty(
+                (num_seqs, num_heads, splits, head_dim), dtype=torch.float32, device=q.device
+            )
+            part_lse = torch.empty(
+                (num_seqs, num_heads, splits), dtype=torch.float32, device=q.device
+            )
         _decode_split[(num_seqs, kv_heads, splits)](
             q,
             k_cache,
@@ -336,6 +313,8 @@ class TritonPagedAttention:
             part_lse,
             q.stride(0),
             q.stride(1),
+            out.stride(0),
+            out.stride(1),
             meta.block_tables.stride(0),
             meta.block_tables.stride(1),
             NUM_HEADS=num_heads,
@@ -350,6 +329,8 @@ class TritonPagedAttention:
             BLOCK_N=DECODE_BLOCK_N,
             DOT_PRECISION=_dot_precision(q),
         )
+        if splits == 1:
+            return
         _decode_reduce[(num_seqs, num_heads)](
             part_out,
             part_lse,
@@ -359,7 +340,7 @@ class TritonPagedAttention:
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
             NUM_SPLITS=splits,
-            BLOCK_S=max(2, splits),
+            BLOCK_S=splits,
             BLOCK_D=block_d,
         )
 

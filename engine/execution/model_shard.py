@@ -16,6 +16,7 @@ import torch.distributed as dist
 from engine.attention import make_backend
 from engine.config import EngineConfig
 from engine.execution.model_runner import ModelRunner
+from engine.layers.kernel_choice import use_triton_kernels
 from engine.models.hf_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.tensor_parallel import TensorParallel
@@ -44,7 +45,8 @@ def load_shard(
     """Load this rank's weights, size its KV pool (every rank gets the smallest count any
     rank can hold: page ids are rank 0's) and build its runner, CUDA graphs captured."""
     backend = make_backend(config.attention_backend, device, cfg.head_dim**-0.5, config.page_size)
-    model = build_model(cfg, path, backend, device, dtype, tp)
+    triton_kernels = use_triton_kernels(config.layer_kernels, device)
+    model = build_model(cfg, path, backend, device, dtype, tp, triton_kernels)
     kv_heads = model.sharding.num_kv_heads
     pages = kv_pages(config, cfg, kv_heads, dtype, device)
     if tp.enabled:

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
+from engine.layers.rms_norm import RMSNorm
+from engine.layers.silu_and_mul import SiluAndMul
 from engine.models.hf_config import ModelConfig
 from engine.models.merged_linear import MergedLinear
 from engine.models.rope import RotaryEmbedding
@@ -37,9 +39,12 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V pages of one layer
 class AttentionBackend(Protocol):
     """Paged attention: `prepare` once per step, then `forward` in every layer.
 
-    `forward` writes k and v into the layer's cache at `meta.slot_mapping`, then returns each
-    query's attention over its sequence's context. A decode-only step must be capturable in a
-    CUDA graph: no host syncs and no shapes that depend on tensor contents.
+    `forward` rotates q and k at `positions` (`rotary`'s tables), writes k and v into the
+    layer's cache at `meta.slot_mapping`, then returns each query's attention over its
+    sequence's context; without a cache, over the new tokens only. The Triton backend does the
+    first two in one kernel; torch_ref, the reference, calls `rotary` and `index_copy_`. A
+    decode-only step must be capturable in a CUDA graph: no host syncs and no shapes that
+    depend on tensor contents.
     """
 
     name: str
@@ -51,23 +56,11 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
         cache: KVCache | None,
         meta: AttentionMetadata,
     ) -> torch.Tensor: ...
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # NOTE: normalise in float32, cast back before the weight, exactly as transformers does.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
 
 
 class RowParallelLinear(nn.Module):
@@ -141,8 +134,8 @@ class LlamaAttention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        out = backend.forward(q, k, v, cache, meta)  # [tokens, heads, head_dim]
+        # Rotary on q and k, k and v into the cache, then attention.
+        out = backend.forward(q, k, v, positions, rotary, cache, meta)  # [tokens, heads, head_dim]
         return self.o_proj(out.reshape(tokens, -1))
 
 
@@ -154,10 +147,11 @@ class LlamaMLP(nn.Module):
             cfg.hidden_size, {"gate_proj": inter, "up_proj": inter}, cfg.mlp_bias
         )
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, tp)
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [tokens, 2 * inter]: gate half first
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate, up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -170,16 +164,23 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        h: torch.Tensor,
+        h: torch.Tensor,  # [tokens, hidden]: the previous sublayer's output
+        residual: torch.Tensor | None,  # the residual stream h is still to be added to
         positions: torch.Tensor,
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
         cache: KVCache | None,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(h), positions, rotary, backend, cache, meta)
-        h = h + attn
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), not yet summed
+        # Each norm adds the sublayer output before it to the stream (one kernel on Triton);
+        # layer 0 starts the stream at the embedding.
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, positions, rotary, backend, cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -196,8 +197,14 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, backend: AttentionBackend, tp: TensorParallel | None = None
+        self,
+        cfg: ModelConfig,
+        backend: AttentionBackend,
+        tp: TensorParallel | None = None,
+        triton_kernels: bool = False,
     ) -> None:
+        """`triton_kernels`: the norms and the activation run engine/layers' Triton kernels
+        (engine/layers/kernel_choice.py says when); else their torch reference code."""
         super().__init__()
         self.config = cfg
         self.backend = backend
@@ -210,6 +217,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling
         )
+        for module in self.modules():
+            if isinstance(module, RMSNorm | SiluAndMul):
+                module.triton = triton_kernels
 
     def forward(
         self,
@@ -221,10 +231,13 @@ class LlamaForCausalLM(nn.Module):
         if kv_caches is not None:
             self.backend.prepare(meta)
         h = self.model.embed_tokens(input_ids)
+        residual = None
         for i, layer in enumerate(self.model.layers):
             cache = kv_caches[i] if kv_caches is not None else None
-            h = layer(h, positions, self.rotary, self.backend, cache, meta)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, positions, self.rotary, self.backend, cache, meta)
+        assert residual is not None, "a model has at least one layer"
+        h, _ = self.model.norm(h, residual)  # with the last layer's residual add
+        return h
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of the checkpoint, by its Hugging Face name, in module order (q, k, v

@@ -45,11 +45,12 @@ def build_model(
     device: torch.device,
     dtype: torch.dtype,
     tp: TensorParallel | None = None,
+    triton_kernels: bool = False,
 ) -> LlamaForCausalLM:
     """Construct the model (this rank's shard) without initialising it, then fill every
-    parameter from the files."""
+    parameter from the files. `triton_kernels`: see LlamaForCausalLM."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend, tp)
+        model = LlamaForCausalLM(cfg, backend, tp, triton_kernels)
     model = model.to(dtype).to_empty(device=device)
     # Rotary tables are computed, not loaded: rebuild them in float32 on the device.
     model.rotary = RotaryEmbedding(

@@ -20,13 +20,14 @@ def reference(step: Step, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch
     meta = step.meta
     assert meta.block_tables is not None
     page_size = step.page_size
+    rotated_q = step.rotated()[0]
     outs = []
     start = 0
     for seq, (q_len, ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
         table = meta.block_tables[seq, : -(-ctx // page_size)].long()
         keys = k_cache[table].flatten(0, 1)[:ctx].double()  # [ctx, kv_heads, dim]
         values = v_cache[table].flatten(0, 1)[:ctx].double()
-        q = step.q[start : start + q_len].double()  # [q_len, heads, dim]
+        q = rotated_q[start : start + q_len].double()  # [q_len, heads, dim]
         group = q.shape[1] // keys.shape[1]
         keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q, keys) * 0.25
@@ -68,3 +69,15 @@ def test_mixed_step_with_prefill_rows_between_decode_groups() -> None:
 def test_decode_rows_of_equal_length_stay_one_call() -> None:
     groups = check(Step([40] * (4 * GROUP_ROWS), [1] * (4 * GROUP_ROWS), seed=2))
     assert len(groups) == 1 and groups[0].rows is None  # batch order: no scatter
+
+
+def test_new_keys_land_rotated_in_their_slots_and_values_as_given() -> None:
+    step = Step([5, 20], [5, 3], page_size=4, seed=3)
+    _, k_cache, v_cache = step.run(TorchRefAttention(0.25, step.page_size))
+    assert step.meta.slot_mapping is not None
+    slots = step.meta.slot_mapping
+    heads, dim = k_cache.shape[2:]
+    rotated_k = step.rotated()[1]
+    assert not torch.equal(rotated_k, step.k)  # positions past 0 rotate
+    torch.testing.assert_close(k_cache.view(-1, heads, dim)[slots], rotated_k, rtol=0, atol=0)
+    torch.testing.assert_close(v_cache.view(-1, heads, dim)[slots], step.v, rtol=0, atol=0)

@@ -1,0 +1,67 @@
+"""The engine on the fused layer (Triton attention backend and layer kernels) gives the greedy
+tokens of the torch path, which tests/engine/models/test_hf_equivalence.py holds to HF.
+
+Float32 on the CPU through Triton's interpreter, or compiled on CUDA: tiny Llama (GQA,
+untied), Qwen2 (q/k/v bias, tied) and Qwen3 (q/k norm through the norm kernel, head_dim 32).
+
+NOTE: the interpreter is chosen when triton is first imported, so without CUDA this module
+sets TRITON_INTERPRET=1 at collection (as tests/engine/attention/test_attention_triton.py does).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import make_checkpoint
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip(
+            "triton was imported before the interpreter was chosen", allow_module_level=True
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def greedy(checkpoint: Path, kernels: str) -> list[list[int]]:
+    config = EngineConfig(
+        model=str(checkpoint),
+        device=DEVICE,
+        dtype="float32",
+        attention_backend="torch_ref" if kernels == "torch" else "triton",
+        layer_kernels=kernels,
+        page_size=16,
+        enforce_eager=True,
+    )
+    engine = LLMEngine(config)
+    norms = [m for m in engine.model.modules() if type(m).__name__ == "RMSNorm"]
+    assert norms and all(m.triton == (kernels == "triton") for m in norms)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [[0, *range(5, 5 + n)] for n in (3, 20)]
+    return [r.token_ids for r in engine.generate(prompts, params)]
+
+
+def test_the_fused_layer_gives_the_torch_paths_greedy_tokens(checkpoint: Path) -> None:
+    assert greedy(checkpoint, "triton") == greedy(checkpoint, "torch")
+
+
+def test_forcing_the_layer_kernels_to_triton_needs_cuda_or_the_interpreter() -> None:
+    from engine.layers.kernel_choice import use_triton_kernels
+
+    assert use_triton_kernels("torch", torch.device("cpu")) is False
+    assert use_triton_kernels("auto", torch.device("cpu")) is False
+    assert use_triton_kernels("triton", torch.device(DEVICE)) is True  # the interpreter is on
+    with pytest.raises(ValueError, match="layer_kernels"):
+        use_triton_kernels("fused", torch.device("cpu"))
