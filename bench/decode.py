@@ -21,6 +21,11 @@ engine's `step()` is timed while every request decodes one token per step. Repor
 
     python -m bench.decode --shape tiny --batches 1 8 64 256 --context 256 --threads 2
 
+With `--count-kernels` it only counts the kernels of one graphed decode step, per layer and
+outside the layers, and prints that JSON document (bench/kernel_count.py):
+
+    python -m bench.decode --shape qwen2.5-0.5b --count-kernels
+
 `--host-only` times only the host's work per step (bench/host_only.py), for this tree and, with
 `--baseline-rev REV`, for REV's, alternating `--rounds` times:
 
@@ -63,6 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="host time per step only: stand-in forward and sampler (bench/host_only.py)",
     )
     p.add_argument("--baseline-rev", help="--host-only: also time this git revision, alternately")
+        "--count-kernels",
+        action="store_true",
+        help="only count the kernels of a graphed decode step (eager kernels, Triton forced)",
+    )
+    p.add_argument("--count-layers", type=int, default=2, help="layers the count builds")
+    p.add_argument("--count-rows", type=int, default=1, help="sequences of the counted step")
     return p.parse_args(argv)
 
 
@@ -247,6 +258,22 @@ def count_step_ops(engine: Any, rows: int, context: int) -> dict[str, Any]:
     return result
 
 
+def count_kernels(args: argparse.Namespace) -> int:
+    import json
+
+    from bench import kernel_count
+
+    kernel_count.use_interpreter_off_cuda(args.device)
+    set_threads(args.threads)
+    # bf16 on any device: the dtype a graphed step runs in (a float32 step makes no casts).
+    dtype = args.dtype or "bfloat16"
+    result = kernel_count.count_shape(
+        args.shape, args.device, dtype, args.count_layers, args.count_rows
+    )
+    print(json.dumps(result, indent=2), flush=True)
+    return 0
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         import torch
@@ -258,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.host_only:
         return host_only_main(args)
+    if args.count_kernels:
+        return count_kernels(args)
     if args.sampler == "triton" and not args.device.startswith("cuda"):
         import os
 

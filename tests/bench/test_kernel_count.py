@@ -1,0 +1,79 @@
+"""The graphed decode step launches at most 12 kernels per layer and 4 outside the layers.
+
+A count, not a timing (bench/kernel_count.py): the function a CUDA graph captures, run eagerly
+with the Triton attention backend and layer kernels (under Triton's interpreter on the CPU),
+in bfloat16 so that every dtype cast a real step makes is counted. Tiny Qwen2 (q/k/v bias,
+tied embeddings) and Llama configs: a layer's kernel count does not depend on its width.
+
+NOTE: the interpreter is chosen when triton is first imported, so without CUDA this module
+sets TRITON_INTERPRET=1 at collection (as tests/engine/attention/test_attention_triton.py does).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from tiny_models import ARCH_DEFAULTS, BASE_CONFIG
+
+from bench.kernel_count import count_decode_kernels
+from engine.models.hf_config import parse_model_config
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip(
+            "triton was imported before the interpreter was chosen", allow_module_level=True
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+KERNELS_PER_LAYER = 12
+KERNELS_OUTSIDE = 4  # embedding, final norm (with the last residual add), LM head, logits cast
+
+
+def tiny_config(arch: str):  # type: ignore[no-untyped-def]
+    raw = {**BASE_CONFIG, **ARCH_DEFAULTS[arch], "vocab_size": 320}
+    return parse_model_config({**raw, "architectures": [ARCHITECTURES[arch]]}, {})
+
+
+def unmerged_projections(layer_kernels: dict[str, int]) -> int:
+    """GEMMs a layer spends on separate q/k/v and gate/up projections: 3 of them unmerged.
+
+    NOTE: the fused q/k/v and gate/up projections come from another branch; once they are
+    merged the layers have 4 GEMMs (qkv, o, gate_up, down) and this is 0.
+    """
+    return max(0, layer_kernels.get("aten.linear", 0) - 4)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_a_graphed_decode_step_launches_few_kernels(arch: str, rows: int) -> None:
+    result = count_decode_kernels(tiny_config(arch), DEVICE, "bfloat16", rows)
+    assert result["kernels_outside_layers"] <= KERNELS_OUTSIDE, result["outside_kernels"]
+    layer = result["layer_kernels"]
+    budget = KERNELS_PER_LAYER + unmerged_projections(layer)
+    assert result["kernels_per_layer"] <= budget, layer
+    # One launch each for both norms (with their adds), rotary with the KV write, SiLU-and-mul.
+    assert layer["triton:_rms_norm"] == 2
+    assert layer["triton:_rotary_kv"] == layer["triton:_silu_and_mul"] == 1
+    # The split-merging launch only when the context is split.
+    assert layer.get("triton:_decode_reduce", 0) == (result["decode_splits"] > 1)
+
+
+def test_the_count_sees_views_as_free_and_casts_as_kernels() -> None:
+    from bench.kernel_count import KernelCounter
+
+    counter = KernelCounter()
+    x = torch.ones(4, 8)
+    with torch.inference_mode(), counter.mode:  # as the count runs the step
+        x.view(8, 4).t()[1:]  # views
+        x.float()  # a float32 tensor already: no copy
+        torch.empty(3)  # an allocation
+        x.to(torch.bfloat16)  # a cast: a kernel
+        x.add_(1)  # in place: a kernel
+    kernels = counter.kernels[None]
+    assert sum(kernels.values()) == 2 and kernels["aten.add_"] == 1, kernels
