@@ -77,3 +77,17 @@ def test_the_count_sees_views_as_free_and_casts_as_kernels() -> None:
         x.add_(1)  # in place: a kernel
     kernels = counter.kernels[None]
     assert sum(kernels.values()) == 2 and kernels["aten.add_"] == 1, kernels
+
+
+def test_bench_decode_prints_the_count_as_one_json_document(capsys) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from bench.decode import main
+
+    assert (
+        main(["--shape", "tiny", "--device", DEVICE, "--count-kernels", "--count-rows", "2"]) == 0
+    )
+    result = json.loads(capsys.readouterr().out)
+    assert result["shape"] == "tiny" and result["rows"] == 2 and result["layers_built"] == 2
+    assert result["kernels_outside_layers"] <= KERNELS_OUTSIDE
+    assert result["kernels_per_layer"] == max(result["kernels_by_layer"])
