@@ -42,7 +42,6 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from bench.checkpoints import ensure_checkpoint
 from bench.common import emit, log, machine, process_cpu_seconds, set_threads
 from bench.offline import add_model_flags, resolve_model
 from bench.step_timers import Timers, breakdown, instrument
@@ -68,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="host time per step only: stand-in forward and sampler (bench/host_only.py)",
     )
     p.add_argument("--baseline-rev", help="--host-only: also time this git revision, alternately")
+    p.add_argument(
         "--count-kernels",
         action="store_true",
         help="only count the kernels of a graphed decode step (eager kernels, Triton forced)",
@@ -258,22 +258,6 @@ def count_step_ops(engine: Any, rows: int, context: int) -> dict[str, Any]:
     return result
 
 
-def count_kernels(args: argparse.Namespace) -> int:
-    import json
-
-    from bench import kernel_count
-
-    kernel_count.use_interpreter_off_cuda(args.device)
-    set_threads(args.threads)
-    # bf16 on any device: the dtype a graphed step runs in (a float32 step makes no casts).
-    dtype = args.dtype or "bfloat16"
-    result = kernel_count.count_shape(
-        args.shape, args.device, dtype, args.count_layers, args.count_rows
-    )
-    print(json.dumps(result, indent=2), flush=True)
-    return 0
-
-
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         import torch
@@ -284,9 +268,13 @@ def _sync(device: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.host_only:
-        return host_only_main(args)
+        from bench import host_only
+
+        return host_only.main(args)
     if args.count_kernels:
-        return count_kernels(args)
+        from bench import kernel_count
+
+        return kernel_count.main(args)
     if args.sampler == "triton" and not args.device.startswith("cuda"):
         import os
 
@@ -397,30 +385,6 @@ def main(argv: list[str] | None = None) -> int:
         "to host",
         "post",
         "host",
-    ]
-    emit(result, header, rows)
-    return 0
-
-
-def host_only_main(args: argparse.Namespace) -> int:
-    """The forward and sampler stand-ins' run: this tree and --baseline-rev, alternately."""
-    from bench import host_only
-    from bench.common import revision
-
-    model_dir = ensure_checkpoint(args.shape, dtype="float32")
-    result = host_only.run(args, model_dir, revision())
-    result["machine"] = machine()
-    keys = ["revision", "batch", "host_ms_per_step", "host_ms_min", "host_cpu_ms"]
-    keys += ["with_outputs_ms", "engine_process_ms"]
-    rows = [[r[k] for k in keys] for r in result["results"]]
-    header = [
-        "revision",
-        "batch",
-        "host ms/step",
-        "min",
-        "cpu ms",
-        "outputs read",
-        "engine process",
     ]
     emit(result, header, rows)
     return 0

@@ -256,5 +256,29 @@ def parse_worker_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def main(args: argparse.Namespace) -> int:
+    """The forward and sampler stand-ins' run: this tree and --baseline-rev, alternately."""
+    from bench.checkpoints import ensure_checkpoint
+    from bench.common import emit, machine, revision
+
+    model_dir = ensure_checkpoint(args.shape, dtype="float32")
+    result = run(args, model_dir, revision())
+    result["machine"] = machine()
+    keys = ["revision", "batch", "host_ms_per_step", "host_ms_min", "host_cpu_ms"]
+    keys += ["with_outputs_ms", "engine_process_ms"]
+    rows = [[r[k] for k in keys] for r in result["results"]]
+    header = [
+        "revision",
+        "batch",
+        "host ms/step",
+        "min",
+        "cpu ms",
+        "outputs read",
+        "engine process",
+    ]
+    emit(result, header, rows)
+    return 0
+
+
 if __name__ == "__main__":
     raise SystemExit(worker(parse_worker_args(sys.argv[1:])))

@@ -21,7 +21,9 @@ CPU this is the count a graph of the same step would hold.
 
 from __future__ import annotations
 
+import argparse
 import inspect
+import json
 import os
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
@@ -209,3 +211,16 @@ def count_decode_kernels(cfg: Any, device: str, dtype: str, rows: int = 1) -> di
         "outside_kernels": dict(sorted(counter.kernels[None].items())),
         "layers_built": cfg.num_layers,
     }
+
+
+def main(args: argparse.Namespace) -> int:
+    """bench.decode --count-kernels: print the count of one shape as JSON."""
+    from bench.common import set_threads
+
+    use_interpreter_off_cuda(args.device)
+    set_threads(args.threads)
+    # bf16 on any device: the dtype a graphed step runs in (a float32 step makes no casts).
+    dtype = args.dtype or "bfloat16"
+    result = count_shape(args.shape, args.device, dtype, args.count_layers, args.count_rows)
+    print(json.dumps(result, indent=2), flush=True)
+    return 0
