@@ -53,8 +53,11 @@ step() {  # step NAME SECONDS MODULE ARGS...: skipped when the budget cannot cov
   fi
 }
 
-# Compiled on CUDA: the Triton attention and sampler kernels, CUDA graphs, torch.compile.
+# Compiled on CUDA: the Triton attention, layer and sampler kernels, CUDA graphs, torch.compile,
+# the kernel count of a graphed step.
 GPU_TESTS=(tests/engine/execution/test_gpu_fast_path.py
+  tests/engine/layers/test_layer_kernels.py tests/engine/layers/test_fused_layer.py
+  tests/bench/test_kernel_count.py
   tests/engine/attention/test_attention_triton.py tests/engine/execution/test_cuda_graph.py
   tests/engine/sampling/test_fused_sampler.py tests/engine/sampling/test_sampling.py)
 if chosen gpu-tests; then
@@ -78,6 +81,8 @@ CK="bench.checkpoints --dtype bfloat16 --device cuda"
 DEV="--device cuda --dtype bfloat16"
 step checkpoints 60 $CK qwen2.5-0.5b
 rm -f "$OUT/checkpoints.json"
+step kernels-qwen2.5-0.5b 30 bench.decode --shape qwen2.5-0.5b --device cuda --count-kernels \
+  --count-rows 64
 step decode-qwen2.5-0.5b 60 bench.decode --shape qwen2.5-0.5b $DEV --batches 1 8 64 256
 # The same step torch.compiled: eager, it launches ~1,000 kernels (about 43 per layer).
 step decode-qwen2.5-0.5b-compiled 120 bench.decode --shape qwen2.5-0.5b $DEV --batches 1 8 64 256 \
