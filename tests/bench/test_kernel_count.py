@@ -5,30 +5,22 @@ with the Triton attention backend and layer kernels (under Triton's interpreter 
 in bfloat16 so that every dtype cast a real step makes is counted. Tiny Qwen2 (q/k/v bias,
 tied embeddings) and Llama configs: a layer's kernel count does not depend on its width.
 
-NOTE: the interpreter is chosen when triton is first imported, so without CUDA this module
-sets TRITON_INTERPRET=1 at collection (as tests/engine/attention/test_attention_triton.py does).
+NOTE: `use_triton` (tests/triton_interpreter.py) runs at collection: it chooses the
+interpreter before anything imports triton.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 from tiny_models import ARCH_DEFAULTS, BASE_CONFIG
+from triton_interpreter import use_triton
 
 from bench.kernel_count import count_decode_kernels
 from engine.models.hf_config import parse_model_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip(
-            "triton was imported before the interpreter was chosen", allow_module_level=True
-        )
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+use_triton(DEVICE)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 KERNELS_PER_LAYER = 12

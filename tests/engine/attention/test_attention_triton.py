@@ -1,31 +1,23 @@
 """The Triton paged-attention kernels equal torch_ref: compiled on CUDA, else on the CPU
 through Triton's interpreter.
 
-NOTE: the interpreter is chosen when triton is first imported (its own library functions are
-jitted then), so without CUDA this module sets TRITON_INTERPRET=1 at collection, before any
-test runs; it stays set for the session (only Sluice's kernels import triton on the CPU).
+NOTE: `use_triton` (tests/triton_interpreter.py) runs at collection: it chooses the
+interpreter before anything imports triton.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 from paged_steps import DEVICE, Step
+from triton_interpreter import use_triton
 
 from engine.attention.torch_ref import TorchRefAttention
 
-if DEVICE == "cpu":
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip(
-            "triton was imported before the interpreter was chosen", allow_module_level=True
-        )
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+use_triton(DEVICE)
 
 
 @pytest.fixture(scope="module")

@@ -4,30 +4,23 @@ tokens of the torch path, which tests/engine/models/test_hf_equivalence.py holds
 Float32 on the CPU through Triton's interpreter, or compiled on CUDA: tiny Llama (GQA,
 untied), Qwen2 (q/k/v bias, tied) and Qwen3 (q/k norm through the norm kernel, head_dim 32).
 
-NOTE: the interpreter is chosen when triton is first imported, so without CUDA this module
-sets TRITON_INTERPRET=1 at collection (as tests/engine/attention/test_attention_triton.py does).
+NOTE: `use_triton` (tests/triton_interpreter.py) runs at collection: it chooses the
+interpreter before anything imports triton.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from tiny_models import make_checkpoint
+from triton_interpreter import use_triton
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip(
-            "triton was imported before the interpreter was chosen", allow_module_level=True
-        )
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+use_triton(DEVICE)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])

@@ -6,30 +6,22 @@ and Llama-3.2-1B's (32 over 8, head_dim 64, hidden 2048), a head_dim of 128, odd
 counts, inputs that are column views of one fused projection's output, and the padding rows
 of a graphed step (token 0 at position 0, all writing the scratch slot).
 
-NOTE: the interpreter is chosen when triton is first imported, so without CUDA this module
-sets TRITON_INTERPRET=1 at collection (as tests/engine/attention/test_attention_triton.py does).
+NOTE: `use_triton` (tests/triton_interpreter.py) runs at collection: it chooses the
+interpreter before anything imports triton.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
+from triton_interpreter import use_triton
 
 from engine.layers.rms_norm import rms_norm_ref
 from engine.layers.silu_and_mul import silu_and_mul_ref
 from engine.models.rope import RotaryEmbedding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip(
-            "triton was imported before the interpreter was chosen", allow_module_level=True
-        )
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+use_triton(DEVICE)
 
 from engine.layers.rms_norm_kernel import rms_norm  # noqa: E402 - after the interpreter choice
 from engine.layers.rotary_kv import rotary_kv  # noqa: E402

@@ -1,31 +1,24 @@
 """The fused Triton sampler picks exactly the torch Sampler's tokens (logprobs to 1e-5):
 compiled on CUDA, else on the CPU through Triton's interpreter.
 
-NOTE: the interpreter is chosen when triton is first imported, so without CUDA this module
-sets TRITON_INTERPRET=1 at collection (as tests/engine/attention/test_attention_triton.py does).
+NOTE: `use_triton` (tests/triton_interpreter.py) runs at collection: it chooses the
+interpreter before anything imports triton.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from triton_interpreter import use_triton
 
 from engine.sampling.sampler import Sampler, SamplingBatch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip(
-            "triton was imported before the interpreter was chosen", allow_module_level=True
-        )
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+use_triton(DEVICE)
 
 VOCAB = 300
 PAD = VOCAB
