@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 CORPUS = """\
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a
@@ -150,3 +153,34 @@ def load_hf_model(directory: Path) -> Any:
 
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     return model.eval()
+
+
+def prompts(vocab_size: int, count: int = 16) -> list[list[int]]:
+    """`count` prompts of different lengths (4..124 tokens), BOS first, deterministic."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1234)
+    return [
+        [0, *torch.randint(2, vocab_size, (3 + 8 * k,), generator=gen).tolist()]
+        for k in range(count)
+    ]
+
+
+def hf_greedy(model: Any, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """HF generate's `new_tokens` greedy ids (no EOS stops it) and the log_softmax of the
+    logits behind each of them."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=None,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    return tokens, torch.stack(out.logits, dim=1)[0].float().log_softmax(-1)

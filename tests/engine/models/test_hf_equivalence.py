@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import load_hf_model, make_checkpoint
+from tiny_models import hf_greedy, load_hf_model, make_checkpoint, prompts
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -32,32 +32,6 @@ CASES = {
 }
 
 
-def prompts(vocab_size: int, count: int = 16) -> list[list[int]]:
-    """`count` prompts of different lengths (4..124 tokens), BOS first, deterministic."""
-    gen = torch.Generator().manual_seed(1234)
-    return [
-        [0, *torch.randint(2, vocab_size, (3 + 8 * k,), generator=gen).tolist()]
-        for k in range(count)
-    ]
-
-
-def hf_greedy(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    """HF generate's greedy ids and the log_softmax of the logits behind each of them."""
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=None,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    return tokens, torch.stack(out.logits, dim=1)[0].float().log_softmax(-1)
-
-
 @pytest.fixture(scope="module", params=sorted(CASES))
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     arch, overrides = CASES[request.param]
@@ -74,7 +48,7 @@ def test_greedy_ids_and_logprobs_equal_hf_generate(checkpoint: Path) -> None:
 
     hf = load_hf_model(checkpoint)
     for prompt, result in zip(batch, results, strict=True):
-        expected, hf_logprobs = hf_greedy(hf, prompt)
+        expected, hf_logprobs = hf_greedy(hf, prompt, NEW_TOKENS)
         assert result.error is None
         assert result.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
         chosen = hf_logprobs.gather(-1, torch.tensor(expected)[:, None]).squeeze(-1)

@@ -19,8 +19,7 @@ import torch
 from safetensors.torch import load_file
 from server_process import force_kill, server_process, wait_gone
 from sluice_client import Client, build_request
-from test_hf_equivalence import hf_greedy, prompts
-from tiny_models import load_hf_model, make_checkpoint
+from tiny_models import hf_greedy, load_hf_model, make_checkpoint, prompts
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.messages import InflightPolicy, TensorRef, UpdateWeights, WeightsPhase
@@ -55,7 +54,7 @@ def test_two_ranks_give_one_ranks_and_hf_greedy_ids(arch, tmp_path, engines) -> 
     single, split = one.generate(batch, GREEDY), two.generate(batch, GREEDY)
     hf = load_hf_model(checkpoint)
     for prompt, a, b in zip(batch, single, split, strict=True):
-        expected, hf_logprobs = hf_greedy(hf, prompt)
+        expected, hf_logprobs = hf_greedy(hf, prompt, NEW_TOKENS)
         assert b.token_ids == a.token_ids == expected[:NEW_TOKENS]
         chosen = hf_logprobs[:NEW_TOKENS].gather(-1, torch.tensor(b.token_ids)[:, None])
         torch.testing.assert_close(torch.tensor(b.logprobs), chosen.squeeze(-1), atol=1e-4, rtol=0)
@@ -144,7 +143,7 @@ def test_two_ranks_update_one_projection_of_a_merged_weight_as_one_rank(
         hf.state_dict()[name].copy_(tensor)
     single, split = one.generate(batch, GREEDY), two.generate(batch, GREEDY)
     for prompt, a, b in zip(batch, single, split, strict=True):
-        assert b.token_ids == a.token_ids == hf_greedy(hf, prompt)[0][:NEW_TOKENS]
+        assert b.token_ids == a.token_ids == hf_greedy(hf, prompt, NEW_TOKENS)[0][:NEW_TOKENS]
     assert [r.token_ids for r in single] != before  # the update changed what is served
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_models import load_hf_model, make_checkpoint
+from tiny_models import hf_greedy, load_hf_model, make_checkpoint
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.weights.staging import WeightUpdateError
@@ -53,19 +53,6 @@ def make_engine(checkpoint: Path) -> LLMEngine:
 def greedy(engine: LLMEngine) -> list[int]:
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     return engine.generate([PROMPT], params)[0].token_ids
-
-
-def hf_greedy(hf, prompt: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
-    ids = torch.tensor([prompt])
-    out = hf.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 def stacked(tensors: dict[str, torch.Tensor], layer: int, parts: list[str], kind: str):
@@ -113,7 +100,7 @@ def test_an_update_of_one_projection_changes_its_rows_and_serves_like_hf(case) -
         engine.update_weights({tensor_name: new})
         assert_merged_equal(engine, saved | {tensor_name: new})
         hf.state_dict()[tensor_name].copy_(new)  # the same tensor changed in transformers
-        expected = hf_greedy(hf, PROMPT)
+        expected = hf_greedy(hf, PROMPT, NEW_TOKENS)[0]
         assert greedy(engine) == expected, tensor_name
         assert expected != before, f"{tensor_name}: the update changed no token"
         hf.state_dict()[tensor_name].copy_(saved[tensor_name])
