@@ -30,11 +30,15 @@ outside the layers, and prints that JSON document (bench/kernel_count.py):
 `--baseline-rev REV`, for REV's, alternating `--rounds` times:
 
     python -m bench.decode --host-only --batches 64 256 --baseline-rev 832212e
+
+With `--stand-in-forward-ms MS` it measures plain against overlapped steps with a forward that
+sleeps MS (bench/overlap.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import random
 import statistics
 import time
@@ -74,6 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--count-layers", type=int, default=2, help="layers the count builds")
     p.add_argument("--count-rows", type=int, default=1, help="sequences of the counted step")
+    p.add_argument(
+        "--stand-in-forward-ms",
+        type=float,
+        help="instead: plain against overlapped steps with a forward that sleeps this long "
+        "(bench/overlap.py)",
+    )
     return p.parse_args(argv)
 
 
@@ -267,14 +277,11 @@ def _sync(device: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.host_only:
-        from bench import host_only
-
-        return host_only.main(args)
-    if args.count_kernels:
-        from bench import kernel_count
-
-        return kernel_count.main(args)
+    # Modes with mains of their own, each module imported only when chosen.
+    modes = {"host_only": "host_only", "count_kernels": "kernel_count"}
+    for flag, module in {**modes, "stand_in_forward_ms": "overlap"}.items():
+        if getattr(args, flag) not in (None, False):
+            return int(importlib.import_module(f"bench.{module}").main(args))
     if args.sampler == "triton" and not args.device.startswith("cuda"):
         import os
 

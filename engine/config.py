@@ -91,6 +91,12 @@ class EngineConfig:
     )
     enforce_eager: bool = setting(False, "no CUDA graphs for decode steps", group=EXECUTION)
     compile: bool = setting(False, "torch.compile the decode step", group=EXECUTION)
+    overlap_steps: bool = setting(
+        False,
+        "schedule and prepare step N+1 while the device runs step N (vLLM's async "
+        "scheduling); same tokens as without it; off with --tensor-parallel-size above 1",
+        group=EXECUTION,
+    )
     # NOTE: torch's default is one thread per core; on a small machine its pool slows down
     # 10-100x whenever another process (the server, a client) is busy on the same cores.
     cpu_threads: int | None = setting(

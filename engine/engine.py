@@ -2,7 +2,8 @@
 
 Usable directly by a trainer in the same process (`generate`), and by the engine process's
 pipe loop (`add_request` / `abort` / `step`). `step()` is: schedule (after step-boundary work:
-expired deadlines, a pending weight swap), run, postprocess. Every request ends with exactly one
+expired deadlines, a pending weight swap), run, postprocess; with `overlap_steps` the run of
+one step overlaps the host work of the next (engine/overlap.py). Every request ends with exactly one
 output whose `finish_reason` is set (engine/request_outputs.py builds them; a request that
 engine/request_validation.py refuses ends at once). Weight updates are WeightUpdater's
 (engine/weights/weight_updater.py); `generate`'s results are GenerationResult
@@ -20,15 +21,20 @@ import itertools
 import random
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from engine.config import EngineConfig
-from engine.execution.model_runner import Sampled
-from engine.execution.model_shard import load_shard, resolve_device, resolve_dtype
-from engine.generation_result import GenerationResult
+from engine.execution.launched_step import Sampled
+from engine.execution.model_shard import (
+    load_shard,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_path,
+)
+from engine.generation_result import GenerationResult, generate
 from engine.messages import (
     EngineStats,
     FinishReason,
@@ -40,6 +46,7 @@ from engine.messages import (
     WeightsProgress,
 )
 from engine.models.hf_config import load_model_config
+from engine.overlap import OverlappedSteps, known_tokens, overlap_enabled
 from engine.parallel.sharding import Sharding
 from engine.parallel.tensor_parallel import TensorParallel
 from engine.parallel.worker_group import WorkerGroup
@@ -58,7 +65,7 @@ class LLMEngine:
         size = config.tensor_parallel_size
         self.device = resolve_device(config.device, 0, size)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        path = _resolve_model_path(config.model)
+        path = resolve_model_path(config.model)
         cfg = load_model_config(path, config.max_model_len)
         self.model_config = cfg
         self.lock = threading.RLock()  # step() and weight mutation from a trainer thread
@@ -87,6 +94,7 @@ class LLMEngine:
         self.updater = WeightUpdater(
             self.model, self.scheduler, self.cache, self.abort, self.runner.channel
         )
+        self.overlap = OverlappedSteps(self) if overlap_enabled(config) else None
         name = "demo" if config.model == "demo" else Path(config.model).name
         self.info = ModelInfo(
             model=name,
@@ -106,6 +114,9 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do with one rank). The engine is
         unusable afterwards."""
+        if self.overlap is not None:
+            self.overlap.drain()
+        self.runner.close()
         if self.workers is not None:
             self.workers.close()
 
@@ -187,7 +198,8 @@ class LLMEngine:
         return self.scheduler.policy_version
 
     def has_work(self) -> bool:
-        return bool(self.pending) or self.scheduler.has_work() or self.updater.in_progress
+        busy = self.scheduler.has_work() or self.updater.in_progress
+        return busy or bool(self.pending) or (self.overlap is not None and self.overlap.busy)
 
     # ---- the step ----
 
@@ -197,17 +209,19 @@ class LLMEngine:
             return self._step()
 
     def _step(self) -> Sequence[RequestOutput]:
+        if self.overlap is not None:
+            return self.overlap.step()
         batch = self._schedule()
         outputs, self.pending = self.pending, []  # ended outside the batch: aborts, errors
         if batch:
             return self._postprocess(batch, self.runner.run(batch), outputs)
         return outputs
 
-    def _schedule(self) -> ScheduledBatch:
+    def _schedule(self, hold: Collection[Request] = ()) -> ScheduledBatch:
         """Step-boundary work (deadlines, a pending weight swap), then the next batch."""
         self._expire_deadlines()
         self.updater.advance()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(hold)
         self._end_too_big()
         now = time.monotonic()
         for req in [r for r in batch.requests if r.first_scheduled_time is None]:
@@ -219,6 +233,11 @@ class LLMEngine:
     ) -> StepOutputs:
         """Count the computed tokens, publish full pages to the prefix cache, append the
         sampled tokens; returns `first`, then one output per sampled row."""
+        self._advance(batch)
+        self._publish(batch.requests, [r.num_computed_tokens for r in batch.requests])
+        return self._append_sampled(sampled, first)
+
+    def _advance(self, batch: ScheduledBatch) -> None:
         reqs, lens = batch.requests, batch.query_lens
         for req, num_tokens in zip(reqs, lens, strict=True):
             req.num_computed_tokens += num_tokens
@@ -226,19 +245,23 @@ class LLMEngine:
             n for r, n in zip(reqs, lens, strict=True) if r.num_computed_tokens <= r.prompt_len
         ]
         self.prompt_tokens_computed += sum(prompt)
-        if self.cache.enabled:
-            size = self.pool.page_size
+
+    def _publish(self, reqs: list[Request], computed: list[int]) -> None:
+        """Publish to the prefix cache the full pages of each request's first `computed`
+        tokens, as far as they are computed and known on the host (an overlapped step's
+        pending tokens are not)."""
+        if not self.cache.enabled:
+            return
+        size = self.pool.page_size
+        for req, num_tokens in zip(reqs, computed, strict=True):
             # Only a request whose step filled a page has anything to publish.
-            for req in [r for r in reqs if r.num_computed_tokens // size > len(r.page_hashes)]:
-                if req.publish_pages:
-                    self.cache.publish(
-                        self.policy_version,
-                        req.token_ids,
-                        req.pages,
-                        req.num_computed_tokens,
-                        req.page_hashes,
-                    )
-        return self._append_sampled(sampled, first)
+            if num_tokens // size <= len(req.page_hashes) or not req.publish_pages:
+                continue
+            if req.status is RequestStatus.RUNNING:
+                num_tokens = min(num_tokens, req.num_computed_tokens, known_tokens(req))
+                self.cache.publish(
+                    self.policy_version, req.token_ids, req.pages, num_tokens, req.page_hashes
+                )
 
     def _append_sampled(self, sampled: Sampled, first: list[RequestOutput]) -> StepOutputs:
         """Append each row's token, end the requests it stops; outputs as StepOutputs."""
@@ -292,6 +315,7 @@ class LLMEngine:
         self.scheduler.too_big.clear()
 
     def _finish(self, req: Request, reason: FinishReason, message: str | None) -> None:
+        del req.token_ids[known_tokens(req) :]  # ended with a token in flight: it is dropped
         if req.status is not RequestStatus.FINISHED:  # the scheduler ends requests too big to fit
             self.scheduler.remove(req, leader=self.requests[req.request_id][0])
         for sibling in req.pending_forks:  # a leader ended early: they compute the prompt alone
@@ -338,6 +362,7 @@ class LLMEngine:
         ending with one APPLIED or FAILED. `tensors` is the in-process source (no file, no
         checkpoint)."""
         with self.lock:
+            self._settle()
             self.updater.start(msg, tensors)
 
     def update_weights(
@@ -370,8 +395,16 @@ class LLMEngine:
         """Mutate the served parameters in place (a trainer in this process), then publish the
         new version on exit. Holds the engine lock throughout; running requests continue on
         their KV (CONTINUE). Nothing is published if the block raises."""
-        with self.lock, self.updater.live(policy_version) as params:
-            yield params
+        with self.lock:
+            self._settle()
+            with self.updater.live(policy_version) as params:
+                yield params
+
+    def _settle(self) -> None:
+        """Nothing in flight (a weight swap needs it): the launched step is undone, so the
+        swap lands where a plain loop's would (engine/overlap.py)."""
+        if self.overlap is not None:
+            self.pending += self.overlap.rewind()
 
     # ---- batch API ----
 
@@ -382,29 +415,4 @@ class LLMEngine:
         n: int = 1,
     ) -> list[GenerationResult]:
         """Run prompts to completion; results in prompt order (n per prompt, by index)."""
-        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else params
-        results: dict[tuple[str, int], GenerationResult] = {}
-        ids = []
-        for k, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
-            request_id = f"generate-{next(self._arrivals)}-{k}"
-            ids.append(request_id)
-            for index in range(n):
-                results[(request_id, index)] = GenerationResult(list(prompt), index)
-            self.add_request(request_id, prompt, p, n=n)
-        remaining = len(results)
-        while remaining:
-            for out in self.step():
-                result = results.get((out.request_id, out.index))
-                if result is None:
-                    continue  # another caller's request
-                result.add(out)
-                remaining -= out.finished
-        return [results[(rid, i)] for rid in ids for i in range(n)]
-
-
-def _resolve_model_path(model: str) -> Path:
-    if model == "demo":
-        from engine.demo.checkpoint import ensure_demo_checkpoint
-
-        return ensure_demo_checkpoint()
-    return Path(model)
+        return generate(self, prompts, params, n)

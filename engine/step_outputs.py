@@ -21,7 +21,7 @@ from engine.request_outputs import request_output
 from engine.scheduling.request import Request
 
 if TYPE_CHECKING:
-    from engine.execution.model_runner import Sampled
+    from engine.execution.launched_step import Sampled
 
 
 class StepOutputs(Sequence[RequestOutput]):

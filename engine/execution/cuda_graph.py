@@ -107,16 +107,26 @@ class CUDAGraphRunner:
             self.graphs[size] = graph
         torch.cuda.synchronize()
 
-    def run(self, host: StepInputs, arrays: StepArrays, num_seqs: int, width: int) -> torch.Tensor:
+    def run(
+        self,
+        host: StepInputs,
+        arrays: StepArrays,
+        num_seqs: int,
+        width: int,
+        patch: Callable[[StepInputs], None] | None = None,
+    ) -> torch.Tensor:
         """Logits [num_seqs, vocab] of a decode step whose rows the caller filled in `host`,
         with a page-major block table `width` pages wide for `bucket(num_seqs)` rows. Valid
-        until the next run."""
+        until the next run. `patch` edits the static inputs after the upload (an overlapped
+        step writes the previous step's samples into its input ids there)."""
         size = self.bucket(num_seqs)
         assert size is not None, f"a decode step of {num_seqs} is above the largest graph"
         assert width <= self.max_pages
         pad_decode_rows(arrays, num_seqs, size, width, *self._scratch)
         # Pages past `width` keep stale (valid) ids: no sequence of this step reaches them.
         self.inputs.copy_from(host, size, size, size * width)
+        if patch is not None:
+            patch(self.inputs)
         graph = self.graphs.get(size)
         if graph is None:
             return self.forward(size)[:num_seqs]

@@ -7,7 +7,9 @@ those rows go through the LM head.
 The hot path: step inputs are written into preallocated host buffers (pinned on CUDA) through
 numpy views and copied to the device without blocking; nothing inside the step waits for the
 device; one device-to-host copy brings back the sampled ids (and logprobs when any row asked
-for them). Decode steps replay CUDA graphs when a graph runner is attached.
+for them). Decode steps replay CUDA graphs when a graph runner is attached. `run` is
+`collect(launch(..))`: the engine's overlapped loop launches a step before it collects the
+previous one (engine/execution/launched_step.py).
 
 Tensor parallel: rank 0's runner `run`s batches and sends each step's filled host buffers
 through its StepChannel before the forward; every other rank's runner `follow`s them, running
@@ -23,11 +25,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention.metadata import AttentionMetadata
 from engine.execution import sampling_slots as slot_bits
 from engine.execution.cuda_graph import CUDAGraphRunner
+from engine.execution.launched_step import (
+    DeviceThread,
+    LaunchedStep,
+    PendingInputs,
+    Sampled,
+    StepResult,
+    eager_logits,
+    graph_logits,
+    run_now,
+    to_host_async,
+)
 from engine.execution.sampling_slots import SamplingSlots
-from engine.execution.step_inputs import StepInputs
+from engine.execution.step_inputs import StepArrays, StepInputs, forward_inputs
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.step_channel import Op, StepChannel, StepHeader
 from engine.sampling.sampler import SamplerOutput, SamplingBatch
@@ -36,17 +48,6 @@ from engine.scheduling.block_table import BlockTable
 from engine.scheduling.page_pool import PagePool
 from engine.scheduling.request import Request
 from engine.scheduling.scheduler import ScheduledBatch
-
-
-@dataclass
-class Sampled:
-    """The tokens sampled this step, one per sampling request, on the host."""
-
-    requests: list[Request]
-    token_ids: list[int]
-    logprobs: list[float] | None
-    top_ids: list[list[int]] | None
-    top_logprobs: list[list[float]] | None
 
 
 @dataclass
@@ -93,6 +94,10 @@ class ModelRunner:
         # the device has read them (a step that samples nothing ends without a sync).
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
         self.channel: StepChannel | None = None  # rank 0 of a tensor-parallel group
+        self._sizes = sizes
+        self.device_thread: DeviceThread | None = None  # the CPU's, when steps overlap
+        # The CPU's doubled host buffers, when steps overlap.
+        self._slots: list[tuple[StepInputs, StepArrays]] = []
 
     def open_channel(self) -> StepChannel:
         """Tensor parallel: the channel rank 0 sends each step's inputs through, and other
@@ -116,33 +121,75 @@ class ModelRunner:
         )
         self.graphs.capture()
 
-    @torch.inference_mode()
+    def enable_overlap(self) -> None:
+        """Overlapped steps (engine/overlap.py): on the CPU, launched work runs on a device
+        thread and the host buffers are doubled, so the host fills step N+1's while step N
+        reads its own. (On CUDA the upload event already guards the pinned buffers.)"""
+        if self.device.type != "cpu" or self.device_thread is not None:
+            return
+        self.device_thread = DeviceThread()
+        spare = StepInputs.allocate(*self._sizes, torch.device("cpu"))
+        self._slots = [(self.host, self.arrays), (spare, spare.numpy())]
+
+    def close(self) -> None:
+        if self.device_thread is not None:
+            self.device_thread.close()
+            self.device_thread = None
+
     def run(self, batch: ScheduledBatch) -> Sampled:
+        """One step, start to finish."""
+        return self.collect(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, pending: PendingInputs | None = None) -> LaunchedStep:
+        """Write the step's inputs into the host buffers and enqueue its forward and sampling
+        without waiting for the device (engine/execution/launched_step.py). Rows listed in
+        `pending` read their input token from the previous step's samples, on the device."""
+        if self._slots:
+            self._use_slot(*self._slots[1 if self.host is self._slots[0][0] else 0])
         num_seqs = len(batch.requests)
         width = max([len(r.pages) for r in batch.requests])  # the widest row the step reads
         graphs = self.graphs
         decode = batch.num_tokens == num_seqs
         size = graphs.bucket(num_seqs) if graphs is not None and decode else None
+        step = self._prepare(batch, width, graph_rows=size)
+        self._send(step, graph_size=size or 0)
+        sampling = (
+            self._sampling_batch(step.sampling, _block_table(batch)) if step.sampling else None
+        )
+        rows = None if not step.sampling or step.rows_are_tokens else self._sample_rows(step)
+        if pending is not None:
+            pending.upload(self.device)
+        # NOTE: the work may run on the device thread after the next launch has switched
+        # buffers: it reads only what is bound here, never self.host or self.arrays.
         if graphs is not None and size is not None:  # a decode step with a graph to replay
-            step = self._prepare(batch, width, graph_rows=size)
-            self._send(step, graph_size=size)
-            logits = graphs.run(self.host, self.arrays, num_seqs, width)  # every row's
-            self._record_upload()
-            if not step.sampling:
-                return Sampled([], [], None, None, None)
-            if not step.rows_are_tokens:
-                logits = logits[self._sample_rows(step)]
+            args = (self.host, self.arrays, num_seqs, width, rows, pending, self._record_upload)
+            logits_of = graph_logits(graphs, *args)
         else:
-            step = self._prepare(batch, width)
-            self._send(step, graph_size=0)
-            hidden = self._forward(step)
-            if not step.sampling:
-                return Sampled([], [], None, None, None)
-            if not step.rows_are_tokens:
-                hidden = hidden[self._sample_rows(step)]
-            logits = self.model.compute_logits(hidden)
-        out = self.sampler(logits, self._sampling_batch(step.sampling, _block_table(batch)))
-        return self._to_host(step.sampling, out)
+            self._upload(step)
+            inputs = forward_inputs(self.inputs, self.arrays, *_shape(step))
+            samples = sampling is not None
+            logits_of = eager_logits(self.model, self.kv_caches, inputs, rows, pending, samples)
+
+        def work() -> StepResult | None:
+            logits = logits_of()
+            return None if sampling is None else to_host_async(self.sampler(logits, sampling))
+
+        submit = self.device_thread.submit if self.device_thread is not None else run_now
+        return LaunchedStep(step.sampling, submit(work))
+
+    def collect(self, launched: LaunchedStep) -> Sampled:
+        """Wait for a launched step and bring its samples to the host."""
+        result = launched.result.result()  # re-raises what failed on the device thread
+        if result is None:
+            return Sampled([], [], None, None, None)
+        if result.ready is not None:
+            result.ready.synchronize()
+        return self._to_host(launched.sampling, result.host)
+
+    def _use_slot(self, host: StepInputs, arrays: StepArrays) -> None:
+        self.host = self.inputs = host  # the CPU's step tensors are the host buffers
+        self.arrays = arrays
 
     def _send(self, step: PreparedStep, graph_size: int) -> None:
         if self.channel is None:
@@ -200,29 +247,15 @@ class ModelRunner:
 
     def _forward(self, step: PreparedStep) -> torch.Tensor:
         """The eager forward of any step: [tokens, hidden]."""
-        num_tokens, num_seqs, width = step.num_tokens, step.num_seqs, step.width
+        self._upload(step)
+        ids, positions, meta = forward_inputs(self.inputs, self.arrays, *_shape(step))
+        return self.model(ids, positions, meta, self.kv_caches)
+
+    def _upload(self, step: PreparedStep) -> None:
+        num_seqs, width = step.num_seqs, step.width
         if self.inputs is not self.host:
-            self.inputs.copy_from(self.host, num_tokens, num_seqs, num_seqs * width)
-            self._record_upload()
-        inp = self.inputs
-        # From the host buffers, not the requests: a worker rank has only the buffers.
-        starts = self.arrays.query_start_loc[: num_seqs + 1]
-        query_lens = (starts[1:] - starts[:-1]).tolist()
-        context_lens = self.arrays.seq_lens[:num_seqs].tolist()
-        meta = AttentionMetadata(
-            query_lens=query_lens,
-            context_lens=context_lens,
-            slot_mapping=inp.slot_mapping[:num_tokens],
-            block_tables=inp.block_table(num_seqs, width),
-            seq_lens=inp.seq_lens[:num_seqs],
-            query_start_loc=inp.query_start_loc[: num_seqs + 1],
-            max_query_len=max(query_lens),
-            max_context_len=max(context_lens),
-            decode_only=num_tokens == num_seqs,
-        )
-        return self.model(
-            inp.input_ids[:num_tokens], inp.positions[:num_tokens], meta, self.kv_caches
-        )
+            self.inputs.copy_from(self.host, step.num_tokens, num_seqs, num_seqs * width)
+        self._record_upload()
 
     def _prepare(
         self, batch: ScheduledBatch, width: int, graph_rows: int | None = None
@@ -376,3 +409,8 @@ class ModelRunner:
 def _block_table(batch: ScheduledBatch) -> BlockTable:
     assert batch.block_table is not None, "a batch from the Scheduler carries its block table"
     return batch.block_table
+
+
+def _shape(step: PreparedStep) -> tuple[int, int, int]:
+    # From the host buffers, not the requests: a worker rank has only the buffers.
+    return step.num_tokens, step.num_seqs, step.width

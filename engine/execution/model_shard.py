@@ -113,3 +113,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     dtype: torch.dtype = getattr(torch, name)
     return dtype
+
+
+def resolve_model_path(model: str) -> Path:
+    """A checkpoint directory; 'demo' is the demo checkpoint (trained on first use)."""
+    if model == "demo":
+        from engine.demo.checkpoint import ensure_demo_checkpoint
+
+        return ensure_demo_checkpoint()
+    return Path(model)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from engine.attention.metadata import AttentionMetadata
+
 
 @dataclass
 class StepInputs:
@@ -103,3 +105,25 @@ class StepArrays:
         """StepInputs.block_table as a numpy view."""
         flat = self.block_tables[: num_seqs * width]
         return flat.reshape(width, num_seqs).T if page_major else flat.reshape(num_seqs, width)
+
+
+def forward_inputs(
+    inputs: StepInputs, arrays: StepArrays, num_tokens: int, num_seqs: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """An eager step's (input ids, positions, attention metadata): views of `inputs` (the
+    device's), lengths read from `arrays` (the host's; the same buffers on the CPU)."""
+    starts = arrays.query_start_loc[: num_seqs + 1]
+    query_lens = (starts[1:] - starts[:-1]).tolist()
+    context_lens = arrays.seq_lens[:num_seqs].tolist()
+    meta = AttentionMetadata(
+        query_lens=query_lens,
+        context_lens=context_lens,
+        slot_mapping=inputs.slot_mapping[:num_tokens],
+        block_tables=inputs.block_table(num_seqs, width),
+        seq_lens=inputs.seq_lens[:num_seqs],
+        query_start_loc=inputs.query_start_loc[: num_seqs + 1],
+        max_query_len=max(query_lens),
+        max_context_len=max(context_lens),
+        decode_only=num_tokens == num_seqs,
+    )
+    return inputs.input_ids[:num_tokens], inputs.positions[:num_tokens], meta

@@ -13,6 +13,7 @@ kept). Only a request that alone cannot fit in the whole pool is ended, with ERR
 from __future__ import annotations
 
 import bisect
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine.scheduling.block_table import BlockTable
@@ -112,13 +113,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
-        """Linear in the running requests: a running token count, and `_grow` only for a
-        request whose new tokens reach past its last page (a decode: once a page)."""
+    def schedule(self, hold: Collection[Request] = ()) -> ScheduledBatch:
+        """The next batch, linear in the running requests: a running token count, and `_grow`
+        only for a request whose new tokens reach past its last page (a decode: once a page).
+        Requests in `hold` sit this step out (an overlapped step holds those whose token
+        still being sampled may end them): running ones keep their pages, admission stops at
+        a waiting one."""
         batch = ScheduledBatch(block_table=self.block_table)
         decoding: list[Request] = []
         prefilling: list[Request] = []
-        for r in self.running:
+        for r in [r for r in self.running if r not in hold] if hold else self.running:
             left = len(r.token_ids) - r.num_computed_tokens
             if left == 1:
                 decoding.append(r)
@@ -152,7 +156,7 @@ class Scheduler:
             end = req.num_computed_tokens + min(req.num_tokens - req.num_computed_tokens, budget)
             if end <= len(req.pages) * size or self._grow(req, end, batch):
                 batch.add(req, end - req.num_computed_tokens)
-        self._admit(batch)
+        self._admit(batch, hold)
         return batch
 
     def _grow(self, req: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
@@ -172,7 +176,7 @@ class Scheduler:
         self.block_table.extend(req)
         return True
 
-    def _admit(self, batch: ScheduledBatch) -> None:
+    def _admit(self, batch: ScheduledBatch, hold: Collection[Request]) -> None:
         if not (self.waiting and self.admitting):
             return
         # NOTE: running leaders' pending siblings join when their prompts are done: their
@@ -182,7 +186,7 @@ class Scheduler:
             budget = self.max_num_batched_tokens - batch.num_tokens
             req = self.waiting[0]
             group = 1 + len(req.pending_forks)  # the siblings join when the prompt is done
-            if budget == 0 or taken + group > self.max_num_seqs:
+            if budget == 0 or taken + group > self.max_num_seqs or req in hold:
                 break
             # NOTE: at least the last token must be computed, so its logits exist to sample.
             if self.cache.pool.pages_for(req.num_tokens + 1) > self.pool_pages:

@@ -42,9 +42,11 @@ def with_padded_decode(engine: LLMEngine, max_batch: int | None = None) -> list[
     sizes: list[int] = []
     run = graphs.run
 
-    def counted(host: StepInputs, arrays: object, num_seqs: int, width: int) -> torch.Tensor:
+    def counted(
+        host: StepInputs, arrays: object, num_seqs: int, width: int, patch: object = None
+    ) -> torch.Tensor:
         sizes.append(num_seqs)
-        logits = run(host, arrays, num_seqs, width)  # type: ignore[arg-type]
+        logits = run(host, arrays, num_seqs, width, patch)  # type: ignore[arg-type]
         size = graphs.bucket(num_seqs)
         inputs, pool = graphs.inputs, engine.pool
         assert (inputs.slot_mapping[num_seqs:size] == pool.scratch_slot).all()

@@ -1,0 +1,179 @@
+"""A step in flight: launched by ModelRunner.launch, brought to the host by ModelRunner.collect.
+
+Launching writes the step's inputs and enqueues its forward and sampling; it does not wait for
+the device. On CUDA the kernels are queued on the current stream and the sampled values are
+copied, without blocking, into pinned host memory behind an event. The CPU has no asynchronous
+device, so the launched work runs on one DeviceThread (torch ops release the GIL): the host
+goes on scheduling while it computes. Without a device thread the work runs at launch.
+
+A row of the next step whose input token is this step's not-yet-known sample reads it on the
+device: PendingInputs scatters this step's sampled ids into the next step's input ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.execution.cuda_graph import CUDAGraphRunner
+from engine.execution.step_inputs import StepArrays, StepInputs
+from engine.models.llama import KVCache, LlamaForCausalLM
+from engine.sampling.sampler import SamplerOutput
+from engine.scheduling.request import Request
+
+
+@dataclass
+class Sampled:
+    """The tokens sampled this step, one per sampling request, on the host."""
+
+    requests: list[Request]
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_ids: list[list[int]] | None
+    top_logprobs: list[list[float]] | None
+
+
+@dataclass
+class StepResult:
+    """What a launched step sampled: `host` on the host once `ready` has passed (CUDA), and
+    the sampled ids on the device for the next step's pending inputs."""
+
+    host: SamplerOutput
+    token_ids: torch.Tensor  # [rows] int64, on the device
+    ready: torch.cuda.Event | None = None
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued or running. `result` resolves (on the
+    device thread) once they have been enqueued or, on the CPU, computed; None when no row
+    samples."""
+
+    sampling: list[Request]  # one per sampled row, as Sampled.requests will be
+    result: Future[StepResult | None]
+
+
+@dataclass
+class PendingInputs:
+    """Input tokens of a step that the previous step is still sampling: input token
+    `positions[i]` (packed index) is row `rows[i]` of `previous`'s sampled ids."""
+
+    previous: LaunchedStep
+    positions: list[int]
+    rows: list[int]
+    _indices: torch.Tensor | None = None  # [2, n] on the device, once uploaded
+
+    def upload(self, device: torch.device) -> None:
+        """Copy (positions, rows) to the device without blocking (pinned on CUDA: a pageable
+        copy would wait for the queued previous step). At launch, on the host thread."""
+        pin = device.type == "cuda"
+        both = torch.tensor([self.positions, self.rows], dtype=torch.int64, pin_memory=pin)
+        self._indices = both.to(device, non_blocking=True)
+
+    def scatter(self, input_ids: torch.Tensor) -> None:
+        """Write the previous step's sampled ids into `input_ids` (device work, in stream
+        order after the previous step's sampling)."""
+        result = self.previous.result.result()  # done: launched work runs in order
+        assert result is not None, "a pending input points at a step that sampled nothing"
+        assert self._indices is not None, "scatter before upload"
+        positions, rows = self._indices
+        input_ids.index_copy_(0, positions, result.token_ids.index_select(0, rows))
+
+
+def graph_logits(
+    graphs: CUDAGraphRunner,
+    host: StepInputs,
+    arrays: StepArrays,
+    num_seqs: int,
+    width: int,
+    rows: torch.Tensor | None,
+    pending: PendingInputs | None,
+    after_upload: Callable[[], None],
+) -> Callable[[], torch.Tensor]:
+    """The device work of a graphed decode step: upload, write the pending ids into the static
+    inputs, replay. Its logits: every row's, or those of `rows`."""
+
+    def patch(inputs: StepInputs) -> None:
+        if pending is not None:
+            pending.scatter(inputs.input_ids)
+
+    def logits() -> torch.Tensor:
+        out = graphs.run(host, arrays, num_seqs, width, patch if pending else None)
+        after_upload()
+        return out if rows is None else out[rows]
+
+    return logits
+
+
+def eager_logits(
+    model: LlamaForCausalLM,
+    kv_caches: list[KVCache],
+    inputs: tuple[torch.Tensor, torch.Tensor, AttentionMetadata],
+    rows: torch.Tensor | None,
+    pending: PendingInputs | None,
+    samples: bool,
+) -> Callable[[], torch.Tensor]:
+    """The device work of an eager step on uploaded inputs (ids, positions, metadata): write
+    the pending ids, forward, LM head on the sampled rows (`rows`, or every token's). Without
+    `samples` it ends after the forward."""
+    ids, positions, meta = inputs
+
+    def logits() -> torch.Tensor:
+        if pending is not None:
+            pending.scatter(ids)
+        hidden = model(ids, positions, meta, kv_caches)
+        if not samples:
+            return hidden
+        return model.compute_logits(hidden if rows is None else hidden[rows])
+
+    return logits
+
+
+def sampled_ids(out: SamplerOutput) -> torch.Tensor:
+    """[rows] int64 token ids of a sampler output (column 0 when logprobs are packed in)."""
+    return out.values if out.values.dim() == 1 else out.values[:, 0].to(torch.int64)
+
+
+def to_host_async(out: SamplerOutput) -> StepResult:
+    """Start the one device-to-host copy of a step's sampled values (CUDA: pinned memory and
+    an event, nothing waits; CPU: the values are already on the host)."""
+    if out.values.device.type != "cuda":
+        return StepResult(out, sampled_ids(out))
+    host = torch.empty(out.values.shape, dtype=out.values.dtype, pin_memory=True)
+    host.copy_(out.values, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return StepResult(SamplerOutput(host, out.num_top_logprobs), sampled_ids(out), ready)
+
+
+class DeviceThread:
+    """The CPU's stand-in for a device queue: launched work runs here, one step at a time,
+    in launch order."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-device")
+
+    def submit(self, work: Callable[[], StepResult | None]) -> Future[StepResult | None]:
+        return self._executor.submit(_inference(work))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+def run_now(work: Callable[[], StepResult | None]) -> Future[StepResult | None]:
+    """Run launched work at once (CUDA, whose kernels queue anyway; or no overlap)."""
+    future: Future[StepResult | None] = Future()
+    future.set_result(work())
+    return future
+
+
+def _inference(work: Callable[[], StepResult | None]) -> Callable[[], StepResult | None]:
+    def run() -> StepResult | None:
+        with torch.inference_mode():  # thread-local: the caller's mode does not carry over
+            return work()
+
+    return run
