@@ -32,6 +32,7 @@ from typing import Protocol, TypeVar
 from engine.config import EngineConfig
 from engine.execution.launched_step import LaunchedStep, PendingInputs, Sampled
 from engine.execution.model_runner import ModelRunner
+from engine.execution.sampling_slots import uses_penalties
 from engine.messages import RequestOutput
 from engine.scheduling.page_pool import PagePool
 from engine.scheduling.request import Request, RequestStatus
@@ -172,7 +173,7 @@ class OverlappedSteps:
             # Held: it ends at this token for sure, or its next token would not fit the pool.
             if len(tokens) - req.prompt_len >= req.max_tokens or len(tokens) + 1 > capacity:
                 held.add(req)
-            if req.status is RequestStatus.FORK_PENDING or _uses_penalties(req):
+            if req.status is RequestStatus.FORK_PENDING or uses_penalties(req):
                 needs_host = True
         computed = [req.num_computed_tokens for req in batch.requests]
         return InflightStep(batch, launched, placeholders, computed, held, needs_host)
@@ -231,8 +232,3 @@ def _rows(sampled: Sampled, rows: list[int]) -> Sampled:
         pick(sampled.top_ids),
         pick(sampled.top_logprobs),
     )
-
-
-def _uses_penalties(req: Request) -> bool:
-    p = req.params
-    return p.repetition_penalty != 1.0 or bool(p.frequency_penalty or p.presence_penalty)

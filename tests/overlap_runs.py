@@ -87,3 +87,21 @@ def assert_all_pages_returned(engine: LLMEngine) -> None:
     assert engine.overlap is None or engine.overlap.inflight is None
     assert all(count == 0 for count in pool.ref_counts)
     assert pool.num_free + engine.cache.num_cached == pool.num_pages
+    table = engine.scheduler.block_table  # every slot back on the free list, emptied
+    assert sorted(table.free) == list(range(table.num_slots))
+    assert not table.num_pages.any()
+
+
+def assert_block_table_matches(engine: LLMEngine) -> None:
+    """Each request holding pages holds a slot whose row is its pages; no other slot is held."""
+    scheduler = engine.scheduler
+    table = scheduler.block_table
+    reqs = scheduler.running + scheduler.waiting
+    for req in reqs:
+        if req.pages:
+            assert req.slot is not None and table.row(req) == req.pages, f"{req.key}: stale row"
+        else:
+            assert req.slot is None, f"{req.key} holds slot {req.slot} without pages"
+    held = [req.slot for req in reqs if req.pages]
+    assert len(set(held)) == len(held) and not set(held) & set(table.free)
+    assert len(table.free) + len(held) == table.num_slots, "a slot leaked"

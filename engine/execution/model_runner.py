@@ -386,7 +386,10 @@ class ModelRunner:
             raw = [r.params.raw_logprobs for r in reqs]
             batch.raw_rows = torch.tensor(raw, device=self.device)
         if batch.use_penalties:
-            batch.context_ids = self._padded([r.token_ids for r in reqs])
+            # Only penalised rows need their history (empty ones change no logit); another
+            # row's may end in an overlapped step's pending token (-1), no id to count.
+            histories = [r.token_ids if slot_bits.uses_penalties(r) else [] for r in reqs]
+            batch.context_ids = self._padded(histories)
         if len(banned):  # rows still below their min_tokens: their stop ids are banned
             stop_ids: list[tuple[int, ...]] = [()] * rows
             for row in banned.tolist():

@@ -101,9 +101,15 @@ def _row(req: Request) -> tuple[tuple[float, ...], tuple[int, ...], int, int, in
         flags |= TOP_K if p.top_k > 0 else 0
         flags |= TOP_P if p.top_p < 1.0 else 0
         flags |= MIN_P if p.min_p > 0.0 else 0
-    if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+    if uses_penalties(req):
         flags |= PENALTIES
     if p.logprobs:
         flags |= RAW_LOGPROBS if p.raw_logprobs else LOGPROBS
     flags |= RAW if p.raw_logprobs else NOT_RAW
     return floats, ints, flags, p.top_logprobs, p.min_tokens
+
+
+def uses_penalties(req: Request) -> bool:
+    """Any penalty on (greedy or not): the sampler reads the request's token history."""
+    p = req.params
+    return p.repetition_penalty != 1.0 or bool(p.frequency_penalty or p.presence_penalty)

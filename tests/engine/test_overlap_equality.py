@@ -110,6 +110,20 @@ def test_penalties_give_the_same_outputs(tiny_llama: Path) -> None:
     assert overlapped == plain
 
 
+def test_a_penalised_request_beside_rows_decoding_on_pending_tokens(tiny_llama: Path) -> None:
+    # The penalised request joins while the greedy ones decode on tokens still in flight: the
+    # sampler reads token histories then, and only the penalised row's may be read.
+    penalised = replace(SEEDED, repetition_penalty=1.3, frequency_penalty=0.5, max_tokens=6)
+
+    def join(engine, out, seen) -> None:  # type: ignore[no-untyped-def]
+        if out.request_id == "r0" and len(seen[("r0", 0)].token_ids) == 3:
+            engine.add_request("late", some_prompts(1, 6, seed=5)[0], penalised)
+
+    plain, overlapped, engine = both(tiny_llama, requests_of(some_prompts(3, 7), GREEDY), join)
+    assert overlapped == plain and len(plain[("late", 0)].token_ids) == 6
+    assert_all_pages_returned(engine)
+
+
 def test_a_second_request_hits_the_pages_the_first_published(tiny_llama: Path) -> None:
     prompt = some_prompts(1, 40)[0]
 

@@ -10,7 +10,15 @@ from typing import Any
 
 import pytest
 import torch
-from overlap_runs import Request, Seen, assert_all_pages_returned, both, make_engine, run
+from overlap_runs import (
+    Request,
+    Seen,
+    assert_all_pages_returned,
+    assert_block_table_matches,
+    both,
+    make_engine,
+    run,
+)
 from tiny_models import make_checkpoint
 
 from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
@@ -171,7 +179,18 @@ def test_a_request_admitted_by_the_undone_step_runs_on_the_new_weights(
 ) -> None:
     msg = UpdateWeights("u", 0, InflightPolicy.DRAIN, checkpoint_dir=str(checkpoint_b))
     add_mid = when("r0", 3, lambda engine: engine.add_request("mid", PROMPTS[1], GREEDY))
-    drain = when("r0", 4, lambda engine: engine.start_weight_update(msg))
+    undone: list[bool] = []
+
+    def start(engine: LLMEngine) -> None:
+        assert engine.overlap is not None and engine.overlap.inflight is not None
+        mid = engine.requests["mid"][0]
+        assert mid.pages  # admitted by the step in flight
+        engine.start_weight_update(msg)  # undoes it: mid goes back to the queue
+        assert not mid.pages and mid.slot is None and mid in engine.scheduler.waiting
+        assert_block_table_matches(engine)  # the rows and slots it took are back
+        undone.append(True)
+
+    drain = when("r0", 4, start)
 
     def hooks(engine: LLMEngine, out: RequestOutput, seen: Seens) -> None:
         add_mid(engine, out, seen)
@@ -183,4 +202,5 @@ def test_a_request_admitted_by_the_undone_step_runs_on_the_new_weights(
     assert seen[("mid", 0)].token_ids == fresh[("mid", 0)].token_ids
     assert set(seen[("mid", 0)].versions) == {1} and set(seen[("r0", 0)].versions) == {0}
     assert engine.stats().prefix_cache_queries == len(PROMPTS[0]) + len(PROMPTS[1])  # once each
+    assert undone == [True]
     assert_all_pages_returned(engine)
