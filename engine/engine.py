@@ -3,9 +3,9 @@
 Usable directly by a trainer in the same process (`generate`), and by the engine process's
 pipe loop (`add_request` / `abort` / `step`). `step()` is: schedule (after step-boundary work:
 expired deadlines, a pending weight swap), run, postprocess; with `overlap_steps` the run of
-one step overlaps the host work of the next (engine/overlap.py). Every request ends with exactly one
-output whose `finish_reason` is set (engine/request_outputs.py builds them; a request that
-engine/request_validation.py refuses ends at once). Weight updates are WeightUpdater's
+one step overlaps the host work of the next (engine/overlap.py). Every request ends with
+exactly one output whose `finish_reason` is set (engine/request_outputs.py builds them; a
+request that engine/request_validation.py refuses ends at once). Weight updates are WeightUpdater's
 (engine/weights/weight_updater.py); `generate`'s results are GenerationResult
 (engine/generation_result.py).
 
@@ -30,6 +30,7 @@ from engine.config import EngineConfig
 from engine.execution.launched_step import Sampled
 from engine.execution.model_shard import (
     load_shard,
+    model_info,
     resolve_device,
     resolve_dtype,
     resolve_model_path,
@@ -39,7 +40,6 @@ from engine.messages import (
     EngineStats,
     FinishReason,
     InflightPolicy,
-    ModelInfo,
     RequestOutput,
     SamplingParams,
     UpdateWeights,
@@ -95,21 +95,7 @@ class LLMEngine:
             self.model, self.scheduler, self.cache, self.abort, self.runner.channel
         )
         self.overlap = OverlappedSteps(self) if overlap_enabled(config) else None
-        name = "demo" if config.model == "demo" else Path(config.model).name
-        self.info = ModelInfo(
-            model=name,
-            path=str(path),
-            architecture=cfg.architecture,
-            max_model_len=cfg.max_model_len,
-            vocab_size=cfg.vocab_size,
-            eos_token_ids=list(cfg.eos_token_ids),
-            device=str(self.device),
-            dtype=str(self.dtype).removeprefix("torch."),
-            page_size=config.page_size,
-            total_pages=self.pool.num_pages,
-            policy_version=self.policy_version,
-            max_num_seqs=config.max_num_seqs,
-        )
+        self.info = model_info(config, cfg, path, self.device, self.dtype, self.pool.num_pages)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do with one rank). The engine is

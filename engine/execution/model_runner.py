@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.execution import sampling_slots as slot_bits
 from engine.execution.cuda_graph import CUDAGraphRunner
 from engine.execution.launched_step import (
     DeviceThread,
@@ -38,7 +37,7 @@ from engine.execution.launched_step import (
     run_now,
     to_host_async,
 )
-from engine.execution.sampling_slots import SamplingSlots
+from engine.execution.sampling_inputs import SamplingInputs
 from engine.execution.step_inputs import StepArrays, StepInputs, forward_inputs
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.step_channel import Op, StepChannel, StepHeader
@@ -86,7 +85,8 @@ class ModelRunner:
         sizes = (max_tokens, max_num_seqs, self.max_pages, max_num_seqs)
         self.host = StepInputs.allocate(*sizes, torch.device("cpu"), pin=device.type == "cuda")
         self.arrays = self.host.numpy()
-        self.sampling_slots = SamplingSlots()
+        self.sampling_inputs = SamplingInputs(device, self.vocab_size, eos_token_ids)
+        self.sampling_slots = self.sampling_inputs.slots
         # On the CPU the host buffers are the step's tensors: nothing to copy.
         self.inputs = self.host if device.type == "cpu" else StepInputs.allocate(*sizes, device)
         self.graphs: CUDAGraphRunner | None = None
@@ -356,57 +356,8 @@ class ModelRunner:
         return Sampled(sampling, token_ids, logprobs, top_ids, top_lps)
 
     def _sampling_batch(self, reqs: list[Request], table: BlockTable) -> SamplingBatch:
-        """Per-row sampling inputs: each row's numbers gathered from SamplingSlots (written
-        once per request) into the step buffers, two copies; token lists (penalties,
-        min_tokens) as tensors of their own, only when some row needs them."""
-        a, rows = self.arrays, len(reqs)
-        flags, top, banned = self.sampling_slots.gather(
-            table, reqs, a.sampling_floats, a.sampling_ints
-        )
-        f, i = self.inputs.sampling_floats[:rows], self.inputs.sampling_ints[:rows]
-        if self.inputs is not self.host:
-            f.copy_(self.host.sampling_floats[:rows], non_blocking=True)
-            i.copy_(self.host.sampling_ints[:rows], non_blocking=True)
-        batch = SamplingBatch(
-            floats=f,
-            ints=i,
-            all_greedy=not flags & slot_bits.SAMPLED,
-            use_top_k=bool(flags & slot_bits.TOP_K),
-            use_top_p=bool(flags & slot_bits.TOP_P),
-            use_min_p=bool(flags & slot_bits.MIN_P),
-            use_penalties=bool(flags & slot_bits.PENALTIES),
-            num_top_logprobs=top,
-            logprobs=bool(flags & slot_bits.LOGPROBS),
-            raw_logprobs=bool(flags & slot_bits.RAW_LOGPROBS),
-        )
-        if batch.num_top_logprobs:
-            batch.logprobs = batch.logprobs or bool(flags & slot_bits.NOT_RAW)
-            batch.raw_logprobs = batch.raw_logprobs or bool(flags & slot_bits.RAW)
-        if batch.logprobs and batch.raw_logprobs:
-            raw = [r.params.raw_logprobs for r in reqs]
-            batch.raw_rows = torch.tensor(raw, device=self.device)
-        if batch.use_penalties:
-            # Only penalised rows need their history (empty ones change no logit); another
-            # row's may end in an overlapped step's pending token (-1), no id to count.
-            histories = [r.token_ids if slot_bits.uses_penalties(r) else [] for r in reqs]
-            batch.context_ids = self._padded(histories)
-        if len(banned):  # rows still below their min_tokens: their stop ids are banned
-            stop_ids: list[tuple[int, ...]] = [()] * rows
-            for row in banned.tolist():
-                stop_ids[row] = self._stop_ids(reqs[row])
-            if any(stop_ids):
-                batch.suppress_ids = self._padded([list(b) for b in stop_ids])
-        return batch
-
-    def _stop_ids(self, req: Request) -> tuple[int, ...]:
-        eos = () if req.params.ignore_eos else self.eos_token_ids
-        return eos + req.params.stop_token_ids
-
-    def _padded(self, rows: list[list[int]]) -> torch.Tensor:
-        """[rows, width] int64 on the device, padded with vocab_size (no token)."""
-        width = max(1, max(len(r) for r in rows))
-        padded = [r + [self.vocab_size] * (width - len(r)) for r in rows]
-        return torch.tensor(padded, dtype=torch.int64, device=self.device)
+        """The step's SamplingBatch, in the buffers this launch fills."""
+        return self.sampling_inputs.batch(reqs, table, self.host, self.arrays, self.inputs)
 
 
 def _block_table(batch: ScheduledBatch) -> BlockTable:

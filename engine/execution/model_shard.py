@@ -17,6 +17,7 @@ from engine.attention import make_backend
 from engine.config import EngineConfig
 from engine.execution.model_runner import ModelRunner
 from engine.layers.kernel_choice import use_triton_kernels
+from engine.messages import ModelInfo
 from engine.models.hf_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.tensor_parallel import TensorParallel
@@ -122,3 +123,28 @@ def resolve_model_path(model: str) -> Path:
 
         return ensure_demo_checkpoint()
     return Path(model)
+
+
+def model_info(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    path: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    total_pages: int,
+) -> ModelInfo:
+    """What the engine reports of the model it serves (at its configured policy version)."""
+    return ModelInfo(
+        model="demo" if config.model == "demo" else Path(config.model).name,
+        path=str(path),
+        architecture=cfg.architecture,
+        max_model_len=cfg.max_model_len,
+        vocab_size=cfg.vocab_size,
+        eos_token_ids=list(cfg.eos_token_ids),
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        page_size=config.page_size,
+        total_pages=total_pages,
+        policy_version=config.policy_version,
+        max_num_seqs=config.max_num_seqs,
+    )

@@ -1,0 +1,89 @@
+"""SamplingInputs: a step's SamplingBatch, built from the rows SamplingSlots keeps.
+
+The per-row numbers are gathered into the step's buffers and the batch's flags are the OR of
+the rows' bits (engine/execution/sampling_slots.py); what varies with the tokens (the token
+histories penalties read, the stop ids banned below min_tokens) becomes a tensor of its own,
+only when some row needs it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.execution import sampling_slots as slot_bits
+from engine.execution.sampling_slots import SamplingSlots
+from engine.execution.step_inputs import StepArrays, StepInputs
+from engine.sampling.sampler import SamplingBatch
+from engine.scheduling.block_table import BlockTable
+from engine.scheduling.request import Request
+
+
+class SamplingInputs:
+    def __init__(
+        self, device: torch.device, vocab_size: int, eos_token_ids: tuple[int, ...]
+    ) -> None:
+        self.slots = SamplingSlots()
+        self.device = device
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+
+    def batch(
+        self,
+        reqs: list[Request],
+        table: BlockTable,
+        host: StepInputs,
+        arrays: StepArrays,
+        inputs: StepInputs,
+    ) -> SamplingBatch:
+        """Per-row sampling inputs: each row's numbers gathered from SamplingSlots (written
+        once per request) into the step buffers (`host`, its numpy `arrays`; then `inputs`,
+        the device's: two copies); token lists (penalties, min_tokens) as tensors of their
+        own, only when some row needs them."""
+        rows = len(reqs)
+        flags, top, banned = self.slots.gather(
+            table, reqs, arrays.sampling_floats, arrays.sampling_ints
+        )
+        f, i = inputs.sampling_floats[:rows], inputs.sampling_ints[:rows]
+        if inputs is not host:
+            f.copy_(host.sampling_floats[:rows], non_blocking=True)
+            i.copy_(host.sampling_ints[:rows], non_blocking=True)
+        batch = SamplingBatch(
+            floats=f,
+            ints=i,
+            all_greedy=not flags & slot_bits.SAMPLED,
+            use_top_k=bool(flags & slot_bits.TOP_K),
+            use_top_p=bool(flags & slot_bits.TOP_P),
+            use_min_p=bool(flags & slot_bits.MIN_P),
+            use_penalties=bool(flags & slot_bits.PENALTIES),
+            num_top_logprobs=top,
+            logprobs=bool(flags & slot_bits.LOGPROBS),
+            raw_logprobs=bool(flags & slot_bits.RAW_LOGPROBS),
+        )
+        if batch.num_top_logprobs:
+            batch.logprobs = batch.logprobs or bool(flags & slot_bits.NOT_RAW)
+            batch.raw_logprobs = batch.raw_logprobs or bool(flags & slot_bits.RAW)
+        if batch.logprobs and batch.raw_logprobs:
+            raw = [r.params.raw_logprobs for r in reqs]
+            batch.raw_rows = torch.tensor(raw, device=self.device)
+        if batch.use_penalties:
+            # Only penalised rows need their history (empty ones change no logit); another
+            # row's may end in an overlapped step's pending token (-1), no id to count.
+            histories = [r.token_ids if slot_bits.uses_penalties(r) else [] for r in reqs]
+            batch.context_ids = self._padded(histories)
+        if len(banned):  # rows still below their min_tokens: their stop ids are banned
+            stop_ids: list[tuple[int, ...]] = [()] * rows
+            for row in banned.tolist():
+                stop_ids[row] = self._stop_ids(reqs[row])
+            if any(stop_ids):
+                batch.suppress_ids = self._padded([list(b) for b in stop_ids])
+        return batch
+
+    def _stop_ids(self, req: Request) -> tuple[int, ...]:
+        eos = () if req.params.ignore_eos else self.eos_token_ids
+        return eos + req.params.stop_token_ids
+
+    def _padded(self, rows: list[list[int]]) -> torch.Tensor:
+        """[rows, width] int64 on the device, padded with vocab_size (no token)."""
+        width = max(1, max(len(r) for r in rows))
+        padded = [r + [self.vocab_size] * (width - len(r)) for r in rows]
+        return torch.tensor(padded, dtype=torch.int64, device=self.device)
