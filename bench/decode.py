@@ -14,8 +14,9 @@ engine's `step()` is timed while every request decodes one token per step. Repor
   The timers are bench/step_timers.py's.
 - the ops a decode step dispatches outside the model forward (and LM head), counted with a
   TorchDispatchMode around `step()` at `--op-rows` rows, greedy and in the RL setting
-  (temperature 1, top-p 0.9, top-k 50, logprobs with top-5, repetition penalty 1.1); a launch
-  of the fused sampler's kernel counts as one op. On CUDA each op is a kernel launch or more.
+  (temperature 1, top-p 0.9, top-k 50, logprobs with top-5, repetition penalty 1.1)
+  (bench/op_count.py); each launch of one of the fused sampler's kernels counts as one op. On
+  CUDA each op is a kernel launch or more.
   `--sampler triton` on the CPU runs the fused kernel under Triton's interpreter: op counts
   only, its times mean nothing.
 
@@ -43,11 +44,11 @@ import random
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 from bench.common import emit, log, machine, process_cpu_seconds, set_threads
 from bench.offline import add_model_flags, resolve_model
+from bench.op_count import count_step_ops
 from bench.step_timers import Timers, breakdown, instrument
 
 
@@ -64,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bandwidth-mib", type=int, help="copy size for the bandwidth probe")
     p.add_argument("--sampler", choices=("auto", "torch", "triton"), default="auto")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    p.add_argument(
+        "--overlap-steps", action="store_true", help="host/device overlap (no breakdown)"
+    )
     p.add_argument("--op-rows", type=int, default=32, help="rows of the op-count steps")
     p.add_argument(
         "--host-only",
@@ -165,6 +169,8 @@ def measure_batch(engine: Any, batch: int, args: argparse.Namespace, sync: Any) 
             sync()
             times.append(time.perf_counter() - start)
         cpu += process_cpu_seconds()
+        if args.overlap_steps:
+            continue  # the timers' syncs would serialise what overlaps: plain steps only
         untimed = instrument(engine, timers)
         try:
             for _ in range(count):
@@ -183,89 +189,9 @@ def measure_batch(engine: Any, batch: int, args: argparse.Namespace, sync: Any) 
         "step_ms_min": min(times) * 1e3,
         "decode_tokens_per_s": batch / statistics.median(times),
         "cpu_cores_busy": cpu / sum(times),  # below the thread count: the machine was contended
-        "instrumented_ms": breakdown(timers.steps),
+        "instrumented_ms": breakdown(timers.steps) if timers.steps else None,
         "untimed_parts": untimed,
     }
-
-
-class OpCounter:
-    """Counts the aten ops dispatched while active, except inside paused calls; a call of a
-    wrapped kernel launcher counts as one op however many it dispatches (the interpreter
-    dispatches many)."""
-
-    def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counter = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-                if not counter.paused:
-                    counter.ops[str(func)] += 1
-                return func(*args, **(kwargs or {}))
-
-        self.mode = Mode()
-        self.paused = 0
-        self.ops: defaultdict[str, int] = defaultdict(int)
-
-    def excluded(self, fn: Callable[..., Any], name: str | None = None) -> Callable[..., Any]:
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            if name is not None and not self.paused:
-                self.ops[name] += 1
-            self.paused += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.paused -= 1
-
-        return wrapped
-
-
-RL_SETTING = {
-    "temperature": 1.0,
-    "top_p": 0.9,
-    "top_k": 50,
-    "logprobs": True,
-    "top_logprobs": 5,
-    "repetition_penalty": 1.1,
-}
-
-
-def count_step_ops(engine: Any, rows: int, context: int) -> dict[str, Any]:
-    """Ops per decode step outside the forward, greedy and RL, at `rows` rows."""
-    from engine import SamplingParams
-
-    result: dict[str, Any] = {"rows": rows}
-    model, runner = engine.runner.model, engine.runner
-    for name, extra in (("greedy", {"temperature": 0.0}), ("rl", RL_SETTING)):
-        params = SamplingParams(max_tokens=16, ignore_eos=True, seed=1, **extra)  # type: ignore[arg-type]
-        ids = [f"ops-{name}-{i}" for i in range(rows)]
-        for i, request_id in enumerate(ids):
-            engine.add_request(request_id, [(i + j) % 97 for j in range(context)], params)
-        while any(not r.output_token_ids for r in engine.scheduler.running) or (
-            engine.scheduler.waiting
-        ):
-            engine.step()
-        engine.step()  # a steady decode step first
-        counter = OpCounter()
-        patched = [(model, "forward", None), (model, "compute_logits", None)]
-        if runner.graphs is not None:
-            patched.append((runner.graphs, "run", None))
-        if hasattr(runner.sampler, "launch"):
-            patched.append((runner.sampler, "launch", "triton:fused_sample"))
-        for obj, attr, op_name in patched:
-            setattr(obj, attr, counter.excluded(getattr(obj, attr), op_name))
-        try:
-            with counter.mode:
-                engine.step()
-        finally:
-            for obj, attr, _ in patched:
-                delattr(obj, attr)
-        result[name] = sum(counter.ops.values())
-        result[f"{name}_ops"] = dict(sorted(counter.ops.items()))
-        engine.abort(ids)
-        engine.step()
-    return result
 
 
 def _sync(device: str) -> None:
@@ -278,8 +204,12 @@ def _sync(device: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # Modes with mains of their own, each module imported only when chosen.
-    modes = {"host_only": "host_only", "count_kernels": "kernel_count"}
-    for flag, module in {**modes, "stand_in_forward_ms": "overlap"}.items():
+    modes = {
+        "host_only": "host_only",
+        "count_kernels": "kernel_count",
+        "stand_in_forward_ms": "overlap",
+    }
+    for flag, module in modes.items():
         if getattr(args, flag) not in (None, False):
             return int(importlib.import_module(f"bench.{module}").main(args))
     if args.sampler == "triton" and not args.device.startswith("cuda"):
@@ -312,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             max_model_len=max(cfg.max_model_len, tokens_per_req),
             sampler=args.sampler,
             compile=args.compile,
+            overlap_steps=args.overlap_steps,
         )
     )
     on_cuda = args.device.startswith("cuda")
@@ -341,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         r["roofline_ms"] = step_bytes / bandwidth * 1e3
         r["roofline_fraction"] = r["roofline_ms"] / r["step_ms_median"]
         results.append(r)
-        parts = r["instrumented_ms"]
+        parts = r["instrumented_ms"] or defaultdict(lambda: float("nan"))
         rows.append(
             [
                 batch,
@@ -374,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_bytes_per_token": per_token,
         "sampler": type(engine.runner.sampler).__name__,
         "compile": args.compile,
+        "overlap_steps": args.overlap_steps,
         "ops_per_step_outside_forward": ops,
         "batches": results,
         "machine": machine(),
