@@ -85,6 +85,8 @@ step kernels-qwen2.5-0.5b 30 bench.decode --shape qwen2.5-0.5b --device cuda --c
   --count-rows 64
 step decode-qwen2.5-0.5b 60 bench.decode --shape qwen2.5-0.5b $DEV --batches 1 8 64 256
 # The same step torch.compiled: eager, it launches ~1,000 kernels (about 43 per layer).
+step decode-qwen2.5-0.5b-overlap 60 bench.decode --shape qwen2.5-0.5b $DEV --batches 1 8 64 256 \
+  --overlap-steps
 step decode-qwen2.5-0.5b-compiled 120 bench.decode --shape qwen2.5-0.5b $DEV --batches 1 8 64 256 \
   --compile
 step checkpoints-more 150 $CK llama-3-8b qwen3-0.6b llama-3.2-1b
