@@ -49,8 +49,11 @@ def test_token_identity_counts_sequences_and_where_they_diverge() -> None:
 
 
 def test_offline_keeps_its_fields_and_counts_greedy_identity_with_hf(
-    tiny_llama: Path, capsys: pytest.CaptureFixture[str]
+    tiny_llama: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # NOTE: main() points the process's logging at sys.stderr, here this test's captured
+    # stream: left in place, every later test's log line would hit the closed stream.
+    monkeypatch.setattr("engine.logs.configure_logging", lambda *args, **kwargs: None)
     argv = ["--model", str(tiny_llama), "--num-requests", "4", "--scale", "0.02",
             "--temperature", "0", "--hf-batch-sizes", "4", "--threads", "1"]  # fmt: skip
     assert offline.main(argv) == 0
