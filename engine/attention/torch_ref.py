@@ -4,8 +4,8 @@ The packed batch is a list of sequences, each contributing `query_len` new token
 are rotated at the tokens' positions (engine/models/rope.py), the keys and values written into
 the paged cache with `index_copy_`, and then each query attends causally to its
 sequence's whole context (cached prefix + new tokens). Decode rows (one query each) are
-sorted by context length and batched into a few padded SDPA calls; prefill rows run one SDPA
-call each.
+sorted by context length and batched into a few padded SDPA calls (on the CPU in a reduced
+precision, two batched GEMMs instead: `_decode_matmul`); prefill rows run one SDPA call each.
 
 A decode-only step reads only tensors and the step's constant ints, so it can be captured in
 a CUDA graph. With no KV cache (training, or a forward without serving state) every sequence
@@ -140,7 +140,26 @@ class TorchRefAttention:
         pages = group.tables.flatten()  # index_select: several times faster than k[t]
         keys = k_cache.index_select(0, pages).view(n, -1, kv_heads, head_dim).transpose(1, 2)
         values = v_cache.index_select(0, pages).view(n, -1, kv_heads, head_dim).transpose(1, 2)
+        if q.device.type == "cpu" and q.dtype != torch.float32:
+            return self._decode_matmul(q, keys, values, group.mask)
         return self._sdpa(q.unsqueeze(2), keys, values, group.mask).squeeze(2)
+
+    def _decode_matmul(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Decode attention as two batched GEMMs, each kv head's query heads as the rows of one.
+
+        On the CPU, SDPA with one query row in bfloat16 is 5-14x slower than this (its flash
+        kernel blocks over query rows; here there is one). Scores are computed in float32, as a
+        flash kernel accumulates them (bfloat16 scores lose about 3 digits); the probabilities
+        are rounded to the cache dtype for the value GEMM, as flash kernels do."""
+        n, heads, head_dim = q.shape
+        kv_heads = keys.shape[1]
+        rows = q.view(n, kv_heads, heads // kv_heads, head_dim).float()
+        scores = torch.matmul(rows, keys.float().transpose(-1, -2)).mul_(self.scale)
+        scores.masked_fill_(~mask.view(n, 1, 1, -1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        return torch.matmul(probs, values).view(n, heads, head_dim)
 
     def _dense(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata

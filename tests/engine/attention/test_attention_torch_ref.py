@@ -81,3 +81,23 @@ def test_new_keys_land_rotated_in_their_slots_and_values_as_given() -> None:
     assert not torch.equal(rotated_k, step.k)  # positions past 0 rotate
     torch.testing.assert_close(k_cache.view(-1, heads, dim)[slots], rotated_k, rtol=0, atol=0)
     torch.testing.assert_close(v_cache.view(-1, heads, dim)[slots], step.v, rtol=0, atol=0)
+
+
+def test_bfloat16_decode_on_cpu_is_as_close_as_sdpa() -> None:
+    """Decode in bfloat16 runs two GEMMs, not SDPA (much faster on the CPU): its error against
+    the float64 reference is within bfloat16 bounds and near SDPA's own bfloat16 error."""
+    rng = random.Random(4)
+    contexts = [rng.randint(1, 300) for _ in range(3 * GROUP_ROWS)]
+    step = Step(contexts, [1] * len(contexts), page_size=16, head_dim=64, seed=4)
+    for name in ("k_cache", "v_cache", "q", "k", "v"):
+        setattr(step, name, getattr(step, name).bfloat16())
+    backend = TorchRefAttention(0.25, step.page_size)
+    out, k_cache, v_cache = step.run(backend)
+    expected = reference(step, k_cache, v_cache)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+    sdpa = TorchRefAttention(0.25, step.page_size)
+    sdpa._decode_matmul = lambda q, k, v, mask: sdpa._sdpa(q.unsqueeze(2), k, v, mask).squeeze(2)  # type: ignore[method-assign]
+    sdpa_out = step.run(sdpa)[0]
+    assert not torch.equal(out, sdpa_out)  # the GEMM path ran
+    ours, theirs = ((o.float() - expected).abs().mean() for o in (out, sdpa_out))
+    assert ours < 1.5 * theirs, (ours, theirs)
