@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
+from engine.layers.linear import linear
 from engine.layers.rms_norm import RMSNorm
 from engine.layers.silu_and_mul import SiluAndMul
 from engine.models.hf_config import ModelConfig
@@ -80,8 +81,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(linear(x, self.weight, None))
         return y if self.bias is None else y + self.bias
 
 
@@ -257,7 +258,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.tp.gather_vocab(F.linear(hidden, weight)).float()
+        return self.tp.gather_vocab(linear(hidden, weight, None)).float()
 
     def dense_forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits [batch, seq, vocab] for whole sequences from position 0, without a KV cache.

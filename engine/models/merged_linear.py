@@ -17,8 +17,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from engine.layers.linear import linear
 
 
 class MergedLinear(nn.Module):
@@ -42,7 +43,7 @@ class MergedLinear(nn.Module):
                 nn.init.uniform_(rows, -bound, bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, sum(sizes)]
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """`{part}.weight` (and `{part}.bias`), part by part -> that part's rows: views sharing
