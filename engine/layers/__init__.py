@@ -4,7 +4,8 @@
 activation over the gate/up projection's output) and `rotary_kv.py` (rotary on q and k, and K
 and V into the paged KV cache, in one kernel; the attention backends call it). The `*_kernel`
 / `rotary_kv` modules import triton and are imported only when a Triton path is chosen
-(`kernel_choice.py`), so the package works without triton.
+(`kernel_choice.py`), so the package works without triton. `linear.py` is the projections'
+GEMM: oneDNN's for float32 on the CPU, F.linear elsewhere.
 
 A folder below both `models` and `attention`: the model's modules use the norm and activation,
 the Triton attention backend uses the rotary kernel. It imports torch and triton only, no

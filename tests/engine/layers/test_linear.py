@@ -1,0 +1,31 @@
+"""engine/layers/linear.py: oneDNN's float32 CPU linear equals F.linear to float32 rounding,
+on the strided column views the layers pass; with autograd recording F.linear itself runs."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.layers.linear import linear
+
+
+def test_inference_linear_equals_f_linear_on_strided_inputs() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 2 * 96, generator=gen)[:, 96:]  # a column view, as split() gives
+    weight, bias = torch.randn(40, 96, generator=gen), torch.randn(40, generator=gen)
+    expected = F.linear(x.double(), weight.double(), bias.double()).float()
+    with torch.inference_mode():
+        got = linear(x, weight, bias)
+        unbiased = linear(x.unsqueeze(0), weight, None)  # [batch, tokens, in] too
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(unbiased[0], expected - bias, rtol=1e-5, atol=1e-5)
+
+
+def test_training_linear_is_f_linear_and_has_gradients() -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 32, generator=gen)
+    weight = torch.randn(8, 32, generator=gen, requires_grad=True)
+    out = linear(x, weight, None)
+    assert torch.equal(out, F.linear(x, weight))  # bit for bit: the same op
+    out.sum().backward()
+    assert weight.grad is not None
