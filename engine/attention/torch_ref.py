@@ -154,12 +154,18 @@ class TorchRefAttention:
         flash kernel accumulates them (bfloat16 scores lose about 3 digits); the probabilities
         are rounded to the cache dtype for the value GEMM, as flash kernels do."""
         n, heads, head_dim = q.shape
-        kv_heads = keys.shape[1]
-        rows = q.view(n, kv_heads, heads // kv_heads, head_dim).float()
-        scores = torch.matmul(rows, keys.float().transpose(-1, -2)).mul_(self.scale)
-        scores.masked_fill_(~mask.view(n, 1, 1, -1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        return torch.matmul(probs, values).view(n, heads, head_dim)
+        kv_heads, ctx = keys.shape[1], keys.shape[2]
+        group = heads // kv_heads
+        rows = q.reshape(n * kv_heads, group, head_dim).float()
+        # NOTE: bmm over contiguous [n * kv_heads, ctx, head_dim] operands, not matmul over the
+        # gathered views' strides: matmul on those ran 5.6x slower (same numbers).
+        keys = keys.to(torch.float32, memory_format=torch.contiguous_format)
+        scores = torch.bmm(rows, keys.view(n * kv_heads, ctx, head_dim).transpose(1, 2))
+        scores = scores.mul_(self.scale).view(n, kv_heads, group, ctx)
+        scores.masked_fill_(~mask.view(n, 1, 1, ctx), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype).view(n * kv_heads, group, ctx)
+        values = values.contiguous().view(n * kv_heads, ctx, head_dim)
+        return torch.bmm(probs, values).view(n, heads, head_dim)
 
     def _dense(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
