@@ -83,6 +83,15 @@ def test_new_keys_land_rotated_in_their_slots_and_values_as_given() -> None:
     torch.testing.assert_close(v_cache.view(-1, heads, dim)[slots], step.v, rtol=0, atol=0)
 
 
+class SdpaDecode(TorchRefAttention):
+    """torch_ref with its bfloat16 CPU decode sent through SDPA, as float32's is."""
+
+    def _decode_matmul(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        return self._sdpa(q.unsqueeze(2), keys, values, mask).squeeze(2)
+
+
 def test_bfloat16_decode_on_cpu_is_as_close_as_sdpa() -> None:
     """Decode in bfloat16 runs two GEMMs, not SDPA (much faster on the CPU): its error against
     the float64 reference is within bfloat16 bounds and near SDPA's own bfloat16 error."""
@@ -95,9 +104,7 @@ def test_bfloat16_decode_on_cpu_is_as_close_as_sdpa() -> None:
     out, k_cache, v_cache = step.run(backend)
     expected = reference(step, k_cache, v_cache)
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
-    sdpa = TorchRefAttention(0.25, step.page_size)
-    sdpa._decode_matmul = lambda q, k, v, mask: sdpa._sdpa(q.unsqueeze(2), k, v, mask).squeeze(2)  # type: ignore[method-assign]
-    sdpa_out = step.run(sdpa)[0]
+    sdpa_out = step.run(SdpaDecode(0.25, step.page_size))[0]
     assert not torch.equal(out, sdpa_out)  # the GEMM path ran
     ours, theirs = ((o.float() - expected).abs().mean() for o in (out, sdpa_out))
     assert ours < 1.5 * theirs, (ours, theirs)
