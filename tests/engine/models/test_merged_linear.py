@@ -15,7 +15,8 @@ from engine.models.hf_config import load_model_config
 from engine.models.merged_linear import MergedLinear
 from engine.weights.loading import build_model
 
-GEMMS = ("aten.mm", "aten.addmm")
+# float32 inference on the CPU runs oneDNN's linear (engine/layers/linear.py)
+GEMMS = ("aten.mm", "aten.addmm", "mkldnn._linear_pointwise")
 
 
 class OpCounter(TorchDispatchMode):
