@@ -164,7 +164,10 @@ def count_decode_kernels(cfg: Any, device: str, dtype: str, rows: int = 1) -> di
 
     dev = torch.device(device)
     page_size, pages = 16, 64
-    backend = make_backend("triton", dev, cfg.head_dim**-0.5, page_size)
+    args: tuple[Any, ...] = (dev, cfg.head_dim**-0.5, page_size)
+    if "dtype" in inspect.signature(make_backend).parameters:  # since the cpu backend
+        args += (getattr(torch, dtype),)
+    backend = make_backend("triton", *args)
     kwargs: dict[str, Any] = {}
     if "triton_kernels" in inspect.signature(LlamaForCausalLM).parameters:
         # Older revisions (before the fused layer) have no layer kernels: the before count.

@@ -9,7 +9,7 @@ from engine.settings import EXECUTION, MODEL, OBSERVABILITY, SCHEDULING, setting
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-ATTENTION_BACKENDS = ("auto", "torch_ref", "triton")
+ATTENTION_BACKENDS = ("auto", "torch_ref", "triton", "cpu")
 SAMPLERS = ("auto", "torch", "triton")
 LAYER_KERNELS = ("auto", "torch", "triton")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -66,7 +66,8 @@ class EngineConfig:
     )
     attention_backend: str = setting(
         "auto",
-        "auto = triton on CUDA when installed, else torch_ref",
+        "auto = triton on CUDA when installed; on the CPU, cpu (decode attention in a C kernel "
+        "built with the system's compiler) when it builds; else torch_ref",
         group=EXECUTION,
         choices=ATTENTION_BACKENDS,
     )

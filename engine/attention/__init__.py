@@ -1,7 +1,10 @@
 """Attention backends and the choice between them.
 
 `torch_ref` runs anywhere and is the correctness reference; `triton` (paged kernels) is the
-fast path on CUDA. `auto` picks triton on CUDA when it can be imported, torch_ref elsewhere.
+fast path on CUDA; `cpu` is torch_ref with decode attention in a C kernel of its own, built on
+first use with the system's C compiler (engine/attention/cpu_kernels.py). `auto` picks triton
+on CUDA when it can be imported; on the CPU, cpu for float32 and bfloat16 when the kernel
+builds; torch_ref elsewhere.
 May import `engine.layers` (the Triton backend's rotary and KV-write kernel).
 """
 
@@ -11,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.attention import cpu_kernels
+from engine.attention.cpu_paged import CpuPagedAttention
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_ref import TorchRefAttention
 from engine.layers.kernel_choice import triton_available
@@ -20,6 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AttentionMetadata",
+    "CpuPagedAttention",
     "TorchRefAttention",
     "make_backend",
     "resolve_backend",
@@ -27,21 +33,35 @@ __all__ = [
 ]
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
-    """The backend `name` ("auto", "torch_ref", "triton") means on this device."""
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend `name` ("auto", "torch_ref", "triton", "cpu") means on this device."""
     if name == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch_ref"
+        if device.type == "cuda":
+            return "triton" if triton_available() else "torch_ref"
+        cpu_ok = device.type == "cpu" and dtype in cpu_kernels.DTYPES
+        return "cpu" if cpu_ok and cpu_kernels.load() is not None else "torch_ref"
     if name == "triton" and not triton_available():
         raise ValueError("attention_backend: triton is not installed (pip install triton)")
+    if name == "cpu":
+        if device.type != "cpu" or dtype not in cpu_kernels.DTYPES:
+            raise ValueError("attention_backend: cpu runs float32 and bfloat16 on the CPU only")
+        if cpu_kernels.load() is None:
+            raise ValueError("attention_backend: cpu needs a C compiler (cc, or $CC) to build")
     return name
 
 
-def make_backend(name: str, device: torch.device, scale: float, page_size: int) -> AttentionBackend:
-    """The attention backend for this device. Forcing triton on the CPU works only under
-    Triton's interpreter (TRITON_INTERPRET=1), which the tests use."""
-    resolved = resolve_backend(name, device)
+def make_backend(
+    name: str, device: torch.device, scale: float, page_size: int, dtype: torch.dtype
+) -> AttentionBackend:
+    """The attention backend for this device and dtype. Forcing triton on the CPU works only
+    under Triton's interpreter (TRITON_INTERPRET=1), which the tests use."""
+    resolved = resolve_backend(name, device, dtype)
     if resolved == "torch_ref":
         return TorchRefAttention(scale, page_size)
+    if resolved == "cpu":
+        lib = cpu_kernels.load()
+        assert lib is not None  # resolve_backend checked
+        return CpuPagedAttention(scale, page_size, lib)
     from engine.attention.triton_paged import TritonPagedAttention, interpreting
 
     if device.type != "cuda" and not interpreting():

@@ -9,11 +9,12 @@ import torch
 
 @dataclass
 class DecodeGroup:
-    """Decode rows attended to in one padded call: their pages gathered to the group's longest."""
+    """Decode rows attended to in one call (torch_ref: their pages gathered to the longest)."""
 
     rows: torch.Tensor | None  # [rows] token index of each row; None: every token, in order
     tables: torch.Tensor  # [rows, pages]
-    mask: torch.Tensor  # [rows, 1, 1, pages * page_size] True = attend
+    lens: torch.Tensor  # [rows] int32 context length of each row
+    mask: torch.Tensor | None  # [rows, 1, 1, pages * page_size] True = attend (torch_ref's)
 
 
 @dataclass

@@ -67,7 +67,7 @@ class TorchRefAttention:
             group = self._group(
                 torch.tensor([starts[i] for i in seqs], device=device),
                 meta.block_tables[torch.tensor(seqs, device=device)],
-                torch.tensor(lens, device=device),
+                torch.tensor(lens, dtype=torch.int32, device=device),
                 -(-max(lens) // self.page_size),
             )
             meta.decode_groups.append(group)
@@ -97,7 +97,7 @@ class TorchRefAttention:
         assert self.page_size is not None
         positions = torch.arange(pages * self.page_size, device=tables.device)
         mask = (positions[None, :] < lens[:, None])[:, None, None, :]
-        return DecodeGroup(rows, tables[:, :pages], mask)
+        return DecodeGroup(rows, tables[:, :pages], lens, mask)
 
     def forward(
         self,
@@ -126,10 +126,14 @@ class TorchRefAttention:
             assert group.rows is not None
             out[group.rows] = self._decode(q[group.rows], k_cache, v_cache, group)
         for seq, start, q_len, ctx_len in meta.prefill_seqs:
+            end = start + q_len
+            if ctx_len == q_len:  # no cached prefix: the keys are this step's own
+                out[start:end] = self._causal(q[start:end], k[start:end], v[start:end])
+                continue
             table = meta.block_tables[seq, : -(-ctx_len // k_cache.shape[1])]
             keys = k_cache.index_select(0, table).view(-1, kv_heads, head_dim)[:ctx_len]
             values = v_cache.index_select(0, table).view(-1, kv_heads, head_dim)[:ctx_len]
-            out[start : start + q_len] = self._causal(q[start : start + q_len], keys, values)
+            out[start:end] = self._causal(q[start:end], keys, values)
         return out
 
     def _decode(
@@ -140,6 +144,7 @@ class TorchRefAttention:
         pages = group.tables.flatten()  # index_select: several times faster than k[t]
         keys = k_cache.index_select(0, pages).view(n, -1, kv_heads, head_dim).transpose(1, 2)
         values = v_cache.index_select(0, pages).view(n, -1, kv_heads, head_dim).transpose(1, 2)
+        assert group.mask is not None
         if q.device.type == "cpu" and q.dtype != torch.float32:
             return self._decode_matmul(q, keys, values, group.mask)
         return self._sdpa(q.unsqueeze(2), keys, values, group.mask).squeeze(2)

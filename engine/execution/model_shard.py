@@ -45,7 +45,8 @@ def load_shard(
 ) -> ModelShard:
     """Load this rank's weights, size its KV pool (every rank gets the smallest count any
     rank can hold: page ids are rank 0's) and build its runner, CUDA graphs captured."""
-    backend = make_backend(config.attention_backend, device, cfg.head_dim**-0.5, config.page_size)
+    scale = cfg.head_dim**-0.5
+    backend = make_backend(config.attention_backend, device, scale, config.page_size, dtype)
     triton_kernels = use_triton_kernels(config.layer_kernels, device)
     model = build_model(cfg, path, backend, device, dtype, tp, triton_kernels)
     kv_heads = model.sharding.num_kv_heads

@@ -9,33 +9,10 @@ from __future__ import annotations
 import random
 
 import torch
-from paged_steps import Step
+from paged_steps import Step, reference
 
 from engine.attention.metadata import DecodeGroup
 from engine.attention.torch_ref import GROUP_ROWS, TorchRefAttention
-
-
-def reference(step: Step, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-    """Each sequence's queries against its keys read page by page from the written cache."""
-    meta = step.meta
-    assert meta.block_tables is not None
-    page_size = step.page_size
-    rotated_q = step.rotated()[0]
-    outs = []
-    start = 0
-    for seq, (q_len, ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
-        table = meta.block_tables[seq, : -(-ctx // page_size)].long()
-        keys = k_cache[table].flatten(0, 1)[:ctx].double()  # [ctx, kv_heads, dim]
-        values = v_cache[table].flatten(0, 1)[:ctx].double()
-        q = rotated_q[start : start + q_len].double()  # [q_len, heads, dim]
-        group = q.shape[1] // keys.shape[1]
-        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", q, keys) * 0.25
-        visible = torch.arange(ctx)[None, :] <= torch.arange(ctx - q_len, ctx)[:, None]
-        scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
-        start += q_len
-    return torch.cat(outs).float()
 
 
 def check(step: Step) -> list[DecodeGroup]:

@@ -184,10 +184,12 @@ def test_enforce_eager_attaches_no_graph_runner_and_cpu_never_captures(tiny_llam
     assert make_engine(tiny_llama, enforce_eager=True).runner.graphs is None
 
 
-@pytest.mark.parametrize("name", ["auto", "torch_ref"])
-def test_the_cpu_engine_uses_torch_ref(tiny_llama: Path, name: str) -> None:
+@pytest.mark.parametrize(("name", "expected"), [("auto", "cpu"), ("torch_ref", "torch_ref")])
+def test_the_cpu_engine_uses_the_cpu_backend_unless_told(
+    tiny_llama: Path, name: str, expected: str
+) -> None:
     engine = make_engine(tiny_llama, attention_backend=name)
-    assert engine.model.backend.name == "torch_ref"
+    assert engine.model.backend.name == expected
 
 
 def test_an_unknown_attention_backend_is_refused(tiny_llama: Path) -> None:
@@ -241,10 +243,10 @@ def test_forcing_triton_on_the_cpu_needs_the_interpreter() -> None:
     from engine.attention.triton_paged import interpreting
 
     if interpreting():
-        assert make_backend("triton", torch.device("cpu"), 1.0, 16).name == "triton"
+        assert make_backend("triton", torch.device("cpu"), 1.0, 16, torch.float32).name == "triton"
     else:
         with pytest.raises(ValueError, match="triton needs CUDA"):
-            make_backend("triton", torch.device("cpu"), 1.0, 16)
+            make_backend("triton", torch.device("cpu"), 1.0, 16, torch.float32)
 
 
 def test_compiling_allows_one_recompile_per_bucket(tiny_llama: Path) -> None:

@@ -1,0 +1,152 @@
+/* Paged decode attention on the CPU: one query token per row, its keys and values read from the
+ * KV cache's pages where they lie (no gather), float32 or bfloat16 cache, float32 arithmetic.
+ *
+ * Built and loaded by engine/attention/cpu_kernels.py (gcc -O3 -march=native -fopenmp
+ * -ffast-math, linked without -ffast-math so that loading it leaves the process's floating-point
+ * mode alone). OpenMP is the runtime torch already loaded (same soname), so the threads are
+ * torch's.
+ *
+ * Layouts (row-major, the engine's):
+ *   q        [rows, heads, head_dim], rows q_row_stride elements apart
+ *   k, v     [pages, page_size, kv_heads, head_dim], the cache of one layer
+ *   tables   [rows, >= pages of the row] int32 page ids, rows table_stride apart
+ *   lens     [rows] int32 context length (keys to attend to) of each row, >= 1
+ *   out      [rows, heads, head_dim], contiguous, the dtype of q
+ * Query head h reads kv head h / (heads / kv_heads), as grouped-query attention does.
+ *
+ * Each row is one work item: its query heads are scored against every key (K read once),
+ * softmax in float32, then the values summed with those weights (V read once).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1 };
+
+/* element i of a float32 or bfloat16 vector, as float32 (bf16 is float32's upper half) */
+static inline const float *as_f32(const void *src, int dtype, float *tmp, int64_t n) {
+    if (dtype == F32) return (const float *)src;
+    const uint16_t *half = (const uint16_t *)src;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t bits = (uint32_t)half[i] << 16;
+        memcpy(&tmp[i], &bits, sizeof bits);
+    }
+    return tmp;
+}
+
+static inline void store(void *dst, int dtype, const float *src, float mul, int64_t n) {
+    if (dtype == F32) {
+        float *f = (float *)dst;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) f[i] = src[i] * mul;
+        return;
+    }
+    uint16_t *half = (uint16_t *)dst;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {  /* round to nearest even; values are finite */
+        float x = src[i] * mul;
+        uint32_t bits;
+        memcpy(&bits, &x, sizeof bits);
+        half[i] = (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    }
+}
+
+/* One row: every query head against every key of its context. A token's keys (all kv heads)
+ * are one contiguous run of the page, read in order: reading one kv head's keys at the token
+ * stride instead left every load waiting on memory (the prefetchers stop at each 4 KiB). */
+/* Token t's row of the next page into the cache while token t of this one is computed: the
+ * pages lie anywhere in the cache, where the hardware prefetchers do not follow. */
+static inline void prefetch(const char *row, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 1);
+}
+
+static void attend_row(int dtype, const char *q, int64_t esize, const char *k_cache,
+                       const char *v_cache, const int32_t *table, int32_t len, char *out,
+                       int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t page_size,
+                       float scale, float *qf, float *scores, float *acc, float *tmp) {
+    const int64_t d = head_dim, group = heads / kv_heads, token_stride = kv_heads * d;
+    const int64_t page_stride = page_size * token_stride;
+    const float *src = as_f32(q, dtype, tmp, heads * d);
+    for (int64_t i = 0; i < heads * d; i++) qf[i] = src[i] * scale;
+    /* No division in the loops: tokens by page, query heads by kv head (a div costs 25-40
+     * cycles; per token and head they were most of the time). */
+    for (int32_t start = 0; start < len; start += page_size) {  /* scores[head, t] */
+        const char *page = k_cache + (int64_t)table[start / page_size] * page_stride * esize;
+        const int32_t end = start + page_size < len ? start + page_size : len;
+        const char *next = end < len ? k_cache + (int64_t)table[start / page_size + 1] * page_stride * esize : NULL;
+        for (int32_t t = start; t < end; t++) {
+            if (next) prefetch(next + (t - start) * token_stride * esize, token_stride * esize);
+            const float *keys = as_f32(page + (t - start) * token_stride * esize, dtype, tmp,
+                                       token_stride);
+            for (int64_t h = 0, kv = 0; kv < kv_heads; kv++) {
+                for (int64_t j = 0; j < group; j++, h++) {
+                    const float *key = keys + kv * d, *query = qf + h * d;
+                    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+                    for (int64_t i = 0; i < d; i++) s += query[i] * key[i];
+                    scores[h * len + t] = s;
+                }
+            }
+        }
+    }
+    for (int64_t h = 0; h < heads; h++) {  /* softmax numerators; the sum divides at the end */
+        float *row = scores + h * len, top = row[0], sum = 0.f;
+        for (int32_t t = 1; t < len; t++) top = row[t] > top ? row[t] : top;
+#pragma omp simd reduction(+ : sum)
+        for (int32_t t = 0; t < len; t++) {
+            row[t] = expf(row[t] - top);
+            sum += row[t];
+        }
+        qf[h] = 1.f / sum;  /* the queries are spent: qf keeps each head's 1 / sum */
+    }
+    memset(acc, 0, (size_t)(heads * d) * sizeof(float));
+    for (int32_t start = 0; start < len; start += page_size) {
+        const char *page = v_cache + (int64_t)table[start / page_size] * page_stride * esize;
+        const int32_t end = start + page_size < len ? start + page_size : len;
+        const char *next = end < len ? v_cache + (int64_t)table[start / page_size + 1] * page_stride * esize : NULL;
+        for (int32_t t = start; t < end; t++) {
+            if (next) prefetch(next + (t - start) * token_stride * esize, token_stride * esize);
+            const float *values = as_f32(page + (t - start) * token_stride * esize, dtype, tmp,
+                                         token_stride);
+            for (int64_t h = 0, kv = 0; kv < kv_heads; kv++) {
+                for (int64_t j = 0; j < group; j++, h++) {
+                    const float p = scores[h * len + t], *value = values + kv * d;
+                    float *a = acc + h * d;
+#pragma omp simd
+                    for (int64_t i = 0; i < d; i++) a[i] += p * value[i];
+                }
+            }
+        }
+    }
+    for (int64_t h = 0; h < heads; h++) store(out + h * d * esize, dtype, acc + h * d, qf[h], d);
+}
+
+int paged_decode_attention(int dtype, const void *q, int64_t q_row_stride, const void *k_cache,
+                           const void *v_cache, const int32_t *tables, int64_t table_stride,
+                           const int32_t *lens, void *out, int64_t rows, int64_t heads,
+                           int64_t kv_heads, int64_t head_dim, int64_t page_size, float scale,
+                           int threads) {
+    const int64_t esize = dtype == F32 ? 4 : 2, d = head_dim;
+    int32_t max_len = 1;
+    for (int64_t r = 0; r < rows; r++) max_len = lens[r] > max_len ? lens[r] : max_len;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        /* per thread: scaled queries, scores, accumulators, a conversion buffer */
+        const int64_t qd = heads * d, width = (heads > kv_heads ? heads : kv_heads) * d;
+        float *work = malloc(sizeof(float) * (size_t)(2 * qd + heads * (int64_t)max_len + width));
+        if (work == NULL) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < rows; r++) {
+            if (work == NULL) continue;
+            attend_row(dtype, (const char *)q + r * q_row_stride * esize, esize, k_cache, v_cache,
+                       tables + r * table_stride, lens[r], (char *)out + r * qd * esize, heads,
+                       kv_heads, d, page_size, scale, work, work + qd, work + qd + heads * max_len,
+                       work + 2 * qd + heads * max_len);
+        }
+        free(work);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,96 @@
+"""The cpu backend (decode attention in engine/attention/cpu_decode.c, reading pages in place)
+equals plain attention computed per sequence in float64, and `auto` picks it on the CPU.
+
+The kernel must build here: the CI machines have a C compiler, and a test that quietly fell
+back to torch_ref would check nothing.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from paged_steps import Step, reference
+
+from engine.attention import cpu_kernels, make_backend, resolve_backend
+from engine.attention.cpu_paged import CpuPagedAttention
+from engine.attention.torch_ref import TorchRefAttention
+
+CPU = torch.device("cpu")
+
+
+def backend(page_size: int) -> CpuPagedAttention:
+    lib = cpu_kernels.load()
+    assert lib is not None, "the CPU decode kernel did not build (is a C compiler installed?)"
+    return CpuPagedAttention(0.25, page_size, lib)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(4, 2, 16), (12, 4, 64), (4, 4, 32), (8, 1, 128)]
+)
+def test_decode_rows_of_mixed_lengths_equal_the_reference(
+    heads: int, kv_heads: int, head_dim: int
+) -> None:
+    rng = random.Random(heads * kv_heads)
+    contexts = [1, 2, 16, 17] + [rng.randint(1, 300) for _ in range(20)]
+    step = Step(contexts, [1] * len(contexts), 16, heads, kv_heads, head_dim, seed=heads)
+    out, k_cache, v_cache = step.run(backend(16))
+    torch.testing.assert_close(out, reference(step, k_cache, v_cache), rtol=1e-5, atol=1e-5)
+    groups = step.prepared(backend(16)).decode_groups
+    assert len(groups) == 1 and groups[0].rows is None  # one call, batch order, no mask
+    assert groups[0].mask is None
+
+
+def test_mixed_step_decode_rows_between_prefill_rows() -> None:
+    rng = random.Random(1)
+    contexts = [rng.randint(1, 200) for _ in range(24)]
+    queries = [1] * len(contexts)
+    for i in (0, 7, 20):  # prefill chunks: a fresh prompt, and two over cached prefixes
+        queries[i] = contexts[i] if i == 0 else min(contexts[i], 9)
+    step = Step(contexts, queries, page_size=4, seed=1)
+    out, k_cache, v_cache = step.run(backend(4))
+    torch.testing.assert_close(out, reference(step, k_cache, v_cache), rtol=1e-5, atol=1e-5)
+
+
+def test_page_major_block_tables() -> None:
+    step = Step([30, 5, 64], [1, 1, 1], page_size=8, seed=2, page_major=True)
+    out, k_cache, v_cache = step.run(backend(8))
+    torch.testing.assert_close(out, reference(step, k_cache, v_cache), rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_decode_is_as_close_as_sdpa() -> None:
+    """In bfloat16 the kernel scores and sums in float32 and rounds once, at the output: its
+    error against the float64 reference is no worse than torch_ref's SDPA path's."""
+    rng = random.Random(4)
+    contexts = [rng.randint(1, 300) for _ in range(32)]
+    step = Step(contexts, [1] * len(contexts), page_size=16, head_dim=64, seed=4)
+    for name in ("k_cache", "v_cache", "q", "k", "v"):
+        setattr(step, name, getattr(step, name).bfloat16())
+    out, k_cache, v_cache = step.run(backend(16))
+    expected = reference(step, k_cache, v_cache)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+    ref_out = step.run(TorchRefAttention(0.25, step.page_size))[0]
+    ours, theirs = ((o.float() - expected).abs().mean() for o in (out, ref_out))
+    assert ours <= 1.05 * theirs, (ours, theirs)
+
+
+def test_auto_picks_cpu_for_float32_and_bfloat16_on_the_cpu() -> None:
+    assert resolve_backend("auto", CPU, torch.float32) == "cpu"
+    assert resolve_backend("auto", CPU, torch.bfloat16) == "cpu"
+    assert resolve_backend("auto", CPU, torch.float16) == "torch_ref"
+    assert make_backend("auto", CPU, 0.25, 16, torch.float32).name == "cpu"
+    with pytest.raises(ValueError, match="attention_backend: cpu runs float32 and bfloat16"):
+        make_backend("cpu", CPU, 0.25, 16, torch.float16)
+
+
+def test_without_a_compiler_auto_keeps_torch_ref(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("SLUICE_KERNEL_CACHE", str(tmp_path))
+    cpu_kernels.load.cache_clear()
+    try:
+        assert resolve_backend("auto", CPU, torch.float32) == "torch_ref"
+        with pytest.raises(ValueError, match="attention_backend: cpu needs a C compiler"):
+            resolve_backend("cpu", CPU, torch.float32)
+    finally:
+        cpu_kernels.load.cache_clear()
