@@ -29,3 +29,21 @@ def test_training_linear_is_f_linear_and_has_gradients() -> None:
     assert torch.equal(out, F.linear(x, weight))  # bit for bit: the same op
     out.sum().backward()
     assert weight.grad is not None
+
+
+def test_packed_weights_follow_in_place_updates_through_views() -> None:
+    """On the CPU the weight runs in oneDNN's packed layout, cached beside it: a copy into the
+    weight, or into a view of its rows (as a weight update writes merged projections), must
+    reach the next call."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 64, generator=gen)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 6e-2)):
+        weight = torch.nn.Parameter(torch.randn(48, 64, generator=gen).to(dtype))
+        with torch.inference_mode():
+            before = linear(x.to(dtype), weight, None)
+            torch.testing.assert_close(before, F.linear(x.to(dtype), weight), rtol=tol, atol=tol)
+            weight.detach()[:16].copy_(torch.randn(16, 64, generator=gen).to(dtype))
+            after = linear(x.to(dtype), weight, None)
+            expected = F.linear(x.double(), weight.double()).to(dtype)
+        torch.testing.assert_close(after, expected, rtol=tol, atol=tol)
+        assert not torch.equal(after[:, :16], before[:, :16])
