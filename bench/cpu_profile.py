@@ -105,6 +105,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=2048,
         kv_cache_memory=2**30,
         compile=args.compile,
+        enable_prefix_cache=False,  # the profiled run repeats the timed one's prompts
     )
     engine = LLMEngine(config)
     workload = make_workload(engine.info.vocab_size, args.scale, args.num_requests, temperature=0.0)

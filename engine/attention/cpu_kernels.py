@@ -1,83 +1,32 @@
-"""The CPU decode-attention kernel (cpu_decode.c): built with the system's C compiler on first
-use, cached, loaded with ctypes.
+"""The CPU decode-attention kernel (cpu_decode.c), built and loaded by engine/layers/native.py.
 
 torch has no paged attention on the CPU: the reference backend gathers each row's pages and
 runs SDPA, whose kernel with one query row is far from the memory bandwidth that decode
-attention is bound by. This kernel reads the pages in place. It is plain C with no torch
-headers, so it builds in about a second; the shared library is cached under
-`$SLUICE_KERNEL_CACHE` (default `~/.cache/sluice/kernels`), keyed by the source, the compiler
-and this CPU's flags (`-march=native`). Without a compiler (or if the build fails) `load()`
-returns None and the engine keeps the reference path.
+attention is bound by. This kernel reads the pages in place.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from engine.layers import native
+from engine.layers.native import DTYPES
+
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffast-math"]
-FLAGS += ["-fno-strict-aliasing", "-fPIC"]
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's dtype codes
 
 
-def cache_dir() -> Path:
-    default = Path.home() / ".cache" / "sluice" / "kernels"
-    return Path(os.environ.get("SLUICE_KERNEL_CACHE", default))
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def _build(compiler: str, target: Path) -> None:
-    """Compile, then link without -ffast-math (which would set flush-to-zero process-wide)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
-        subprocess.run([compiler, *FLAGS, "-c", str(SOURCE), "-o", str(obj)], check=True)
-        subprocess.run(
-            [compiler, "-shared", "-fopenmp", str(obj), "-o", str(lib), "-lm"], check=True
-        )
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(lib, target)  # atomic: concurrent builders each install a whole library
-
-
-@functools.cache
 def load() -> ctypes.CDLL | None:
-    """The built kernel library, or None when it cannot be built here."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        return None
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_flags()]).encode()
-    ).hexdigest()[:16]
-    target = cache_dir() / f"cpu_decode-{key}.so"
-    try:
-        if not target.exists():
-            _build(compiler, target)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    fn = lib.paged_decode_attention
-    fn.restype = ctypes.c_int
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr]  # dtype .. out
-    fn.argtypes += [i64] * 5 + [ctypes.c_float, ctypes.c_int]  # rows .. page_size, scale, threads
+    """The kernel library with its signature declared, or None when it cannot be built here."""
+    lib = native.load(SOURCE)
+    if lib is not None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn = lib.paged_decode_attention
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr]  # dtype .. out
+        fn.argtypes += [i64] * 5 + [ctypes.c_float, ctypes.c_int]  # rows .. page_size, ...
     return lib
 
 

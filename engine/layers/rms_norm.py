@@ -3,7 +3,7 @@
 `norm(x)` normalises x; `norm(x, residual)` adds x to the residual stream first and returns
 (normalised sum, new residual stream). A decoder layer's two norms take the add of the
 sublayer before them, and the model's final norm the last layer's add, so each norm and its
-add are one kernel on the Triton path.
+add are one kernel on the Triton path, and one C call on the CPU (engine/layers/cpu_ops.py).
 
 Numerics are transformers': the add in the model dtype, the normalisation in float32, the
 result cast back to the model dtype and then multiplied by the weight in the model dtype.
@@ -15,6 +15,8 @@ from typing import overload
 
 import torch
 from torch import nn
+
+from engine.layers import cpu_ops
 
 
 def rms_norm_ref(
@@ -52,6 +54,8 @@ class RMSNorm(nn.Module):
             from engine.layers.rms_norm_kernel import rms_norm
 
             out, stream = rms_norm(x, self.weight, self.eps, residual)
+        elif cpu_ops.usable(x) and self.weight.dtype == x.dtype:
+            out, stream = cpu_ops.rms_norm(x, self.weight, self.eps, residual)
         else:
             out, stream = rms_norm_ref(x, self.weight, self.eps, residual)
         return out if residual is None else (out, stream)

@@ -1,4 +1,5 @@
-"""The MLP's activation: SiLU of the gate times the up projection, one kernel on Triton.
+"""The MLP's activation: SiLU of the gate times the up projection, one kernel on Triton (one C
+call on the CPU: engine/layers/cpu_ops.py).
 
 The gate and up halves are usually the two column halves of one gate/up projection's output
 ([tokens, 2 * inter], gate first): strided views, read in place. As transformers: SiLU in the
@@ -10,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.layers import cpu_ops
 
 
 def silu_and_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -27,4 +30,6 @@ class SiluAndMul(nn.Module):
             from engine.layers.silu_and_mul_kernel import silu_and_mul
 
             return silu_and_mul(gate, up)
+        if cpu_ops.usable(gate):
+            return cpu_ops.silu_and_mul(gate, up)
         return silu_and_mul_ref(gate, up)

@@ -16,6 +16,7 @@ from paged_steps import Step, reference
 from engine.attention import cpu_kernels, make_backend, resolve_backend
 from engine.attention.cpu_paged import CpuPagedAttention
 from engine.attention.torch_ref import TorchRefAttention
+from engine.layers import native
 
 CPU = torch.device("cpu")
 
@@ -87,10 +88,10 @@ def test_auto_picks_cpu_for_float32_and_bfloat16_on_the_cpu() -> None:
 def test_without_a_compiler_auto_keeps_torch_ref(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("SLUICE_KERNEL_CACHE", str(tmp_path))
-    cpu_kernels.load.cache_clear()
+    native.load.cache_clear()
     try:
         assert resolve_backend("auto", CPU, torch.float32) == "torch_ref"
         with pytest.raises(ValueError, match="attention_backend: cpu needs a C compiler"):
             resolve_backend("cpu", CPU, torch.float32)
     finally:
-        cpu_kernels.load.cache_clear()
+        native.load.cache_clear()

@@ -1,0 +1,104 @@
+/* A decode layer's norms and activation on the CPU, each one pass over its rows: RMSNorm with
+ * the residual add before it, and SiLU(gate) * up. float32 or bfloat16 tensors, float32
+ * arithmetic, rounded to the tensor dtype where transformers' torch code rounds (so that
+ * bfloat16 results match it to the last bit but for the order of the variance's sum).
+ *
+ * Built and loaded by engine/layers/native.py; wrapped by engine/layers/cpu_ops.py, which says
+ * the layouts: row-major rows `stride` elements apart, the last dim contiguous.
+ */
+#include <math.h>
+#include <stdint.h>
+
+enum { F32 = 0, BF16 = 1 };
+
+static inline float load(const void *p, int dtype, int64_t i) {
+    if (dtype == F32) return ((const float *)p)[i];
+    union { uint32_t u; float f; } v = {.u = (uint32_t)((const uint16_t *)p)[i] << 16};
+    return v.f;
+}
+
+static inline float round_to(int dtype, float x) {  /* x as the dtype would hold it */
+    if (dtype == F32) return x;
+    union { uint32_t u; float f; } v = {.f = x};
+    v.u = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) & 0xffff0000u;  /* nearest even; x finite */
+    return v.f;
+}
+
+static inline void put(void *p, int dtype, int64_t i, float x) {
+    if (dtype == F32) {
+        ((float *)p)[i] = x;
+        return;
+    }
+    union { uint32_t u; float f; } v = {.f = round_to(BF16, x)};
+    ((uint16_t *)p)[i] = (uint16_t)(v.u >> 16);
+}
+
+/* out = weight * rms_normalise(x + residual); stream = x + residual (with `add`; without it
+ * residual and stream are not read or written). The sum is rounded to the dtype before it is normalised, the
+ * normalised value before the weight multiplies it, as transformers does. */
+static inline __attribute__((always_inline)) void rms_norm_rows(
+    int dtype, int add, const void *x, int64_t x_stride, const void *residual,
+    int64_t r_stride, const void *weight, void *out, void *stream, int64_t rows, int64_t dim,
+    float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t xo = r * x_stride, ro = r * r_stride, oo = r * dim;
+        float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+        for (int64_t i = 0; i < dim; i++) {
+            float v = load(x, dtype, xo + i);
+            if (add) v = round_to(dtype, v + load(residual, dtype, ro + i));
+            sq += v * v;
+        }
+        const float inv = 1.f / sqrtf(sq / (float)dim + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) {
+            float v = load(x, dtype, xo + i);
+            if (add) {
+                v = round_to(dtype, v + load(residual, dtype, ro + i));
+                put(stream, dtype, oo + i, v);
+            }
+            put(out, dtype, oo + i, load(weight, dtype, i) * round_to(dtype, v * inv));
+        }
+    }
+}
+
+void rms_norm(int dtype, const void *x, int64_t x_stride, const void *residual,
+              int64_t r_stride, const void *weight, void *out, void *stream, int64_t rows,
+              int64_t dim, float eps, int threads) {
+/* constant dtype and add: the inner loops unroll and vectorise, with no branch in them */
+#define NORM(DTYPE, ADD)                                                                     \
+    rms_norm_rows(DTYPE, ADD, x, x_stride, residual, r_stride, weight, out, stream, rows,    \
+                  dim, eps, threads)
+    if (dtype == F32 && residual) NORM(F32, 1);
+    else if (dtype == F32) NORM(F32, 0);
+    else if (residual) NORM(BF16, 1);
+    else NORM(BF16, 0);
+#undef NORM
+}
+
+/* out = silu(gate) * up, silu rounded to the dtype before the product (torch's F.silu);
+ * where exp(-gate) overflows float32, silu is -0 as torch's is (-ffast-math assumes finite
+ * values, so the overflow is not left to the division). */
+static inline __attribute__((always_inline)) void silu_and_mul_rows(
+    int dtype, const void *gate, const void *up, int64_t stride, void *out, int64_t rows,
+    int64_t dim, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t io = r * stride, oo = r * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) {
+            const float g = load(gate, dtype, io + i);
+            const float silu = -g > 88.f ? -0.f : round_to(dtype, g / (1.f + expf(-g)));
+            put(out, dtype, oo + i, silu * load(up, dtype, io + i));
+        }
+    }
+}
+
+void silu_and_mul(int dtype, const void *gate, const void *up, int64_t stride, void *out,
+                  int64_t rows, int64_t dim, int threads) {
+    if (dtype == F32)
+        silu_and_mul_rows(F32, gate, up, stride, out, rows, dim, threads);
+    else
+        silu_and_mul_rows(BF16, gate, up, stride, out, rows, dim, threads);
+}
