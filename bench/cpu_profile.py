@@ -5,9 +5,9 @@ self time credited to an op class by the engine region it ran in.
     python -m bench.cpu_profile --shape llama-75m --num-requests 16 --scale 0.1 --dtype bfloat16
 
 Regions are marked by wrapping a few engine methods in `record_function` (this process only):
-the model forward, the attention backend (and its rotary, gather and SDPA parts, and the cpu
-backend's C decode kernel, whose region's own time is the kernel's), the LM head and the
-sampler. "host" is the wall time no op accounts for: Python in the scheduler, the
+the model forward, the attention backend (and its rotary, gather and SDPA parts), the C
+kernels of the CPU paths (a region's own time is its kernel's: ctypes calls are not ops), the
+LM head and the sampler. "host" is the wall time no op accounts for: Python in the scheduler, the
 runner's step preparation and the layers' own dispatch. The profiler's own overhead lands in
 both op time and host time, so read shares, not absolute times.
 """
@@ -32,7 +32,12 @@ LINEAR_OPS = {
 }
 
 
-DECODE_KERNEL = "attention: decode kernel (C)"
+# Regions around C calls (ctypes, not ops): each region's own time is its kernel's.
+C_REGIONS = {
+    "#decode_kernel": "attention: decode kernel (C)",
+    "#rotary_store": "rotary and KV write (C)",
+    "#cpu_ops": "norms / activation (C)",
+}
 
 
 def _label(cls: Any, method: str, name: str) -> None:
@@ -51,6 +56,7 @@ def _label(cls: Any, method: str, name: str) -> None:
 def mark_regions() -> None:
     from engine.attention.cpu_paged import CpuPagedAttention
     from engine.attention.torch_ref import TorchRefAttention
+    from engine.layers import cpu_ops
     from engine.models.llama import LlamaForCausalLM
     from engine.models.rope import RotaryEmbedding
     from engine.sampling.sampler import Sampler
@@ -60,6 +66,9 @@ def mark_regions() -> None:
     _label(TorchRefAttention, "forward", "#attention")
     _label(TorchRefAttention, "_sdpa", "#sdpa")
     _label(CpuPagedAttention, "_decode", "#decode_kernel")
+    _label(CpuPagedAttention, "_rotate_and_store", "#rotary_store")
+    _label(cpu_ops, "rms_norm", "#cpu_ops")
+    _label(cpu_ops, "silu_and_mul", "#cpu_ops")
     _label(RotaryEmbedding, "forward", "#rotary")
     _label(Sampler, "__call__", "#sampling")
 
@@ -73,8 +82,8 @@ def classify(name: str, regions: list[str]) -> str:
         return "lm head (linear)"
     if inner == "#sdpa":
         return "attention: SDPA"
-    if inner == "#decode_kernel":
-        return DECODE_KERNEL
+    if inner in C_REGIONS:
+        return C_REGIONS[inner]
     if inner == "#rotary":
         return "rotary"
     if inner == "#attention":
@@ -124,8 +133,8 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     shares: dict[str, float] = defaultdict(float)
     ops: dict[tuple[str, str], float] = defaultdict(float)
     for event in prof.events():
-        if event.name == "#decode_kernel":  # a ctypes call, not an op: the region's own time
-            shares[DECODE_KERNEL] += event.self_cpu_time_total / 1e6
+        if event.name in C_REGIONS:
+            shares[C_REGIONS[event.name]] += event.self_cpu_time_total / 1e6
             continue
         if event.name.startswith("#") or event.name.startswith("ProfilerStep"):
             continue

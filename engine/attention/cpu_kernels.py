@@ -1,4 +1,4 @@
-"""The CPU decode-attention kernel (cpu_decode.c), built and loaded by engine/layers/native.py.
+"""The CPU decode-attention kernel (cpu_attention.c), built and loaded by engine/layers/native.py.
 
 torch has no paged attention on the CPU: the reference backend gathers each row's pages and
 runs SDPA, whose kernel with one query row is far from the memory bandwidth that decode
@@ -15,7 +15,7 @@ import torch
 from engine.layers import native
 from engine.layers.native import DTYPES
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
+SOURCE = Path(__file__).with_name("cpu_attention.c")
 
 
 def load() -> ctypes.CDLL | None:
@@ -27,6 +27,9 @@ def load() -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr]  # dtype .. out
         fn.argtypes += [i64] * 5 + [ctypes.c_float, ctypes.c_int]  # rows .. page_size, ...
+        lib.rotary_store.restype = None
+        lib.rotary_store.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr, i64]  # .. v_stride
+        lib.rotary_store.argtypes += [ptr] * 8 + [i64] * 4 + [ctypes.c_int]  # positions ..
     return lib
 
 
@@ -70,3 +73,48 @@ def decode_attention(
     if status != 0:
         raise MemoryError("cpu decode attention: out of memory for its work buffers")
     return out
+
+
+def rotary_store(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,  # [tokens, heads, head_dim]
+    k: torch.Tensor,  # [tokens, kv_heads, head_dim]
+    v: torch.Tensor,
+    positions: torch.Tensor,  # [tokens] int64
+    cos: torch.Tensor,  # [max positions, head_dim] float32
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # [pages, page_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,  # [tokens] int64
+) -> tuple[torch.Tensor, torch.Tensor]:  # q and k rotated, contiguous
+    tokens, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    q, k, v = (
+        t if t.stride(2) == 1 and t.stride(1) == head_dim else t.contiguous() for t in (q, k, v)
+    )
+    assert q.dtype == k.dtype == v.dtype == k_cache.dtype and cos.dtype == torch.float32
+    assert positions.dtype == slots.dtype == torch.int64 and cos.is_contiguous()
+    q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
+    lib.rotary_store(
+        DTYPES[q.dtype],
+        q.data_ptr(),
+        q.stride(0),
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        positions.contiguous().data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        q_out.data_ptr(),
+        k_out.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots.contiguous().data_ptr(),
+        tokens,
+        heads,
+        kv_heads,
+        head_dim,
+        torch.get_num_threads(),
+    )
+    return q_out, k_out

@@ -1,5 +1,5 @@
-"""The CPU backend: torch_ref, except that decode rows run cpu_decode.c, reading the KV pages in
-place.
+"""The CPU backend: torch_ref, except that decode rows run cpu_attention.c, reading the KV pages in
+place, and that the rotary embedding and the KV write are one C call too.
 
 torch_ref gathers every decode row's pages into a new tensor, once per layer, and runs SDPA on
 the copy, padded to the longest context of its group; with one query row SDPA's CPU kernel is
@@ -12,12 +12,16 @@ and fast there. float32 and bfloat16 only (`make_backend` picks torch_ref for ot
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.attention.cpu_kernels import decode_attention
+from engine.attention.cpu_kernels import decode_attention, rotary_store
 from engine.attention.metadata import DecodeGroup
 from engine.attention.torch_ref import TorchRefAttention
+
+if TYPE_CHECKING:
+    from engine.models.rope import RotaryEmbedding
 
 
 class CpuPagedAttention(TorchRefAttention):
@@ -34,6 +38,21 @@ class CpuPagedAttention(TorchRefAttention):
         self, rows: torch.Tensor | None, tables: torch.Tensor, lens: torch.Tensor, pages: int
     ) -> DecodeGroup:
         return DecodeGroup(rows, tables, lens.to(torch.int32), mask=None)
+
+    def _rotate_and_store(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        slots: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        k_cache, v_cache = cache
+        return rotary_store(
+            self.lib, q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache, slots
+        )
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup

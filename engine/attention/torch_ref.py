@@ -109,14 +109,13 @@ class TorchRefAttention:
         cache: tuple[torch.Tensor, torch.Tensor] | None,  # [pages, page_size, kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [tokens, heads, head_dim]
-        q, k = rotary(positions, q, k)
         if cache is None:
+            q, k = rotary(positions, q, k)
             return self._dense(q, k, v, meta)
         k_cache, v_cache = cache
         assert meta.slot_mapping is not None and meta.block_tables is not None
         kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        q, k = self._rotate_and_store(q, k, v, positions, rotary, cache, meta.slot_mapping)
         groups = meta.decode_groups
         if len(groups) == 1 and groups[0].rows is None:
             return self._decode(q, k_cache, v_cache, groups[0])
@@ -135,6 +134,22 @@ class TorchRefAttention:
             values = v_cache.index_select(0, table).view(-1, kv_heads, head_dim)[:ctx_len]
             out[start:end] = self._causal(q[start:end], keys, values)
         return out
+
+    def _rotate_and_store(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        slots: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated at their positions; k and v written into the cache at `slots`."""
+        q, k = rotary(positions, q, k)
+        for new, layer_cache in zip((k, v), cache, strict=True):
+            layer_cache.view(-1, *new.shape[1:]).index_copy_(0, slots, new)
+        return q, k
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup

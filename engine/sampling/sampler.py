@@ -142,6 +142,8 @@ class Sampler:
             banned = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=logits.device)
             banned = banned.scatter_(1, batch.suppress_ids, True)[:, :vocab]
             logits = logits.masked_fill(banned, float("-inf"))
+        if batch.all_greedy:  # every temperature counts as 1: the division would be a copy
+            return logits
         temperature = batch.column("temperature")
         return logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
 

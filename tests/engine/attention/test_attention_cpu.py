@@ -1,4 +1,4 @@
-"""The cpu backend (decode attention in engine/attention/cpu_decode.c, reading pages in place)
+"""The cpu backend (decode attention in engine/attention/cpu_attention.c, reading pages in place)
 equals plain attention computed per sequence in float64, and `auto` picks it on the CPU.
 
 The kernel must build here: the CI machines have a C compiler, and a test that quietly fell
@@ -95,3 +95,20 @@ def test_without_a_compiler_auto_keeps_torch_ref(monkeypatch: pytest.MonkeyPatch
             resolve_backend("cpu", CPU, torch.float32)
     finally:
         native.load.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keys_and_values_land_in_the_cache_as_torch_ref_writes_them(dtype: torch.dtype) -> None:
+    """The rotary embedding and the KV write are one C call: the cache afterwards equals
+    torch_ref's (bfloat16 to the bit; float32 to rounding, the kernel may fuse a multiply-add)."""
+    step = Step([5, 20, 33], [5, 3, 1], page_size=4, heads=8, kv_heads=2, head_dim=32, seed=5)
+    for name in ("k_cache", "v_cache", "q", "k", "v"):
+        setattr(step, name, getattr(step, name).to(dtype))
+    _, k_cache, v_cache = step.run(backend(4))
+    _, want_k, want_v = step.run(TorchRefAttention(0.25, 4))
+    assert torch.equal(v_cache, want_v)
+    if dtype == torch.bfloat16:
+        assert torch.equal(k_cache, want_k)
+    else:
+        torch.testing.assert_close(k_cache, want_k, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(k_cache, step.k_cache)  # written

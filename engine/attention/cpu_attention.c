@@ -161,3 +161,93 @@ int paged_decode_attention(int dtype, const void *q, int64_t q_row_stride, const
     }
     return failed ? -1 : 0;
 }
+
+/* Rotary embedding of q and k at each token's position, then k and v into the cache at the
+ * token's slot: torch_ref's rotary (engine/models/rope.py) and two index_copy_ calls, in one
+ * pass. The cos/sin tables are float32 [positions, head_dim] and, as transformers does, cast to
+ * the tensors' dtype first; x * cos and rotate_half(x) * sin are each rounded to the dtype,
+ * then their sum.
+ *   q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim]: rows *_row_stride
+ *   elements apart, heads contiguous; q_out, k_out contiguous; slots int64 cache slots
+ *   (page * page_size + offset) in caches of [slots, kv_heads, head_dim]. */
+static inline float bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float as_dtype(int dtype, float x) {  /* x rounded to the dtype, as float */
+    if (dtype == F32) return x;
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return bits_f32((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
+}
+
+static inline float load_at(const char *base, int dtype, int64_t i) {
+    if (dtype == F32) return ((const float *)base)[i];
+    return bits_f32((uint32_t)((const uint16_t *)base)[i] << 16);
+}
+
+static inline void store_at(char *base, int dtype, int64_t i, float x) {
+    if (dtype == F32) {
+        ((float *)base)[i] = x;
+        return;
+    }
+    uint32_t u;
+    x = as_dtype(BF16, x);
+    memcpy(&u, &x, sizeof u);
+    ((uint16_t *)base)[i] = (uint16_t)(u >> 16);
+}
+
+static inline __attribute__((always_inline)) void rotate_heads(
+    int dtype, const char *x, int64_t n_heads, int64_t d, const float *cos, const float *sin,
+    char *out, char *cache_row) {
+    const int64_t half = d / 2, esize = dtype == F32 ? 4 : 2;
+    for (int64_t h = 0; h < n_heads; h++) {
+        const char *xh = x + h * d * esize;
+        char *oh = out + h * d * esize;
+#pragma omp simd
+        for (int64_t i = 0; i < d; i++) {
+            const float rot = i < half ? -load_at(xh, dtype, i + half) : load_at(xh, dtype, i - half);
+            const float a = as_dtype(dtype, load_at(xh, dtype, i) * as_dtype(dtype, cos[i]));
+            const float b = as_dtype(dtype, rot * as_dtype(dtype, sin[i]));
+            store_at(oh, dtype, i, a + b);
+        }
+        if (cache_row) memcpy(cache_row + h * d * esize, oh, (size_t)(d * esize));
+    }
+}
+
+static inline __attribute__((always_inline)) void rotary_store_rows(
+    int dtype, const char *q, int64_t q_stride, const char *k, int64_t k_stride, const char *v,
+    int64_t v_stride, const int64_t *positions, const float *cos, const float *sin, char *q_out,
+    char *k_out, char *k_cache, char *v_cache, const int64_t *slots, int64_t tokens,
+    int64_t heads, int64_t kv_heads, int64_t d, int threads) {
+    const int64_t esize = dtype == F32 ? 4 : 2, kv_row = kv_heads * d * esize;
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens > 1)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos + positions[t] * d, *s = sin + positions[t] * d;
+        rotate_heads(dtype, q + t * q_stride * esize, heads, d, c, s, q_out + t * heads * d * esize,
+                     NULL);
+        rotate_heads(dtype, k + t * k_stride * esize, kv_heads, d, c, s, k_out + t * kv_row,
+                     k_cache + slots[t] * kv_row);
+        memcpy(v_cache + slots[t] * kv_row, v + t * v_stride * esize, (size_t)kv_row);
+    }
+}
+
+void rotary_store(int dtype, const void *q, int64_t q_stride, const void *k, int64_t k_stride,
+                  const void *v, int64_t v_stride, const int64_t *positions, const float *cos,
+                  const float *sin, void *q_out, void *k_out, void *k_cache, void *v_cache,
+                  const int64_t *slots, int64_t tokens, int64_t heads, int64_t kv_heads,
+                  int64_t head_dim, int threads) {
+#define ROTATE(DTYPE, D)                                                                     \
+    rotary_store_rows(DTYPE, q, q_stride, k, k_stride, v, v_stride, positions, cos, sin,     \
+                      q_out, k_out, k_cache, v_cache, slots, tokens, heads, kv_heads, D,     \
+                      threads)
+    if (dtype == F32 && head_dim == 64) ROTATE(F32, 64);
+    else if (dtype == F32 && head_dim == 128) ROTATE(F32, 128);
+    else if (dtype == F32) ROTATE(F32, head_dim);
+    else if (head_dim == 64) ROTATE(BF16, 64);
+    else if (head_dim == 128) ROTATE(BF16, 128);
+    else ROTATE(BF16, head_dim);
+#undef ROTATE
+}
