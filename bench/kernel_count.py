@@ -120,7 +120,10 @@ def _tensors(tree: Any) -> list[Any]:
     import torch
     from torch.utils._pytree import tree_leaves
 
-    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    # Strided tensors only: a weight in oneDNN's packed layout (CPU linear) has no storage.
+    return [
+        t for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and t.layout == torch.strided
+    ]
 
 
 def model_config(shape: str, layers: int) -> Any:
