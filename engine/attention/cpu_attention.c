@@ -1,7 +1,7 @@
 /* Paged decode attention on the CPU: one query token per row, its keys and values read from the
  * KV cache's pages where they lie (no gather), float32 or bfloat16 cache, float32 arithmetic.
  *
- * Built and loaded by engine/attention/cpu_kernels.py (gcc -O3 -march=native -fopenmp
+ * Built by engine/layers/native.py, loaded by engine/attention/cpu_kernels.py (gcc -O3 -march=native -fopenmp
  * -ffast-math, linked without -ffast-math so that loading it leaves the process's floating-point
  * mode alone). OpenMP is the runtime torch already loaded (same soname), so the threads are
  * torch's.
@@ -22,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { F32 = 0, BF16 = 1 };
+#include "../layers/cpu_dtypes.h"
 
 /* element i of a float32 or bfloat16 vector, as float32 (bf16 is float32's upper half) */
 static inline const float *as_f32(const void *src, int dtype, float *tmp, int64_t n) {
@@ -35,36 +35,23 @@ static inline const float *as_f32(const void *src, int dtype, float *tmp, int64_
 }
 
 static inline void store(void *dst, int dtype, const float *src, float mul, int64_t n) {
-    if (dtype == F32) {
-        float *f = (float *)dst;
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) f[i] = src[i] * mul;
-        return;
-    }
-    uint16_t *half = (uint16_t *)dst;
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++) {  /* round to nearest even; values are finite */
-        float x = src[i] * mul;
-        uint32_t bits;
-        memcpy(&bits, &x, sizeof bits);
-        half[i] = (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-    }
+    for (int64_t i = 0; i < n; i++) put(dst, dtype, i, src[i] * mul);
 }
 
-/* One row: every query head against every key of its context. A token's keys (all kv heads)
- * are one contiguous run of the page, read in order: reading one kv head's keys at the token
- * stride instead left every load waiting on memory (the prefetchers stop at each 4 KiB). */
 /* Token t's row of the next page into the cache while token t of this one is computed: the
  * pages lie anywhere in the cache, where the hardware prefetchers do not follow. */
 static inline void prefetch(const char *row, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 1);
 }
 
+/* One row: every query head against every key of its context. A token's keys (all kv heads)
+ * are one contiguous run of the page, read in order: reading one kv head's keys at the token
+ * stride instead left every load waiting on memory (the prefetchers stop at each 4 KiB). */
 static inline __attribute__((always_inline)) void attend_row(
-    int dtype, const char *q, const char *k_cache,
-                       const char *v_cache, const int32_t *table, int32_t len, char *out,
-                       int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t page_size,
-                       float scale, float *qf, float *scores, float *acc, float *tmp) {
+    int dtype, const char *q, const char *k_cache, const char *v_cache, const int32_t *table,
+    int32_t len, char *out, int64_t heads, int64_t kv_heads, int64_t head_dim,
+    int64_t page_size, float scale, float *qf, float *scores, float *acc, float *tmp) {
     const int64_t esize = dtype == F32 ? 4 : 2, d = head_dim, group = heads / kv_heads;
     const int64_t token_stride = kv_heads * d;
     const int64_t page_stride = page_size * token_stride;
@@ -75,7 +62,8 @@ static inline __attribute__((always_inline)) void attend_row(
     for (int32_t start = 0; start < len; start += page_size) {  /* scores[head, t] */
         const char *page = k_cache + (int64_t)table[start / page_size] * page_stride * esize;
         const int32_t end = start + page_size < len ? start + page_size : len;
-        const char *next = end < len ? k_cache + (int64_t)table[start / page_size + 1] * page_stride * esize : NULL;
+        const char *next =
+            end < len ? k_cache + (int64_t)table[start / page_size + 1] * page_stride * esize : NULL;
         for (int32_t t = start; t < end; t++) {
             if (next) prefetch(next + (t - start) * token_stride * esize, token_stride * esize);
             const float *keys = as_f32(page + (t - start) * token_stride * esize, dtype, tmp,
@@ -105,7 +93,8 @@ static inline __attribute__((always_inline)) void attend_row(
     for (int32_t start = 0; start < len; start += page_size) {
         const char *page = v_cache + (int64_t)table[start / page_size] * page_stride * esize;
         const int32_t end = start + page_size < len ? start + page_size : len;
-        const char *next = end < len ? v_cache + (int64_t)table[start / page_size + 1] * page_stride * esize : NULL;
+        const char *next =
+            end < len ? v_cache + (int64_t)table[start / page_size + 1] * page_stride * esize : NULL;
         for (int32_t t = start; t < end; t++) {
             if (next) prefetch(next + (t - start) * token_stride * esize, token_stride * esize);
             const float *values = as_f32(page + (t - start) * token_stride * esize, dtype, tmp,
@@ -170,35 +159,6 @@ int paged_decode_attention(int dtype, const void *q, int64_t q_row_stride, const
  *   q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim]: rows *_row_stride
  *   elements apart, heads contiguous; q_out, k_out contiguous; slots int64 cache slots
  *   (page * page_size + offset) in caches of [slots, kv_heads, head_dim]. */
-static inline float bits_f32(uint32_t u) {
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline float as_dtype(int dtype, float x) {  /* x rounded to the dtype, as float */
-    if (dtype == F32) return x;
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    return bits_f32((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
-}
-
-static inline float load_at(const char *base, int dtype, int64_t i) {
-    if (dtype == F32) return ((const float *)base)[i];
-    return bits_f32((uint32_t)((const uint16_t *)base)[i] << 16);
-}
-
-static inline void store_at(char *base, int dtype, int64_t i, float x) {
-    if (dtype == F32) {
-        ((float *)base)[i] = x;
-        return;
-    }
-    uint32_t u;
-    x = as_dtype(BF16, x);
-    memcpy(&u, &x, sizeof u);
-    ((uint16_t *)base)[i] = (uint16_t)(u >> 16);
-}
-
 static inline __attribute__((always_inline)) void rotate_heads(
     int dtype, const char *x, int64_t n_heads, int64_t d, const float *cos, const float *sin,
     char *out, char *cache_row) {
@@ -208,10 +168,10 @@ static inline __attribute__((always_inline)) void rotate_heads(
         char *oh = out + h * d * esize;
 #pragma omp simd
         for (int64_t i = 0; i < d; i++) {
-            const float rot = i < half ? -load_at(xh, dtype, i + half) : load_at(xh, dtype, i - half);
-            const float a = as_dtype(dtype, load_at(xh, dtype, i) * as_dtype(dtype, cos[i]));
-            const float b = as_dtype(dtype, rot * as_dtype(dtype, sin[i]));
-            store_at(oh, dtype, i, a + b);
+            const float rot = i < half ? -load(xh, dtype, i + half) : load(xh, dtype, i - half);
+            const float a = round_to(dtype, load(xh, dtype, i) * round_to(dtype, cos[i]));
+            const float b = round_to(dtype, rot * round_to(dtype, sin[i]));
+            put(oh, dtype, i, a + b);
         }
         if (cache_row) memcpy(cache_row + h * d * esize, oh, (size_t)(d * esize));
     }
@@ -226,8 +186,8 @@ static inline __attribute__((always_inline)) void rotary_store_rows(
 #pragma omp parallel for num_threads(threads) schedule(static) if (tokens > 1)
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos + positions[t] * d, *s = sin + positions[t] * d;
-        rotate_heads(dtype, q + t * q_stride * esize, heads, d, c, s, q_out + t * heads * d * esize,
-                     NULL);
+        char *q_row = q_out + t * heads * d * esize;
+        rotate_heads(dtype, q + t * q_stride * esize, heads, d, c, s, q_row, NULL);
         rotate_heads(dtype, k + t * k_stride * esize, kv_heads, d, c, s, k_out + t * kv_row,
                      k_cache + slots[t] * kv_row);
         memcpy(v_cache + slots[t] * kv_row, v + t * v_stride * esize, (size_t)kv_row);

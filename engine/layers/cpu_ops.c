@@ -4,34 +4,13 @@
  * bfloat16 results match it to the last bit but for the order of the variance's sum).
  *
  * Built and loaded by engine/layers/native.py; wrapped by engine/layers/cpu_ops.py, which says
- * the layouts: row-major rows `stride` elements apart, the last dim contiguous.
+ * the layouts: row-major rows `stride` elements apart, the last dim contiguous. Element access
+ * and rounding: cpu_dtypes.h.
  */
 #include <math.h>
 #include <stdint.h>
 
-enum { F32 = 0, BF16 = 1 };
-
-static inline float load(const void *p, int dtype, int64_t i) {
-    if (dtype == F32) return ((const float *)p)[i];
-    union { uint32_t u; float f; } v = {.u = (uint32_t)((const uint16_t *)p)[i] << 16};
-    return v.f;
-}
-
-static inline float round_to(int dtype, float x) {  /* x as the dtype would hold it */
-    if (dtype == F32) return x;
-    union { uint32_t u; float f; } v = {.f = x};
-    v.u = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) & 0xffff0000u;  /* nearest even; x finite */
-    return v.f;
-}
-
-static inline void put(void *p, int dtype, int64_t i, float x) {
-    if (dtype == F32) {
-        ((float *)p)[i] = x;
-        return;
-    }
-    union { uint32_t u; float f; } v = {.f = round_to(BF16, x)};
-    ((uint16_t *)p)[i] = (uint16_t)(v.u >> 16);
-}
+#include "cpu_dtypes.h"
 
 /* out = weight * rms_normalise(x + residual); stream = x + residual (with `add`; without it
  * residual and stream are not read or written). The sum is rounded to the dtype before it is normalised, the

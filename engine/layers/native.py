@@ -25,7 +25,8 @@ import torch
 
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffast-math"]
 FLAGS += ["-fno-strict-aliasing", "-fPIC"]
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' dtype codes
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' dtype codes (cpu_dtypes.h)
+HEADERS = Path(__file__).parent  # cpu_dtypes.h, shared by the kernels
 
 
 def cache_dir() -> Path:
@@ -62,8 +63,9 @@ def load(source: Path) -> ctypes.CDLL | None:
     if compiler is None:
         return None
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    headers = [h.read_text() for h in sorted(HEADERS.glob("*.h"))]  # what a source includes
     key = hashlib.sha256(
-        "\0".join([source.read_text(), *FLAGS, version, _cpu_flags()]).encode()
+        "\0".join([source.read_text(), *headers, *FLAGS, version, _cpu_flags()]).encode()
     ).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     try:
