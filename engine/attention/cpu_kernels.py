@@ -1,4 +1,5 @@
-"""The CPU decode-attention kernel (cpu_attention.c), built and loaded by engine/layers/native.py.
+"""The cpu backend's C kernels (cpu_attention.c), built and loaded by engine/layers/native.py:
+paged decode attention, and the rotary embedding with the KV write.
 
 torch has no paged attention on the CPU: the reference backend gathers each row's pages and
 runs SDPA, whose kernel with one query row is far from the memory bandwidth that decode

@@ -17,27 +17,36 @@
  * normalised value before the weight multiplies it, as transformers does. */
 static inline __attribute__((always_inline)) void rms_norm_rows(
     int dtype, int add, const void *x, int64_t x_stride, const void *residual,
-    int64_t r_stride, const void *weight, void *out, void *stream, int64_t rows, int64_t dim,
-    float eps, int threads) {
+    int64_t r_stride, const void *weight, void *restrict out, void *stream, int64_t rows,
+    int64_t dim, float eps, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t xo = r * x_stride, ro = r * r_stride, oo = r * dim;
+        const void *src = x;  /* the values to normalise: x, or the stream x + residual */
+        int64_t so = xo;
         float sq = 0.f;
+        if (add) {
 #pragma omp simd reduction(+ : sq)
-        for (int64_t i = 0; i < dim; i++) {
-            float v = load(x, dtype, xo + i);
-            if (add) v = round_to(dtype, v + load(residual, dtype, ro + i));
-            sq += v * v;
+            for (int64_t i = 0; i < dim; i++) {
+                const float v =
+                    round_to(dtype, load(x, dtype, xo + i) + load(residual, dtype, ro + i));
+                put(stream, dtype, oo + i, v);
+                sq += v * v;
+            }
+            src = stream;
+            so = oo;
+        } else {
+#pragma omp simd reduction(+ : sq)
+            for (int64_t i = 0; i < dim; i++) {
+                const float v = load(x, dtype, xo + i);
+                sq += v * v;
+            }
         }
         const float inv = 1.f / sqrtf(sq / (float)dim + eps);
 #pragma omp simd
         for (int64_t i = 0; i < dim; i++) {
-            float v = load(x, dtype, xo + i);
-            if (add) {
-                v = round_to(dtype, v + load(residual, dtype, ro + i));
-                put(stream, dtype, oo + i, v);
-            }
-            put(out, dtype, oo + i, load(weight, dtype, i) * round_to(dtype, v * inv));
+            const float normalised = round_to(dtype, load(src, dtype, so + i) * inv);
+            put(out, dtype, oo + i, load(weight, dtype, i) * normalised);
         }
     }
 }
