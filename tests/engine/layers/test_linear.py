@@ -47,3 +47,23 @@ def test_packed_weights_follow_in_place_updates_through_views() -> None:
             expected = F.linear(x.double(), weight.double()).to(dtype)
         torch.testing.assert_close(after, expected, rtol=tol, atol=tol)
         assert not torch.equal(after[:, :16], before[:, :16])
+
+
+def test_bfloat16_without_native_support_runs_widened_and_rounds_once(monkeypatch) -> None:
+    """On a CPU where oneDNN has no bfloat16 GEMM (AVX2) the linear widens to float32: the
+    result is the float32 product rounded to bfloat16 once, within one bfloat16 step of the
+    exact product, and the packed float32 copy still follows in-place updates."""
+    import engine.layers.linear as module
+
+    monkeypatch.setattr(module, "NATIVE_BF16", False)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 64, generator=gen).bfloat16()
+    weight = torch.randn(48, 64, generator=gen).bfloat16()
+    bias = torch.randn(48, generator=gen).bfloat16()
+    with torch.inference_mode():
+        for _ in range(2):
+            got = linear(x, weight, bias)
+            assert got.dtype == torch.bfloat16
+            exact = F.linear(x.double(), weight.double(), bias.double())
+            torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-3)
+            weight[:8].mul_(-1)  # the second pass must see it
