@@ -17,9 +17,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 from service.ops.priority import Spawner, lower_priority
 
@@ -28,13 +30,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 def cpu_seconds(server_pid: int | None) -> dict[str, float]:
     """CPU seconds (user + system) used so far by this process (the load generator), the
-    server process and its children (the engine). Linux /proc; empty elsewhere."""
+    server process and its descendants (the engine: vLLM's engine core is a grandchild of its
+    API server). Linux /proc; empty elsewhere."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     seconds = {"client": usage.ru_utime + usage.ru_stime}
     if server_pid is None or not os.path.isdir("/proc"):
         return seconds
     tick = os.sysconf("SC_CLK_TCK")
-    engine = 0.0
+    parent, used = {}, {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -43,20 +46,33 @@ def cpu_seconds(server_pid: int | None) -> dict[str, float]:
         except OSError:
             continue  # the process ended meanwhile
         fields = text[text.rindex(")") + 2 :].split()
-        ppid, used = int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
-        if int(entry) == server_pid:
-            seconds["service"] = used
-        elif ppid == server_pid:
-            engine += used
-    seconds["engine"] = engine
+        parent[int(entry)] = int(fields[1])
+        used[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parent.get(pid, 0)
+            if pid == server_pid:
+                return True
+        return False
+
+    seconds["service"] = used.get(server_pid, 0.0)
+    seconds["engine"] = sum(u for pid, u in used.items() if descends(pid))
     return seconds
 
 
 @contextmanager
 def server(
-    args: argparse.Namespace, model_dir: Path, dtype: str, spawner: Spawner | None
+    args: argparse.Namespace,
+    model_dir: Path,
+    dtype: str,
+    spawner: Spawner | None,
+    extra_flags: Sequence[str] = (),
 ) -> Iterator[tuple[str, int]]:
-    """`python -m service` on 127.0.0.1 port 0; yields (HOST:PORT, pid) once it is SERVING."""
+    """`python -m service` on 127.0.0.1 port 0; yields (HOST:PORT, pid) once it is SERVING.
+
+    `extra_flags` come last, so they override the defaults here. Started from `spawner`'s
+    thread when given: at the priority this process had when the spawner was made."""
     cmd = [
         sys.executable,
         "-m",
@@ -78,12 +94,14 @@ def server(
         "--no-enable-prefix-cache",
         "--service-niceness",
         str(args.service_niceness),
+        *extra_flags,
     ]
     env = dict(os.environ)
     if args.threads:  # the engine process inherits it: torch sizes its pool from it
         env["OMP_NUM_THREADS"] = str(args.threads)
     with tempfile.NamedTemporaryFile("w+", prefix="sluice-serve-", suffix=".log") as logfile:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=logfile, stderr=logfile)
+        popen = subprocess.Popen if spawner is None else partial(spawner.run, subprocess.Popen)
+        proc = popen(cmd, cwd=REPO, env=env, stdout=logfile, stderr=logfile)
         try:
             target = _wait_listening(proc, Path(logfile.name), args.ready_timeout)
             asyncio.run(_wait_serving(target, args.ready_timeout))
@@ -105,7 +123,7 @@ def server(
                 proc.wait()
 
 
-def _wait_listening(proc: subprocess.Popen[bytes], path: Path, timeout: float) -> str:
+def _wait_listening(proc: subprocess.Popen[Any], path: Path, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
