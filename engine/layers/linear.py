@@ -5,7 +5,8 @@ the op Inductor's CPU freezing emits) is 1.1-2.1x faster at the Llama projection
 (largest on the LM head, [32000, 768] at 16 rows). It runs faster still on a weight reordered
 once into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`): 10-25% on the decode
 shapes in float32; in bfloat16, where F.linear already runs oneDNN on the plain layout, the
-offline llama-75m run gained 22-25%. The packed copy is a cache kept on the weight tensor, so
+offline llama-75m run gained 22-25%. Small weights (`ONEDNN_MIN_WEIGHT`) keep F.linear, whose
+call costs less. The packed copy is a cache kept on the weight tensor, so
 weights cost twice their memory on the CPU; it is rebuilt when the weight's version counter
 moves (any in-place write, also through a view: weight updates write that way). oneDNN sums
 in another order than MKL: results differ in the last bits, and the float32 HF equivalence
@@ -28,27 +29,38 @@ import torch.nn.functional as F
 _ONEDNN = torch.backends.mkldnn.is_available()
 # Whether oneDNN computes in bfloat16 on this CPU; else bfloat16 linears run in float32.
 NATIVE_BF16 = _ONEDNN and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+# oneDNN's call costs 25-70 us before any arithmetic, F.linear's about 9: below this many
+# weight elements F.linear wins at every row count (1.1-6x on the `tiny` shapes, [128..512,
+# 128]); from llama-75m's smallest projection ([768, 768]) up oneDNN wins at most row counts.
+ONEDNN_MIN_WEIGHT = 1 << 18
 
 
-def _packed(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weight in `dtype`, in oneDNN's blocked layout (chosen for 64 rows; any row count
-    runs on it)."""
-    entry = getattr(weight, "_onednn_packed", None)
+def _cpu_weight(weight: torch.Tensor, dtype: torch.dtype, packed: bool) -> torch.Tensor:
+    """The weight in `dtype`, in oneDNN's blocked layout if `packed` (chosen for 64 rows; any
+    row count runs on it); cached on the weight until its version counter moves."""
+    entry = getattr(weight, "_cpu_copy", None)
     if entry is None or entry[0] != weight._version:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), 64)
-        entry = (weight._version, packed)
-        weight._onednn_packed = entry  # type: ignore[attr-defined]
+        copy = weight.to(dtype)
+        if packed:
+            copy = torch.ops.mkldnn._reorder_linear_weight(copy, 64)
+        entry = (weight._version, copy)
+        weight._cpu_copy = entry  # type: ignore[attr-defined]
     return entry[1]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if not _ONEDNN or x.device.type != "cpu" or torch.is_grad_enabled():
+    cpu_inference = x.device.type == "cpu" and not torch.is_grad_enabled()
+    if not (_ONEDNN and cpu_inference and x.dtype in (torch.float32, torch.bfloat16)):
         return F.linear(x, weight, bias)
-    if x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and NATIVE_BF16):
-        return torch.ops.mkldnn._linear_pointwise(x, _packed(weight, x.dtype), bias, "none", [], "")
-    if x.dtype == torch.bfloat16:  # widened: see the module's docstring
-        bias32 = None if bias is None else bias.float()
-        packed = _packed(weight, torch.float32)
-        out = torch.ops.mkldnn._linear_pointwise(x.float(), packed, bias32, "none", [], "")
-        return out.to(torch.bfloat16)
-    return F.linear(x, weight, bias)
+    packed = weight.numel() >= ONEDNN_MIN_WEIGHT
+    widen = x.dtype == torch.bfloat16 and not NATIVE_BF16  # see the module's docstring
+    if not packed and not widen:
+        return F.linear(x, weight, bias)
+    if widen:
+        x, bias = x.float(), None if bias is None else bias.float()
+    w = _cpu_weight(weight, x.dtype, packed)
+    if packed:
+        out = torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    else:
+        out = F.linear(x, w, bias)
+    return out.to(torch.bfloat16) if widen else out

@@ -1,14 +1,24 @@
 """engine/layers/linear.py: oneDNN's float32 CPU linear equals F.linear to float32 rounding,
-on the strided column views the layers pass; with autograd recording F.linear itself runs."""
+on the strided column views the layers pass; with autograd recording, and for small weights,
+F.linear itself runs. The tests of the packed path lower `ONEDNN_MIN_WEIGHT` to 0 so that
+their small weights take it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+import engine.layers.linear as linear_module
 from engine.layers.linear import linear
 
 
+@pytest.fixture
+def packed_always(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear_module, "ONEDNN_MIN_WEIGHT", 0)
+
+
+@pytest.mark.usefixtures("packed_always")
 def test_inference_linear_equals_f_linear_on_strided_inputs() -> None:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(7, 2 * 96, generator=gen)[:, 96:]  # a column view, as split() gives
@@ -31,6 +41,7 @@ def test_training_linear_is_f_linear_and_has_gradients() -> None:
     assert weight.grad is not None
 
 
+@pytest.mark.usefixtures("packed_always")
 def test_packed_weights_follow_in_place_updates_through_views() -> None:
     """On the CPU the weight runs in oneDNN's packed layout, cached beside it: a copy into the
     weight, or into a view of its rows (as a weight update writes merged projections), must
@@ -49,13 +60,15 @@ def test_packed_weights_follow_in_place_updates_through_views() -> None:
         assert not torch.equal(after[:, :16], before[:, :16])
 
 
-def test_bfloat16_without_native_support_runs_widened_and_rounds_once(monkeypatch) -> None:
+@pytest.mark.parametrize("packed", [True, False])
+def test_bfloat16_without_native_support_runs_widened_and_rounds_once(
+    monkeypatch: pytest.MonkeyPatch, packed: bool
+) -> None:
     """On a CPU where oneDNN has no bfloat16 GEMM (AVX2) the linear widens to float32: the
     result is the float32 product rounded to bfloat16 once, within one bfloat16 step of the
-    exact product, and the packed float32 copy still follows in-place updates."""
-    import engine.layers.linear as module
-
-    monkeypatch.setattr(module, "NATIVE_BF16", False)
+    exact product, and the float32 copy (packed or not) still follows in-place updates."""
+    monkeypatch.setattr(linear_module, "NATIVE_BF16", False)
+    monkeypatch.setattr(linear_module, "ONEDNN_MIN_WEIGHT", 0 if packed else 1 << 40)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(9, 64, generator=gen).bfloat16()
     weight = torch.randn(48, 64, generator=gen).bfloat16()
@@ -67,3 +80,12 @@ def test_bfloat16_without_native_support_runs_widened_and_rounds_once(monkeypatc
             exact = F.linear(x.double(), weight.double(), bias.double())
             torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-3)
             weight[:8].mul_(-1)  # the second pass must see it
+
+
+def test_small_weights_run_f_linear_itself() -> None:
+    gen = torch.Generator().manual_seed(4)
+    x, weight = torch.randn(16, 128, generator=gen), torch.randn(256, 128, generator=gen)
+    assert weight.numel() < linear_module.ONEDNN_MIN_WEIGHT
+    with torch.inference_mode():
+        assert torch.equal(linear(x, weight, None), F.linear(x, weight))  # bit for bit
+    assert not hasattr(weight, "_cpu_copy")
