@@ -5,20 +5,20 @@ the op Inductor's CPU freezing emits) is 1.1-2.1x faster at the Llama projection
 (largest on the LM head, [32000, 768] at 16 rows). It runs faster still on a weight reordered
 once into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`): 10-25% on the decode
 shapes in float32; in bfloat16, where F.linear already runs oneDNN on the plain layout, the
-offline llama-75m run gained 22-25%. Small weights (`ONEDNN_MIN_WEIGHT`) keep F.linear, whose
-call costs less. The packed copy is a cache kept on the weight tensor, so
-weights cost twice their memory on the CPU; it is rebuilt when the weight's version counter
-moves (any in-place write, also through a view: weight updates write that way). oneDNN sums
-in another order than MKL: results differ in the last bits, and the float32 HF equivalence
-test (greedy tokens) checks they still choose the same tokens. The op has no backward, so
-with autograd recording (training) F.linear runs.
+offline llama-75m run gained 22-25%. Small weights (`ONEDNN_MIN_WEIGHT`) keep F.linear,
+whose call costs less. The packed copy is a cache kept on the weight tensor, so weights cost
+twice their memory on the CPU; it is rebuilt when the weight's version counter moves (any
+in-place write, also through a view: weight updates write that way). oneDNN sums in another
+order than MKL: results differ in the last bits, and the float32 HF equivalence test (greedy
+tokens) checks they still choose the same tokens. The op has no backward, so with autograd
+recording (training) F.linear runs.
 
 oneDNN runs bfloat16 natively only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; on
 others (AVX2) it refuses to pack a bfloat16 weight, and F.linear in bfloat16 crawls (17 GFLOP/s
 against float32's 120-150 at the llama-75m shapes on a 2-core AVX2 VM). There the packed copy
 is the weight widened to float32 (exact), the input is widened, and the float32 result is
 rounded to bfloat16 once: what a bfloat16 GEMM with float32 accumulation computes, at float32
-speed, for a packed copy twice the bfloat16 weight's size.
+speed, for a float32 copy twice the bfloat16 weight's size.
 """
 
 from __future__ import annotations
