@@ -29,47 +29,34 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import os
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench.checkpoints import REPO, SHAPES, ensure_checkpoint
+from bench.checkpoints import ensure_checkpoint
 from bench.common import emit, log, machine
 from bench.http_stream import post_events
-from bench.peer_vllm import ENGINES, worker_env
+from bench.peer_vllm import ENGINES, add_peer_flags, worker_env
 from bench.peer_workers import tree_peak_rss_mib
 from bench.serve import RecordHolder, run_phase, summarize
-from bench.serve_server import cpu_seconds, server
+from bench.serve_server import cpu_seconds, logged_process, server
 from bench.workload import Workload, make_workload
 from service.ops.priority import Spawner, lower_priority
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", default="llama-75m", choices=sorted(SHAPES), help="built if missing")
-    p.add_argument("--model", type=Path, help="a checkpoint directory (overrides --shape)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--scale", type=float, default=1.0, help="shrink count and lengths")
-    p.add_argument("--num-requests", type=int, help="override the (scaled) request count")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="cores, for both")
-    p.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache of each, whole GiB")
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    add_peer_flags(p, default_shape="llama-75m")
     p.add_argument("--max-concurrency", type=int, default=64, help="streams in flight")
     p.add_argument("--repeat", type=int, default=2, help="runs of each, alternating the first")
     p.add_argument("--client-niceness", type=int, default=10, help="the load generator's")
-    p.add_argument("--vllm-python", type=Path, help="a python with vllm (default: made)")
-    p.add_argument("--vllm-env", nargs="*", default=[], metavar="KEY=VALUE")
     p.add_argument("--sluice-flags", nargs="*", default=[], help="more `sluice serve` flags")
     p.add_argument("--ready-timeout", type=float, default=1800, help="vLLM compiles at start")
     return p.parse_args(argv)
@@ -159,23 +146,9 @@ def vllm_server(
     module = "vllm.entrypoints.openai.api_server"
     cmd = [str(python), "-P", "-m", module, "--model", str(model_dir), "--host", "127.0.0.1"]
     cmd += ["--port", str(port), *flags]
-    with tempfile.NamedTemporaryFile("w+", prefix="vllm-serve-", suffix=".log") as logfile:
-        popen = partial(spawner.run, subprocess.Popen)
-        proc = popen(cmd, cwd=REPO, env=env, stdout=logfile, stderr=logfile)
-        try:
-            _wait_healthy(proc, port, timeout)
-            yield port, proc.pid
-        except BaseException:
-            logfile.seek(0)
-            sys.stderr.write(logfile.read()[-4000:])
-            raise
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with logged_process(cmd, env, "vllm-serve-", spawner, grace=60) as (proc, _):
+        _wait_healthy(proc, port, timeout)
+        yield port, proc.pid
 
 
 def _wait_healthy(proc: subprocess.Popen[Any], port: int, timeout: float) -> None:
@@ -229,21 +202,13 @@ async def run_http_phase(
 async def http_request(port: int, body: dict[str, Any], holder: RecordHolder) -> None:
     """One streamed completion into `holder`: a chunk counts when its usage grew."""
     rec = holder.value
-    rec.sent = last = time.perf_counter()
+    rec.sent = time.perf_counter()
     try:
         async for event in post_events("127.0.0.1", port, "/v1/completions", body):
             usage = event.get("usage") or {}
             produced = usage.get("completion_tokens", rec.output_tokens)
-            if produced <= rec.output_tokens:
-                continue
-            now = time.perf_counter()
-            if rec.chunks == 0:
-                rec.ttft = now - rec.sent
-            else:
-                rec.itl.append(now - last)
-            last = now
-            rec.chunks += 1
-            rec.output_tokens = produced
+            if produced > rec.output_tokens:
+                rec.add_chunk(produced - rec.output_tokens, time.perf_counter())
         rec.latency = time.perf_counter() - rec.sent
     except Exception as exc:  # counted and reported, as bench.serve does
         rec.error = f"{type(exc).__name__}: {exc}"

@@ -63,9 +63,11 @@ ENGINES = ("sluice", "vllm")
 TCMALLOC = "libtcmalloc_minimal.so.4"  # Debian's libtcmalloc-minimal4
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", default="tiny-hd32", choices=sorted(SHAPES), help="built if missing")
+def add_peer_flags(p: argparse.ArgumentParser, default_shape: str) -> None:
+    """The model, workload and engine settings that both peer benchmarks give both engines."""
+    p.add_argument(
+        "--shape", default=default_shape, choices=sorted(SHAPES), help="built if missing"
+    )
     p.add_argument("--model", type=Path, help="a checkpoint directory (overrides --shape)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--scale", type=float, default=1.0, help="shrink count and lengths")
@@ -74,14 +76,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache of each, whole GiB")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument(
-        "--repeat", type=int, default=2, help="runs of each engine, alternating which goes first"
-    )
-    p.add_argument("--hf-check", type=int, default=4, help="requests checked against HF argmax")
     p.add_argument("--vllm-python", type=Path, help="a python with vllm (default: made)")
     p.add_argument(
         "--vllm-env", nargs="*", default=[], metavar="KEY=VALUE", help="more env for vLLM"
     )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_peer_flags(p, default_shape="tiny-hd32")
+    p.add_argument(
+        "--repeat", type=int, default=2, help="runs of each engine, alternating which goes first"
+    )
+    p.add_argument("--hf-check", type=int, default=4, help="requests checked against HF argmax")
     p.add_argument(
         "--sluice-env", nargs="*", default=[], metavar="KEY=VALUE", help="more env for Sluice"
     )

@@ -91,24 +91,28 @@ class RequestRecord:
     chunks: int = 0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    last_chunk: float = 0.0
+
+    def add_chunk(self, tokens: int, now: float) -> None:
+        """A chunk of `tokens` new tokens arrived at `now`: TTFT for the first, ITL after."""
+        if self.chunks == 0:
+            self.ttft = now - self.sent
+        else:
+            self.itl.append(now - self.last_chunk)
+        self.last_chunk = now
+        self.chunks += 1
+        self.output_tokens += tokens
 
 
 async def run_request(client: Any, request: Any, record: RecordHolder) -> None:
     rec = record.value
     rec.sent = time.perf_counter()
-    last = rec.sent
     try:
         async for event in client.generate(request):
             kind = event.WhichOneof("event")
             now = time.perf_counter()
             if kind == "tokens" and event.tokens.token_ids:
-                if rec.chunks == 0:
-                    rec.ttft = now - rec.sent
-                else:
-                    rec.itl.append(now - last)
-                last = now
-                rec.chunks += 1
-                rec.output_tokens += len(event.tokens.token_ids)
+                rec.add_chunk(len(event.tokens.token_ids), now)
             elif kind == "finished":
                 rec.latency = now - rec.sent
                 reason = event.finished.reason

@@ -99,17 +99,28 @@ def server(
     env = dict(os.environ)
     if args.threads:  # the engine process inherits it: torch sizes its pool from it
         env["OMP_NUM_THREADS"] = str(args.threads)
-    with tempfile.NamedTemporaryFile("w+", prefix="sluice-serve-", suffix=".log") as logfile:
+    with logged_process(cmd, env, "sluice-serve-", spawner, grace=30) as (proc, log):
+        target = _wait_listening(proc, log, args.ready_timeout)
+        asyncio.run(_wait_serving(target, args.ready_timeout))
+        # After the server started: it (and its engine) keep their priority, and so do the
+        # offline runs, which `spawner` starts.
+        if spawner is not None:
+            lower_priority(args.client_niceness, spare=spawner.native_id)
+        yield target, proc.pid
+
+
+@contextmanager
+def logged_process(
+    cmd: Sequence[str], env: dict[str, str], prefix: str, spawner: Spawner | None, grace: float
+) -> Iterator[tuple[subprocess.Popen[Any], Path]]:
+    """`cmd` started (from `spawner`'s thread when given) with its output in a temporary log
+    file; yields (process, log path). On an error the log's tail goes to stderr; on exit the
+    process gets SIGTERM, and SIGKILL after `grace` seconds."""
+    with tempfile.NamedTemporaryFile("w+", prefix=prefix, suffix=".log") as logfile:
         popen = subprocess.Popen if spawner is None else partial(spawner.run, subprocess.Popen)
-        proc = popen(cmd, cwd=REPO, env=env, stdout=logfile, stderr=logfile)
+        proc = popen(list(cmd), cwd=REPO, env=env, stdout=logfile, stderr=logfile)
         try:
-            target = _wait_listening(proc, Path(logfile.name), args.ready_timeout)
-            asyncio.run(_wait_serving(target, args.ready_timeout))
-            # After the server started: it (and its engine) keep their priority, and so do
-            # the offline runs, which `spawner` starts.
-            if spawner is not None:
-                lower_priority(args.client_niceness, spare=spawner.native_id)
-            yield target, proc.pid
+            yield proc, Path(logfile.name)
         except BaseException:
             logfile.seek(0)
             sys.stderr.write(logfile.read()[-4000:])
@@ -117,7 +128,7 @@ def server(
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(30)
+                proc.wait(grace)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
