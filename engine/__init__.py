@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from engine.generation_result import GenerationResult
-from engine.messages import FinishReason, RequestOutput, SamplingParams
+from engine.messages import FinishReason, PromptLogprobs, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
     from engine.engine import LLMEngine
@@ -20,6 +20,7 @@ __all__ = [
     "FinishReason",
     "GenerationResult",
     "LLMEngine",
+    "PromptLogprobs",
     "RequestOutput",
     "SamplingParams",
 ]

@@ -53,6 +53,7 @@ from engine.parallel.worker_group import WorkerGroup
 from engine.request_outputs import error_output, request_output, stop_reason
 from engine.request_validation import request_error
 from engine.scheduling.prefix_cache import PrefixCache
+from engine.scheduling.prompt_scores import PromptScores
 from engine.scheduling.request import Request, RequestStatus
 from engine.scheduling.scheduler import ScheduledBatch, Scheduler
 from engine.step_outputs import StepOutputs
@@ -154,8 +155,13 @@ class LLMEngine:
         for sibling in siblings:
             sibling.status = RequestStatus.FORK_PENDING
         leader.pending_forks = list(siblings)
+        if params.prompt_logprobs:
+            start = params.prompt_logprobs_start
+            leader.prompt_scores = PromptScores(start, len(prompt), params.top_logprobs)
         self.scheduler.add(leader)
         self.requests[request_id] = seqs
+        if max_tokens == 0 and leader.prompt_scores and leader.prompt_scores.complete:
+            self._end_scored(leader, self.pending)  # nothing to score, nothing to generate
 
     def abort(
         self,
@@ -250,7 +256,13 @@ class LLMEngine:
                 )
 
     def _append_sampled(self, sampled: Sampled, first: list[RequestOutput]) -> StepOutputs:
-        """Append each row's token, end the requests it stops; outputs as StepOutputs."""
+        """Record the prompt positions scored; append each row's token, end the requests it
+        stops; outputs as StepOutputs (a request's first output carries its prompt logprobs)."""
+        for req, position, rows in sampled.prompt_scores:
+            if req.prompt_scores is not None and not req.is_finished:
+                req.prompt_scores.record(position, rows)
+                if req.max_tokens == 0 and req.prompt_scores.complete:
+                    self._end_scored(req, first)
         reqs, tokens = sampled.requests, sampled.token_ids
         # NOTE: siblings fork before any token is appended: a leader that stops at its first
         # token releases the prompt pages they start from.
@@ -260,8 +272,9 @@ class LLMEngine:
             req.token_ids.append(token)
         self.tokens_generated += len(reqs)
         now = time.monotonic()
-        for req in [r for r in reqs if r.first_token_time is None]:
-            req.first_token_time = now
+        firsts = [row for row, r in enumerate(reqs) if r.first_token_time is None]
+        for row in firsts:
+            reqs[row].first_token_time = now
         counts = [len(r.token_ids) - r.prompt_len for r in reqs]
         eos = self.model_config.eos_token_ids
         # Rows that may stop (stop_reason decides): an EOS id, stop ids to check, the length.
@@ -271,12 +284,25 @@ class LLMEngine:
             if c >= r.max_tokens or t in eos or r.params.stop_token_ids
         ]
         outputs = StepOutputs(first, sampled, counts, self.policy_version)
+        for row in firsts:
+            scores, reqs[row].prompt_scores = reqs[row].prompt_scores, None
+            if scores is not None:
+                outputs.attach_prompt(row, scores.result())
         for row in maybe:
             reason = stop_reason(reqs[row], tokens[row], eos)
             if reason is not None:
                 self._finish(reqs[row], reason, None)
                 outputs.build_final(row)  # its values are final now
         return outputs
+
+    def _end_scored(self, req: Request, outputs: list[RequestOutput]) -> None:
+        """A request that only scores its prompt (max_tokens 0) ends once it is scored."""
+        scores, req.prompt_scores = req.prompt_scores, None
+        assert scores is not None
+        self._finish(req, FinishReason.LENGTH, None)
+        out = request_output(req, [], None, None, self.policy_version)
+        out.prompt_logprobs = scores.result()
+        outputs.append(out)
 
     def _expire_deadlines(self) -> None:
         now = time.time()

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.messages import FinishReason, RequestOutput, SamplingParams
+from engine.messages import FinishReason, PromptLogprobs, RequestOutput, SamplingParams
 
 
 class Engine(Protocol):
@@ -38,6 +38,7 @@ class GenerationResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # index 0, when asked for
 
     def add(self, out: RequestOutput) -> None:
         """Fold in one step's output for this completion (the last one sets finish_reason)."""
@@ -47,6 +48,8 @@ class GenerationResult:
             self.logprobs = (self.logprobs or []) + out.logprobs
         if out.top_logprobs is not None:
             self.top_logprobs = (self.top_logprobs or []) + out.top_logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.prompt_tokens = out.prompt_tokens
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = out.cached_tokens

@@ -45,6 +45,9 @@ class SamplingParams:
     log_softmax of the logits after penalties (and min_tokens suppression) divided by
     temperature (a greedy one counts as 1), before top-k/top-p/min-p; with raw_logprobs,
     log_softmax of the unmodified logits. Every float field must be finite in float32.
+    With prompt_logprobs, the first output also carries the prompt's log-probabilities from
+    position prompt_logprobs_start on (PromptLogprobs); max_tokens may then be 0: the prompt
+    is scored and nothing is generated.
     """
 
     temperature: float = 1.0
@@ -62,6 +65,8 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     raw_logprobs: bool = False
+    prompt_logprobs: bool = False
+    prompt_logprobs_start: int = 1  # the first prompt position scored (0 has no context)
 
     @property
     def greedy(self) -> bool:
@@ -95,8 +100,10 @@ class SamplingParams:
             errs.append(("top_k", "must be >= 0 (0 disables top-k)"))
         if self.seed is not None and not 0 <= self.seed < 2**64:
             errs.append(("seed", "must be in [0, 2**64)"))
-        if self.max_tokens is not None and self.max_tokens < 1:
-            errs.append(("max_tokens", "must be >= 1"))
+        if self.max_tokens is not None and self.max_tokens < (0 if self.prompt_logprobs else 1):
+            errs.append(("max_tokens", "must be >= 1 (0 only to score a prompt)"))
+        if self.prompt_logprobs_start < 1:
+            errs.append(("prompt_logprobs_start", "must be >= 1: position 0 has no context"))
         if self.min_tokens < 0:
             errs.append(("min_tokens", "must be >= 0"))
         elif self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -229,12 +236,24 @@ class RequestMetrics:
 
 
 @dataclass
+class PromptLogprobs:
+    """The log-probability of each prompt token given the ones before it, from position
+    `start` on: logprobs[i] belongs to prompt position start + i, as top_logprobs[i] (the most
+    likely tokens there, when asked for) does."""
+
+    start: int
+    logprobs: list[float]
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
+
+
+@dataclass
 class RequestOutput:
     """What one request (one index of it) gained in one engine step.
 
     `new_token_ids[i]` pairs with `logprobs[i]` and `top_logprobs[i]` (when asked for). The
     request's first output carries its usage counts, so the service can send `started`; the
-    last one carries `finish_reason` (and `error` text for ERROR/ABORTED) and `metrics`.
+    last one carries `finish_reason` (and `error` text for ERROR/ABORTED) and `metrics`. With
+    prompt logprobs asked for, the first output of index 0 carries them.
 
     Not frozen, and pickled as its constructor's arguments: every running request sends one
     per step, and this is the cheapest form to rebuild (a third of the default's unpickling
@@ -253,6 +272,7 @@ class RequestOutput:
     cached_tokens: int = 0
     completion_tokens: int = 0
     metrics: RequestMetrics | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -370,6 +390,7 @@ __all__ = [
     "ModelInfo",
     "EngineStats",
     "RequestMetrics",
+    "PromptLogprobs",
     "RequestOutput",
     "Ready",
     "StepOutput",

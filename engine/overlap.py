@@ -219,6 +219,7 @@ def _pending_inputs(batch: ScheduledBatch, previous: InflightStep | None) -> Pen
 
 
 def _rows(sampled: Sampled, rows: list[int]) -> Sampled:
+    """The sampled rows `rows` (the prompt scores all kept: ended requests skip theirs)."""
     if len(rows) == len(sampled.requests):
         return sampled
 
@@ -231,4 +232,5 @@ def _rows(sampled: Sampled, rows: list[int]) -> Sampled:
         pick(sampled.logprobs),
         pick(sampled.top_ids),
         pick(sampled.top_logprobs),
+        sampled.prompt_scores,
     )

@@ -32,6 +32,10 @@ def request_error(
     errors = params.errors(vocab)
     if errors:
         return "; ".join(f"{name}: {why}" for name, why in errors)
+    if params.prompt_logprobs and params.prompt_logprobs_start > len(prompt):
+        return f"prompt_logprobs_start: must be at most the prompt's length, {len(prompt)} tokens"
+    if params.max_tokens == 0 and n > 1:
+        return "n: must be 1 to score a prompt (max_tokens 0)"
     if min_version is not None and min_version > policy_version:
         return f"min_policy_version: {min_version} > served version {policy_version}"
     return None

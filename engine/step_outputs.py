@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
-from engine.messages import RequestOutput, TokenColumns
+from engine.messages import PromptLogprobs, RequestOutput, TokenColumns
 from engine.request_outputs import request_output
 from engine.scheduling.request import Request
 
@@ -33,7 +33,8 @@ class StepOutputs(Sequence[RequestOutput]):
         self.token_ids = sampled.token_ids
         self.counts = counts  # completion tokens after this step's token
         self.policy_version = policy_version
-        self.built: dict[int, RequestOutput] = {}  # rows built already (their request ended)
+        self.built: dict[int, RequestOutput] = {}  # rows built already (ended, or see below)
+        self.prompt: dict[int, PromptLogprobs] = {}  # rows whose first output carries them
         self.logprobs = sampled.logprobs
         self.top_ids = sampled.top_ids
         self.top_logprobs = sampled.top_logprobs
@@ -43,7 +44,14 @@ class StepOutputs(Sequence[RequestOutput]):
         """Build row `row`'s output now: its request just ended (finish reason, metrics)."""
         req = self.requests[row]
         lp, top = self.row_logprobs(req, row)
-        self.built[row] = request_output(req, [self.token_ids[row]], lp, top, self.policy_version)
+        out = request_output(req, [self.token_ids[row]], lp, top, self.policy_version)
+        out.prompt_logprobs = self.prompt.get(row)
+        self.built[row] = out
+
+    def attach_prompt(self, row: int, prompt_logprobs: PromptLogprobs) -> None:
+        """Row `row` is its request's first output: it carries the prompt's logprobs."""
+        self.prompt[row] = prompt_logprobs
+        self.built[row] = self.row_output(row)
 
     def row_output(self, row: int) -> RequestOutput:
         """The RequestOutput of sampled row `row` (building it if needed)."""
@@ -64,6 +72,7 @@ class StepOutputs(Sequence[RequestOutput]):
             req.prompt_len,
             req.num_cached_tokens,
             self.counts[row],
+            prompt_logprobs=self.prompt.get(row),
         )
 
     def row_logprobs(

@@ -19,6 +19,9 @@ from engine.settings import (
 
 MAX_REQUEST_ID_LENGTH = 256
 MIN_MESSAGE_BYTES = 64 * 1024  # below this even ordinary requests and weight chunks break
+# The largest message the server sends: a chunk of many tokens with top logprobs, or a Started
+# with prompt logprobs (requests whose scores could pass it are refused). The clients accept it.
+MAX_SEND_MESSAGE_BYTES = 64 * 1024 * 1024
 TLS_FILES = ("tls_cert_file", "tls_key_file", "tls_client_ca_file")
 
 

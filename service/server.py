@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from sluice.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
-from service.config import ServiceConfig
+from service.config import MAX_SEND_MESSAGE_BYTES, ServiceConfig
 from service.engine_link.engine_client import (
     EngineClient,
     EngineStartError,
@@ -48,7 +48,6 @@ GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].fu
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 HEALTH_SERVICES = ("", GENERATION_SERVICE)
 FINAL_FLUSH_S = 2.0  # after the engine stops: time for handlers to send their final events
-MAX_SEND_MESSAGE_BYTES = 64 * 1024 * 1024  # a chunk of many tokens with top logprobs
 # NOTE: gRPC core keeps calls that no handler has picked up yet in a pending queue. Past 1,000 of
 # them (certainly past 3,000) it cancels new ones at random, and it cancels any that waited
 # there 30 s: the caller sees CANCELLED and nothing is logged. Core must never shed load;

@@ -66,6 +66,11 @@ export interface GenerateOptions extends RoutedCallOptions {
   topLogprobs?: number;
   rawLogprobs?: boolean;
   skipSpecialTokens?: boolean;
+  /** Score the prompt: the `started` event carries `promptLogprobs`; with maxTokens 0 (and
+   * n 1) nothing is generated. */
+  promptLogprobs?: boolean;
+  /** The first prompt position scored, in [1, prompt length]; default 1. */
+  promptLogprobsStart?: number;
   n?: number;
   minPolicyVersion?: number;
   priority?: number;
@@ -92,6 +97,17 @@ export interface StartedEvent extends EventBase {
   promptTokens: number;
   cachedTokens: number;
   policyVersion: number;
+  /** The prompt's scores when `promptLogprobs` was asked for, else null. */
+  promptLogprobs: PromptLogprobs | null;
+}
+
+export interface PromptLogprobs {
+  /** The first prompt position scored. */
+  start: number;
+  /** logprobs[i]: the log-probability of prompt token start + i given those before it. */
+  logprobs: number[];
+  /** The `topLogprobs` most likely tokens at each scored position (empty unless asked for). */
+  topLogprobs: { tokenIds: number[]; logprobs: number[] }[];
 }
 
 export interface TokensEvent extends EventBase {

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.execution.cuda_graph import CUDAGraphRunner
+from engine.execution.prompt_scoring import ScoredRows
 from engine.execution.step_inputs import StepArrays, StepInputs
 from engine.models.llama import KVCache, LlamaForCausalLM
 from engine.sampling.sampler import SamplerOutput
@@ -28,22 +29,26 @@ from engine.scheduling.request import Request
 
 @dataclass
 class Sampled:
-    """The tokens sampled this step, one per sampling request, on the host."""
+    """The tokens sampled this step, one per sampling request, on the host; and the prompt
+    positions scored, per request: (request, first position, one row per position)."""
 
     requests: list[Request]
     token_ids: list[int]
     logprobs: list[float] | None
     top_ids: list[list[int]] | None
     top_logprobs: list[list[float]] | None
+    prompt_scores: list[tuple[Request, int, list[list[float]]]] = field(default_factory=list)
 
 
 @dataclass
 class StepResult:
-    """What a launched step sampled: `host` on the host once `ready` has passed (CUDA), and
-    the sampled ids on the device for the next step's pending inputs."""
+    """What a launched step sampled (`host`) and scored (`scores`, engine/execution/
+    prompt_scoring.py), on the host once `ready` has passed (CUDA); and the sampled ids on the
+    device for the next step's pending inputs."""
 
-    host: SamplerOutput
-    token_ids: torch.Tensor  # [rows] int64, on the device
+    host: SamplerOutput | None
+    token_ids: torch.Tensor | None  # [rows] int64, on the device
+    scores: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
 
 
@@ -55,6 +60,7 @@ class LaunchedStep:
 
     sampling: list[Request]  # one per sampled row, as Sampled.requests will be
     result: Future[StepResult | None]
+    scoring: ScoredRows | None = None
 
 
 @dataclass
@@ -78,7 +84,7 @@ class PendingInputs:
         """Write the previous step's sampled ids into `input_ids` (device work, in stream
         order after the previous step's sampling)."""
         result = self.previous.result.result()  # done: launched work runs in order
-        assert result is not None, "a pending input points at a step that sampled nothing"
+        assert result is not None and result.token_ids is not None, "it sampled nothing"
         assert self._indices is not None, "scatter before upload"
         positions, rows = self._indices
         input_ids.index_copy_(0, positions, result.token_ids.index_select(0, rows))
@@ -109,28 +115,24 @@ def graph_logits(
     return logits
 
 
-def eager_logits(
+def eager_hidden(
     model: LlamaForCausalLM,
     kv_caches: list[KVCache],
     inputs: tuple[torch.Tensor, torch.Tensor, AttentionMetadata],
     rows: torch.Tensor | None,
     pending: PendingInputs | None,
-    samples: bool,
 ) -> Callable[[], torch.Tensor]:
     """The device work of an eager step on uploaded inputs (ids, positions, metadata): write
-    the pending ids, forward, LM head on the sampled rows (`rows`, or every token's). Without
-    `samples` it ends after the forward."""
+    the pending ids, forward; the hidden states of `rows` (or of every token)."""
     ids, positions, meta = inputs
 
-    def logits() -> torch.Tensor:
+    def hidden() -> torch.Tensor:
         if pending is not None:
             pending.scatter(ids)
-        hidden = model(ids, positions, meta, kv_caches)
-        if not samples:
-            return hidden
-        return model.compute_logits(hidden if rows is None else hidden[rows])
+        out = model(ids, positions, meta, kv_caches)
+        return out if rows is None else out[rows]
 
-    return logits
+    return hidden
 
 
 def sampled_ids(out: SamplerOutput) -> torch.Tensor:
@@ -138,16 +140,25 @@ def sampled_ids(out: SamplerOutput) -> torch.Tensor:
     return out.values if out.values.dim() == 1 else out.values[:, 0].to(torch.int64)
 
 
-def to_host_async(out: SamplerOutput) -> StepResult:
-    """Start the one device-to-host copy of a step's sampled values (CUDA: pinned memory and
-    an event, nothing waits; CPU: the values are already on the host)."""
-    if out.values.device.type != "cuda":
-        return StepResult(out, sampled_ids(out))
-    host = torch.empty(out.values.shape, dtype=out.values.dtype, pin_memory=True)
-    host.copy_(out.values, non_blocking=True)
+def to_host_async(out: SamplerOutput | None, scores: torch.Tensor | None) -> StepResult | None:
+    """Start the device-to-host copies of a step's sampled values and prompt scores (CUDA:
+    pinned memory and an event, nothing waits; CPU: they are already on the host)."""
+    either = out.values if out is not None else scores
+    if either is None:
+        return None
+    ids = None if out is None else sampled_ids(out)
+    if either.device.type != "cuda":
+        return StepResult(out, ids, scores)
+    host = None if out is None else SamplerOutput(_pinned_copy(out.values), out.num_top_logprobs)
+    host_scores = None if scores is None else _pinned_copy(scores)
     ready = torch.cuda.Event()
     ready.record()
-    return StepResult(SamplerOutput(host, out.num_top_logprobs), sampled_ids(out), ready)
+    return StepResult(host, ids, host_scores, ready)
+
+
+def _pinned_copy(values: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    return host.copy_(values, non_blocking=True)
 
 
 class DeviceThread:

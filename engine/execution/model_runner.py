@@ -2,7 +2,8 @@
 
 Every request in the batch feeds `query_len` tokens starting at its `num_computed_tokens`;
 those that reach the end of their tokens get their last position's logits sampled. Only
-those rows go through the LM head.
+those rows go through the LM head, and the prompt positions a request asked to score
+(prompt logprobs: engine/execution/prompt_scoring.py).
 
 The hot path: step inputs are written into preallocated host buffers (pinned on CUDA) through
 numpy views and copied to the device without blocking; nothing inside the step waits for the
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -32,13 +32,15 @@ from engine.execution.launched_step import (
     PendingInputs,
     Sampled,
     StepResult,
-    eager_logits,
+    eager_hidden,
     graph_logits,
     run_now,
     to_host_async,
 )
+from engine.execution.prompt_scoring import ScoredRows, follow_scored_rows, score_rows
 from engine.execution.sampling_inputs import SamplingInputs
 from engine.execution.step_inputs import StepArrays, StepInputs, forward_inputs
+from engine.execution.step_rows import PreparedStep, lm_head_rows
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.step_channel import Op, StepChannel, StepHeader
 from engine.sampling.sampler import SamplerOutput, SamplingBatch
@@ -47,18 +49,6 @@ from engine.scheduling.block_table import BlockTable
 from engine.scheduling.page_pool import PagePool
 from engine.scheduling.request import Request
 from engine.scheduling.scheduler import ScheduledBatch
-
-
-@dataclass
-class PreparedStep:
-    """A step's shape, once its inputs are in the host buffers."""
-
-    num_tokens: int
-    num_seqs: int
-    width: int  # block-table width
-    sampling: list[Request]  # one per sampled row (siblings share their leader's row)
-    rows_are_tokens: bool  # row i samples token i: no gather before the LM head
-    num_rows: int  # sampled rows (a worker rank knows only their number)
 
 
 class ModelRunner:
@@ -150,14 +140,19 @@ class ModelRunner:
         num_seqs = len(batch.requests)
         width = max([len(r.pages) for r in batch.requests])  # the widest row the step reads
         graphs = self.graphs
-        decode = batch.num_tokens == num_seqs
+        # A decode step replays a graph, unless it scores prompt positions (a 1-token chunk).
+        decode = batch.num_tokens == num_seqs and graphs is not None
+        if decode and any([r.prompt_scores is not None for r in batch.requests]):
+            decode = False
         size = graphs.bucket(num_seqs) if graphs is not None and decode else None
         step = self._prepare(batch, width, graph_rows=size)
         self._send(step, graph_size=size or 0)
         sampling = (
             self._sampling_batch(step.sampling, _block_table(batch)) if step.sampling else None
         )
-        rows = None if not step.sampling or step.rows_are_tokens else self._sample_rows(step)
+        scoring = ScoredRows.build(step.scoring, self.device) if step.scoring else None
+        lm_head = sampling is not None or scoring is not None
+        rows = self._sample_rows(step) if lm_head and not step.rows_are_tokens else None
         if pending is not None:
             pending.upload(self.device)
         # NOTE: the work may run on the device thread after the next launch has switched
@@ -165,18 +160,34 @@ class ModelRunner:
         if graphs is not None and size is not None:  # a decode step with a graph to replay
             args = (self.host, self.arrays, num_seqs, width, rows, pending, self._record_upload)
             logits_of = graph_logits(graphs, *args)
+
+            def work() -> StepResult | None:
+                logits = logits_of()
+                return None if sampling is None else to_host_async(sampling_of(logits), None)
+
         else:
             self._upload(step)
             inputs = forward_inputs(self.inputs, self.arrays, *_shape(step))
-            samples = sampling is not None
-            logits_of = eager_logits(self.model, self.kv_caches, inputs, rows, pending, samples)
+            hidden_of = eager_hidden(self.model, self.kv_caches, inputs, rows, pending)
+            num_sampled = step.num_rows
 
-        def work() -> StepResult | None:
-            logits = logits_of()
-            return None if sampling is None else to_host_async(self.sampler(logits, sampling))
+            def work() -> StepResult | None:
+                hidden = hidden_of()  # [sampled rows, then scored rows, hidden] with lm_head
+                if not lm_head:
+                    return None
+                out = scores = None
+                if sampling is not None:
+                    out = sampling_of(self.model.compute_logits(hidden[:num_sampled]))
+                if scoring is not None:
+                    scores = score_rows(self.model, hidden[num_sampled:], scoring)
+                return to_host_async(out, scores)
+
+        def sampling_of(logits: torch.Tensor) -> SamplerOutput:
+            assert sampling is not None
+            return self.sampler(logits, sampling)
 
         submit = self.device_thread.submit if self.device_thread is not None else run_now
-        return LaunchedStep(step.sampling, submit(work))
+        return LaunchedStep(step.sampling, submit(work), scoring)
 
     def collect(self, launched: LaunchedStep) -> Sampled:
         """Wait for a launched step and bring its samples to the host."""
@@ -185,7 +196,14 @@ class ModelRunner:
             return Sampled([], [], None, None, None)
         if result.ready is not None:
             result.ready.synchronize()
-        return self._to_host(launched.sampling, result.host)
+        sampled = self._to_host(launched.sampling, result.host)
+        if launched.scoring is not None and result.scores is not None:
+            packed, first = result.scores.tolist(), 0
+            for req, span in launched.scoring.spans:
+                rows = packed[first : first + span.count]
+                sampled.prompt_scores.append((req, span.first, rows))
+                first += span.count
+        return sampled
 
     def _use_slot(self, host: StepInputs, arrays: StepArrays) -> None:
         self.host = self.inputs = host  # the CPU's step tensors are the host buffers
@@ -203,6 +221,7 @@ class ModelRunner:
             0 if graph_size else step.num_rows,  # a graphed step gathers every row's logits
             step.rows_are_tokens,
         )
+        header.num_scored = step.num_scored
         copies = self.pool.copy_log or []
         header.num_copies = len(copies)
         self.channel.send(header, copies)
@@ -228,19 +247,24 @@ class ModelRunner:
             [],
             header.rows_are_tokens,
             header.num_rows,
+            [],
+            header.num_scored,
         )
         hidden = self._forward(step)
-        if step.num_rows:
+        if step.num_rows + step.num_scored:
             if not step.rows_are_tokens:
                 hidden = hidden[self._sample_rows(step)]
-            self.model.compute_logits(hidden)
+            if step.num_rows:
+                self.model.compute_logits(hidden[: step.num_rows])
+            if step.num_scored:
+                follow_scored_rows(self.model, hidden[step.num_rows :])
 
     def _record_upload(self) -> None:
         if self._uploaded is not None:
             self._uploaded.record()
 
     def _sample_rows(self, step: PreparedStep) -> torch.Tensor:
-        rows = step.num_rows
+        rows = step.num_rows + step.num_scored
         if self.inputs is not self.host:
             self.inputs.sample_rows[:rows].copy_(self.host.sample_rows[:rows], non_blocking=True)
         return self.inputs.sample_rows[:rows]
@@ -279,7 +303,7 @@ class ModelRunner:
             tables = self.arrays.block_table(graph_rows, width, page_major=True)[: len(reqs)]
         # Entries past a row's pages are whatever the slot held: valid ids, never attended.
         tables[...] = table.pages[slots, :width]
-        return self._sampled_rows(batch, width)
+        return lm_head_rows(batch, self.arrays, width)
 
     def _fill_decode(self, reqs: list[Request], pages: np.ndarray, slots: np.ndarray) -> None:
         """One token per sequence: two list comprehensions, the rest in numpy."""
@@ -317,33 +341,10 @@ class ModelRunner:
         a.slot_mapping[:num_tokens] = page * size + positions % size
         a.seq_lens[:num_seqs] = starts + lens
 
-    def _sampled_rows(self, batch: ScheduledBatch, width: int) -> PreparedStep:
-        """Which requests sample, from which token row (written to `sample_rows` unless row i
-        is token i, the steady decode case)."""
-        reqs, lens = batch.requests, batch.query_lens
-        num_seqs, num_tokens = len(reqs), batch.num_tokens
-        ends = [
-            r.num_computed_tokens + n == len(r.token_ids) for r, n in zip(reqs, lens, strict=True)
-        ]
-        forks = any([r.pending_forks for r in reqs])
-        if num_tokens == num_seqs and all(ends) and not forks:  # steady decode: row i, token i
-            return PreparedStep(num_tokens, num_seqs, width, list(reqs), True, num_seqs)
-        rows: list[int] = []
-        sampling: list[Request] = []
-        last = self.arrays.query_start_loc[1 : num_seqs + 1].tolist()
-        for r, end, row in zip(reqs, ends, last, strict=True):
-            if end:
-                # Siblings (n > 1) sample their first tokens from the leader's last prompt row.
-                for seq in [r, *r.pending_forks] if r.pending_forks else [r]:
-                    rows.append(row - 1)
-                    sampling.append(seq)
-        rows_are_tokens = len(rows) == num_tokens and rows == list(range(num_tokens))
-        if not rows_are_tokens:
-            self.arrays.sample_rows[: len(rows)] = rows
-        return PreparedStep(num_tokens, num_seqs, width, sampling, rows_are_tokens, len(sampling))
-
-    def _to_host(self, sampling: list[Request], out: SamplerOutput) -> Sampled:
+    def _to_host(self, sampling: list[Request], out: SamplerOutput | None) -> Sampled:
         # NOTE: the step's only device-to-host copy: everything sampled is in one tensor.
+        if out is None:
+            return Sampled([], [], None, None, None)
         if out.values.dim() == 1:
             return Sampled(sampling, out.values.tolist(), None, None, None)
         packed = out.values.tolist()

@@ -24,7 +24,9 @@ class StepInputs:
     query_start_loc: torch.Tensor  # [max_seqs + 1] int32
     block_tables: torch.Tensor  # [max_seqs * max_pages] int32, a step views [seqs, width]
     # (see block_table(): row-major for eager steps, page-major for graphed ones)
-    sample_rows: torch.Tensor  # [max_rows] int64: token index whose logits each row samples
+    # [max_rows + max_tokens] int64: the token index of each sampled row's logits, then of
+    # each prompt-scored row's (at most one per token)
+    sample_rows: torch.Tensor
     sampling_floats: torch.Tensor  # [max_rows, 6] float32: SamplingBatch.floats' columns
     sampling_ints: torch.Tensor  # [max_rows, 5] int64: SamplingBatch.ints' columns
 
@@ -48,7 +50,7 @@ class StepInputs:
             seq_lens=zeros(max_seqs, dtype=torch.int32),
             query_start_loc=zeros(max_seqs + 1, dtype=torch.int32),
             block_tables=zeros(max_seqs * max_pages, dtype=torch.int32),
-            sample_rows=zeros(max_rows),
+            sample_rows=zeros(max_rows + max_tokens),
             sampling_floats=zeros(max_rows, 6, dtype=torch.float32),
             sampling_ints=zeros(max_rows, 5),
         )

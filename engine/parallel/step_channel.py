@@ -1,10 +1,10 @@
 """StepChannel: what rank 0 tells the other tensor-parallel ranks, and how they hear it.
 
-Every message starts with one broadcast of a fixed 8-int header (an Op and a step's sizes). A
+Every message starts with one broadcast of a fixed 9-int header (an Op and a step's sizes). A
 STEP is followed by one more broadcast: the used prefixes of the step's int buffers (token ids,
-positions, KV slots, sequence lengths, query starts, the block table, the sampled rows) and the
-KV page copies made since the last step (the partial prompt page an n > 1 sibling forks),
-packed into one int64 tensor. So a step costs two small broadcasts on the control group, sized
+positions, KV slots, sequence lengths, query starts, the block table, the sampled and
+prompt-scored rows) and the KV page copies made since the last step (the partial prompt page an
+n > 1 sibling forks), packed into one int64 tensor. So a step costs two small broadcasts on the control group, sized
 by the step's tokens and pages, never by the model. Rank 0's page tables are the only ones:
 workers see page ids, never requests.
 """
@@ -21,7 +21,7 @@ import torch
 from engine.execution.step_inputs import StepArrays
 from engine.parallel.tensor_parallel import TensorParallel
 
-HEADER_SIZE = 8
+HEADER_SIZE = 9
 
 
 class Op(IntEnum):
@@ -42,6 +42,7 @@ class StepHeader:
     num_rows: int = 0  # rows sampled (0: no LM head this step)
     rows_are_tokens: bool = False  # row i samples token i (no sample_rows sent)
     num_copies: int = 0  # (src, dst) KV page copies to make before the forward
+    num_scored: int = 0  # prompt-scored rows, after the sampled ones (never in a graphed step)
 
     @property
     def table_entries(self) -> int:
@@ -71,6 +72,7 @@ class StepChannel:
             header.num_rows,
             header.rows_are_tokens,
             header.num_copies,
+            header.num_scored,
         ]
         self.tp.broadcast(self.header)
         if header.op is not Op.STEP:
@@ -87,9 +89,9 @@ class StepChannel:
         copies to make first are returned."""
         self.tp.broadcast(self.header)
         values = self.header.tolist()
-        op, tokens, seqs, width, graph_size, rows, rows_are_tokens, copies = values
+        op, tokens, seqs, width, graph_size, rows, rows_are_tokens, copies, scored = values
         header = StepHeader(
-            Op(op), tokens, seqs, width, graph_size, rows, bool(rows_are_tokens), copies
+            Op(op), tokens, seqs, width, graph_size, rows, bool(rows_are_tokens), copies, scored
         )
         if header.op is not Op.STEP:
             return header, []
@@ -114,8 +116,8 @@ class StepChannel:
             a.query_start_loc[: h.num_seqs + 1],
             a.block_tables[: h.table_entries],
         ]
-        if h.num_rows and not h.rows_are_tokens:
-            parts.append(a.sample_rows[: h.num_rows])
+        if h.num_rows + h.num_scored and not h.rows_are_tokens:
+            parts.append(a.sample_rows[: h.num_rows + h.num_scored])
         return parts
 
 

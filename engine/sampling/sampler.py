@@ -26,11 +26,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling.sampling_math import (
-    MASK32,
     MASS_SCALE,
     exp_weights,
     exponential_noise,
     order_keys,
+    top_ids,
     uniform,
 )
 
@@ -171,9 +171,7 @@ class Sampler:
                 if batch.raw_rows is None
                 else torch.where(batch.raw_rows[:, None], raw, processed)
             )
-        ids = torch.arange(source.shape[-1], device=source.device)
-        ranked = order_keys(source).long() * (MASK32 + 1) + (MASK32 - ids)  # distinct
-        return ranked.topk(batch.num_top_logprobs, dim=-1).indices
+        return top_ids(source, batch.num_top_logprobs)
 
     @classmethod
     def _race(cls, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

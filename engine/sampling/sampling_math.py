@@ -46,6 +46,13 @@ def order_keys(x: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
+def top_ids(x: torch.Tensor, k: int) -> torch.Tensor:
+    """[rows, k] ids of each row's k largest values, most likely first, equal values by id."""
+    ids = torch.arange(x.shape[-1], device=x.device)
+    ranked = order_keys(x).long() * (MASK32 + 1) + (MASK32 - ids)  # distinct
+    return ranked.topk(k, dim=-1).indices
+
+
 def exp_weights(d: torch.Tensor) -> torch.Tensor:
     """exp(d) for d <= 0 (d = logit - row max): 1 at d = 0, 0 below MIN_EXPONENT."""
     t = d.clamp(min=MIN_EXPONENT) * LOG2E

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.messages import FinishReason, SamplingParams
+from engine.scheduling.prompt_scores import PromptScores
 
 
 class RequestStatus(enum.Enum):
@@ -45,6 +46,7 @@ class Request:
     publish_pages: bool = True  # False once its KV mixes weight versions (CONTINUE update)
     pending_forks: list[Request] = field(default_factory=list)  # siblings to start from my prompt
     output_logprobs: list[float] = field(default_factory=list)
+    prompt_scores: PromptScores | None = None  # prompt logprobs still to be reported (leader)
     finish_reason: FinishReason | None = None
     error: str | None = None
     first_scheduled_time: float | None = None

@@ -193,9 +193,11 @@ class Scheduler:
                 self.waiting.pop(0)
                 self._drop_too_big(req)
                 continue
-            hit_pages = self.cache.match(
-                self.policy_version, req.token_ids, req.num_tokens - 1, req.page_hashes
-            )
+            # The cache may not supply a position whose prompt logprob is still to be scored.
+            limit = req.num_tokens - 1
+            if req.prompt_scores is not None:
+                limit = min(limit, req.prompt_scores.cache_limit)
+            hit_pages = self.cache.match(self.policy_version, req.token_ids, limit, req.page_hashes)
             num_cached = len(hit_pages) * self.cache.pool.page_size
             num_tokens = min(req.num_tokens - num_cached, budget)
             needed = self.cache.pool.pages_for(num_cached + num_tokens) - len(hit_pages)

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from engine.messages import RequestOutput
 
 # Estimated Python sizes (CPython 3.11, 64-bit) of what a RequestOutput holds: the object and
-# its lists, a token id and its logprob, and one (id, logprob) of top_logprobs.
+# its lists, a token id and its logprob (or a prompt position's), and one (id, logprob) of
+# top_logprobs.
 OUTPUT_BYTES = 400
 TOKEN_BYTES = 40
 TOP_LOGPROB_BYTES = 70
@@ -19,7 +20,13 @@ def output_bytes(output: RequestOutput) -> int:
     tokens = len(output.new_token_ids)
     top = output.top_logprobs
     per_token = TOKEN_BYTES + (TOP_LOGPROB_BYTES * len(top[0][0]) if top else 0)
-    return OUTPUT_BYTES + tokens * per_token
+    size = OUTPUT_BYTES + tokens * per_token
+    prompt = output.prompt_logprobs
+    if prompt is not None and prompt.logprobs:  # a request's first output, once
+        top = prompt.top_logprobs
+        per_position = TOKEN_BYTES + (TOP_LOGPROB_BYTES * len(top[0][0]) if top else 0)
+        size += len(prompt.logprobs) * per_position
+    return size
 
 
 class BufferMeter:

@@ -50,7 +50,13 @@ FIELD_PATHS = {
     },
     **{name: f"stop.{name}" for name in ("max_tokens", "min_tokens", "stop_token_ids")},
     "top_logprobs": "output.top_logprobs",
+    "prompt_logprobs_start": "output.prompt_logprobs_start",
 }
+# A Started event with prompt logprobs holds, per scored position, a float and a TopLogprobs of
+# k ids and k floats: at most this many bytes for k = 0, plus this many per top logprob. A
+# request whose scores could pass the server's largest message is refused before any work.
+PROMPT_SCORE_BYTES = 16
+TOP_LOGPROB_BYTES = 10
 
 # gRPC's standard trailer: a client's retry policy waits this many milliseconds before its next
 # attempt (instead of its own backoff). gRPC clients honour it for these codes only.
@@ -154,6 +160,12 @@ def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
         logprobs=out.logprobs or out.top_logprobs > 0,
         top_logprobs=out.top_logprobs,
         raw_logprobs=out.raw_logprobs,
+        prompt_logprobs=out.prompt_logprobs,
+        prompt_logprobs_start=(
+            out.prompt_logprobs_start
+            if out.HasField("prompt_logprobs_start")
+            else defaults.prompt_logprobs_start
+        ),
     )
 
 
@@ -180,6 +192,8 @@ def field_violations(
             errors.append(("token_ids.ids", f"every id must be in [0, {info.vocab_size})"))
     if req.HasField("n") and not 1 <= req.n <= info.max_num_seqs:
         errors.append(("n", f"must be in [1, {info.max_num_seqs}] (max_num_seqs)"))
+    elif req.n > 1 and req.stop.HasField("max_tokens") and req.stop.max_tokens == 0:
+        errors.append(("n", "must be 1 to score a prompt (max_tokens 0)"))
     errors += _stop_violations(req.stop)
     params = sampling_params(req)
     errors += [(FIELD_PATHS.get(f, f), d) for f, d in params.errors(info.vocab_size)]
@@ -227,6 +241,7 @@ async def admit(
     policy_version: int,
     deadline: float | None,
     retry_after: float,
+    max_message_bytes: int,
 ) -> Admission:
     """Validate and tokenize; raises Refusal. Queue and duplicate checks are the caller's,
     made right before submitting (no await in between). `retry_after`: the delay suggested to a
@@ -242,6 +257,10 @@ async def admit(
         prompt = list(req.token_ids.ids)
     if len(prompt) >= info.max_model_len:  # the message of a token ids prompt too long
         raise invalid_argument([("prompt", _no_room(len(prompt), info))])
+    if req.output.prompt_logprobs and (
+        violations := prompt_logprobs_violations(req, len(prompt), max_message_bytes)
+    ):
+        raise invalid_argument(violations)
     if req.HasField("min_policy_version") and req.min_policy_version > policy_version:
         # UNAVAILABLE with a retry delay, not FAILED_PRECONDITION: the weights it asks for are
         # on their way (an update in progress here, or already applied on another replica
@@ -269,6 +288,29 @@ async def admit(
         ),
     )
     return Admission(request, output)
+
+
+def prompt_logprobs_violations(
+    req: pb.GenerateRequest, prompt_len: int, max_message_bytes: int
+) -> list[tuple[str, str]]:
+    """What only the tokenized prompt tells of a request for prompt logprobs."""
+    errors = []
+    start = sampling_params(req).prompt_logprobs_start
+    if start > prompt_len:
+        errors.append(
+            ("output.prompt_logprobs_start", f"must be at most the prompt's {prompt_len} tokens")
+        )
+    size = (prompt_len - start) * (PROMPT_SCORE_BYTES + TOP_LOGPROB_BYTES * req.output.top_logprobs)
+    if size > max_message_bytes:
+        errors.append(
+            (
+                "output.prompt_logprobs",
+                f"the scores of {prompt_len - start} positions could pass the largest message "
+                f"the server sends ({max_message_bytes} bytes): score fewer positions "
+                "(prompt_logprobs_start) or ask for fewer top_logprobs",
+            )
+        )
+    return errors
 
 
 def invalid_argument(violations: list[tuple[str, str]]) -> Refusal:

@@ -16,7 +16,7 @@ from sluice.v1 import generation_pb2 as pb
 from sluice.v1 import generation_pb2_grpc
 
 from engine.messages import FinishReason, RequestOutput
-from service.config import ServiceConfig
+from service.config import MAX_SEND_MESSAGE_BYTES, ServiceConfig
 from service.engine_link.engine_client import EngineClient, EngineState, EngineUnavailableError
 from service.engine_link.routing import Inbox
 from service.ops.metrics import Metrics
@@ -169,6 +169,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             policy_version=self.engine.policy_version,
             deadline=deadline,
             retry_after=self.config.retry_after,
+            max_message_bytes=MAX_SEND_MESSAGE_BYTES,
         )
         # NOTE: no await from here to submit(): the duplicate and queue checks stay true.
         self._check_available()
@@ -225,7 +226,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 outputs = await inbox.take()
                 if not started:
                     started = True
-                    yield _started_event(rid, outputs[0])
+                    yield _started_event(rid, outputs)
                 for index, completion in completions.items():
                     mine = outputs if request.n == 1 else [o for o in outputs if o.index == index]
                     if mine and not completion.finished:
@@ -279,10 +280,19 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
     return None if remaining is None else time.time() + remaining
 
 
-def _started_event(request_id: str, first: RequestOutput) -> pb.GenerateResponse:
+def _started_event(request_id: str, outputs: list[RequestOutput]) -> pb.GenerateResponse:
+    """The `started` event, from a request's first outputs (index 0's carries the prompt
+    logprobs when asked for)."""
+    first = outputs[0]
     started = pb.Started(
         prompt_tokens=first.prompt_tokens,
         cached_tokens=first.cached_tokens,
         policy_version=first.policy_version,
     )
+    scores = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
+    if scores is not None:
+        started.prompt_logprobs.start = scores.start
+        started.prompt_logprobs.logprobs.extend(scores.logprobs)
+        for ids, logprobs in scores.top_logprobs or []:
+            started.prompt_logprobs.top_logprobs.add(token_ids=ids, logprobs=logprobs)
     return pb.GenerateResponse(request_id=request_id, started=started)

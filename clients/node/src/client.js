@@ -36,6 +36,9 @@ export const DEFAULT_SERVICE_CONFIG = Object.freeze({
 /** The metadata key a load balancer in front of several replicas hashes (docs/deploy.md). */
 export const AFFINITY_KEY = 'x-sluice-affinity';
 const MAX_AFFINITY_CHARS = 256;
+// The largest message a Sluice server sends (a Started with the prompt logprobs of a long prompt);
+// grpc-js receives at most 4 MiB by default.
+const MAX_RECEIVE_MESSAGE_BYTES = 64 * 1024 * 1024;
 
 export class Client {
   #generation;
@@ -60,7 +63,8 @@ export class Client {
     const retryOptions = retry
       ? { 'grpc.enable_retries': 1, 'grpc.service_config': JSON.stringify(DEFAULT_SERVICE_CONFIG) }
       : { 'grpc.enable_retries': 0 };
-    this.#generation = new Generation(target, credentials(tls), { ...retryOptions, ...channelOptions });
+    const limits = { 'grpc.max_receive_message_length': MAX_RECEIVE_MESSAGE_BYTES };
+    this.#generation = new Generation(target, credentials(tls), { ...retryOptions, ...limits, ...channelOptions });
     this.#admin = new Admin(target, null, { channelOverride: this.#generation.getChannel() });
     this.#metadata = withAffinity(bearer(apiToken), affinity);
     this.#adminMetadata = bearer(adminToken);

@@ -15,7 +15,14 @@ export function buildRequest(prompt, options = {}) {
   const stop = pick(options, ['maxTokens', 'minTokens', 'ignoreEos', 'includeStopStrInOutput']);
   if (options.stop !== undefined) stop.stop = [...options.stop];
   if (options.stopTokenIds !== undefined) stop.stopTokenIds = [...options.stopTokenIds];
-  const output = pick(options, ['logprobs', 'topLogprobs', 'rawLogprobs', 'skipSpecialTokens']);
+  const output = pick(options, [
+    'logprobs',
+    'topLogprobs',
+    'rawLogprobs',
+    'skipSpecialTokens',
+    'promptLogprobs',
+    'promptLogprobsStart',
+  ]);
   const request = {
     requestId: options.requestId ?? '',
     sampling,
@@ -52,7 +59,8 @@ export function toEvent(response) {
   switch (response.event) {
     case 'started': {
       const { promptTokens, cachedTokens, policyVersion } = response.started;
-      return { type: 'started', requestId, index, promptTokens, cachedTokens, policyVersion };
+      const promptLogprobs = response.started.promptLogprobs ?? null;
+      return { type: 'started', requestId, index, promptTokens, cachedTokens, policyVersion, promptLogprobs };
     }
     case 'tokens': {
       const { tokenIds, text, logprobs, topLogprobs, policyVersion } = response.tokens;

@@ -55,6 +55,25 @@ test("greedy token ids equal the Python client's for the same prompts", async ()
   assert.deepEqual(node, python);
 });
 
+test('promptLogprobs: started carries the scores; maxTokens 0 scores without generating', async () => {
+  const prompt = PROMPTS[2];
+  const options = { promptLogprobs: true, promptLogprobsStart: 2, topLogprobs: 2 };
+  const scored = await client.complete(prompt, { ...options, maxTokens: 0 });
+  assert.equal(scored.reason, 'LENGTH');
+  assert.deepEqual(scored.tokenIds, []);
+  const scores = scored.started.promptLogprobs;
+  assert.equal(scores.start, 2);
+  assert.equal(scores.logprobs.length, prompt.length - 2);
+  assert.ok(scores.logprobs.every((lp) => lp <= 0));
+  assert.equal(scores.topLogprobs.length, prompt.length - 2);
+  assert.ok(scores.topLogprobs.every((top) => top.tokenIds.length === 2));
+  // The same prompt scored while generating: the same scores; without the option, none.
+  const generated = await client.complete(prompt, { ...options, ...GREEDY });
+  assert.deepEqual(generated.started.promptLogprobs.logprobs, scores.logprobs);
+  assert.equal(generated.tokenIds.length, MAX_TOKENS);
+  assert.equal((await client.complete(prompt, GREEDY)).started.promptLogprobs, null);
+});
+
 test('complete with n > 1 returns every sample in index order; n = 1 one Completion', async () => {
   const options = { maxTokens: 6, temperature: 1, seed: 5, ignoreEos: true };
   const samples = await client.complete(PROMPTS[2], { ...options, n: 3 });
@@ -133,7 +152,7 @@ test('a refused request is a SluiceError with its field violations decoded', asy
   const expected = [
     { field: 'sampling.temperature', description: 'must be finite (as a float32)' },
     { field: 'sampling.top_p', description: 'must be in (0, 1]' },
-    { field: 'stop.max_tokens', description: 'must be >= 1' },
+    { field: 'stop.max_tokens', description: 'must be >= 1 (0 only to score a prompt)' },
   ];
   const byField = (a, b) => a.field.localeCompare(b.field);
   await assert.rejects(collect(client.generate('Hello', bad)), (error) => {

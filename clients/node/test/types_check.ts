@@ -17,6 +17,11 @@ export async function usage(target: string): Promise<void> {
   }
   const completion: Completion = await client.complete([0, 1, 2], { n: 1, seed: 7 });
   void completion.tokenIds;
+  const scored = await client.complete([0, 1, 2], { maxTokens: 0, promptLogprobs: true, promptLogprobsStart: 1 });
+  if (!Array.isArray(scored) && scored.started?.promptLogprobs) {
+    const logprobs: number[] = scored.started.promptLogprobs.logprobs;
+    void [logprobs, scored.started.promptLogprobs.start];
+  }
   const all: Completion[] = await collect(client.generate('x', { n: 2 }));
   void all;
   const samples = await client.complete('x', { n: 3 });

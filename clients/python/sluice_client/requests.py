@@ -29,6 +29,8 @@ def build_request(
     logprobs: bool = False,
     top_logprobs: int = 0,
     raw_logprobs: bool = False,
+    prompt_logprobs: bool = False,
+    prompt_logprobs_start: int | None = None,
     skip_special_tokens: bool | None = None,
     n: int | None = None,
     min_policy_version: int | None = None,
@@ -58,8 +60,13 @@ def build_request(
     if max_tokens is not None:
         stop_params.max_tokens = max_tokens
     output = pb.OutputOptions(
-        logprobs=logprobs, top_logprobs=top_logprobs, raw_logprobs=raw_logprobs
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        raw_logprobs=raw_logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
+    if prompt_logprobs_start is not None:
+        output.prompt_logprobs_start = prompt_logprobs_start
     if skip_special_tokens is not None:
         output.skip_special_tokens = skip_special_tokens
     request = pb.GenerateRequest(
@@ -90,6 +97,14 @@ class Completion:
     policy_versions: list[int] = field(default_factory=list)  # one per token
     finished: pb.Finished | None = None
     refused: pb.Refused | None = None
+
+    @property
+    def prompt_logprobs(self) -> list[float] | None:
+        """The prompt's scores (`prompt_logprobs=True`): one per position from
+        `started.prompt_logprobs.start`; None when not asked for (or not started)."""
+        if self.started is None or not self.started.HasField("prompt_logprobs"):
+            return None
+        return list(self.started.prompt_logprobs.logprobs)
 
     @property
     def reason(self) -> str:

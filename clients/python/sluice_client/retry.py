@@ -39,9 +39,15 @@ DEFAULT_SERVICE_CONFIG: Mapping[str, Any] = {
 Retry = bool | Mapping[str, Any]
 
 
+# The largest message a Sluice server sends (a Started with the prompt logprobs of a long
+# prompt); gRPC's default receive limit is 4 MiB.
+MAX_RECEIVE_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
 def channel_options(retry: Retry = True) -> list[tuple[str, Any]]:
     """The options of a channel to a Sluice server (`grpc.insecure_channel(target, options)`)."""
+    limits = [("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)]
     if retry is False:
-        return [("grpc.enable_retries", 0)]
+        return [("grpc.enable_retries", 0), *limits]
     config = DEFAULT_SERVICE_CONFIG if retry is True else retry
-    return [("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(config))]
+    return [("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(config)), *limits]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,31 @@ def test_batching_with_preemption_prefix_cache_and_n_match_one_rank(tiny_llama, 
     assert two.generate(later, GREEDY)[0].token_ids == one.generate(later, GREEDY)[0].token_ids
     stats = two.stats()
     assert stats.preemptions > 0 and stats.prefix_cache_hits > 0, stats
+
+
+def test_prompt_logprobs_at_two_ranks_equal_one_rank_in_chunks_and_alone(
+    tiny_llama, engines
+) -> None:
+    # A 16-token budget splits the prompts into chunks; max_tokens 0 scores without sampling.
+    one = make_engine(tiny_llama, 1, max_num_batched_tokens=16)
+    engines.append(two := make_engine(tiny_llama, 2, max_num_batched_tokens=16))
+    batch = prompts(one.info.vocab_size, count=6)[3:]  # 28, 36 and 44 tokens
+    scored = SamplingParams(max_tokens=0, prompt_logprobs=True, top_logprobs=2)
+    params = [scored, GREEDY, replace(GREEDY, prompt_logprobs=True)]
+    single, split = one.generate(batch, params), two.generate(batch, params)
+    for a, b in zip(single, split, strict=True):
+        assert b.token_ids == a.token_ids
+        if a.prompt_logprobs is None:
+            assert b.prompt_logprobs is None
+            continue
+        assert b.prompt_logprobs is not None and b.prompt_logprobs.start == 1
+        torch.testing.assert_close(
+            torch.tensor(b.prompt_logprobs.logprobs),
+            torch.tensor(a.prompt_logprobs.logprobs),
+            atol=1e-4,
+            rtol=0,
+        )
+    assert split[0].prompt_logprobs is not None and split[0].prompt_logprobs.top_logprobs
 
 
 def test_weight_updates_swap_on_every_rank(tmp_path, engines) -> None:

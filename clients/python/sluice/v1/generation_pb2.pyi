@@ -338,9 +338,10 @@ class StopParams(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
-    """The most tokens to generate per sample; >= 1. A value past what the prompt leaves of the
-    context is not refused: the sample ends LENGTH at the context's end. Default: the rest of
-    the context.
+    """The most tokens to generate per sample; >= 1, or 0 with OutputOptions.prompt_logprobs and
+    n = 1: the prompt is scored and nothing generated (Started carries the scores, then the
+    sample ends LENGTH with no token). A value past what the prompt leaves of the context is
+    not refused: the sample ends LENGTH at the context's end. Default: the rest of the context.
     """
     min_tokens: _builtins.int
     """EOS and stop_token_ids are suppressed until this many tokens are generated; <= max_tokens.
@@ -395,6 +396,8 @@ class OutputOptions(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     RAW_LOGPROBS_FIELD_NUMBER: _builtins.int
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_START_FIELD_NUMBER: _builtins.int
     logprobs: _builtins.bool
     """Return the log-probability of each sampled token (TokenChunk.logprobs): the log-softmax of
     the logits after penalties and min_tokens suppression, divided by the temperature (1 when
@@ -412,6 +415,18 @@ class OutputOptions(_message.Message):
     """Leave special tokens (BOS, EOS, chat markers) out of TokenChunk.text; their ids are always
     returned. Default true.
     """
+    prompt_logprobs: _builtins.bool
+    """Score the prompt: Started.prompt_logprobs gives the log-probability of each prompt token
+    given the ones before it, from position prompt_logprobs_start on, with top_logprobs most
+    likely tokens per position when top_logprobs > 0. The log-softmax of the logits divided by
+    the temperature (1 when greedy; the unmodified logits with raw_logprobs): no penalties, no
+    top-k, top-p or min-p. Positions to score are always computed: the prefix cache supplies
+    at most the tokens before prompt_logprobs_start - 1. Default false.
+    """
+    prompt_logprobs_start: _builtins.int
+    """The first prompt position scored, counted from 0: in [1, prompt length] (position 0 has no
+    context; the prompt length gives an empty list), else INVALID_ARGUMENT. Default 1.
+    """
     def __init__(
         self,
         *,
@@ -419,13 +434,20 @@ class OutputOptions(_message.Message):
         top_logprobs: _builtins.int = ...,
         raw_logprobs: _builtins.bool = ...,
         skip_special_tokens: _builtins.bool | None = ...,
+        prompt_logprobs: _builtins.bool = ...,
+        prompt_logprobs_start: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_skip_special_tokens", b"_skip_special_tokens", "skip_special_tokens", b"skip_special_tokens"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_prompt_logprobs_start", b"_prompt_logprobs_start", "_skip_special_tokens", b"_skip_special_tokens", "prompt_logprobs_start", b"prompt_logprobs_start", "skip_special_tokens", b"skip_special_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_skip_special_tokens", b"_skip_special_tokens", "logprobs", b"logprobs", "raw_logprobs", b"raw_logprobs", "skip_special_tokens", b"skip_special_tokens", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt_logprobs_start", b"_prompt_logprobs_start", "_skip_special_tokens", b"_skip_special_tokens", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_logprobs_start", b"prompt_logprobs_start", "raw_logprobs", b"raw_logprobs", "skip_special_tokens", b"skip_special_tokens", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__prompt_logprobs_start: _TypeAlias = _typing.Literal["prompt_logprobs_start"]  # noqa: Y015
+    _WhichOneofArgType__prompt_logprobs_start: _TypeAlias = _typing.Literal["_prompt_logprobs_start", b"_prompt_logprobs_start"]  # noqa: Y015
     _WhichOneofReturnType__skip_special_tokens: _TypeAlias = _typing.Literal["skip_special_tokens"]  # noqa: Y015
     _WhichOneofArgType__skip_special_tokens: _TypeAlias = _typing.Literal["_skip_special_tokens", b"_skip_special_tokens"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_logprobs_start) -> _WhichOneofReturnType__prompt_logprobs_start | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__skip_special_tokens) -> _WhichOneofReturnType__skip_special_tokens | None: ...
 
 Global___OutputOptions: _TypeAlias = OutputOptions  # noqa: Y015
@@ -610,6 +632,7 @@ class Started(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     """The prompt's length in tokens (special tokens included)."""
     cached_tokens: _builtins.int
@@ -618,20 +641,65 @@ class Started(_message.Message):
     """
     policy_version: _builtins.int
     """The policy version of the weights that started the request."""
+    @_builtins.property
+    def prompt_logprobs(self) -> Global___PromptLogprobs:
+        """The prompt's scores when OutputOptions.prompt_logprobs was set; unset otherwise. Computed
+        by the weights of policy_version.
+        """
+
     def __init__(
         self,
         *,
         prompt_tokens: _builtins.int = ...,
         cached_tokens: _builtins.int = ...,
         policy_version: _builtins.int = ...,
+        prompt_logprobs: Global___PromptLogprobs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prompt_logprobs", b"prompt_logprobs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "policy_version", b"policy_version", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "policy_version", b"policy_version", "prompt_logprobs", b"prompt_logprobs", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Started: _TypeAlias = Started  # noqa: Y015
+
+@_typing.final
+class PromptLogprobs(_message.Message):
+    """The log-probabilities of a prompt's tokens (OutputOptions.prompt_logprobs)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    start: _builtins.int
+    """The first prompt position scored (OutputOptions.prompt_logprobs_start)."""
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """logprobs[i] is the log-probability (natural log, <= 0) of the prompt token at position
+        start + i given the tokens before it; prompt length - start values.
+        """
+
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprobs]:
+        """top_logprobs[i]: the OutputOptions.top_logprobs most likely tokens at position start + i
+        (ties by token id); empty unless top_logprobs > 0.
+        """
+
+    def __init__(
+        self,
+        *,
+        start: _builtins.int = ...,
+        logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        top_logprobs: _abc.Iterable[Global___TopLogprobs] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "start", b"start", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PromptLogprobs: _TypeAlias = PromptLogprobs  # noqa: Y015
 
 @_typing.final
 class TokenChunk(_message.Message):
