@@ -37,6 +37,7 @@ from engine.execution.model_shard import (
 )
 from engine.generation_result import GenerationResult, generate
 from engine.messages import (
+    SUPPORT_TIES,
     EngineStats,
     FinishReason,
     InflightPolicy,
@@ -293,7 +294,20 @@ class LLMEngine:
             if reason is not None:
                 self._finish(reqs[row], reason, None)
                 outputs.build_final(row)  # its values are final now
+        if sampled.support is not None and None in sampled.support:
+            self._end_unlisted_supports(sampled, outputs)
         return outputs
+
+    def _end_unlisted_supports(self, sampled: Sampled, outputs: StepOutputs) -> None:
+        """A support the sampler could not list (more than SUPPORT_TIES tokens tie at the k-th
+        logit) ends its request: it would be wrong, not short."""
+        assert sampled.support is not None
+        for row, req in enumerate(sampled.requests):
+            listed = sampled.support[row] is not None
+            if not listed and req.params.sampling_support and not req.is_finished:
+                message = f"sampling_support: more than {SUPPORT_TIES} tokens tie at top_k"
+                self._finish(req, FinishReason.ERROR, message)
+                outputs.build_final(row)
 
     def _end_scored(self, req: Request, outputs: list[RequestOutput]) -> None:
         """A request that only scores its prompt (max_tokens 0) ends once it is scored."""

@@ -39,6 +39,7 @@ class GenerationResult:
     completion_tokens: int = 0
     cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # index 0, when asked for
+    sampling_support: list[list[int]] | None = None  # one per token, when asked for
 
     def add(self, out: RequestOutput) -> None:
         """Fold in one step's output for this completion (the last one sets finish_reason)."""
@@ -48,6 +49,8 @@ class GenerationResult:
             self.logprobs = (self.logprobs or []) + out.logprobs
         if out.top_logprobs is not None:
             self.top_logprobs = (self.top_logprobs or []) + out.top_logprobs
+        if out.sampling_support is not None:
+            self.sampling_support = (self.sampling_support or []) + out.sampling_support
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.prompt_tokens = out.prompt_tokens

@@ -17,6 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_TOP_LOGPROBS = 20
+# A token's sampling support holds at most top_k ids (plus ties at the k-th logit, at most
+# SUPPORT_TIES of them): top_k bounds it, up to this.
+MAX_SUPPORT_TOP_K = 1024
+SUPPORT_TIES = 64
 MAX_POLICY_VERSION = 2**64 - 1
 # Temperatures below this sample greedily (vLLM's threshold): dividing logits by less
 # overflows float32 to inf, and softmax of inf is NaN.
@@ -25,6 +29,14 @@ GREEDY_TEMPERATURE = 1e-5
 # stays finite in float32 (3.4e38) unless it already exceeds 3.4e30, far above any model's.
 REPETITION_PENALTY_RANGE = (0.001, 1000.0)
 _FLOAT32_MAX = 3.4028234663852886e38  # finite Python floats above this are inf on the device
+
+
+class LogprobMode(enum.StrEnum):
+    """Which distribution logprobs are taken from (engine/sampling/sampler.py)."""
+
+    RAW = "raw"  # the model's logits
+    PROCESSED = "processed"  # after penalties and temperature, before truncation (default)
+    SAMPLED = "sampled"  # after top-k, top-p and min-p, renormalised: what the token was drawn from
 
 
 class FinishReason(enum.StrEnum):
@@ -67,11 +79,28 @@ class SamplingParams:
     raw_logprobs: bool = False
     prompt_logprobs: bool = False
     prompt_logprobs_start: int = 1  # the first prompt position scored (0 has no context)
+    logprob_mode: LogprobMode | None = None  # None: PROCESSED (RAW with raw_logprobs)
+    sampling_support: bool = False  # return the ids each token could have been drawn from
 
     @property
     def greedy(self) -> bool:
         """The one rule for "this request samples greedily"; the engine decides by it alone."""
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def mode(self) -> LogprobMode:
+        """The distribution logprobs come from: raw_logprobs is RAW."""
+        if self.raw_logprobs:
+            return LogprobMode.RAW
+        return self.logprob_mode or LogprobMode.PROCESSED
+
+    @property
+    def support_bound(self) -> int:
+        """The most ids a token's sampling support lists, ties at the k-th logit aside: 1 when
+        greedy, top_k when set, 0 when nothing truncates (the support is every token)."""
+        if self.greedy:
+            return 1
+        return self.top_k if self.top_k > 0 else 0
 
     def errors(self, vocab_size: int | None = None) -> list[tuple[str, str]]:
         """Every invalid field as (field name, description); empty when the params are valid.
@@ -108,6 +137,17 @@ class SamplingParams:
             errs.append(("min_tokens", "must be >= 0"))
         elif self.max_tokens is not None and self.min_tokens > self.max_tokens:
             errs.append(("min_tokens", "must not exceed max_tokens"))
+        if self.raw_logprobs and self.logprob_mode not in (None, LogprobMode.RAW):
+            errs.append(("logprob_mode", "raw_logprobs means RAW: set one or the other"))
+        truncates = not self.greedy and (self.top_k != 0 or self.top_p < 1.0 or self.min_p > 0.0)
+        if self.sampling_support and truncates and not 1 <= self.top_k <= MAX_SUPPORT_TOP_K:
+            errs.append(
+                (
+                    "sampling_support",
+                    f"needs top_k in [1, {MAX_SUPPORT_TOP_K}] with top-k, top-p or min-p "
+                    "(top_k bounds the support)",
+                )
+            )
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             errs.append(("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]"))
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
@@ -273,6 +313,9 @@ class RequestOutput:
     completion_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    # sampling_support[i]: the ids new_token_ids[i] could have been drawn from, most likely
+    # first; [] when nothing truncated the distribution (every token). When asked for.
+    sampling_support: list[list[int]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -381,6 +424,7 @@ __all__ = [
     "AddRequest",
     "AbortRequests",
     "InflightPolicy",
+    "LogprobMode",
     "TensorRef",
     "UpdateWeights",
     "WeightsPhase",
@@ -400,6 +444,8 @@ __all__ = [
     "ToEngine",
     "FromEngine",
     "MAX_TOP_LOGPROBS",
+    "MAX_SUPPORT_TOP_K",
+    "SUPPORT_TIES",
     "MAX_POLICY_VERSION",
     "GREEDY_TEMPERATURE",
     "REPETITION_PENALTY_RANGE",

@@ -233,4 +233,5 @@ def _rows(sampled: Sampled, rows: list[int]) -> Sampled:
         pick(sampled.top_ids),
         pick(sampled.top_logprobs),
         sampled.prompt_scores,
+        pick(sampled.support),
     )

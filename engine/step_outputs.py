@@ -38,6 +38,7 @@ class StepOutputs(Sequence[RequestOutput]):
         self.logprobs = sampled.logprobs
         self.top_ids = sampled.top_ids
         self.top_logprobs = sampled.top_logprobs
+        self.support = sampled.support
         self._list: list[RequestOutput] | None = None
 
     def build_final(self, row: int) -> None:
@@ -46,6 +47,7 @@ class StepOutputs(Sequence[RequestOutput]):
         lp, top = self.row_logprobs(req, row)
         out = request_output(req, [self.token_ids[row]], lp, top, self.policy_version)
         out.prompt_logprobs = self.prompt.get(row)
+        out.sampling_support = self.row_support(req, row)
         self.built[row] = out
 
     def attach_prompt(self, row: int, prompt_logprobs: PromptLogprobs) -> None:
@@ -73,6 +75,7 @@ class StepOutputs(Sequence[RequestOutput]):
             req.num_cached_tokens,
             self.counts[row],
             prompt_logprobs=self.prompt.get(row),
+            sampling_support=self.row_support(req, row),
         )
 
     def row_logprobs(
@@ -87,6 +90,12 @@ class StepOutputs(Sequence[RequestOutput]):
         if k and self.top_ids is not None and self.top_logprobs is not None:
             top = [(self.top_ids[row][:k], self.top_logprobs[row][:k])]
         return lp, top
+
+    def row_support(self, req: Request, row: int) -> list[list[int]] | None:
+        """Row `row`'s sampling support, if its request asked for it."""
+        if not req.params.sampling_support or self.support is None:
+            return None
+        return [self.support[row] or []]  # (an overflow ends the request: Engine)
 
     def outputs(self) -> list[RequestOutput]:
         """Every output as a list, built once."""
@@ -171,4 +180,5 @@ class StepOutputs(Sequence[RequestOutput]):
 
 
 def _wants_logprobs(req: Request) -> bool:
-    return req.params.logprobs or req.params.top_logprobs > 0
+    p = req.params
+    return p.logprobs or p.top_logprobs > 0 or p.sampling_support

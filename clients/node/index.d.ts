@@ -71,6 +71,10 @@ export interface GenerateOptions extends RoutedCallOptions {
   promptLogprobs?: boolean;
   /** The first prompt position scored, in [1, prompt length]; default 1. */
   promptLogprobsStart?: number;
+  /** Which distribution logprobs come from; default PROCESSED (RAW with rawLogprobs). */
+  logprobMode?: 'RAW' | 'PROCESSED' | 'SAMPLED';
+  /** Return, per token, the ids it could have been drawn from (needs topK with truncation). */
+  samplingSupport?: boolean;
   n?: number;
   minPolicyVersion?: number;
   priority?: number;
@@ -118,6 +122,8 @@ export interface TokensEvent extends EventBase {
   /** logprobs[i] belongs to tokenIds[i] (when requested). */
   logprobs: number[];
   topLogprobs: { tokenIds: number[]; logprobs: number[] }[];
+  /** samplingSupport[i]: the ids tokenIds[i] could have been drawn from ([]: every token). */
+  samplingSupport: number[][];
   /** The weights version that produced these tokens. */
   policyVersion: number;
 }
@@ -176,6 +182,8 @@ export class Completion {
   tokenIds: number[];
   text: string;
   logprobs: number[];
+  /** One per token, with the samplingSupport option. */
+  samplingSupport: number[][];
   /** One per token. */
   policyVersions: number[];
   finished: FinishedEvent | null;

@@ -29,8 +29,9 @@ from engine.scheduling.request import Request
 
 @dataclass
 class Sampled:
-    """The tokens sampled this step, one per sampling request, on the host; and the prompt
-    positions scored, per request: (request, first position, one row per position)."""
+    """The tokens sampled this step, one per sampling request, on the host (with what the
+    rows asked for); and the prompt positions scored, per request: (request, first position,
+    one row per position)."""
 
     requests: list[Request]
     token_ids: list[int]
@@ -38,6 +39,9 @@ class Sampled:
     top_ids: list[list[int]] | None
     top_logprobs: list[list[float]] | None
     prompt_scores: list[tuple[Request, int, list[list[float]]]] = field(default_factory=list)
+    # Per row when asked for: the ids it could have drawn ([]: every token; None: more tie at
+    # the k-th logit than the sampler returned)
+    support: list[list[int] | None] | None = None
 
 
 @dataclass

@@ -353,12 +353,24 @@ class ModelRunner:
         top_ids = top_lps = None
         if k := out.num_top_logprobs:
             top_ids = [[int(t) for t in row[2 : 2 + k]] for row in packed]
-            top_lps = [row[2 + k :] for row in packed]
-        return Sampled(sampling, token_ids, logprobs, top_ids, top_lps)
+            top_lps = [row[2 + k : 2 + 2 * k] for row in packed]
+        sampled = Sampled(sampling, token_ids, logprobs, top_ids, top_lps)
+        if width := out.support_width:
+            sampled.support = [_support(row[2 + 2 * k :], width) for row in packed]
+        return sampled
 
     def _sampling_batch(self, reqs: list[Request], table: BlockTable) -> SamplingBatch:
         """The step's SamplingBatch, in the buffers this launch fills."""
         return self.sampling_inputs.batch(reqs, table, self.host, self.arrays, self.inputs)
+
+
+def _support(columns: list[float], width: int) -> list[int] | None:
+    """A row's sampling support from its packed columns (size, then `width` ids): [] for every
+    token, None when more ids tie than the columns hold."""
+    size = int(columns[0])
+    if size > width:
+        return None
+    return [int(t) for t in columns[1 : 1 + size]] if size > 0 else []
 
 
 def _block_table(batch: ScheduledBatch) -> BlockTable:

@@ -2,7 +2,7 @@
 
 A step's scored rows (engine/scheduling/prompt_scores.py says which) follow its sampled rows
 in the gathered hidden states. Each row's logits are divided by its request's temperature (1
-when greedy; the raw logits with raw_logprobs: no penalties, no truncation) and log-softmaxed;
+when greedy; the raw logits in logprob mode RAW: no penalties, no truncation) and log-softmaxed;
 the result packs, per row, the logprob of the next prompt token and the k top ids and their
 logprobs (ranked as the sampler ranks top logprobs) into one float64 tensor, so one copy
 brings it to the host.
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.messages import LogprobMode
 from engine.models.llama import LlamaForCausalLM
 from engine.sampling.sampling_math import top_ids
 from engine.scheduling.prompt_scores import ScoreSpan
@@ -48,7 +49,8 @@ class ScoredRows:
         for req, span in spans:
             targets += req.token_ids[span.first : span.first + span.count]
             p = req.params
-            divisors += [1.0 if p.greedy or p.raw_logprobs else p.temperature] * span.count
+            raw = p.greedy or p.mode is LogprobMode.RAW
+            divisors += [1.0 if raw else p.temperature] * span.count
         return cls(
             spans,
             torch.tensor(targets, dtype=torch.int64).to(device, non_blocking=True),

@@ -13,6 +13,7 @@ import torch
 from engine.execution import sampling_slots as slot_bits
 from engine.execution.sampling_slots import SamplingSlots
 from engine.execution.step_inputs import StepArrays, StepInputs
+from engine.messages import SUPPORT_TIES, LogprobMode
 from engine.sampling.sampler import SamplingBatch
 from engine.scheduling.block_table import BlockTable
 from engine.scheduling.request import Request
@@ -58,13 +59,20 @@ class SamplingInputs:
             num_top_logprobs=top,
             logprobs=bool(flags & slot_bits.LOGPROBS),
             raw_logprobs=bool(flags & slot_bits.RAW_LOGPROBS),
+            sampled_logprobs=bool(flags & slot_bits.SAMPLED_LOGPROBS),
         )
-        if batch.num_top_logprobs:
-            batch.logprobs = batch.logprobs or bool(flags & slot_bits.NOT_RAW)
+        if batch.num_top_logprobs:  # top logprobs without logprobs rank by the row's mode
+            batch.logprobs = batch.logprobs or bool(flags & slot_bits.PROCESSED)
             batch.raw_logprobs = batch.raw_logprobs or bool(flags & slot_bits.RAW)
-        if batch.logprobs and batch.raw_logprobs:
-            raw = [r.params.raw_logprobs for r in reqs]
-            batch.raw_rows = torch.tensor(raw, device=self.device)
+            batch.sampled_logprobs = batch.sampled_logprobs or bool(flags & slot_bits.SAMPLED_MODE)
+        kinds = (batch.logprobs, batch.raw_logprobs, batch.sampled_logprobs)
+        if sum(kinds) > 1:  # each row's own
+            modes = [r.params.mode for r in reqs]
+            batch.raw_rows = self._rows_in(modes, LogprobMode.RAW) if kinds[1] else None
+            batch.sampled_rows = self._rows_in(modes, LogprobMode.SAMPLED) if kinds[2] else None
+        if flags & slot_bits.SUPPORT:
+            bound = max(r.params.support_bound for r in reqs if r.params.sampling_support)
+            batch.support_width = min(self.vocab_size, bound + SUPPORT_TIES)
         if batch.use_penalties:
             # Only penalised rows need their history (empty ones change no logit); another
             # row's may end in an overlapped step's pending token (-1), no id to count.
@@ -77,6 +85,9 @@ class SamplingInputs:
             if any(stop_ids):
                 batch.suppress_ids = self._padded([list(b) for b in stop_ids])
         return batch
+
+    def _rows_in(self, modes: list[LogprobMode], mode: LogprobMode) -> torch.Tensor:
+        return torch.tensor([m is mode for m in modes], device=self.device)
 
     def _stop_ids(self, req: Request) -> tuple[int, ...]:
         eos = () if req.params.ignore_eos else self.eos_token_ids

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from engine.messages import LogprobMode
 from engine.scheduling.block_table import BlockTable
 from engine.scheduling.request import Request
 
@@ -26,8 +27,16 @@ MIN_P = 8  # and min-p above 0
 PENALTIES = 16  # any penalty (greedy or not)
 LOGPROBS = 32  # processed logprobs
 RAW_LOGPROBS = 64  # raw logprobs
-RAW = 128  # raw_logprobs set (what its top logprobs rank by)
-NOT_RAW = 256
+SAMPLED_LOGPROBS = 128  # logprobs of the truncated distribution
+RAW = 256  # its logprob mode (what its top logprobs rank by): RAW,
+PROCESSED = 512  # PROCESSED,
+SAMPLED_MODE = 1024  # or SAMPLED
+SUPPORT = 2048  # the sampling support
+MODE_BITS = {
+    LogprobMode.RAW: (RAW_LOGPROBS, RAW),
+    LogprobMode.PROCESSED: (LOGPROBS, PROCESSED),
+    LogprobMode.SAMPLED: (SAMPLED_LOGPROBS, SAMPLED_MODE),
+}
 
 
 class SamplingSlots:
@@ -103,9 +112,8 @@ def _row(req: Request) -> tuple[tuple[float, ...], tuple[int, ...], int, int, in
         flags |= MIN_P if p.min_p > 0.0 else 0
     if uses_penalties(req):
         flags |= PENALTIES
-    if p.logprobs:
-        flags |= RAW_LOGPROBS if p.raw_logprobs else LOGPROBS
-    flags |= RAW if p.raw_logprobs else NOT_RAW
+    logprobs, mode = MODE_BITS[p.mode]
+    flags |= mode | (logprobs if p.logprobs else 0) | (SUPPORT if p.sampling_support else 0)
     return floats, ints, flags, p.top_logprobs, p.min_tokens
 
 

@@ -4,6 +4,11 @@ Order of operations per row (it defines the logprobs callers get, docs/service.m
   raw logits -> penalties (repetition, frequency, presence) and min_tokens suppression
   -> divide by temperature (greedy counts as 1)         => "processed" logits, logprobs here
   -> top-k, top-p, min-p truncation -> sample (greedy rows: argmax of processed logits).
+Logprob modes: RAW (the raw logits' log-softmax), PROCESSED (the default, above) and SAMPLED:
+the processed logits renormalised over the kept tokens, the distribution the token was drawn
+from (a greedy row's is the point mass on its argmax: logprob 0). The kept tokens themselves
+(the sampling support) come back on request: [argmax] for a greedy row, nothing for a row that
+truncates nothing (every token), else every kept id, most likely first.
 
 Randomness is counter-based: row noise is a hash of (request seed, output index, token id),
 so a seeded request samples the same tokens whatever else is batched with it, and resumes
@@ -64,6 +69,9 @@ class SamplingBatch:
     logprobs: bool = False  # any row wants logprobs (processed)
     raw_logprobs: bool = False  # any row wants raw logprobs
     raw_rows: torch.Tensor | None = None  # [rows] bool, when both kinds are asked for
+    sampled_logprobs: bool = False  # any row wants SAMPLED logprobs
+    sampled_rows: torch.Tensor | None = None  # [rows] bool, when it is not the only kind
+    support_width: int = 0  # sampling support ids returned per row; 0 = none asked for
 
     def column(self, name: str) -> torch.Tensor:
         if name in FLOAT_COLUMNS:
@@ -75,13 +83,15 @@ class SamplingBatch:
 class SamplerOutput:
     """What a step sampled, in one tensor so that one copy brings it to the host.
 
-    Without logprobs `values` is [rows] int64 token ids. With them it is [rows, 2 + 2k]
-    float64 (exact for token ids and float32 logprobs): the token id, its logprob, the k top
-    token ids, their logprobs.
+    Without logprobs or support `values` is [rows] int64 token ids. Else it is [rows, 2 + 2k
+    (+ 1 + w)] float64 (exact for token ids and float32 logprobs): the token id, its logprob,
+    the k top token ids, their logprobs (then the support's size, -1 for every token, and its
+    first w ids, padded with -1).
     """
 
     values: torch.Tensor
     num_top_logprobs: int = 0
+    support_width: int = 0
 
     def unpack(
         self,
@@ -91,7 +101,7 @@ class SamplerOutput:
             return self.values, None, None, None
         k = self.num_top_logprobs
         v = self.values
-        top = (v[:, 2 : 2 + k].long(), v[:, 2 + k :].float()) if k else (None, None)
+        top = (v[:, 2 : 2 + k].long(), v[:, 2 + k : 2 + 2 * k].float()) if k else (None, None)
         return v[:, 0].long(), v[:, 1].float(), *top
 
 
@@ -100,22 +110,40 @@ class Sampler:
         # The logits in the model's dtype; every step from here is float32 (the fused kernels
         # upcast at the same point, as they load).
         raw = logits = logits.float()  # [rows, vocab]
-        temperature = batch.column("temperature")
+        sampled = batch.column("temperature") > 0
         logits = self._processed(logits, batch)
-        logprobs = self._logprobs(raw, logits, batch)
         greedy = logits.argmax(dim=-1)  # the lowest id among equal maxima
+        kept = None
         if batch.all_greedy:
             token_ids = greedy
         else:
-            token_ids = torch.where(temperature > 0, self._race(logits, batch), greedy)
-        if logprobs is None:
+            weights = exp_weights(logits - logits.max(dim=-1, keepdim=True).values)
+            kept = self._kept(logits, weights, batch)
+            token_ids = torch.where(sampled, self._race(logits, weights, kept, batch), greedy)
+        support = None
+        if batch.sampled_logprobs or batch.support_width:
+            # The tokens each row could draw: its kept ones, a greedy row's argmax.
+            argmax = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, greedy[:, None], True)
+            everything = kept if kept is not None else torch.ones_like(argmax)
+            support = torch.where(sampled[:, None], everything, argmax)
+        sources = self._sources(raw, logits, support, batch)
+        if sources is None and not batch.support_width:
             return SamplerOutput(token_ids)
-        parts = [token_ids[:, None], logprobs.gather(-1, token_ids[:, None])]
-        if batch.num_top_logprobs:
-            top_ids = self._top_ids(raw, logits, batch)
-            parts += [top_ids, logprobs.gather(-1, top_ids)]
+        parts = [token_ids[:, None]]
+        if sources is not None:
+            logprobs = torch.log_softmax(sources, dim=-1)
+            parts.append(logprobs.gather(-1, token_ids[:, None]))
+            if batch.num_top_logprobs:
+                top = top_ids(sources, batch.num_top_logprobs)
+                parts += [top, logprobs.gather(-1, top)]
+        else:
+            parts.append(torch.zeros_like(parts[0]))  # logprob column unused
+        if batch.support_width:
+            assert support is not None
+            parts += self._support(logits, support, sampled, batch)
         values = torch.cat([p.to(torch.float64) for p in parts], dim=1)
-        return SamplerOutput(values, batch.num_top_logprobs)
+        k = batch.num_top_logprobs if sources is not None else 0
+        return SamplerOutput(values, k, batch.support_width)
 
     @staticmethod
     def _processed(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -148,35 +176,47 @@ class Sampler:
         return logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
 
     @staticmethod
-    def _logprobs(
-        raw: torch.Tensor, processed: torch.Tensor, batch: SamplingBatch
+    def _sources(
+        raw: torch.Tensor,
+        processed: torch.Tensor,
+        support: torch.Tensor | None,
+        batch: SamplingBatch,
     ) -> torch.Tensor | None:
-        if not (batch.logprobs or batch.raw_logprobs):
+        """The logits each row's logprobs are the log-softmax of (raw, processed, or processed
+        outside the support set to -inf), or None when no row asks for logprobs."""
+        if not (batch.logprobs or batch.raw_logprobs or batch.sampled_logprobs):
             return None
-        if not batch.raw_logprobs:
-            return torch.log_softmax(processed, dim=-1)
-        raw_lp = torch.log_softmax(raw, dim=-1)
-        if not batch.logprobs:
-            return raw_lp
-        assert batch.raw_rows is not None
-        return torch.where(batch.raw_rows[:, None], raw_lp, torch.log_softmax(processed, dim=-1))
-
-    @staticmethod
-    def _top_ids(raw: torch.Tensor, processed: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """The ids of the k largest logits (raw ones for raw rows), equal logits by id."""
         source = processed
         if batch.raw_logprobs:
-            source = (
-                raw
-                if batch.raw_rows is None
-                else torch.where(batch.raw_rows[:, None], raw, processed)
-            )
-        return top_ids(source, batch.num_top_logprobs)
+            rows = batch.raw_rows
+            source = raw if rows is None else torch.where(rows[:, None], raw, source)
+        if batch.sampled_logprobs:
+            assert support is not None
+            truncated = processed.masked_fill(~support, float("-inf"))
+            rows = batch.sampled_rows
+            source = truncated if rows is None else torch.where(rows[:, None], truncated, source)
+        return source
+
+    @staticmethod
+    def _support(
+        logits: torch.Tensor, support: torch.Tensor, sampled: torch.Tensor, batch: SamplingBatch
+    ) -> list[torch.Tensor]:
+        """[size, w ids] per row: the support's size (-1: every token, a row that truncates
+        nothing) and its first w ids, most likely first, padded with -1."""
+        size = support.sum(dim=-1)
+        truncates = ~sampled | (batch.column("top_k") > 0)
+        truncates |= (batch.column("top_p") < 1.0) | (batch.column("min_p") > 0.0)
+        size = torch.where(truncates, size, -1)
+        ids = top_ids(logits.masked_fill(~support, float("-inf")), batch.support_width)
+        position = torch.arange(batch.support_width, device=logits.device)
+        ids = torch.where(position[None, :] < size[:, None], ids, -1)
+        return [size[:, None], ids]
 
     @classmethod
-    def _race(cls, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """The exponential race over the kept tokens: [rows] token ids."""
-        weights = exp_weights(logits - logits.max(dim=-1, keepdim=True).values)
+    def _kept(
+        cls, logits: torch.Tensor, weights: torch.Tensor, batch: SamplingBatch
+    ) -> torch.Tensor | None:
+        """[rows, vocab] bool: the tokens top-k, top-p and min-p keep; None when none is on."""
         kept = None
         if batch.use_top_k or batch.use_top_p:
             kept = order_keys(logits) >= cls._threshold(logits, weights, batch)
@@ -184,6 +224,13 @@ class Sampler:
             # The row max has weight 1 exactly, so this is p >= min_p * max p.
             above = weights >= batch.column("min_p")[:, None]
             kept = above if kept is None else kept & above
+        return kept
+
+    @staticmethod
+    def _race(
+        logits: torch.Tensor, weights: torch.Tensor, kept: torch.Tensor | None, batch: SamplingBatch
+    ) -> torch.Tensor:
+        """The exponential race over the kept tokens: [rows] token ids."""
         seeds = batch.ints[:, :2]
         noise = exponential_noise(seeds, batch.column("counter"), logits.shape[-1])
         scores = weights / noise

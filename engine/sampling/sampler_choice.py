@@ -1,6 +1,7 @@
 """The sampler for a device: the fused Triton kernel on CUDA, the torch reference elsewhere.
 
 Both give the same tokens (engine/sampling/fused_sampler.py); `EngineConfig.sampler` forces either.
+A step asking for SAMPLED logprobs or the sampling support runs the torch one (FusedOrTorch).
 """
 
 from __future__ import annotations
@@ -34,6 +35,21 @@ def make_sampler(name: str, device: torch.device) -> SamplerFn:
 
     if device.type != "cuda" and not interpreting():
         raise ValueError("sampler: triton needs CUDA (on the CPU only under TRITON_INTERPRET=1)")
-    if device.type == "cuda":
-        return FusedSampler()
-    return FusedSampler(block=256)  # the interpreter: fewer, larger numpy steps
+    fused = FusedSampler() if device.type == "cuda" else FusedSampler(block=256)  # interpreter:
+    # fewer, larger numpy steps
+    return FusedOrTorch(fused, Sampler())
+
+
+class FusedOrTorch:
+    """The fused kernels, except for a batch asking what only the torch sampler computes (SAMPLED
+    logprobs, the sampling support): the two pick the same tokens, so a request's tokens do not
+    depend on which one a step ran."""
+
+    def __init__(self, fused: SamplerFn, torch_sampler: Sampler) -> None:
+        self.fused = fused
+        self.torch_sampler = torch_sampler
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        if batch.sampled_logprobs or batch.support_width:
+            return self.torch_sampler(logits, batch)
+        return self.fused(logits, batch)

@@ -20,7 +20,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 from sluice.v1 import generation_pb2 as pb
 
-from engine.messages import AddRequest, ModelInfo, SamplingParams
+from engine.messages import AddRequest, LogprobMode, ModelInfo, SamplingParams
 from service.config import MAX_REQUEST_ID_LENGTH
 from service.text.completion import OutputSettings
 from service.text.tokenizer import Tokenizer
@@ -51,6 +51,14 @@ FIELD_PATHS = {
     **{name: f"stop.{name}" for name in ("max_tokens", "min_tokens", "stop_token_ids")},
     "top_logprobs": "output.top_logprobs",
     "prompt_logprobs_start": "output.prompt_logprobs_start",
+    "logprob_mode": "output.logprob_mode",
+    "sampling_support": "output.sampling_support",
+}
+LOGPROB_MODES = {
+    pb.LOGPROB_MODE_UNSPECIFIED: None,
+    pb.LOGPROB_MODE_RAW: LogprobMode.RAW,
+    pb.LOGPROB_MODE_PROCESSED: LogprobMode.PROCESSED,
+    pb.LOGPROB_MODE_SAMPLED: LogprobMode.SAMPLED,
 }
 # A Started event with prompt logprobs holds, per scored position, a float and a TopLogprobs of
 # k ids and k floats: at most this many bytes for k = 0, plus this many per top logprob. A
@@ -166,6 +174,8 @@ def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
             if out.HasField("prompt_logprobs_start")
             else defaults.prompt_logprobs_start
         ),
+        logprob_mode=LOGPROB_MODES.get(out.logprob_mode),
+        sampling_support=out.sampling_support,
     )
 
 
@@ -195,6 +205,8 @@ def field_violations(
     elif req.n > 1 and req.stop.HasField("max_tokens") and req.stop.max_tokens == 0:
         errors.append(("n", "must be 1 to score a prompt (max_tokens 0)"))
     errors += _stop_violations(req.stop)
+    if req.output.logprob_mode not in LOGPROB_MODES:
+        errors.append(("output.logprob_mode", f"unknown mode {req.output.logprob_mode}"))
     params = sampling_params(req)
     errors += [(FIELD_PATHS.get(f, f), d) for f, d in params.errors(info.vocab_size)]
     return errors

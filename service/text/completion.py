@@ -38,6 +38,7 @@ class _Chunk:
     text: list[str] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[pb.TopLogprobs] = field(default_factory=list)
+    sampling_support: list[pb.TokenIds] = field(default_factory=list)
 
 
 class Completion:
@@ -134,6 +135,8 @@ class Completion:
         if output.top_logprobs is not None:
             for ids, logprobs in output.top_logprobs[:count]:
                 chunk.top_logprobs.append(pb.TopLogprobs(token_ids=ids, logprobs=logprobs))
+        if output.sampling_support is not None:
+            chunk.sampling_support += [pb.TokenIds(ids=s) for s in output.sampling_support[:count]]
         start = self._completion_tokens
         self._completion_tokens += count
         # Plain ints; the protobuf spans are built once, at the finish.
@@ -150,6 +153,7 @@ class Completion:
             logprobs=chunk.logprobs,
             top_logprobs=chunk.top_logprobs,
             policy_version=chunk.policy_version,
+            sampling_support=chunk.sampling_support,
         )
         return pb.GenerateResponse(request_id=self.request_id, index=self.index, tokens=tokens)
 

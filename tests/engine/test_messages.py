@@ -5,7 +5,7 @@ from __future__ import annotations
 import pickle
 from dataclasses import fields
 
-from engine.messages import FinishReason, RequestMetrics, RequestOutput
+from engine.messages import FinishReason, PromptLogprobs, RequestMetrics, RequestOutput
 
 
 def test_a_request_output_with_every_field_set_round_trips():
@@ -22,6 +22,8 @@ def test_a_request_output_with_every_field_set_round_trips():
         cached_tokens=3,
         completion_tokens=13,
         metrics=RequestMetrics(queue_time=0.25, time_to_first_token=0.5, decode_time=1.0),
+        prompt_logprobs=PromptLogprobs(1, [-2.5, -3.5], [([4], [-2.5]), ([8], [-0.25])]),
+        sampling_support=[[5, 9, 2], [6]],
     )
     # Distinct values everywhere: a field restored into its neighbour's place shows.
     assert len({repr(getattr(output, f.name)) for f in fields(output)}) == len(fields(output))

@@ -22,7 +22,9 @@ export function buildRequest(prompt, options = {}) {
     'skipSpecialTokens',
     'promptLogprobs',
     'promptLogprobsStart',
+    'samplingSupport',
   ]);
+  if (options.logprobMode !== undefined) output.logprobMode = `LOGPROB_MODE_${String(options.logprobMode).toUpperCase()}`;
   const request = {
     requestId: options.requestId ?? '',
     sampling,
@@ -64,7 +66,8 @@ export function toEvent(response) {
     }
     case 'tokens': {
       const { tokenIds, text, logprobs, topLogprobs, policyVersion } = response.tokens;
-      return { type: 'tokens', requestId, index, tokenIds, text, logprobs, topLogprobs, policyVersion };
+      const samplingSupport = response.tokens.samplingSupport.map((support) => support.ids);
+      return { type: 'tokens', requestId, index, tokenIds, text, logprobs, topLogprobs, samplingSupport, policyVersion };
     }
     case 'finished': {
       const { reason, matchedStop, usage, versionSpans, message } = response.finished;
@@ -97,6 +100,7 @@ export class Completion {
     this.tokenIds = [];
     this.text = '';
     this.logprobs = [];
+    this.samplingSupport = []; // one per token, with the samplingSupport option
     this.policyVersions = []; // one per token
     this.finished = null;
   }
@@ -115,6 +119,7 @@ export class Completion {
         this.tokenIds.push(...event.tokenIds);
         this.text += event.text;
         this.logprobs.push(...event.logprobs);
+        this.samplingSupport.push(...event.samplingSupport);
         for (let i = 0; i < event.tokenIds.length; i++) this.policyVersions.push(event.policyVersion);
         break;
       case 'finished':

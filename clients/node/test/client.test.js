@@ -74,6 +74,20 @@ test('promptLogprobs: started carries the scores; maxTokens 0 scores without gen
   assert.equal((await client.complete(prompt, GREEDY)).started.promptLogprobs, null);
 });
 
+test('logprobMode SAMPLED and samplingSupport: each token within its support, same tokens', async () => {
+  const options = { maxTokens: 6, temperature: 1, topK: 4, seed: 9, ignoreEos: true, logprobs: true };
+  const asked = await client.complete(PROMPTS[3], { ...options, logprobMode: 'SAMPLED', samplingSupport: true });
+  const plain = await client.complete(PROMPTS[3], options);
+  assert.deepEqual(asked.tokenIds, plain.tokenIds);
+  assert.equal(asked.samplingSupport.length, 6);
+  asked.tokenIds.forEach((token, i) => {
+    assert.ok(asked.samplingSupport[i].includes(token));
+    assert.ok(asked.samplingSupport[i].length <= 4);
+    assert.ok(asked.logprobs[i] >= plain.logprobs[i]); // renormalised over the kept tokens
+  });
+  assert.deepEqual(plain.samplingSupport, []);
+});
+
 test('complete with n > 1 returns every sample in index order; n = 1 one Completion', async () => {
   const options = { maxTokens: 6, temperature: 1, seed: 5, ignoreEos: true };
   const samples = await client.complete(PROMPTS[2], { ...options, n: 3 });

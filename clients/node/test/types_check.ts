@@ -8,14 +8,15 @@ export async function usage(target: string): Promise<void> {
     if (event.type === 'tokens') {
       const ids: number[] = event.tokenIds;
       const version: number = event.policyVersion;
-      void [ids, version, event.text, event.logprobs];
+      const support: number[][] = event.samplingSupport;
+      void [ids, version, event.text, event.logprobs, support];
     } else if (event.type === 'finished') {
       const reason: 'STOP' | 'STOP_STRING' | 'LENGTH' | 'CANCELLED' | 'DEADLINE_EXCEEDED' | 'ABORTED' | 'ERROR' | 'UNSPECIFIED' =
         event.reason;
       void [reason, event.message];
     }
   }
-  const completion: Completion = await client.complete([0, 1, 2], { n: 1, seed: 7 });
+  const completion: Completion = await client.complete([0, 1, 2], { n: 1, seed: 7, logprobMode: 'SAMPLED', samplingSupport: true, topK: 5 });
   void completion.tokenIds;
   const scored = await client.complete([0, 1, 2], { maxTokens: 0, promptLogprobs: true, promptLogprobsStart: 1 });
   if (!Array.isArray(scored) && scored.started?.promptLogprobs) {

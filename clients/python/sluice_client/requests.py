@@ -31,12 +31,15 @@ def build_request(
     raw_logprobs: bool = False,
     prompt_logprobs: bool = False,
     prompt_logprobs_start: int | None = None,
+    logprob_mode: str | None = None,
+    sampling_support: bool = False,
     skip_special_tokens: bool | None = None,
     n: int | None = None,
     min_policy_version: int | None = None,
     priority: int = 0,
 ) -> pb.GenerateRequest:
-    """A GenerateRequest; None leaves a field unset (the server's default applies)."""
+    """A GenerateRequest; None leaves a field unset (the server's default applies).
+    `logprob_mode`: "RAW", "PROCESSED" or "SAMPLED" (LogprobMode without its prefix)."""
     sampling = pb.SamplingParams()
     for name, value in (
         ("temperature", temperature),
@@ -64,7 +67,10 @@ def build_request(
         top_logprobs=top_logprobs,
         raw_logprobs=raw_logprobs,
         prompt_logprobs=prompt_logprobs,
+        sampling_support=sampling_support,
     )
+    if logprob_mode is not None:
+        output.logprob_mode = pb.LogprobMode.Value(f"LOGPROB_MODE_{logprob_mode.upper()}")
     if prompt_logprobs_start is not None:
         output.prompt_logprobs_start = prompt_logprobs_start
     if skip_special_tokens is not None:
@@ -94,6 +100,8 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
+    # One per token with sampling_support=True: the ids it could have been drawn from ([]: all)
+    sampling_support: list[list[int]] = field(default_factory=list)
     policy_versions: list[int] = field(default_factory=list)  # one per token
     finished: pb.Finished | None = None
     refused: pb.Refused | None = None
@@ -125,6 +133,7 @@ class Completion:
                 self.token_ids.extend(chunk.token_ids)
                 self.text += chunk.text
                 self.logprobs.extend(chunk.logprobs)
+                self.sampling_support += [list(s.ids) for s in chunk.sampling_support]
                 self.policy_versions.extend([chunk.policy_version] * len(chunk.token_ids))
             case "finished":
                 self.finished = event.finished

@@ -15,6 +15,7 @@ import pytest
 import torch
 from triton_interpreter import use_triton
 
+from engine.sampling import sampler_choice
 from engine.sampling.sampler import Sampler, SamplingBatch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -213,7 +214,10 @@ def test_an_engine_with_the_fused_sampler_generates_the_torch_engines_tokens(
     for name in ("torch", "triton"):
         config = EngineConfig(model=str(tiny_llama), device=DEVICE, sampler=name)
         engine = LLMEngine(config)
-        assert isinstance(engine.runner.sampler, fused.FusedSampler) == (name == "triton")
+        chosen = engine.runner.sampler
+        assert isinstance(chosen, sampler_choice.FusedOrTorch) == (name == "triton")
+        if isinstance(chosen, sampler_choice.FusedOrTorch):
+            assert isinstance(chosen.fused, fused.FusedSampler)
         results[name] = engine.generate(prompts, params)
     for got, expected in zip(results["triton"], results["torch"], strict=True):
         assert got.token_ids == expected.token_ids

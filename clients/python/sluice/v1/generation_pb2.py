@@ -24,17 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asluice/v1/generation.proto\x12\tsluice.v1\"\xc5\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.sluice.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.sluice.v1.SamplingParams\x12#\n\x04stop\x18\x05 \x01(\x0b\x32\x15.sluice.v1.StopParams\x12(\n\x06output\x18\x06 \x01(\x0b\x32\x18.sluice.v1.OutputOptions\x12\x0e\n\x01n\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x1f\n\x12min_policy_version\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x10\n\x08priority\x18\t \x01(\x05\x42\x08\n\x06promptB\x04\n\x02_nB\x15\n\x13_min_policy_version\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd2\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"\xa6\x01\n\nStopParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08\x42\r\n\x0b_max_tokens\"\xde\x01\n\rOutputOptions\x12\x10\n\x08logprobs\x18\x01 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x02 \x01(\r\x12\x14\n\x0craw_logprobs\x18\x03 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\x0fprompt_logprobs\x18\x05 \x01(\x08\x12\"\n\x15prompt_logprobs_start\x18\x06 \x01(\rH\x01\x88\x01\x01\x42\x16\n\x14_skip_special_tokensB\x18\n\x16_prompt_logprobs_start\"k\n\x15GenerateStreamRequest\x12+\n\x05start\x18\x01 \x01(\x0b\x32\x1a.sluice.v1.GenerateRequestH\x00\x12\x1b\n\x11\x63\x61ncel_request_id\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x61\x63tion\"\xde\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12%\n\x07started\x18\x03 \x01(\x0b\x32\x12.sluice.v1.StartedH\x00\x12\'\n\x06tokens\x18\x04 \x01(\x0b\x32\x15.sluice.v1.TokenChunkH\x00\x12\'\n\x08\x66inished\x18\x05 \x01(\x0b\x32\x13.sluice.v1.FinishedH\x00\x12%\n\x07refused\x18\x06 \x01(\x0b\x32\x12.sluice.v1.RefusedH\x00\x42\x07\n\x05\x65vent\"\xa2\x01\n\x07Refused\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x33\n\x10\x66ield_violations\x18\x03 \x03(\x0b\x32\x19.sluice.v1.FieldViolation\x12\x1b\n\x0eretry_delay_ms\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0bstart_index\x18\x05 \x01(\rB\x11\n\x0f_retry_delay_ms\"4\n\x0e\x46ieldViolation\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\"\x83\x01\n\x07Started\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x32\n\x0fprompt_logprobs\x18\x04 \x01(\x0b\x32\x19.sluice.v1.PromptLogprobs\"_\n\x0ePromptLogprobs\x12\r\n\x05start\x18\x01 \x01(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12,\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x16.sluice.v1.TopLogprobs\"\x85\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.sluice.v1.TopLogprobs\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x04\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xaa\x01\n\x08\x46inished\x12\'\n\x06reason\x18\x01 \x01(\x0e\x32\x17.sluice.v1.FinishReason\x12\x14\n\x0cmatched_stop\x18\x02 \x01(\t\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.sluice.v1.Usage\x12-\n\rversion_spans\x18\x04 \x03(\x0b\x32\x16.sluice.v1.VersionSpan\x12\x0f\n\x07message\x18\x05 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"A\n\x0bVersionSpan\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\"$\n\rCancelRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"6\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x03(\t\x12\x11\n\tnot_found\x18\x02 \x03(\t\"\x16\n\x14GetServerInfoRequest\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x88\x02\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x04\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12&\n\x05state\x18\x08 \x01(\x0e\x32\x17.sluice.v1.ServingState\x12(\n\x08kv_cache\x18\t \x01(\x0b\x32\x16.sluice.v1.KvCacheInfo\x12\x0f\n\x07running\x18\n \x01(\r\x12\x0f\n\x07waiting\x18\x0b \x01(\r\"\x7f\n\x0bKvCacheInfo\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x13\n\x0btotal_pages\x18\x02 \x01(\r\x12\x12\n\nfree_pages\x18\x03 \x01(\r\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x04 \x01(\r\x12\x1e\n\x16prefix_cache_hit_ratio\x18\x05 \x01(\x01*\xf4\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12#\n\x1f\x46INISH_REASON_DEADLINE_EXCEEDED\x10\x05\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x06\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x07*\xc2\x01\n\x0cServingState\x12\x1d\n\x19SERVING_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16SERVING_STATE_STARTING\x10\x01\x12\x19\n\x15SERVING_STATE_SERVING\x10\x02\x12\"\n\x1eSERVING_STATE_UPDATING_WEIGHTS\x10\x03\x12\x1c\n\x18SERVING_STATE_RESTARTING\x10\x04\x12\x1a\n\x16SERVING_STATE_DRAINING\x10\x05\x32\xf5\x02\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.sluice.v1.GenerateRequest\x1a\x1b.sluice.v1.GenerateResponse0\x01\x12S\n\x0eGenerateStream\x12 .sluice.v1.GenerateStreamRequest\x1a\x1b.sluice.v1.GenerateResponse(\x01\x30\x01\x12=\n\x06\x43\x61ncel\x12\x18.sluice.v1.CancelRequest\x1a\x19.sluice.v1.CancelResponse\x12\x43\n\x08Tokenize\x12\x1a.sluice.v1.TokenizeRequest\x1a\x1b.sluice.v1.TokenizeResponse\x12G\n\rGetServerInfo\x12\x1f.sluice.v1.GetServerInfoRequest\x1a\x15.sluice.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asluice/v1/generation.proto\x12\tsluice.v1\"\xc5\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.sluice.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.sluice.v1.SamplingParams\x12#\n\x04stop\x18\x05 \x01(\x0b\x32\x15.sluice.v1.StopParams\x12(\n\x06output\x18\x06 \x01(\x0b\x32\x18.sluice.v1.OutputOptions\x12\x0e\n\x01n\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x1f\n\x12min_policy_version\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x10\n\x08priority\x18\t \x01(\x05\x42\x08\n\x06promptB\x04\n\x02_nB\x15\n\x13_min_policy_version\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd2\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"\xa6\x01\n\nStopParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08\x42\r\n\x0b_max_tokens\"\xa6\x02\n\rOutputOptions\x12\x10\n\x08logprobs\x18\x01 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x02 \x01(\r\x12\x14\n\x0craw_logprobs\x18\x03 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\x0fprompt_logprobs\x18\x05 \x01(\x08\x12\"\n\x15prompt_logprobs_start\x18\x06 \x01(\rH\x01\x88\x01\x01\x12,\n\x0clogprob_mode\x18\x07 \x01(\x0e\x32\x16.sluice.v1.LogprobMode\x12\x18\n\x10sampling_support\x18\x08 \x01(\x08\x42\x16\n\x14_skip_special_tokensB\x18\n\x16_prompt_logprobs_start\"k\n\x15GenerateStreamRequest\x12+\n\x05start\x18\x01 \x01(\x0b\x32\x1a.sluice.v1.GenerateRequestH\x00\x12\x1b\n\x11\x63\x61ncel_request_id\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x61\x63tion\"\xde\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12%\n\x07started\x18\x03 \x01(\x0b\x32\x12.sluice.v1.StartedH\x00\x12\'\n\x06tokens\x18\x04 \x01(\x0b\x32\x15.sluice.v1.TokenChunkH\x00\x12\'\n\x08\x66inished\x18\x05 \x01(\x0b\x32\x13.sluice.v1.FinishedH\x00\x12%\n\x07refused\x18\x06 \x01(\x0b\x32\x12.sluice.v1.RefusedH\x00\x42\x07\n\x05\x65vent\"\xa2\x01\n\x07Refused\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x33\n\x10\x66ield_violations\x18\x03 \x03(\x0b\x32\x19.sluice.v1.FieldViolation\x12\x1b\n\x0eretry_delay_ms\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0bstart_index\x18\x05 \x01(\rB\x11\n\x0f_retry_delay_ms\"4\n\x0e\x46ieldViolation\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\"\x83\x01\n\x07Started\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x32\n\x0fprompt_logprobs\x18\x04 \x01(\x0b\x32\x19.sluice.v1.PromptLogprobs\"_\n\x0ePromptLogprobs\x12\r\n\x05start\x18\x01 \x01(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12,\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x16.sluice.v1.TopLogprobs\"\xb4\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.sluice.v1.TopLogprobs\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x04\x12-\n\x10sampling_support\x18\x06 \x03(\x0b\x32\x13.sluice.v1.TokenIds\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xaa\x01\n\x08\x46inished\x12\'\n\x06reason\x18\x01 \x01(\x0e\x32\x17.sluice.v1.FinishReason\x12\x14\n\x0cmatched_stop\x18\x02 \x01(\t\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.sluice.v1.Usage\x12-\n\rversion_spans\x18\x04 \x03(\x0b\x32\x16.sluice.v1.VersionSpan\x12\x0f\n\x07message\x18\x05 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"A\n\x0bVersionSpan\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\"$\n\rCancelRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"6\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x03(\t\x12\x11\n\tnot_found\x18\x02 \x03(\t\"\x16\n\x14GetServerInfoRequest\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x88\x02\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x04\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12&\n\x05state\x18\x08 \x01(\x0e\x32\x17.sluice.v1.ServingState\x12(\n\x08kv_cache\x18\t \x01(\x0b\x32\x16.sluice.v1.KvCacheInfo\x12\x0f\n\x07running\x18\n \x01(\r\x12\x0f\n\x07waiting\x18\x0b \x01(\r\"\x7f\n\x0bKvCacheInfo\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x13\n\x0btotal_pages\x18\x02 \x01(\r\x12\x12\n\nfree_pages\x18\x03 \x01(\r\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x04 \x01(\r\x12\x1e\n\x16prefix_cache_hit_ratio\x18\x05 \x01(\x01*w\n\x0bLogprobMode\x12\x1c\n\x18LOGPROB_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10LOGPROB_MODE_RAW\x10\x01\x12\x1a\n\x16LOGPROB_MODE_PROCESSED\x10\x02\x12\x18\n\x14LOGPROB_MODE_SAMPLED\x10\x03*\xf4\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12#\n\x1f\x46INISH_REASON_DEADLINE_EXCEEDED\x10\x05\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x06\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x07*\xc2\x01\n\x0cServingState\x12\x1d\n\x19SERVING_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16SERVING_STATE_STARTING\x10\x01\x12\x19\n\x15SERVING_STATE_SERVING\x10\x02\x12\"\n\x1eSERVING_STATE_UPDATING_WEIGHTS\x10\x03\x12\x1c\n\x18SERVING_STATE_RESTARTING\x10\x04\x12\x1a\n\x16SERVING_STATE_DRAINING\x10\x05\x32\xf5\x02\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.sluice.v1.GenerateRequest\x1a\x1b.sluice.v1.GenerateResponse0\x01\x12S\n\x0eGenerateStream\x12 .sluice.v1.GenerateStreamRequest\x1a\x1b.sluice.v1.GenerateResponse(\x01\x30\x01\x12=\n\x06\x43\x61ncel\x12\x18.sluice.v1.CancelRequest\x1a\x19.sluice.v1.CancelResponse\x12\x43\n\x08Tokenize\x12\x1a.sluice.v1.TokenizeRequest\x1a\x1b.sluice.v1.TokenizeResponse\x12G\n\rGetServerInfo\x12\x1f.sluice.v1.GetServerInfoRequest\x1a\x15.sluice.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sluice.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=3038
-  _globals['_FINISHREASON']._serialized_end=3282
-  _globals['_SERVINGSTATE']._serialized_start=3285
-  _globals['_SERVINGSTATE']._serialized_end=3479
+  _globals['_LOGPROBMODE']._serialized_start=3156
+  _globals['_LOGPROBMODE']._serialized_end=3275
+  _globals['_FINISHREASON']._serialized_start=3278
+  _globals['_FINISHREASON']._serialized_end=3522
+  _globals['_SERVINGSTATE']._serialized_start=3525
+  _globals['_SERVINGSTATE']._serialized_end=3719
   _globals['_GENERATEREQUEST']._serialized_start=42
   _globals['_GENERATEREQUEST']._serialized_end=367
   _globals['_TOKENIDS']._serialized_start=369
@@ -44,43 +46,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPPARAMS']._serialized_start=736
   _globals['_STOPPARAMS']._serialized_end=902
   _globals['_OUTPUTOPTIONS']._serialized_start=905
-  _globals['_OUTPUTOPTIONS']._serialized_end=1127
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=1129
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=1236
-  _globals['_GENERATERESPONSE']._serialized_start=1239
-  _globals['_GENERATERESPONSE']._serialized_end=1461
-  _globals['_REFUSED']._serialized_start=1464
-  _globals['_REFUSED']._serialized_end=1626
-  _globals['_FIELDVIOLATION']._serialized_start=1628
-  _globals['_FIELDVIOLATION']._serialized_end=1680
-  _globals['_STARTED']._serialized_start=1683
-  _globals['_STARTED']._serialized_end=1814
-  _globals['_PROMPTLOGPROBS']._serialized_start=1816
-  _globals['_PROMPTLOGPROBS']._serialized_end=1911
-  _globals['_TOKENCHUNK']._serialized_start=1914
-  _globals['_TOKENCHUNK']._serialized_end=2047
-  _globals['_TOPLOGPROBS']._serialized_start=2049
-  _globals['_TOPLOGPROBS']._serialized_end=2099
-  _globals['_FINISHED']._serialized_start=2102
-  _globals['_FINISHED']._serialized_end=2272
-  _globals['_USAGE']._serialized_start=2274
-  _globals['_USAGE']._serialized_end=2354
-  _globals['_VERSIONSPAN']._serialized_start=2356
-  _globals['_VERSIONSPAN']._serialized_end=2421
-  _globals['_CANCELREQUEST']._serialized_start=2423
-  _globals['_CANCELREQUEST']._serialized_end=2459
-  _globals['_CANCELRESPONSE']._serialized_start=2461
-  _globals['_CANCELRESPONSE']._serialized_end=2515
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=2517
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=2539
-  _globals['_TOKENIZEREQUEST']._serialized_start=2541
-  _globals['_TOKENIZEREQUEST']._serialized_end=2600
-  _globals['_TOKENIZERESPONSE']._serialized_start=2602
-  _globals['_TOKENIZERESPONSE']._serialized_end=2639
-  _globals['_SERVERINFO']._serialized_start=2642
-  _globals['_SERVERINFO']._serialized_end=2906
-  _globals['_KVCACHEINFO']._serialized_start=2908
-  _globals['_KVCACHEINFO']._serialized_end=3035
-  _globals['_GENERATION']._serialized_start=3482
-  _globals['_GENERATION']._serialized_end=3855
+  _globals['_OUTPUTOPTIONS']._serialized_end=1199
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=1201
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=1308
+  _globals['_GENERATERESPONSE']._serialized_start=1311
+  _globals['_GENERATERESPONSE']._serialized_end=1533
+  _globals['_REFUSED']._serialized_start=1536
+  _globals['_REFUSED']._serialized_end=1698
+  _globals['_FIELDVIOLATION']._serialized_start=1700
+  _globals['_FIELDVIOLATION']._serialized_end=1752
+  _globals['_STARTED']._serialized_start=1755
+  _globals['_STARTED']._serialized_end=1886
+  _globals['_PROMPTLOGPROBS']._serialized_start=1888
+  _globals['_PROMPTLOGPROBS']._serialized_end=1983
+  _globals['_TOKENCHUNK']._serialized_start=1986
+  _globals['_TOKENCHUNK']._serialized_end=2166
+  _globals['_TOPLOGPROBS']._serialized_start=2168
+  _globals['_TOPLOGPROBS']._serialized_end=2218
+  _globals['_FINISHED']._serialized_start=2221
+  _globals['_FINISHED']._serialized_end=2391
+  _globals['_USAGE']._serialized_start=2393
+  _globals['_USAGE']._serialized_end=2473
+  _globals['_VERSIONSPAN']._serialized_start=2475
+  _globals['_VERSIONSPAN']._serialized_end=2540
+  _globals['_CANCELREQUEST']._serialized_start=2542
+  _globals['_CANCELREQUEST']._serialized_end=2578
+  _globals['_CANCELRESPONSE']._serialized_start=2580
+  _globals['_CANCELRESPONSE']._serialized_end=2634
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=2636
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=2658
+  _globals['_TOKENIZEREQUEST']._serialized_start=2660
+  _globals['_TOKENIZEREQUEST']._serialized_end=2719
+  _globals['_TOKENIZERESPONSE']._serialized_start=2721
+  _globals['_TOKENIZERESPONSE']._serialized_end=2758
+  _globals['_SERVERINFO']._serialized_start=2761
+  _globals['_SERVERINFO']._serialized_end=3025
+  _globals['_KVCACHEINFO']._serialized_start=3027
+  _globals['_KVCACHEINFO']._serialized_end=3154
+  _globals['_GENERATION']._serialized_start=3722
+  _globals['_GENERATION']._serialized_end=4095
 # @@protoc_insertion_point(module_scope)

@@ -37,6 +37,44 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _LogprobMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _LogprobModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_LogprobMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    LOGPROB_MODE_UNSPECIFIED: _LogprobMode.ValueType  # 0
+    """The default: PROCESSED (RAW with OutputOptions.raw_logprobs)."""
+    LOGPROB_MODE_RAW: _LogprobMode.ValueType  # 1
+    """The log-softmax of the model's unmodified logits."""
+    LOGPROB_MODE_PROCESSED: _LogprobMode.ValueType  # 2
+    """After penalties and min_tokens suppression, divided by the temperature (1 when greedy),
+    before top-k, top-p and min-p.
+    """
+    LOGPROB_MODE_SAMPLED: _LogprobMode.ValueType  # 3
+    """The distribution the token was drawn from: PROCESSED restricted to the tokens top-k, top-p
+    and min-p kept, renormalised (other tokens -inf). A greedy sample is drawn from the point
+    mass on its argmax: logprob 0.
+    """
+
+class LogprobMode(_LogprobMode, metaclass=_LogprobModeEnumTypeWrapper):
+    """Which distribution a token's log-probability is taken from."""
+
+LOGPROB_MODE_UNSPECIFIED: LogprobMode.ValueType  # 0
+"""The default: PROCESSED (RAW with OutputOptions.raw_logprobs)."""
+LOGPROB_MODE_RAW: LogprobMode.ValueType  # 1
+"""The log-softmax of the model's unmodified logits."""
+LOGPROB_MODE_PROCESSED: LogprobMode.ValueType  # 2
+"""After penalties and min_tokens suppression, divided by the temperature (1 when greedy),
+before top-k, top-p and min-p.
+"""
+LOGPROB_MODE_SAMPLED: LogprobMode.ValueType  # 3
+"""The distribution the token was drawn from: PROCESSED restricted to the tokens top-k, top-p
+and min-p kept, renormalised (other tokens -inf). A greedy sample is drawn from the point
+mass on its argmax: logprob 0.
+"""
+Global___LogprobMode: _TypeAlias = LogprobMode  # noqa: Y015
+
 class _FinishReason:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -207,14 +245,18 @@ Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
 
 @_typing.final
 class TokenIds(_message.Message):
-    """A prompt as token ids."""
+    """Token ids: a prompt (GenerateRequest.token_ids), or a token's sampling support
+    (TokenChunk.sampling_support).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Not empty, fewer than ServerInfo.max_model_len ids, each in [0, ServerInfo.vocab_size)."""
+        """In a prompt: not empty, fewer than ServerInfo.max_model_len ids, each in
+        [0, ServerInfo.vocab_size). In a sampling support: see TokenChunk.sampling_support.
+        """
 
     def __init__(
         self,
@@ -398,10 +440,13 @@ class OutputOptions(_message.Message):
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_START_FIELD_NUMBER: _builtins.int
+    LOGPROB_MODE_FIELD_NUMBER: _builtins.int
+    SAMPLING_SUPPORT_FIELD_NUMBER: _builtins.int
     logprobs: _builtins.bool
-    """Return the log-probability of each sampled token (TokenChunk.logprobs): the log-softmax of
-    the logits after penalties and min_tokens suppression, divided by the temperature (1 when
-    greedy), before top-k, top-p and min-p. Default false.
+    """Return the log-probability of each sampled token (TokenChunk.logprobs), under the
+    distribution logprob_mode names (by default the log-softmax of the logits after penalties
+    and min_tokens suppression, divided by the temperature (1 when greedy), before top-k, top-p
+    and min-p). Default false.
     """
     top_logprobs: _builtins.int
     """Also return this many most likely tokens per position (TokenChunk.top_logprobs), from the
@@ -409,7 +454,8 @@ class OutputOptions(_message.Message):
     """
     raw_logprobs: _builtins.bool
     """Log-probabilities (and top_logprobs) are the log-softmax of the model's unmodified logits
-    instead. Default false.
+    instead: the same as logprob_mode RAW (another logprob_mode with it is INVALID_ARGUMENT).
+    Default false.
     """
     skip_special_tokens: _builtins.bool
     """Leave special tokens (BOS, EOS, chat markers) out of TokenChunk.text; their ids are always
@@ -427,6 +473,18 @@ class OutputOptions(_message.Message):
     """The first prompt position scored, counted from 0: in [1, prompt length] (position 0 has no
     context; the prompt length gives an empty list), else INVALID_ARGUMENT. Default 1.
     """
+    logprob_mode: Global___LogprobMode.ValueType
+    """Which distribution logprobs and top_logprobs come from (and prompt logprobs: RAW uses the
+    unmodified logits, any other mode divides by the temperature). Default UNSPECIFIED:
+    PROCESSED, or RAW with raw_logprobs.
+    """
+    sampling_support: _builtins.bool
+    """Return, per sampled token, the ids it could have been drawn from
+    (TokenChunk.sampling_support): those top-k, top-p and min-p kept. A request that samples
+    with top-k, top-p or min-p must set top_k in [1, 1024] (else INVALID_ARGUMENT): the support
+    then holds at most top_k ids, more only when logits tie at the top_k-th place (top-k keeps
+    every tied token; more than 64 ties end the sample with ERROR). Default false.
+    """
     def __init__(
         self,
         *,
@@ -436,10 +494,12 @@ class OutputOptions(_message.Message):
         skip_special_tokens: _builtins.bool | None = ...,
         prompt_logprobs: _builtins.bool = ...,
         prompt_logprobs_start: _builtins.int | None = ...,
+        logprob_mode: Global___LogprobMode.ValueType = ...,
+        sampling_support: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_prompt_logprobs_start", b"_prompt_logprobs_start", "_skip_special_tokens", b"_skip_special_tokens", "prompt_logprobs_start", b"prompt_logprobs_start", "skip_special_tokens", b"skip_special_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt_logprobs_start", b"_prompt_logprobs_start", "_skip_special_tokens", b"_skip_special_tokens", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_logprobs_start", b"prompt_logprobs_start", "raw_logprobs", b"raw_logprobs", "skip_special_tokens", b"skip_special_tokens", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt_logprobs_start", b"_prompt_logprobs_start", "_skip_special_tokens", b"_skip_special_tokens", "logprob_mode", b"logprob_mode", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_logprobs_start", b"prompt_logprobs_start", "raw_logprobs", b"raw_logprobs", "sampling_support", b"sampling_support", "skip_special_tokens", b"skip_special_tokens", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__prompt_logprobs_start: _TypeAlias = _typing.Literal["prompt_logprobs_start"]  # noqa: Y015
     _WhichOneofArgType__prompt_logprobs_start: _TypeAlias = _typing.Literal["_prompt_logprobs_start", b"_prompt_logprobs_start"]  # noqa: Y015
@@ -714,6 +774,7 @@ class TokenChunk(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    SAMPLING_SUPPORT_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """The text these tokens complete; may be empty while a multi-byte character is incomplete.
     The chunk texts of a sample, concatenated, are its detokenized completion (cut at a stop
@@ -735,6 +796,14 @@ class TokenChunk(_message.Message):
     def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprobs]:
         """top_logprobs[i] belongs to token_ids[i]. Empty unless OutputOptions.top_logprobs > 0."""
 
+    @_builtins.property
+    def sampling_support(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenIds]:
+        """sampling_support[i] belongs to token_ids[i]: the ids it could have been drawn from, most
+        likely first (ties by id); empty when nothing truncated the distribution (every token
+        could be drawn); for a greedy sample, its own id. Empty unless
+        OutputOptions.sampling_support.
+        """
+
     def __init__(
         self,
         *,
@@ -743,10 +812,11 @@ class TokenChunk(_message.Message):
         logprobs: _abc.Iterable[_builtins.float] | None = ...,
         top_logprobs: _abc.Iterable[Global___TopLogprobs] | None = ...,
         policy_version: _builtins.int = ...,
+        sampling_support: _abc.Iterable[Global___TokenIds] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "policy_version", b"policy_version", "text", b"text", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "policy_version", b"policy_version", "sampling_support", b"sampling_support", "text", b"text", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

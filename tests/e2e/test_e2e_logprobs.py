@@ -1,4 +1,5 @@
-"""End to end: prompt logprobs through a real server and engine, against HF's log-softmax."""
+"""End to end: prompt logprobs (against HF's log-softmax), logprob modes and the sampling
+support through a real server and engine."""
 
 from __future__ import annotations
 
@@ -105,4 +106,37 @@ async def test_bad_prompt_logprobs_requests_are_refused_naming_the_field(client,
     assert status is not None
     bad = error_details_pb2.BadRequest()
     assert status.details[0].Unpack(bad)
+    assert [v.field for v in bad.field_violations] == [field]
+
+
+async def test_sampled_logprobs_and_the_support_through_the_service(client, prompt):
+    params = dict(
+        max_tokens=6, temperature=1.0, top_k=5, seed=1, logprobs=True, top_logprobs=2,
+        logprob_mode="SAMPLED", sampling_support=True,
+    )  # fmt: skip
+    c = await client.complete(build_request(prompt, **params))
+    assert len(c.sampling_support) == len(c.token_ids) == 6
+    assert all(
+        t in s and 1 <= len(s) <= 5 for t, s in zip(c.token_ids, c.sampling_support, strict=True)
+    )
+    plain = await client.complete(build_request(prompt, **{**params, "logprob_mode": None}))
+    assert plain.token_ids == c.token_ids  # the mode changes what is reported, not what is drawn
+    # Renormalised over at most 5 kept tokens, each logprob is above the untruncated one.
+    assert all(s >= p for s, p in zip(c.logprobs, plain.logprobs, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        (dict(top_p=0.9, sampling_support=True), "output.sampling_support"),
+        (dict(raw_logprobs=True, logprob_mode="SAMPLED"), "output.logprob_mode"),
+    ],
+)
+async def test_unbounded_supports_and_conflicting_modes_are_refused(client, params, field):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.complete(build_request("To be", **params))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    status = rpc_status.from_call(err.value)
+    bad = error_details_pb2.BadRequest()
+    assert status is not None and status.details[0].Unpack(bad)
     assert [v.field for v in bad.field_violations] == [field]
