@@ -60,6 +60,9 @@ if [[ $MODE == smoke ]]; then
   # Detokenization per token, tables against DecodeStream (about 2 s).
   run detokenize bench.detokenize --vocab 2000 --corpus-mb 0.3 --tokens 2000 --repeat 1 \
     --load-vocab 5000
+  # Prompt scoring beside prefill, SAMPLED logprobs and supports beside PROCESSED (about 3 s).
+  run rl_outputs bench.rl_outputs --shape tiny --num-requests 8 --scale 0.05 --repeat 1 \
+    --threads 1
 else
   # --repeat: engine and HF runs alternate and each side's best counts; likewise the serving
   # benchmark's offline reference runs and its rate-inf phases (a busy machine only slows runs).
@@ -73,6 +76,7 @@ else
   run service_ceiling bench.service_ceiling --seconds 4 --warmup 1.5
   run service_ceiling_stream bench.service_ceiling --seconds 4 --warmup 1.5 --rpc stream
   run detokenize bench.detokenize
+  run rl_outputs bench.rl_outputs --shape tiny --scale 0.5 --repeat 2 --threads "$THREADS"
 fi
 
 echo "== done in ${SECONDS} s; load average: $(cut -d' ' -f1-3 /proc/loadavg)" >&2

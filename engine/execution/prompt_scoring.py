@@ -35,7 +35,7 @@ class ScoredRows:
 
     spans: list[tuple[Request, ScoreSpan]]
     targets: torch.Tensor  # [rows] int64: the prompt token each row scores
-    divisors: torch.Tensor  # [rows] float32: the temperature, or 1
+    divisors: torch.Tensor | None  # [rows] float32: the temperature, or 1; None: all 1
     num_top: int  # top logprobs per row: the most any of the requests asks for
 
     @property
@@ -54,7 +54,11 @@ class ScoredRows:
         return cls(
             spans,
             torch.tensor(targets, dtype=torch.int64).to(device, non_blocking=True),
-            torch.tensor(divisors, dtype=torch.float32).to(device, non_blocking=True),
+            (
+                torch.tensor(divisors, dtype=torch.float32).to(device, non_blocking=True)
+                if any(d != 1.0 for d in divisors)
+                else None
+            ),
             max(req.params.top_logprobs for req, _ in spans),
         )
 
@@ -65,7 +69,8 @@ def score_rows(model: LlamaForCausalLM, hidden: torch.Tensor, rows: ScoredRows) 
     k, parts = rows.num_top, []
     for start, logits in _sliced_logits(model, hidden):
         end = start + logits.shape[0]
-        logits = logits / rows.divisors[start:end, None]
+        if rows.divisors is not None:
+            logits = logits / rows.divisors[start:end, None]
         logprobs = torch.log_softmax(logits, dim=-1)
         columns = [logprobs.gather(-1, rows.targets[start:end, None])]
         if k:

@@ -206,3 +206,22 @@ def test_unbounded_supports_and_conflicting_modes_are_refused(
     result = engine.generate([[0, 5, 9]], replace(params, max_tokens=2))[0]
     assert result.finish_reason is FinishReason.ERROR
     assert result.error is not None and error in result.error
+
+
+@pytest.mark.parametrize("case", ["distinct", "ties", "masked", "zeros", "k_is_vocab"])
+def test_top_ids_rank_by_value_then_lowest_id_as_a_stable_sort_does(case: str) -> None:
+    from engine.sampling.sampling_math import top_ids
+
+    g = torch.Generator().manual_seed(len(case))
+    x = torch.randn(64, 97, generator=g)
+    if case == "ties":
+        x = torch.round(x * 2) / 2  # a few distinct values: ties everywhere, also at the k-th
+    elif case == "masked":
+        x[:, ::2] = float("-inf")
+        x[:5] = float("-inf")  # rows of nothing but -inf
+    elif case == "zeros":
+        x = torch.round(x) * 0.0  # +0.0 and -0.0 alike
+    k = 97 if case == "k_is_vocab" else 7
+    # A stable descending sort keeps equal values in id order: the reference ranking.
+    expected = torch.stack([torch.sort(row, descending=True, stable=True).indices for row in x])
+    assert torch.equal(top_ids(x, k), expected[:, :k])
