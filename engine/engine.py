@@ -381,7 +381,7 @@ class LLMEngine:
         )
         self.start_weight_update(msg, tensors)
         while self.updater.is_pending(msg):
-            self.pending += self.step()
+            self._step_into_pending()
         return self.updater.outcome(msg)
 
     @contextlib.contextmanager
@@ -410,7 +410,7 @@ class LLMEngine:
         msg = Sleep(f"in-process-{next(self._arrivals)}", level, inflight, drain_timeout)
         self.start_sleep(msg)
         while self.sleeper.in_progress:
-            self.pending += self.step()
+            self._step_into_pending()
         return self.sleeper.outcome(msg.sleep_id)
 
     def wake_up(self) -> SleepOutcome:
@@ -431,6 +431,13 @@ class LLMEngine:
     def wake(self, msg: Wake) -> None:
         with self.lock:
             self.sleeper.wake(msg)
+
+    def _step_into_pending(self) -> None:
+        """One step whose outputs wait in `pending` for the caller's next step()."""
+        # NOTE: not `self.pending += self.step()`: step() returns outputs that hold the old
+        # `pending` list itself, which would then be extended with its own items.
+        outputs = list(self.step())
+        self.pending += outputs
 
     def _settle(self) -> None:
         """Nothing in flight (a weight swap needs it): the launched step is undone, so the

@@ -4,7 +4,9 @@ Storage is resized in place (`untyped_storage().resize_(0)`, as FSDP frees param
 every tensor object and view (the runner's per-layer KV views, the checkpoint-name views of
 merged projections) stays the same object and sees the new storage once it is restored; only
 the addresses change. A restored storage holds garbage until it is filled: the KV pool is
-zeroed, the weights are the caller's to load.
+zeroed; the weights are `weights_stale` until the caller has loaded every tensor
+(`mark_filled`). NOTE: while released, views cannot even be made of a parameter (the
+checkpoint-name views of merged projections included): restore first.
 
 CUDA graphs capture addresses: they are dropped on release and captured again once both the
 weights and the KV pool are back. Freed memory goes back to the system: on CUDA torch's caching
@@ -37,6 +39,7 @@ class ModelMemory:
         self.device = pool.k.device
         self._kv: Released = []
         self._weights: Released = []
+        self.weights_stale = False  # storage back, contents not loaded yet
 
     @property
     def kv_released(self) -> bool:
@@ -59,7 +62,7 @@ class ModelMemory:
     def restore_kv(self) -> None:
         """Reallocate the K and V pages (same count, zeroed), then capture the CUDA graphs
         again; the weights must be in place (they are captured with them)."""
-        assert self.kv_released and not self.weights_released
+        assert self.kv_released and not self.weights_released and not self.weights_stale
         _restore(self._kv)
         self._kv = []
         self.pool.k.zero_()
@@ -68,9 +71,10 @@ class ModelMemory:
             self.runner.graphs.capture()
 
     def release_weights(self) -> int:
-        """Free every parameter's storage, and the CPU's packed copies of the weights
-        (engine/layers/linear.py). Returns the bytes freed."""
+        """Free every parameter's storage (stale or not), and the CPU's packed copies of the
+        weights (engine/layers/linear.py). Returns the bytes freed."""
         assert not self.weights_released, "the weights are already released"
+        self.weights_stale = False
         self._drop_graphs()
         params = list(self.model.parameters())
         for param in params:
@@ -81,11 +85,21 @@ class ModelMemory:
         return sum(nbytes for _, nbytes in self._weights)
 
     def restore_weights(self) -> None:
-        """Reallocate every parameter's storage. Its contents are undefined: the caller fills
-        every tensor before anything runs on them."""
+        """Reallocate every parameter's storage: stale until `mark_filled` (the caller fills
+        every tensor before anything runs on them)."""
         assert self.weights_released
         _restore(self._weights)
         self._weights = []
+        self.weights_stale = True
+
+    def mark_filled(self) -> None:
+        """Every tensor of the restored weights has been loaded."""
+        self.weights_stale = False
+
+    @property
+    def weights_missing(self) -> bool:
+        """The weights cannot serve: released, or restored but not loaded yet."""
+        return self.weights_released or self.weights_stale
 
     def _drop_graphs(self) -> None:
         graphs = self.runner.graphs

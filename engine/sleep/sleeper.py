@@ -161,7 +161,7 @@ class Sleeper:
         if not self.level:
             self._answer(msg.sleep_id, started)  # awake already
             return
-        reloaded = self.memory.weights_released
+        reloaded = self.memory.weights_missing
         if reloaded:
             failure = self._reload_weights()
             if failure is not None:
@@ -181,12 +181,14 @@ class Sleeper:
                 "tensors the server does not keep: apply an update that sets every tensor "
                 "(a checkpoint_dir), then Wake"
             )
-        self.memory.restore_weights()
+        if self.memory.weights_released:
+            self.memory.restore_weights()
         try:
             origin.reload(self.updater.model, self.updater.channel)
         except WeightUpdateError as exc:
             self.memory.release_weights()  # NOTE: partly loaded weights are never served
             return f"cannot read the served weights again: {exc.message}"
+        self.memory.mark_filled()
         return None
 
     # ---- outcomes ----

@@ -12,9 +12,10 @@ progress" is `pending`, and nowhere else.
 With tensor parallelism every rank stages its shard and all swap, or none does
 (engine/weights/sharded_update.py); versions, policies and events stay here, on rank 0.
 
-After a level-2 sleep the parameters have no storage (`storage.weights_released`): an update
-must then set every tensor, and its swap reallocates them first. Every applied update is
-recorded in `origin`, where a wake reads the served weights again.
+After a level-2 sleep the parameters have no storage (`storage.weights_missing`): an update
+reallocates it (stale until the swap fills it) and must then set every tensor; a refused or
+failed one frees it again. Every applied update is recorded in `origin`, where a wake reads
+the served weights again.
 
 The caller (LLMEngine) holds its lock around every call here.
 """
@@ -52,11 +53,17 @@ Abort = Callable[[list[str], FinishReason, str], int]  # (ids, reason, message) 
 
 
 class WeightStorage(Protocol):
-    """Whether the parameters have storage (engine/sleep/model_memory.py releases it)."""
+    """The parameters' storage, which a sleep releases (engine/sleep/model_memory.py)."""
+
+    weights_stale: bool
 
     @property
     def weights_released(self) -> bool: ...
+    @property
+    def weights_missing(self) -> bool: ...
     def restore_weights(self) -> None: ...
+    def release_weights(self) -> int: ...
+    def mark_filled(self) -> None: ...
 
 
 @dataclass
@@ -115,6 +122,8 @@ class WeightUpdater:
         if refusal is not None:
             self._failed(msg, *refusal)
             return
+        if self.storage is not None and self.storage.weights_released:
+            self.storage.restore_weights()  # NOTE: views of the parameters need their storage
         params = self.model.checkpoint_tensors()
         source = describe(msg.checkpoint_dir, msg.tensor_file, msg.tensors, tensors)
         try:
@@ -122,7 +131,7 @@ class WeightUpdater:
         except WeightUpdateError as exc:
             self._failed(msg, exc.code, exc.message)
             return
-        if self.weights_released and size.tensors < len(params):
+        if self.weights_missing and size.tensors < len(params):
             why = (
                 f"the weights were released by a level-2 sleep: an update must set every one of "
                 f"the model's {len(params)} tensors (this one sets {size.tensors}), or Wake first"
@@ -151,8 +160,8 @@ class WeightUpdater:
                 self._end(WeightsPhase.FAILED, error_code="ABORTED", message=why)
 
     @property
-    def weights_released(self) -> bool:
-        return self.storage is not None and self.storage.weights_released
+    def weights_missing(self) -> bool:
+        return self.storage is not None and self.storage.weights_missing
 
     def refuse(self, msg: UpdateWeights, code: str, message: str) -> None:
         """Fail `msg` at once, as `start` fails a bad update (one FAILED event)."""
@@ -183,7 +192,7 @@ class WeightUpdater:
         """
         if self.pending is not None:
             raise WeightUpdateError("FAILED_PRECONDITION", "an update is in progress")
-        if self.weights_released:
+        if self.weights_missing:
             raise WeightUpdateError(
                 "FAILED_PRECONDITION", "the weights were released by a level-2 sleep: wake first"
             )
@@ -235,9 +244,9 @@ class WeightUpdater:
                     self.scheduler.preempt(req)
             case InflightPolicy.CONTINUE:
                 counts["continued"] = len(running)
-        if self.storage is not None and self.storage.weights_released:
-            self.storage.restore_weights()  # NOTE: start() checked every tensor is staged
         staged.apply()
+        if self.storage is not None:
+            self.storage.mark_filled()  # NOTE: start() checked every tensor is staged
         if self.origin is not None:
             msg = update.msg
             self.origin.record(
@@ -308,6 +317,8 @@ class WeightUpdater:
     def _emit(self, event: WeightsProgress) -> None:
         if event.final:
             self.last_final = event
+        if event.phase is WeightsPhase.FAILED and self.storage and self.storage.weights_stale:
+            self.storage.release_weights()  # restored for an update that did not fill it
         if self.sink is not None:
             self.sink(event)
         else:
