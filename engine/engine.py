@@ -6,8 +6,8 @@ expired deadlines, a pending weight swap), run, postprocess; with `overlap_steps
 one step overlaps the host work of the next (engine/overlap.py). Every request ends with
 exactly one output whose `finish_reason` is set (engine/request_outputs.py builds them; a
 request that engine/request_validation.py refuses ends at once). Weight updates are WeightUpdater's
-(engine/weights/weight_updater.py); `generate`'s results are GenerationResult
-(engine/generation_result.py).
+(engine/weights/weight_updater.py), sleep and wake Sleeper's (engine/sleep/sleeper.py);
+`generate`'s results are GenerationResult (engine/generation_result.py).
 
 With `tensor_parallel_size` N > 1 this process is rank 0: it starts N-1 worker processes
 (engine/parallel/worker_group.py), holds the scheduler, the page tables and the sampler, and its
@@ -43,7 +43,10 @@ from engine.messages import (
     InflightPolicy,
     RequestOutput,
     SamplingParams,
+    Sleep,
+    SleepOutcome,
     UpdateWeights,
+    Wake,
     WeightsProgress,
 )
 from engine.models.hf_config import load_model_config
@@ -54,11 +57,13 @@ from engine.parallel.worker_group import WorkerGroup
 from engine.request_outputs import error_output, request_output, stop_reason
 from engine.request_validation import request_error
 from engine.scheduling.prefix_cache import PrefixCache
-from engine.scheduling.prompt_scores import PromptScores
-from engine.scheduling.request import Request, RequestStatus
+from engine.scheduling.request import Request, RequestStatus, new_sequences
 from engine.scheduling.scheduler import ScheduledBatch, Scheduler
+from engine.sleep.model_memory import ModelMemory
+from engine.sleep.sleeper import Sleeper
 from engine.step_outputs import StepOutputs
 from engine.weights.weight_updater import WeightUpdater
+from engine.weights.weights_origin import WeightsOrigin
 
 
 class LLMEngine:
@@ -93,8 +98,14 @@ class LLMEngine:
         self.prompt_tokens_computed = 0
         self._rng = random.Random(config.seed)
         self._arrivals = itertools.count()
+        origin = WeightsOrigin(str(path))
+        channel = self.runner.channel
         self.updater = WeightUpdater(
-            self.model, self.scheduler, self.cache, self.abort, self.runner.channel
+            self.model, self.scheduler, self.cache, self.abort, channel, origin
+        )
+        self.memory = self.updater.storage = ModelMemory(self.model, self.pool, self.runner)
+        self.sleeper = Sleeper(
+            self.memory, self.cache, self.updater, self.abort, lambda: list(self.requests)
         )
         self.overlap = OverlappedSteps(self) if overlap_enabled(config) else None
         self.info = model_info(config, cfg, path, self.device, self.dtype, self.pool.num_pages)
@@ -121,45 +132,33 @@ class LLMEngine:
         min_policy_version: int | None = None,
     ) -> None:
         """Queue a request. Invalid input becomes that request's ERROR output, never an exception
-        (except a request id already in flight, which is the caller's bug)."""
+        (except a request id already in flight, which is the caller's bug); a request while the
+        engine sleeps (or drains into sleep) ends at once, ABORTED."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         prompt = list(prompt_token_ids)
         limits = (self.model_config, self.config.max_num_seqs, self.policy_version)
         error = request_error(prompt, params, n, min_policy_version, *limits)
-        if error is not None:
-            for index in range(max(n, 1)):
-                out = error_output(request_id, index, len(prompt), error, self.policy_version)
-                self.pending.append(out)
+        refused = error or self.sleeper.refusing
+        if refused is not None:
+            reason = FinishReason.ERROR if error is not None else FinishReason.ABORTED
+            version = self.policy_version
+            self.pending += [
+                error_output(request_id, index, len(prompt), refused, version, reason)
+                for index in range(max(n, 1))
+            ]
             return
         max_tokens = self.model_config.max_model_len - len(prompt)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
-        seqs = []
-        for index in range(n):
-            seed = params.seed + index if params.seed is not None else self._rng.getrandbits(64)
-            seqs.append(
-                Request(
-                    request_id=request_id,
-                    index=index,
-                    prompt_len=len(prompt),
-                    token_ids=list(prompt),
-                    params=params,
-                    seed=seed % 2**64,
-                    max_tokens=max_tokens,
-                    arrival_seq=next(self._arrivals),
-                    priority=priority,
-                    deadline=deadline,
-                )
-            )
-        leader, siblings = seqs[0], seqs[1:]
-        for sibling in siblings:
-            sibling.status = RequestStatus.FORK_PENDING
-        leader.pending_forks = list(siblings)
-        if params.prompt_logprobs:
-            start = params.prompt_logprobs_start
-            leader.prompt_scores = PromptScores(start, len(prompt), params.top_logprobs)
-        self.scheduler.add(leader)
+        seeds = [
+            params.seed + index if params.seed is not None else self._rng.getrandbits(64)
+            for index in range(n)
+        ]
+        when = (priority, deadline)
+        seqs = new_sequences(request_id, prompt, params, max_tokens, seeds, self._arrivals, *when)
+        leader = seqs[0]
+        self.scheduler.add(leader)  # its siblings fork from its prompt's KV
         self.requests[request_id] = seqs
         if max_tokens == 0 and leader.prompt_scores and leader.prompt_scores.complete:
             self._end_scored(leader, self.pending)  # nothing to score, nothing to generate
@@ -191,7 +190,7 @@ class LLMEngine:
         return self.scheduler.policy_version
 
     def has_work(self) -> bool:
-        busy = self.scheduler.has_work() or self.updater.in_progress
+        busy = self.scheduler.has_work() or self.updater.in_progress or self.sleeper.in_progress
         return busy or bool(self.pending) or (self.overlap is not None and self.overlap.busy)
 
     # ---- the step ----
@@ -211,9 +210,11 @@ class LLMEngine:
         return outputs
 
     def _schedule(self, hold: Collection[Request] = ()) -> ScheduledBatch:
-        """Step-boundary work (deadlines, a pending weight swap), then the next batch."""
+        """Step-boundary work (deadlines, a pending weight swap or sleep), then the next
+        batch."""
         self._expire_deadlines()
         self.updater.advance()
+        self.sleeper.advance()
         batch = self.scheduler.schedule(hold)
         self._end_too_big()
         now = time.monotonic()
@@ -376,6 +377,7 @@ class LLMEngine:
             prefix_cache_hits=self.scheduler.prefix_hits,
             preemptions=self.scheduler.num_preemptions,
             updating_weights=self.updater.in_progress,
+            sleep_level=self.sleeper.level,
         )
 
     # ---- weight updates (the state machine is WeightUpdater's) ----
@@ -389,6 +391,9 @@ class LLMEngine:
         checkpoint)."""
         with self.lock:
             self._settle()
+            if self.sleeper.in_progress:
+                self.updater.refuse(msg, "FAILED_PRECONDITION", "a sleep is draining")
+                return
             self.updater.start(msg, tensors)
 
     def update_weights(
@@ -413,7 +418,7 @@ class LLMEngine:
         )
         self.start_weight_update(msg, tensors)
         while self.updater.is_pending(msg):
-            self.pending += self.step()
+            self._step_into_pending()
         return self.updater.outcome(msg)
 
     @contextlib.contextmanager
@@ -425,6 +430,51 @@ class LLMEngine:
             self._settle()
             with self.updater.live(policy_version) as params:
                 yield params
+
+    # ---- sleep and wake (the state machine is Sleeper's) ----
+
+    def sleep(
+        self,
+        level: int = 1,
+        inflight: InflightPolicy = InflightPolicy.DRAIN,
+        drain_timeout: float | None = None,
+    ) -> SleepOutcome:
+        """Free the KV cache and the prefix cache (level 1), and the weights too (level 2),
+        until wake_up(). DRAIN steps every request in the engine to completion first (their
+        outputs are returned by the next step()); ABORT ends them ABORTED. Raises SleepError
+        (INVALID_ARGUMENT: a bad level or policy; FAILED_PRECONDITION: an update or a sleep is
+        in progress, or tensor parallelism; ABORTED: the drain timed out, nothing changed)."""
+        msg = Sleep(f"in-process-{next(self._arrivals)}", level, inflight, drain_timeout)
+        self.start_sleep(msg)
+        while self.sleeper.in_progress:
+            self._step_into_pending()
+        return self.sleeper.outcome(msg.sleep_id)
+
+    def wake_up(self) -> SleepOutcome:
+        """Serve again after sleep(): the same KV pages; after level 2 the weights are read
+        again from their origin (the served checkpoint, or the last checkpoint update and the
+        tensor files after it) unless an update that set every tensor restored them. Raises
+        SleepError FAILED_PRECONDITION (still asleep) when they cannot be read again."""
+        msg = Wake(f"in-process-{next(self._arrivals)}")
+        self.wake(msg)
+        return self.sleeper.outcome(msg.sleep_id)
+
+    def start_sleep(self, msg: Sleep) -> None:
+        """Accept a Sleep; its SleepOutcome goes to `sleeper.sink` (or `sleeper.events`)."""
+        with self.lock:
+            self._settle()
+            self.sleeper.start(msg)
+
+    def wake(self, msg: Wake) -> None:
+        with self.lock:
+            self.sleeper.wake(msg)
+
+    def _step_into_pending(self) -> None:
+        """One step whose outputs wait in `pending` for the caller's next step()."""
+        # NOTE: not `self.pending += self.step()`: step() returns outputs that hold the old
+        # `pending` list itself, which would then be extended with its own items.
+        outputs = list(self.step())
+        self.pending += outputs
 
     def _settle(self) -> None:
         """Nothing in flight (a weight swap needs it): the launched step is undone, so the

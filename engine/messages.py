@@ -3,10 +3,11 @@
 Standard library only: both sides import this module, and the service never imports torch.
 Everything here is plain data (dataclasses of builtins) so it pickles across the pipe.
 
-Service -> engine: AddRequest, AbortRequests, UpdateWeights, GetState, Shutdown.
+Service -> engine: AddRequest, AbortRequests, UpdateWeights, Sleep, Wake, GetState, Shutdown.
 Engine -> service: Ready, StepOutput (one per engine step), WeightsProgress (for an
-UpdateWeights), Heartbeat (while idle, and in answer to GetState), EngineDead (the last message
-of a dying engine).
+UpdateWeights), SleepOutcome (for a Sleep or a Wake), Heartbeat (while idle, and in answer to
+GetState), EngineDead (the last message of a dying engine). The admin messages (weight
+updates, sleep and wake) live in engine/admin_messages.py and are re-exported here.
 """
 
 from __future__ import annotations
@@ -15,6 +16,18 @@ import enum
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from engine.admin_messages import (
+    SLEEP_LEVELS,
+    InflightPolicy,
+    Sleep,
+    SleepOutcome,
+    TensorRef,
+    UpdateWeights,
+    Wake,
+    WeightsPhase,
+    WeightsProgress,
+)
 
 MAX_TOP_LOGPROBS = 20
 # A token's sampling support holds at most top_k ids (plus ties at the k-th logit, at most
@@ -176,45 +189,6 @@ class AbortRequests:
     index: int | None = None  # only this sample of each request (a stop string matched on it)
 
 
-class InflightPolicy(enum.StrEnum):
-    """What a weight update does to requests already running (the table in docs/service.md)."""
-
-    DRAIN = "drain"  # admit nothing new, let running requests finish, then swap
-    ABORT = "abort"  # end running requests (ABORTED, partial output kept), then swap
-    CONTINUE = "continue"  # swap between two steps; running requests keep their KV
-    RECOMPUTE = "recompute"  # swap, then recompute running requests' KV with the new weights
-
-
-@dataclass(frozen=True)
-class TensorRef:
-    """One tensor's raw row-major bytes inside UpdateWeights.tensor_file."""
-
-    name: str
-    dtype: str  # safetensors names: F32, F16, BF16
-    shape: tuple[int, ...]
-    offset: int  # byte offset in the file
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class UpdateWeights:
-    """Swap in new weights under a new policy version.
-
-    The source is either an HF checkpoint directory (every tensor of the model, cast to the
-    served dtype like at start-up) or `tensor_file` + `tensors` (any subset of the model's
-    tensors, written by the service from inline chunks; dtypes must equal the served dtype).
-    Large payloads travel as a file, never through the pipe.
-    """
-
-    update_id: str
-    policy_version: int  # must exceed the served version; 0 = served + 1; <= MAX_POLICY_VERSION
-    inflight: InflightPolicy = InflightPolicy.DRAIN
-    checkpoint_dir: str | None = None
-    tensor_file: str | None = None
-    tensors: tuple[TensorRef, ...] = ()
-    drain_timeout: float | None = None  # seconds; DRAIN fails (old weights kept) after it
-
-
 @dataclass(frozen=True)
 class GetState:
     """Asks for a Heartbeat now."""
@@ -258,6 +232,7 @@ class EngineStats:
     prefix_cache_hits: int = 0  # cumulative prompt tokens found there
     preemptions: int = 0  # cumulative
     updating_weights: bool = False  # a weight update is pending or being applied
+    sleep_level: int = 0  # 0 awake; 1 or 2 asleep (see Sleep)
 
     @property
     def prefix_hit_ratio(self) -> float:
@@ -332,37 +307,6 @@ class Ready:
     info: ModelInfo
 
 
-class WeightsPhase(enum.StrEnum):
-    PAUSED = "paused"  # in-flight handling started (in_flight = requests it concerns)
-    LOADING = "loading"  # bytes/tensors read so far
-    APPLIED = "applied"  # the new version is live (final)
-    FAILED = "failed"  # nothing changed (final); error_code names the gRPC status
-
-
-@dataclass(frozen=True)
-class WeightsProgress:
-    update_id: str
-    phase: WeightsPhase
-    in_flight: int = 0
-    bytes_done: int = 0
-    bytes_total: int = 0
-    tensors_done: int = 0
-    tensors_total: int = 0
-    previous_version: int = 0
-    policy_version: int = 0
-    aborted: int = 0
-    continued: int = 0
-    recomputed: int = 0
-    seconds: float = 0.0
-    error_code: str = ""  # a grpc.StatusCode name: INVALID_ARGUMENT, FAILED_PRECONDITION,
-    # OUT_OF_RANGE (the version would pass MAX_POLICY_VERSION), ABORTED
-    message: str = ""
-
-    @property
-    def final(self) -> bool:
-        return self.phase in (WeightsPhase.APPLIED, WeightsPhase.FAILED)
-
-
 @dataclass
 class TokenColumns:
     """A step's plain rows as columns: request indexes that gained one token, did not end and
@@ -416,8 +360,8 @@ class EngineDead:
     traceback: str = ""
 
 
-ToEngine = AddRequest | AbortRequests | UpdateWeights | GetState | Shutdown
-FromEngine = Ready | StepOutput | WeightsProgress | Heartbeat | EngineDead
+ToEngine = AddRequest | AbortRequests | UpdateWeights | Sleep | Wake | GetState | Shutdown
+FromEngine = Ready | StepOutput | WeightsProgress | SleepOutcome | Heartbeat | EngineDead
 __all__ = [
     "FinishReason",
     "SamplingParams",
@@ -427,6 +371,10 @@ __all__ = [
     "LogprobMode",
     "TensorRef",
     "UpdateWeights",
+    "Sleep",
+    "Wake",
+    "SleepOutcome",
+    "SLEEP_LEVELS",
     "WeightsPhase",
     "WeightsProgress",
     "GetState",

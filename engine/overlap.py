@@ -18,7 +18,7 @@ N+1: those that reach max_tokens (they end for sure) and those whose next page w
 the whole pool (the plain loop ends them with ERROR unless the token stops them first).
 
 Some steps are not overlapped: step N is collected before N+1 is scheduled while a weight
-update is in progress (a swap needs nothing in flight), when N sampled the first tokens of
+update or a sleep is in progress (a swap, or freeing the KV pool, needs nothing in flight), when N sampled the first tokens of
 n > 1 siblings (forking copies KV pages on the host's side), and when a request sampled at N
 uses penalties (the sampler reads its full token history on the host).
 """
@@ -37,6 +37,7 @@ from engine.messages import RequestOutput
 from engine.scheduling.page_pool import PagePool
 from engine.scheduling.request import Request, RequestStatus
 from engine.scheduling.scheduler import ScheduledBatch, Scheduler
+from engine.sleep.sleeper import Sleeper
 from engine.step_outputs import StepOutputs
 from engine.weights.weight_updater import WeightUpdater
 
@@ -78,6 +79,7 @@ class Engine(Protocol):
     scheduler: Scheduler
     pool: PagePool
     updater: WeightUpdater
+    sleeper: Sleeper
     pending: list[RequestOutput]
     prompt_tokens_computed: int
 
@@ -157,7 +159,8 @@ class OverlappedSteps:
 
     def _must_collect_first(self) -> bool:
         step = self.inflight
-        return step is not None and (step.needs_host or self.engine.updater.in_progress)
+        admin = self.engine.updater.in_progress or self.engine.sleeper.in_progress
+        return step is not None and (step.needs_host or admin)
 
     def _launch(self, batch: ScheduledBatch, previous: InflightStep | None) -> InflightStep:
         engine = self.engine

@@ -8,8 +8,9 @@ The service declares the engine hung when nothing arrives for its stall timeout 
 in flight, so the engine is never silent for long: every loop iteration sends something (a
 StepOutput for each step, a Heartbeat when idle, at least every HEARTBEAT_INTERVAL_S), and a
 weight update's progress goes down the pipe while its tensors load, not after.
-NOTE: one step (a forward of at most max_num_batched_tokens) and the staging of one tensor
-must each fit in the stall timeout; nothing is sent in the middle of either.
+NOTE: one step (a forward of at most max_num_batched_tokens), the staging of one tensor and a
+Wake (which reloads every weight after a level-2 sleep) must each fit in the stall timeout;
+nothing is sent in the middle of any of them.
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ from engine.messages import (
     Ready,
     RequestOutput,
     Shutdown,
+    Sleep,
     StepOutput,
     ToEngine,
     UpdateWeights,
+    Wake,
 )
 from engine.parent_death import die_with_parent
 
@@ -105,6 +108,7 @@ def _serve(engine: LLMEngine, conn: Connection) -> None:
     # Weight-update progress is sent as it happens (throttled by the engine), also from
     # inside a long staging; a swap at a step's start is announced before that step's tokens.
     engine.updater.sink = conn.send
+    engine.sleeper.sink = conn.send  # one SleepOutcome per Sleep or Wake
     while True:
         # 1. Drain every waiting message; block (up to a heartbeat) only when idle.
         timeout = 0.0 if engine.has_work() else HEARTBEAT_INTERVAL_S
@@ -151,6 +155,10 @@ def _handle(engine: LLMEngine, conn: Connection, msg: ToEngine) -> None:
             engine.abort(msg.request_ids, msg.reason, index=msg.index)
         case UpdateWeights():
             engine.start_weight_update(msg)
+        case Sleep():
+            engine.start_sleep(msg)
+        case Wake():
+            engine.wake(msg)
         case GetState():
             conn.send(Heartbeat(engine.stats()))
         case _:

@@ -45,15 +45,21 @@ def request_output(
 
 
 def error_output(
-    request_id: str, index: int, prompt_len: int, error: str, policy_version: int
+    request_id: str,
+    index: int,
+    prompt_len: int,
+    error: str,
+    policy_version: int,
+    reason: FinishReason = FinishReason.ERROR,
 ) -> RequestOutput:
-    """The one output of a request refused before it was queued."""
+    """The one output of a request refused before it was queued (ERROR: bad input;
+    ABORTED: the engine sleeps)."""
     return RequestOutput(
         request_id=request_id,
         index=index,
         new_token_ids=[],
         policy_version=policy_version,
-        finish_reason=FinishReason.ERROR,
+        finish_reason=reason,
         error=error,
         prompt_tokens=prompt_len,
     )

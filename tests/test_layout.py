@@ -26,6 +26,7 @@ SHARED = {
     "engine.generation_result",
     "engine.config",
     "engine.messages",
+    "engine.admin_messages",
     "engine.settings",
     "engine.process",
     "engine.parent_death",

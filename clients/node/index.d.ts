@@ -223,7 +223,7 @@ export class StreamRequest implements AsyncIterable<GenerateEvent> {
   complete(): Promise<Completion>;
 }
 
-export type ServingState = 'UNSPECIFIED' | 'STARTING' | 'SERVING' | 'UPDATING_WEIGHTS' | 'RESTARTING' | 'DRAINING';
+export type ServingState = 'UNSPECIFIED' | 'STARTING' | 'SERVING' | 'UPDATING_WEIGHTS' | 'RESTARTING' | 'DRAINING' | 'SLEEPING';
 
 export interface ServerInfo {
   model: string;
@@ -320,6 +320,36 @@ export class Client {
   tokenize(text: string, options?: RoutedCallOptions & { addSpecialTokens?: boolean }): Promise<number[]>;
   info(options?: RoutedCallOptions): Promise<ServerInfo>;
   updateWeights(source: WeightsSource, options?: UpdateWeightsOptions): Promise<AppliedEvent>;
+  /** Admin Sleep: frees the KV cache (level 1) and the weights too (level 2) until wake(). */
+  sleep(options?: SleepOptions): Promise<SleepResult>;
+  /** Admin Wake: serves again after sleep(). */
+  wake(options?: CallOptions): Promise<WakeResult>;
+}
+
+export interface SleepOptions extends CallOptions {
+  /** 1 (default): KV cache and prefix cache; 2: the weights too. */
+  level?: 1 | 2;
+  /** Admitted requests finish first (drain, the default) or end ABORTED (abort). */
+  inflight?: 'drain' | 'abort';
+  /** drain only: fail (ABORTED, nothing freed) after this long. */
+  drainTimeoutMs?: number;
+}
+
+export interface SleepResult {
+  /** The level the server sleeps at now. */
+  level: number;
+  /** Requests ended ABORTED (inflight abort). */
+  aborted: number;
+  /** Bytes this call freed. */
+  releasedBytes: number;
+  seconds: number;
+}
+
+export interface WakeResult {
+  /** The weights were read again (waking from level 2). */
+  reloaded: boolean;
+  policyVersion: number;
+  seconds: number;
 }
 
 /** The tensors of a .safetensors file: names, dtypes, shapes and absolute byte ranges. */

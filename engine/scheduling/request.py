@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from engine.messages import FinishReason, SamplingParams
@@ -77,3 +78,40 @@ class Request:
     def sort_key(self) -> tuple[int, int]:
         """Waiting order: higher priority first, then arrival."""
         return (-self.priority, self.arrival_seq)
+
+
+def new_sequences(
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    max_tokens: int,
+    seeds: list[int],
+    arrivals: Iterator[int],
+    priority: int = 0,
+    deadline: float | None = None,
+) -> list[Request]:
+    """The sequences of one request, one per seed (n = len(seeds)): the leader first, its
+    siblings FORK_PENDING in its `pending_forks` (they start from its prompt's KV). The
+    leader alone scores the prompt when prompt logprobs are asked for."""
+    seqs = [
+        Request(
+            request_id=request_id,
+            index=index,
+            prompt_len=len(prompt),
+            token_ids=list(prompt),
+            params=params,
+            seed=seed % 2**64,
+            max_tokens=max_tokens,
+            arrival_seq=next(arrivals),
+            priority=priority,
+            deadline=deadline,
+        )
+        for index, seed in enumerate(seeds)
+    ]
+    for sibling in seqs[1:]:
+        sibling.status = RequestStatus.FORK_PENDING
+    seqs[0].pending_forks = seqs[1:]
+    if params.prompt_logprobs:
+        start = params.prompt_logprobs_start
+        seqs[0].prompt_scores = PromptScores(start, len(prompt), params.top_logprobs)
+    return seqs

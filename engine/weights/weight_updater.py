@@ -12,6 +12,11 @@ progress" is `pending`, and nowhere else.
 With tensor parallelism every rank stages its shard and all swap, or none does
 (engine/weights/sharded_update.py); versions, policies and events stay here, on rank 0.
 
+After a level-2 sleep the parameters have no storage (`storage.weights_missing`): an update
+reallocates it (stale until the swap fills it) and must then set every tensor; a refused or
+failed one frees it again. Every applied update is recorded in `origin`, where a wake reads
+the served weights again.
+
 The caller (LLMEngine) holds its lock around every call here.
 """
 
@@ -21,7 +26,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -40,10 +45,25 @@ from engine.scheduling.scheduler import Scheduler
 from engine.weights.checks import UpdateSize, check_update
 from engine.weights.sharded_update import describe, gather_parameters, stage
 from engine.weights.staging import StagedWeights, WeightUpdateError
+from engine.weights.weights_origin import WeightsOrigin
 
 PROGRESS_INTERVAL_S = 0.1  # at most one LOADING event per interval while staging
 
 Abort = Callable[[list[str], FinishReason, str], int]  # (ids, reason, message) -> sequences ended
+
+
+class WeightStorage(Protocol):
+    """The parameters' storage, which a sleep releases (engine/sleep/model_memory.py)."""
+
+    weights_stale: bool
+
+    @property
+    def weights_released(self) -> bool: ...
+    @property
+    def weights_missing(self) -> bool: ...
+    def restore_weights(self) -> None: ...
+    def release_weights(self) -> int: ...
+    def mark_filled(self) -> None: ...
 
 
 @dataclass
@@ -66,8 +86,11 @@ class WeightUpdater:
         cache: PrefixCache,
         abort: Abort,
         channel: StepChannel | None = None,
+        origin: WeightsOrigin | None = None,
     ) -> None:
         self.model = model
+        self.origin = origin  # where the served weights come from (None: not tracked)
+        self.storage: WeightStorage | None = None  # set by an engine that can sleep
         self.channel = channel  # rank 0 of a tensor-parallel group: reaches the workers
         self.scheduler = scheduler  # holds the served policy version (it hashes prefixes)
         self.cache = cache
@@ -99,12 +122,21 @@ class WeightUpdater:
         if refusal is not None:
             self._failed(msg, *refusal)
             return
+        if self.storage is not None and self.storage.weights_released:
+            self.storage.restore_weights()  # NOTE: views of the parameters need their storage
         params = self.model.checkpoint_tensors()
         source = describe(msg.checkpoint_dir, msg.tensor_file, msg.tensors, tensors)
         try:
             size = check_update(params, self.model.sharding, source, tensors)
         except WeightUpdateError as exc:
             self._failed(msg, exc.code, exc.message)
+            return
+        if self.weights_missing and size.tensors < len(params):
+            why = (
+                f"the weights were released by a level-2 sleep: an update must set every one of "
+                f"the model's {len(params)} tensors (this one sets {size.tensors}), or Wake first"
+            )
+            self._failed(msg, "FAILED_PRECONDITION", why)
             return
         self.pending = PendingUpdate(msg, version, time.monotonic(), size, tensors)
         self._event(WeightsPhase.PAUSED, in_flight=len(self.scheduler.running))
@@ -126,6 +158,14 @@ class WeightUpdater:
                 running = len(self.scheduler.running)
                 why = f"drain timed out after {waited:.1f}s with {running} requests running"
                 self._end(WeightsPhase.FAILED, error_code="ABORTED", message=why)
+
+    @property
+    def weights_missing(self) -> bool:
+        return self.storage is not None and self.storage.weights_missing
+
+    def refuse(self, msg: UpdateWeights, code: str, message: str) -> None:
+        """Fail `msg` at once, as `start` fails a bad update (one FAILED event)."""
+        self._failed(msg, code, message)
 
     def is_pending(self, msg: UpdateWeights) -> bool:
         return self.pending is not None and self.pending.msg is msg
@@ -152,6 +192,10 @@ class WeightUpdater:
         """
         if self.pending is not None:
             raise WeightUpdateError("FAILED_PRECONDITION", "an update is in progress")
+        if self.weights_missing:
+            raise WeightUpdateError(
+                "FAILED_PRECONDITION", "the weights were released by a level-2 sleep: wake first"
+            )
         version = policy_version or self.version + 1
         refusal = self._version_refusal(version)
         if refusal is not None:
@@ -163,6 +207,8 @@ class WeightUpdater:
             yield whole
             source = describe(None, None, (), whole)
             stage(self.model, source, lambda done, count: None, whole, self.channel).apply()
+        if self.origin is not None:
+            self.origin.forget()  # mutated in place: no copy of these weights to read again
         self._publish(version, InflightPolicy.CONTINUE)
 
     def _version_refusal(self, version: int) -> tuple[str, str] | None:
@@ -199,6 +245,13 @@ class WeightUpdater:
             case InflightPolicy.CONTINUE:
                 counts["continued"] = len(running)
         staged.apply()
+        if self.storage is not None:
+            self.storage.mark_filled()  # NOTE: start() checked every tensor is staged
+        if self.origin is not None:
+            msg = update.msg
+            self.origin.record(
+                describe(msg.checkpoint_dir, msg.tensor_file, msg.tensors, update.tensors)
+            )
         previous = self.version
         self._publish(update.version, update.msg.inflight)
         self._end(WeightsPhase.APPLIED, previous_version=previous, **counts)
@@ -264,6 +317,8 @@ class WeightUpdater:
     def _emit(self, event: WeightsProgress) -> None:
         if event.final:
             self.last_final = event
+        if event.phase is WeightsPhase.FAILED and self.storage and self.storage.weights_stale:
+            self.storage.release_weights()  # restored for an update that did not fill it
         if self.sink is not None:
             self.sink(event)
         else:

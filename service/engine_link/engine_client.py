@@ -2,10 +2,11 @@
 
 It owns the facts the rest of the service reads: the engine's state, the served policy version
 (`policy_version`, which never goes backwards), whether a weight update is in progress
-(`updating_weights`, the one update slot), and the last stats. Requests go to the engine through
-`submit` and come back through the RequestRouter; weight updates through `update_weights`.
-The engine process itself is an EngineProcess; the Supervisor replaces it when it is lost, and
-replays the ReplayLog into the new one before it serves.
+(`updating_weights`, the one update slot), the sleep level (`sleep_link`), and the last stats.
+Requests go to the engine through `submit` and come back through the RequestRouter; weight
+updates through `update_weights`; Sleep and Wake through `sleep_or_wake`. The engine process
+itself is an EngineProcess; the Supervisor replaces it when it is lost, and replays the
+ReplayLog into the new one (and puts it back to sleep if the server sleeps) before it serves.
 """
 
 from __future__ import annotations
@@ -27,12 +28,16 @@ from engine.messages import (
     FromEngine,
     GetState,
     Heartbeat,
+    InflightPolicy,
     ModelInfo,
     Ready,
     Shutdown,
+    Sleep,
+    SleepOutcome,
     StepOutput,
     ToEngine,
     UpdateWeights,
+    Wake,
     WeightsPhase,
     WeightsProgress,
 )
@@ -49,6 +54,7 @@ from service.engine_link.engine_process import (
 from service.engine_link.engine_state import EngineState
 from service.engine_link.replay_log import ReplayLog
 from service.engine_link.routing import Inbox, RequestRouter
+from service.engine_link.sleep_link import SleepLink
 from service.engine_link.supervisor import Supervisor
 from service.engine_link.update_route import UpdateInProgressError, UpdateRoute
 from service.ops.metrics import Metrics
@@ -84,6 +90,7 @@ class EngineClient:
         self.restarts = 0
         self.router = RequestRouter(config.stream_interval)
         self.replay_log = ReplayLog()
+        self.sleep_link = SleepLink()
         self.engine: EngineProcess | None = None
         self._target = target
         self._start_process = start_process
@@ -129,8 +136,13 @@ class EngineClient:
 
     @property
     def busy(self) -> bool:
-        """Requests or updates are waiting on the engine: it must make progress."""
-        return bool(len(self.router) or self._updates)
+        """Requests, updates, a Sleep or a Wake wait on the engine: it must make progress."""
+        return bool(len(self.router) or self._updates or self.sleep_link.busy)
+
+    @property
+    def ready_state(self) -> EngineState:
+        """The state of an engine that is up: SLEEPING while the server sleeps."""
+        return EngineState.SLEEPING if self.sleep_link.level else EngineState.SERVING
 
     # ---- requests ----
 
@@ -246,6 +258,9 @@ class EngineClient:
                     f"replaying policy version {entry.policy_version} failed: {final.message}"
                 )
             log.info("engine.replayed", policy_version=entry.policy_version)
+        if level := self.sleep_link.level:  # it slept when the engine was lost: so does this one
+            self._send(Sleep(f"resleep-{self.restarts}", level, InflightPolicy.ABORT))
+            log.info("engine.put_back_to_sleep", level=level)
 
     def _route_progress(self, progress: WeightsProgress) -> None:
         route = self._updates.get(progress.update_id)
@@ -276,6 +291,30 @@ class EngineClient:
             route.queue.put_nowait(failed)
             if route.on_final is not None:
                 route.on_final(failed)
+
+    # ---- sleep and wake ----
+
+    async def sleep_or_wake(self, msg: Sleep | Wake) -> SleepOutcome:
+        """Send a Sleep or a Wake (the caller checked nothing else is in progress) and wait
+        for its answer (UNAVAILABLE if the engine is lost meanwhile). From a Sleep's sending
+        the state is SLEEPING: new requests are refused while it drains. The answer sets the
+        state, also when nobody awaits it any more. Raises EngineUnavailableError if the
+        engine cannot take it now."""
+        answer = self.sleep_link.expect(msg.sleep_id)
+        try:
+            self._send(msg)
+        except EngineUnavailableError:
+            self.sleep_link.forget(msg.sleep_id)
+            raise
+        if isinstance(msg, Sleep):
+            self.set_state(EngineState.SLEEPING)
+        return await asyncio.shield(answer)
+
+    def _route_sleep(self, outcome: SleepOutcome) -> None:
+        if not self.sleep_link.route(outcome):
+            return  # a restarted engine put back to sleep: replay() awaits nothing here
+        if self.state in (EngineState.SERVING, EngineState.SLEEPING):
+            self.set_state(self.ready_state)
 
     # ---- stats ----
 
@@ -345,6 +384,7 @@ class EngineClient:
         message = f"the engine failed: {reason}"
         self.router.fail_all(message, self.policy_version)
         self._fail_updates(message)
+        self.sleep_link.fail_all(message)
 
     def _send(self, msg: ToEngine) -> None:
         engine = self.engine
@@ -368,6 +408,8 @@ class EngineClient:
                     self._update_stats(stats)
                 case WeightsProgress() as progress:
                     self._route_progress(progress)
+                case SleepOutcome() as outcome:
+                    self._route_sleep(outcome)
                 case Ready(info=info):
                     self.info = info
                     if not engine.ready.done():

@@ -8,6 +8,7 @@ import enum
 class EngineState(enum.Enum):
     STARTING = "starting"
     SERVING = "serving"
+    SLEEPING = "sleeping"  # Admin Sleep, from the call until a Wake: requests are refused
     RESTARTING = "restarting"
     STOPPING = "stopping"
     STOPPED = "stopped"

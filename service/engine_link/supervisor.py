@@ -6,7 +6,8 @@ no progress: no message for `stall_timeout` seconds while requests or updates wa
 `heartbeat_timeout` seconds while idle (an idle engine sends a Heartbeat every second). A lost
 engine is killed, every in-flight request ends with ERROR, and a new one is started with bounded
 exponential backoff; it serves again only once the replay log has been re-applied to it, so the
-policy version and the weights never go backwards. Nothing that goes wrong while restarting
+policy version and the weights never go backwards. A server that slept when its engine was lost
+stays asleep: the new engine is put back to sleep after the replay (state SLEEPING). Nothing that goes wrong while restarting
 stops the supervisor: it tries again.
 """
 
@@ -48,6 +49,8 @@ class Supervised(Protocol):
     def stopping(self) -> bool: ...
     @property
     def busy(self) -> bool: ...
+    @property
+    def ready_state(self) -> EngineState: ...
     def set_state(self, state: EngineState) -> None: ...
     def lose(self, engine: EngineProcess, reason: str) -> None: ...
     async def launch(self) -> object: ...
@@ -71,7 +74,7 @@ class Supervisor:
             await self._restart()
             self.client.restarts += 1
             self.client.metrics.engine_restarted()
-            self.client.set_state(EngineState.SERVING)
+            self.client.set_state(self.client.ready_state)
 
     async def _watch(self, engine: EngineProcess) -> None:
         """Return once `engine` is lost; declare it lost if it exits or stops making progress."""

@@ -38,7 +38,7 @@ TOKEN_BUCKETS = (
 )  # fmt: skip
 WEIGHT_UPDATE_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
-SERVING_STATES = ("starting", "serving", "updating_weights", "restarting", "draining")
+SERVING_STATES = ("starting", "serving", "updating_weights", "restarting", "draining", "sleeping")
 UNKNOWN_METHOD = "unknown"  # the method label of calls to a method the server does not have
 
 

@@ -1,4 +1,5 @@
-"""AdminServicer: sluice.v1.Admin, live weight updates over the EngineClient.
+"""AdminServicer: sluice.v1.Admin, live weight updates (and Sleep and Wake: sleep_wake.py) over
+the EngineClient.
 
 UpdateWeights, in order: (auth is the interceptor's) read and validate the header
 (INVALID_ARGUMENT with google.rpc.BadRequest); refuse while the engine is not serving
@@ -32,6 +33,7 @@ from engine.messages import (
     InflightPolicy,
     TensorRef,
     UpdateWeights,
+    Wake,
     WeightsPhase,
     WeightsProgress,
 )
@@ -45,6 +47,7 @@ from service.engine_link.engine_client import (
 from service.engine_link.tensor_file import ChunkError, TensorFileWriter
 from service.ops.metrics import Metrics
 from service.rpc.admission import Refusal
+from service.rpc.sleep_wake import sleep_message, sleep_or_wake, sleep_response, wake_response
 
 log = structlog.get_logger("sluice.admin")
 
@@ -112,11 +115,32 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             log.info("weights.caller_gone", update_id=update_id)
             raise
 
+    async def Sleep(
+        self, request: pb.SleepRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SleepResponse:
+        try:
+            outcome = await sleep_or_wake(self.engine, sleep_message(request), self._draining())
+        except Refusal as refusal:
+            await context.abort_with_status(refusal.to_status())
+        return sleep_response(outcome)
+
+    async def Wake(
+        self, request: pb.WakeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WakeResponse:
+        try:
+            outcome = await sleep_or_wake(self.engine, Wake(uuid.uuid4().hex), self._draining())
+        except Refusal as refusal:
+            await context.abort_with_status(refusal.to_status())
+        return wake_response(outcome)
+
     def _check_accepting(self, header: pb.UpdateWeightsHeader) -> None:
         if self._draining():
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
-        if self.engine.state is not EngineState.SERVING:
+        # While asleep an update is applied too (after level 2 it must set every tensor).
+        if self.engine.state not in (EngineState.SERVING, EngineState.SLEEPING):
             raise Refusal(grpc.StatusCode.UNAVAILABLE, f"the engine is {self.engine.state.value}")
+        if self.engine.sleep_link.busy:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "a Sleep or Wake is in progress")
         served = self.engine.policy_version
         if header.policy_version and header.policy_version <= served:
             raise Refusal(

@@ -30,6 +30,7 @@ log = structlog.get_logger("sluice.servicer")
 SERVING_STATES = {
     EngineState.STARTING: pb.SERVING_STATE_STARTING,
     EngineState.SERVING: pb.SERVING_STATE_SERVING,
+    EngineState.SLEEPING: pb.SERVING_STATE_SLEEPING,
     EngineState.RESTARTING: pb.SERVING_STATE_RESTARTING,
     EngineState.STOPPING: pb.SERVING_STATE_DRAINING,
     EngineState.STOPPED: pb.SERVING_STATE_DRAINING,

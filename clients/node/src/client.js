@@ -134,6 +134,36 @@ export class Client {
     return runUpdate(call, source, options);
   }
 
+  /**
+   * Frees the server's KV cache and prefix cache (level 1, the default) and its weights too
+   * (level 2) until `wake()`; generation is refused UNAVAILABLE meanwhile. Options: level,
+   * inflight (drain | abort; default drain), drainTimeoutMs, deadlineMs. Resolves with
+   * {level, aborted, releasedBytes, seconds}; rejects with a SluiceError when refused or failed.
+   */
+  async sleep(options = {}) {
+    const request = {
+      level: options.level ?? 1,
+      inflight: `INFLIGHT_POLICY_${String(options.inflight ?? 'drain').toUpperCase()}`,
+    };
+    if (options.drainTimeoutMs !== undefined && options.drainTimeoutMs !== null) {
+      request.drainTimeoutMs = options.drainTimeoutMs;
+    }
+    return this.#adminUnary('Sleep', request, options);
+  }
+
+  /** Serves again after `sleep()`: resolves with {reloaded, policyVersion, seconds}. */
+  async wake(options = {}) {
+    return this.#adminUnary('Wake', {}, options);
+  }
+
+  #adminUnary(method, request, options) {
+    return new Promise((resolve, reject) => {
+      this.#admin[method](request, this.#adminMetadata.clone(), this.#callOptions(options), (error, response) =>
+        error ? reject(toSluiceError(error)) : resolve(response),
+      );
+    });
+  }
+
   #unary(method, request, options) {
     return new Promise((resolve, reject) => {
       this.#generation[method](request, this.#callMetadata(options), this.#callOptions(options), (error, response) =>

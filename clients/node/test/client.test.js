@@ -256,6 +256,44 @@ test('updateWeights to a version not above the served one is FAILED_PRECONDITION
   assert.equal((await client.info()).policyVersion, policyVersion);
 });
 
+test('sleep refuses generation UNAVAILABLE with a retry delay until wake; greedy ids are unchanged', async () => {
+  const before = await greedyIds(PROMPTS.slice(0, 2));
+  const slept = await client.sleep({ level: 1, inflight: 'abort' });
+  assert.equal(slept.level, 1);
+  assert.ok(slept.releasedBytes > 0);
+  try {
+    assert.equal((await client.info()).state, 'SLEEPING');
+    const noRetry = secondClient({ retry: false }); // the default policy would retry UNAVAILABLE
+    try {
+      await assert.rejects(
+        noRetry.complete('The quick brown fox', GREEDY),
+        (error) => error instanceof SluiceError && error.code === status.UNAVAILABLE && error.retryDelayMs > 0,
+      );
+    } finally {
+      noRetry.close();
+    }
+    await assert.rejects(
+      client.sleep({ level: 7 }),
+      (error) => error.code === status.INVALID_ARGUMENT && error.fieldViolations[0].field === 'level',
+    );
+  } finally {
+    const woke = await client.wake();
+    assert.equal(woke.reloaded, false);
+  }
+  assert.equal((await client.info()).state, 'SERVING');
+  assert.deepEqual(await greedyIds(PROMPTS.slice(0, 2)), before);
+});
+
+test('sleep and wake without the admin token are UNAUTHENTICATED', async () => {
+  const other = secondClient({});
+  try {
+    await assert.rejects(other.sleep(), (error) => error.code === status.UNAUTHENTICATED);
+    await assert.rejects(other.wake(), (error) => error.code === status.UNAUTHENTICATED);
+  } finally {
+    other.close();
+  }
+});
+
 test('a deadline ends a long request DEADLINE_EXCEEDED', async () => {
   // The server may notice first (finished DEADLINE_EXCEEDED) or gRPC may (the call fails).
   try {

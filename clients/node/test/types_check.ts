@@ -74,5 +74,12 @@ export async function usage(target: string): Promise<void> {
   await client.updateWeights({ checkpoint: '/a' }, { inflight: 'later' });
   // @ts-expect-error: a prompt is text or token ids
   client.generate({ text: 'x' });
+  const slept = await client.sleep({ level: 2, inflight: 'abort', drainTimeoutMs: 1000 });
+  const freed: number = slept.releasedBytes;
+  const woke = await client.wake();
+  const reloaded: boolean = woke.reloaded;
+  void [freed, reloaded];
+  // @ts-expect-error: sleep drains or aborts, nothing else
+  await client.sleep({ inflight: 'continue' });
   client.close();
 }

@@ -1,4 +1,5 @@
-"""The `sluice` command's client verbs: generate, info, health, tokenize, cancel, update-weights.
+"""The `sluice` command's client verbs: generate, info, health, tokenize, cancel, update-weights,
+sleep and wake (sleep_verbs.py).
 
 They need only this package (no torch). The server distribution adds `serve` to the same command
 through the `sluice.commands` entry point group: each entry point is a function that adds its
@@ -18,6 +19,8 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from sluice_client.sleep_verbs import add_sleep_verbs
 
 if TYPE_CHECKING:
     from sluice.v1 import admin_pb2
@@ -156,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_tls_flags(update)
     update.set_defaults(run=run_update_weights)
+    add_sleep_verbs(verbs)
     return parser
 
 

@@ -21,7 +21,13 @@ from sluice_client.affinity import with_affinity
 from sluice_client.channels import TlsConfig, secure_or_insecure
 from sluice_client.requests import Collector, Completion, build_request, samples_asked
 from sluice_client.retry import Retry, channel_options
-from sluice_client.weights import DEFAULT_CHUNK_BYTES, Tensors, build_header, tensor_chunks
+from sluice_client.weights import (
+    DEFAULT_CHUNK_BYTES,
+    Tensors,
+    build_header,
+    inflight_policy,
+    tensor_chunks,
+)
 
 Prompt = str | Sequence[int]
 OnProgress = Callable[[admin_pb.UpdateWeightsProgress], None]
@@ -31,7 +37,8 @@ class Client:
     """`with Client("host:port") as client: for event in client.generate("Hello"): ...`.
 
     Keyword arguments of `generate`/`complete`/`generate_many` are those of `build_request`.
-    `admin_token` is for the Admin calls (`update_weights`, `update_weights_inline`).
+    `admin_token` is for the Admin calls (`update_weights`, `update_weights_inline`, `sleep`,
+    `wake`).
     `tls` (a TlsConfig) connects over TLS, with a client certificate if it names one; without
     it the channel is plaintext. Tokens are sent either way.
     `retry`: gRPC retries refused Generation calls by DEFAULT_SERVICE_CONFIG (sluice_client.retry);
@@ -225,6 +232,33 @@ class Client:
             [admin_pb.UpdateWeightsRequest(header=header)], tensor_chunks(tensors, chunk_bytes)
         )
         return self._update(requests, on_progress, timeout)
+
+    def sleep(
+        self,
+        level: int = 1,
+        *,
+        inflight: str = "drain",
+        drain_timeout_ms: int | None = None,
+        timeout: float | None = None,
+    ) -> admin_pb.SleepResponse:
+        """Free the server's KV cache and prefix cache (level 1), and its weights too (level
+        2), until `wake()`; generation is refused UNAVAILABLE meanwhile. `inflight`: drain
+        (admitted requests finish first) | abort (they end ABORTED). A refusal or failure
+        raises grpc.RpcError with the server's status code."""
+        request = admin_pb.SleepRequest(level=level, inflight=inflight_policy(inflight))
+        if drain_timeout_ms is not None:
+            request.drain_timeout_ms = drain_timeout_ms
+        response: admin_pb.SleepResponse = self.admin_stub.Sleep(
+            request, metadata=self.admin_metadata, timeout=timeout
+        )
+        return response
+
+    def wake(self, *, timeout: float | None = None) -> admin_pb.WakeResponse:
+        """Serve again after `sleep()` (after level 2 the server reads its weights again)."""
+        response: admin_pb.WakeResponse = self.admin_stub.Wake(
+            admin_pb.WakeRequest(), metadata=self.admin_metadata, timeout=timeout
+        )
+        return response
 
     def _update(
         self,

@@ -60,6 +60,131 @@ INFLIGHT_POLICY_RECOMPUTE: InflightPolicy.ValueType  # 4
 Global___InflightPolicy: _TypeAlias = InflightPolicy  # noqa: Y015
 
 @_typing.final
+class SleepRequest(_message.Message):
+    """How deep to sleep, and what happens to requests already admitted."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEVEL_FIELD_NUMBER: _builtins.int
+    INFLIGHT_FIELD_NUMBER: _builtins.int
+    DRAIN_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    level: _builtins.int
+    """1: free the KV cache and the prefix cache, keep the weights; 2: free the weights too
+    (Wake reads them again). Default 0: 1. Any other value is INVALID_ARGUMENT (field
+    `level`).
+    """
+    inflight: Global___InflightPolicy.ValueType
+    """Requests already admitted: DRAIN (the default, UNSPECIFIED) lets them run to completion
+    before the engine sleeps; ABORT ends them at once with reason ABORTED (partial output
+    returned). CONTINUE and RECOMPUTE are INVALID_ARGUMENT (field `inflight`).
+    """
+    drain_timeout_ms: _builtins.int
+    """DRAIN only, in milliseconds: how long admitted requests may take to finish; then the
+    Sleep fails ABORTED, nothing is freed and serving goes on. Default: no bound.
+    """
+    def __init__(
+        self,
+        *,
+        level: _builtins.int = ...,
+        inflight: Global___InflightPolicy.ValueType = ...,
+        drain_timeout_ms: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_drain_timeout_ms", b"_drain_timeout_ms", "drain_timeout_ms", b"drain_timeout_ms"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_drain_timeout_ms", b"_drain_timeout_ms", "drain_timeout_ms", b"drain_timeout_ms", "inflight", b"inflight", "level", b"level"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__drain_timeout_ms: _TypeAlias = _typing.Literal["drain_timeout_ms"]  # noqa: Y015
+    _WhichOneofArgType__drain_timeout_ms: _TypeAlias = _typing.Literal["_drain_timeout_ms", b"_drain_timeout_ms"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__drain_timeout_ms) -> _WhichOneofReturnType__drain_timeout_ms | None: ...
+
+Global___SleepRequest: _TypeAlias = SleepRequest  # noqa: Y015
+
+@_typing.final
+class SleepResponse(_message.Message):
+    """The engine sleeps."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEVEL_FIELD_NUMBER: _builtins.int
+    ABORTED_FIELD_NUMBER: _builtins.int
+    RELEASED_BYTES_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    level: _builtins.int
+    """The level the server sleeps at now: 1 or 2 (2 after a Sleep of level 1 at level 2)."""
+    aborted: _builtins.int
+    """Requests (samples) ended with reason ABORTED (policy ABORT); 0 otherwise."""
+    released_bytes: _builtins.int
+    """Bytes this call freed: the KV pool (level 1), plus the weights (level 2); 0 when the
+    server was already asleep at that level.
+    """
+    seconds: _builtins.float
+    """Wall-clock seconds from the engine receiving the Sleep to it sleeping (draining
+    included).
+    """
+    def __init__(
+        self,
+        *,
+        level: _builtins.int = ...,
+        aborted: _builtins.int = ...,
+        released_bytes: _builtins.int = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "level", b"level", "released_bytes", b"released_bytes", "seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SleepResponse: _TypeAlias = SleepResponse  # noqa: Y015
+
+@_typing.final
+class WakeRequest(_message.Message):
+    """Wake takes no parameters: the weights, when needed, come from where the served ones came from."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WakeRequest: _TypeAlias = WakeRequest  # noqa: Y015
+
+@_typing.final
+class WakeResponse(_message.Message):
+    """The engine serves again."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RELOADED_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    reloaded: _builtins.bool
+    """True when the weights were read again from their checkpoint (waking from level 2)."""
+    policy_version: _builtins.int
+    """The policy version served (unchanged by sleeping and waking)."""
+    seconds: _builtins.float
+    """Wall-clock seconds the engine took to wake (reloading included); 0 when it was awake."""
+    def __init__(
+        self,
+        *,
+        reloaded: _builtins.bool = ...,
+        policy_version: _builtins.int = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["policy_version", b"policy_version", "reloaded", b"reloaded", "seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WakeResponse: _TypeAlias = WakeResponse  # noqa: Y015
+
+@_typing.final
 class UpdateWeightsRequest(_message.Message):
     """One message of an UpdateWeights call: the header first, then (inline_tensors) tensor chunks."""
 

@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class AdminStub:
-    """Operator actions: live weight swaps.
+    """Operator actions: live weight swaps; sleep and wake.
     """
 
     def __init__(self, channel):
@@ -40,10 +40,20 @@ class AdminStub:
                 request_serializer=sluice_dot_v1_dot_admin__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=sluice_dot_v1_dot_admin__pb2.UpdateWeightsProgress.FromString,
                 _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/sluice.v1.Admin/Sleep',
+                request_serializer=sluice_dot_v1_dot_admin__pb2.SleepRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_admin__pb2.SleepResponse.FromString,
+                _registered_method=True)
+        self.Wake = channel.unary_unary(
+                '/sluice.v1.Admin/Wake',
+                request_serializer=sluice_dot_v1_dot_admin__pb2.WakeRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_admin__pb2.WakeResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
-    """Operator actions: live weight swaps.
+    """Operator actions: live weight swaps; sleep and wake.
     """
 
     def UpdateWeights(self, request_iterator, context):
@@ -66,6 +76,43 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sleep(self, request, context):
+        """Frees the engine's memory while the server serves no generation (vLLM's sleep, SGLang's
+        release_memory_occupation): level 1 frees the KV cache and the prefix cache and keeps the
+        weights; level 2 frees the weights too. Answers once the engine sleeps. From the call's
+        start until a Wake: GetServerInfo reports SERVING_STATE_SLEEPING, health for
+        "sluice.v1.Generation" (and "") is NOT_SERVING, Generate and GenerateStream starts are
+        refused UNAVAILABLE with google.rpc.RetryInfo; Tokenize, GetServerInfo, Cancel and Admin
+        keep answering. Requests already admitted run to completion first (DRAIN, the default) or
+        end with reason ABORTED (ABORT). A Sleep while asleep succeeds: level 2 after level 1
+        frees the weights too, a lower level changes nothing. An UpdateWeights while asleep is
+        applied (after level 2 it must set every tensor: a checkpoint_dir, or every tensor
+        inline). A server restarted while asleep (engine lost) comes back asleep at the same level.
+        Errors: INVALID_ARGUMENT (level, inflight; with google.rpc.BadRequest), FAILED_PRECONDITION
+        (a weight update, Sleep or Wake in progress; tensor parallelism), ABORTED (the drain
+        timed out: nothing changed, serving goes on), UNAVAILABLE (the engine is not serving, or
+        was lost meanwhile).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Wake(self, request, context):
+        """Serves again after a Sleep: reallocates the KV cache (the same number of pages) and, after
+        level 2, reads the served weights again (the server's checkpoint, or the last
+        checkpoint_dir applied by UpdateWeights and the inline updates after it), unless an
+        UpdateWeights while asleep set every tensor. The policy version stays. Health returns to
+        SERVING when it answers. A Wake while awake succeeds and does nothing.
+        Errors: FAILED_PRECONDITION (the weights cannot be read again: an inline update's tensors
+        are gone, or the checkpoint directory changed or vanished since it was applied; apply an
+        UpdateWeights with every tensor, then Wake; the server stays asleep meanwhile. Or a Sleep,
+        Wake or weight update is in progress), UNAVAILABLE (the engine is not serving, or was lost
+        meanwhile).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +120,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.UpdateWeights,
                     request_deserializer=sluice_dot_v1_dot_admin__pb2.UpdateWeightsRequest.FromString,
                     response_serializer=sluice_dot_v1_dot_admin__pb2.UpdateWeightsProgress.SerializeToString,
+            ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=sluice_dot_v1_dot_admin__pb2.SleepRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_admin__pb2.SleepResponse.SerializeToString,
+            ),
+            'Wake': grpc.unary_unary_rpc_method_handler(
+                    servicer.Wake,
+                    request_deserializer=sluice_dot_v1_dot_admin__pb2.WakeRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_admin__pb2.WakeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -83,7 +140,7 @@ def add_AdminServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Admin:
-    """Operator actions: live weight swaps.
+    """Operator actions: live weight swaps; sleep and wake.
     """
 
     @staticmethod
@@ -103,6 +160,60 @@ class Admin:
             '/sluice.v1.Admin/UpdateWeights',
             sluice_dot_v1_dot_admin__pb2.UpdateWeightsRequest.SerializeToString,
             sluice_dot_v1_dot_admin__pb2.UpdateWeightsProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Admin/Sleep',
+            sluice_dot_v1_dot_admin__pb2.SleepRequest.SerializeToString,
+            sluice_dot_v1_dot_admin__pb2.SleepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Wake(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Admin/Wake',
+            sluice_dot_v1_dot_admin__pb2.WakeRequest.SerializeToString,
+            sluice_dot_v1_dot_admin__pb2.WakeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,7 +35,7 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class AdminStub:
-    """Operator actions: live weight swaps."""
+    """Operator actions: live weight swaps; sleep and wake."""
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
@@ -57,10 +57,39 @@ class AdminStub:
     during the update), RESOURCE_EXHAUSTED (the disk of the server's --weights-dir is full).
     buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
     """
+    Sleep: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SleepRequest, _admin_pb2.SleepResponse]
+    """Frees the engine's memory while the server serves no generation (vLLM's sleep, SGLang's
+    release_memory_occupation): level 1 frees the KV cache and the prefix cache and keeps the
+    weights; level 2 frees the weights too. Answers once the engine sleeps. From the call's
+    start until a Wake: GetServerInfo reports SERVING_STATE_SLEEPING, health for
+    "sluice.v1.Generation" (and "") is NOT_SERVING, Generate and GenerateStream starts are
+    refused UNAVAILABLE with google.rpc.RetryInfo; Tokenize, GetServerInfo, Cancel and Admin
+    keep answering. Requests already admitted run to completion first (DRAIN, the default) or
+    end with reason ABORTED (ABORT). A Sleep while asleep succeeds: level 2 after level 1
+    frees the weights too, a lower level changes nothing. An UpdateWeights while asleep is
+    applied (after level 2 it must set every tensor: a checkpoint_dir, or every tensor
+    inline). A server restarted while asleep (engine lost) comes back asleep at the same level.
+    Errors: INVALID_ARGUMENT (level, inflight; with google.rpc.BadRequest), FAILED_PRECONDITION
+    (a weight update, Sleep or Wake in progress; tensor parallelism), ABORTED (the drain
+    timed out: nothing changed, serving goes on), UNAVAILABLE (the engine is not serving, or
+    was lost meanwhile).
+    """
+    Wake: _grpc.UnaryUnaryMultiCallable[_admin_pb2.WakeRequest, _admin_pb2.WakeResponse]
+    """Serves again after a Sleep: reallocates the KV cache (the same number of pages) and, after
+    level 2, reads the served weights again (the server's checkpoint, or the last
+    checkpoint_dir applied by UpdateWeights and the inline updates after it), unless an
+    UpdateWeights while asleep set every tensor. The policy version stays. Health returns to
+    SERVING when it answers. A Wake while awake succeeds and does nothing.
+    Errors: FAILED_PRECONDITION (the weights cannot be read again: an inline update's tensors
+    are gone, or the checkpoint directory changed or vanished since it was applied; apply an
+    UpdateWeights with every tensor, then Wake; the server stays asleep meanwhile. Or a Sleep,
+    Wake or weight update is in progress), UNAVAILABLE (the engine is not serving, or was lost
+    meanwhile).
+    """
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
-    """Operator actions: live weight swaps."""
+    """Operator actions: live weight swaps; sleep and wake."""
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     UpdateWeights: _aio.StreamStreamMultiCallable[_admin_pb2.UpdateWeightsRequest, _admin_pb2.UpdateWeightsProgress]  # type: ignore[assignment]
@@ -79,9 +108,38 @@ class AdminAsyncStub(AdminStub):
     during the update), RESOURCE_EXHAUSTED (the disk of the server's --weights-dir is full).
     buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
     """
+    Sleep: _aio.UnaryUnaryMultiCallable[_admin_pb2.SleepRequest, _admin_pb2.SleepResponse]  # type: ignore[assignment]
+    """Frees the engine's memory while the server serves no generation (vLLM's sleep, SGLang's
+    release_memory_occupation): level 1 frees the KV cache and the prefix cache and keeps the
+    weights; level 2 frees the weights too. Answers once the engine sleeps. From the call's
+    start until a Wake: GetServerInfo reports SERVING_STATE_SLEEPING, health for
+    "sluice.v1.Generation" (and "") is NOT_SERVING, Generate and GenerateStream starts are
+    refused UNAVAILABLE with google.rpc.RetryInfo; Tokenize, GetServerInfo, Cancel and Admin
+    keep answering. Requests already admitted run to completion first (DRAIN, the default) or
+    end with reason ABORTED (ABORT). A Sleep while asleep succeeds: level 2 after level 1
+    frees the weights too, a lower level changes nothing. An UpdateWeights while asleep is
+    applied (after level 2 it must set every tensor: a checkpoint_dir, or every tensor
+    inline). A server restarted while asleep (engine lost) comes back asleep at the same level.
+    Errors: INVALID_ARGUMENT (level, inflight; with google.rpc.BadRequest), FAILED_PRECONDITION
+    (a weight update, Sleep or Wake in progress; tensor parallelism), ABORTED (the drain
+    timed out: nothing changed, serving goes on), UNAVAILABLE (the engine is not serving, or
+    was lost meanwhile).
+    """
+    Wake: _aio.UnaryUnaryMultiCallable[_admin_pb2.WakeRequest, _admin_pb2.WakeResponse]  # type: ignore[assignment]
+    """Serves again after a Sleep: reallocates the KV cache (the same number of pages) and, after
+    level 2, reads the served weights again (the server's checkpoint, or the last
+    checkpoint_dir applied by UpdateWeights and the inline updates after it), unless an
+    UpdateWeights while asleep set every tensor. The policy version stays. Health returns to
+    SERVING when it answers. A Wake while awake succeeds and does nothing.
+    Errors: FAILED_PRECONDITION (the weights cannot be read again: an inline update's tensors
+    are gone, or the checkpoint directory changed or vanished since it was applied; apply an
+    UpdateWeights with every tensor, then Wake; the server stays asleep meanwhile. Or a Sleep,
+    Wake or weight update is in progress), UNAVAILABLE (the engine is not serving, or was lost
+    meanwhile).
+    """
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
-    """Operator actions: live weight swaps."""
+    """Operator actions: live weight swaps; sleep and wake."""
 
     @_abc_1.abstractmethod
     def UpdateWeights(
@@ -103,6 +161,47 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         chunk or the end of the stream), UNAVAILABLE (the engine is not serving, or it failed
         during the update), RESOURCE_EXHAUSTED (the disk of the server's --weights-dir is full).
         buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+        """
+
+    @_abc_1.abstractmethod
+    def Sleep(
+        self,
+        request: _admin_pb2.SleepRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.SleepResponse, _abc.Awaitable[_admin_pb2.SleepResponse]]:
+        """Frees the engine's memory while the server serves no generation (vLLM's sleep, SGLang's
+        release_memory_occupation): level 1 frees the KV cache and the prefix cache and keeps the
+        weights; level 2 frees the weights too. Answers once the engine sleeps. From the call's
+        start until a Wake: GetServerInfo reports SERVING_STATE_SLEEPING, health for
+        "sluice.v1.Generation" (and "") is NOT_SERVING, Generate and GenerateStream starts are
+        refused UNAVAILABLE with google.rpc.RetryInfo; Tokenize, GetServerInfo, Cancel and Admin
+        keep answering. Requests already admitted run to completion first (DRAIN, the default) or
+        end with reason ABORTED (ABORT). A Sleep while asleep succeeds: level 2 after level 1
+        frees the weights too, a lower level changes nothing. An UpdateWeights while asleep is
+        applied (after level 2 it must set every tensor: a checkpoint_dir, or every tensor
+        inline). A server restarted while asleep (engine lost) comes back asleep at the same level.
+        Errors: INVALID_ARGUMENT (level, inflight; with google.rpc.BadRequest), FAILED_PRECONDITION
+        (a weight update, Sleep or Wake in progress; tensor parallelism), ABORTED (the drain
+        timed out: nothing changed, serving goes on), UNAVAILABLE (the engine is not serving, or
+        was lost meanwhile).
+        """
+
+    @_abc_1.abstractmethod
+    def Wake(
+        self,
+        request: _admin_pb2.WakeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.WakeResponse, _abc.Awaitable[_admin_pb2.WakeResponse]]:
+        """Serves again after a Sleep: reallocates the KV cache (the same number of pages) and, after
+        level 2, reads the served weights again (the server's checkpoint, or the last
+        checkpoint_dir applied by UpdateWeights and the inline updates after it), unless an
+        UpdateWeights while asleep set every tensor. The policy version stays. Health returns to
+        SERVING when it answers. A Wake while awake succeeds and does nothing.
+        Errors: FAILED_PRECONDITION (the weights cannot be read again: an inline update's tensors
+        are gone, or the checkpoint directory changed or vanished since it was applied; apply an
+        UpdateWeights with every tensor, then Wake; the server stays asleep meanwhile. Or a Sleep,
+        Wake or weight update is in progress), UNAVAILABLE (the engine is not serving, or was lost
+        meanwhile).
         """
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -137,6 +137,10 @@ class _ServingStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ServingS
     """The engine was lost and is being replaced; requests are refused UNAVAILABLE."""
     SERVING_STATE_DRAINING: _ServingState.ValueType  # 5
     """Shutting down: requests in flight finish, new ones are refused UNAVAILABLE."""
+    SERVING_STATE_SLEEPING: _ServingState.ValueType  # 6
+    """Asleep (Admin Sleep, until Wake; also while a Sleep drains): generation starts are refused
+    UNAVAILABLE with RetryInfo, health is NOT_SERVING; Tokenize, GetServerInfo and Admin answer.
+    """
 
 class ServingState(_ServingState, metaclass=_ServingStateEnumTypeWrapper):
     """What the server is doing."""
@@ -153,6 +157,10 @@ SERVING_STATE_RESTARTING: ServingState.ValueType  # 4
 """The engine was lost and is being replaced; requests are refused UNAVAILABLE."""
 SERVING_STATE_DRAINING: ServingState.ValueType  # 5
 """Shutting down: requests in flight finish, new ones are refused UNAVAILABLE."""
+SERVING_STATE_SLEEPING: ServingState.ValueType  # 6
+"""Asleep (Admin Sleep, until Wake; also while a Sleep drains): generation starts are refused
+UNAVAILABLE with RetryInfo, health is NOT_SERVING; Tokenize, GetServerInfo and Admin answer.
+"""
 Global___ServingState: _TypeAlias = ServingState  # noqa: Y015
 
 @_typing.final

@@ -1,0 +1,125 @@
+"""The admin part of the pipe protocol: weight updates, sleep and wake.
+
+Standard library only, like engine/messages.py (which re-exports every name here): both sides
+import it. Service -> engine: UpdateWeights, Sleep, Wake. Engine -> service: WeightsProgress
+(an update's events), SleepOutcome (the one answer to a Sleep or a Wake).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+SLEEP_LEVELS = (1, 2)  # 1: the KV cache and the prefix cache are freed; 2: the weights too
+
+
+class InflightPolicy(enum.StrEnum):
+    """What a weight update does to requests already running (the table in docs/service.md)."""
+
+    DRAIN = "drain"  # admit nothing new, let running requests finish, then swap
+    ABORT = "abort"  # end running requests (ABORTED, partial output kept), then swap
+    CONTINUE = "continue"  # swap between two steps; running requests keep their KV
+    RECOMPUTE = "recompute"  # swap, then recompute running requests' KV with the new weights
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """One tensor's raw row-major bytes inside UpdateWeights.tensor_file."""
+
+    name: str
+    dtype: str  # safetensors names: F32, F16, BF16
+    shape: tuple[int, ...]
+    offset: int  # byte offset in the file
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class UpdateWeights:
+    """Swap in new weights under a new policy version.
+
+    The source is either an HF checkpoint directory (every tensor of the model, cast to the
+    served dtype like at start-up) or `tensor_file` + `tensors` (any subset of the model's
+    tensors, written by the service from inline chunks; dtypes must equal the served dtype).
+    Large payloads travel as a file, never through the pipe.
+    """
+
+    update_id: str
+    policy_version: int  # must exceed the served version; 0 = served + 1; <= MAX_POLICY_VERSION
+    inflight: InflightPolicy = InflightPolicy.DRAIN
+    checkpoint_dir: str | None = None
+    tensor_file: str | None = None
+    tensors: tuple[TensorRef, ...] = ()
+    drain_timeout: float | None = None  # seconds; DRAIN fails (old weights kept) after it
+
+
+class WeightsPhase(enum.StrEnum):
+    PAUSED = "paused"  # in-flight handling started (in_flight = requests it concerns)
+    LOADING = "loading"  # bytes/tensors read so far
+    APPLIED = "applied"  # the new version is live (final)
+    FAILED = "failed"  # nothing changed (final); error_code names the gRPC status
+
+
+@dataclass(frozen=True)
+class WeightsProgress:
+    update_id: str
+    phase: WeightsPhase
+    in_flight: int = 0
+    bytes_done: int = 0
+    bytes_total: int = 0
+    tensors_done: int = 0
+    tensors_total: int = 0
+    previous_version: int = 0
+    policy_version: int = 0
+    aborted: int = 0
+    continued: int = 0
+    recomputed: int = 0
+    seconds: float = 0.0
+    error_code: str = ""  # a grpc.StatusCode name: INVALID_ARGUMENT, FAILED_PRECONDITION,
+    # OUT_OF_RANGE (the version would pass MAX_POLICY_VERSION), ABORTED
+    message: str = ""
+
+    @property
+    def final(self) -> bool:
+        return self.phase in (WeightsPhase.APPLIED, WeightsPhase.FAILED)
+
+
+@dataclass(frozen=True)
+class Sleep:
+    """Free the engine's memory until a Wake. Level 1: the KV cache and the prefix cache
+    (the pool's pages); level 2: the weights too. Requests in the engine end (ABORT: reason
+    ABORTED) or run to completion first (DRAIN, within `drain_timeout` seconds, else the sleep
+    fails ABORTED and serving goes on). While asleep the engine refuses new requests (ABORTED
+    outputs). A Sleep while asleep only deepens the level (2 after 1); never shallower."""
+
+    sleep_id: str
+    level: int = 1  # one of SLEEP_LEVELS
+    inflight: InflightPolicy = InflightPolicy.DRAIN  # DRAIN or ABORT only
+    drain_timeout: float | None = None  # seconds; None = no bound
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Reallocate what Sleep freed (the same number of KV pages); after level 2, reload the
+    served weights from where they came from (WeightsOrigin), unless an update that set every
+    tensor has already restored them. A Wake while awake does nothing."""
+
+    sleep_id: str
+
+
+@dataclass(frozen=True)
+class SleepOutcome:
+    """The one answer to a Sleep or a Wake (same `sleep_id`)."""
+
+    sleep_id: str
+    level: int  # the sleep level now: 0 awake, 1 or 2 asleep
+    error_code: str = ""  # empty when done; else a grpc.StatusCode name, and nothing changed
+    message: str = ""
+    aborted: int = 0  # sequences ended ABORTED (Sleep with ABORT)
+    released_bytes: int = 0  # Sleep: bytes freed (KV, and the weights at level 2)
+    reloaded: bool = False  # Wake: the weights were read again from their origin
+    policy_version: int = 0  # the served version (a sleep or wake never changes it)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.error_code
