@@ -3,10 +3,11 @@
 Standard library only: both sides import this module, and the service never imports torch.
 Everything here is plain data (dataclasses of builtins) so it pickles across the pipe.
 
-Service -> engine: AddRequest, AbortRequests, UpdateWeights, GetState, Shutdown.
+Service -> engine: AddRequest, AbortRequests, UpdateWeights, InitWeightTransfer, GetState,
+Shutdown.
 Engine -> service: Ready, StepOutput (one per engine step), WeightsProgress (for an
-UpdateWeights), Heartbeat (while idle, and in answer to GetState), EngineDead (the last message
-of a dying engine).
+UpdateWeights), WeightTransferJoined (for an InitWeightTransfer), Heartbeat (while idle, and
+in answer to GetState), EngineDead (the last message of a dying engine).
 """
 
 from __future__ import annotations
@@ -197,6 +198,46 @@ class TensorRef:
 
 
 @dataclass(frozen=True)
+class TensorSpec:
+    """One tensor a trainer broadcasts in a distributed update."""
+
+    name: str
+    dtype: str  # safetensors names: F32, F16, BF16
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DistributedTensors:
+    """A distributed update's tensors, in broadcast order, packed into buckets of at most
+    `bucket_bytes` (engine/weights/buckets.py has the layout)."""
+
+    tensors: tuple[TensorSpec, ...]
+    bucket_bytes: int
+
+
+@dataclass(frozen=True)
+class TransferGroupSpec:
+    """A trainer's process group to join: its TCPStore, world, and this engine's ranks in it."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int  # the group rank of tensor-parallel rank 0
+    backend: str  # "gloo" or "nccl"
+    group_name: str
+    timeout: float  # seconds: the join and each bucket's receive
+
+
+@dataclass(frozen=True)
+class InitWeightTransfer:
+    """Join `group` (after leaving any group held), or with None leave it; answered by one
+    WeightTransferJoined."""
+
+    transfer_id: str
+    group: TransferGroupSpec | None
+
+
+@dataclass(frozen=True)
 class UpdateWeights:
     """Swap in new weights under a new policy version.
 
@@ -213,6 +254,8 @@ class UpdateWeights:
     tensor_file: str | None = None
     tensors: tuple[TensorRef, ...] = ()
     drain_timeout: float | None = None  # seconds; DRAIN fails (old weights kept) after it
+    distributed: DistributedTensors | None = None  # broadcast over the joined transfer group
+    complete: bool = False  # refused (FAILED_PRECONDITION) unless it replaces every tensor
 
 
 @dataclass(frozen=True)
@@ -357,6 +400,7 @@ class WeightsProgress:
     error_code: str = ""  # a grpc.StatusCode name: INVALID_ARGUMENT, FAILED_PRECONDITION,
     # OUT_OF_RANGE (the version would pass MAX_POLICY_VERSION), ABORTED
     message: str = ""
+    replaced_all: bool = False  # APPLIED: every tensor of the model was replaced
 
     @property
     def final(self) -> bool:
@@ -406,6 +450,17 @@ class StepOutput:
 
 
 @dataclass(frozen=True)
+class WeightTransferJoined:
+    """The answer to InitWeightTransfer: `engine_ranks` joined (0: left), or error_code (a
+    grpc.StatusCode name) and message, with no group held."""
+
+    transfer_id: str
+    engine_ranks: int = 0
+    error_code: str = ""
+    message: str = ""
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     stats: EngineStats
 
@@ -416,8 +471,8 @@ class EngineDead:
     traceback: str = ""
 
 
-ToEngine = AddRequest | AbortRequests | UpdateWeights | GetState | Shutdown
-FromEngine = Ready | StepOutput | WeightsProgress | Heartbeat | EngineDead
+ToEngine = AddRequest | AbortRequests | UpdateWeights | InitWeightTransfer | GetState | Shutdown
+FromEngine = Ready | StepOutput | WeightsProgress | WeightTransferJoined | Heartbeat | EngineDead
 __all__ = [
     "FinishReason",
     "SamplingParams",
@@ -427,6 +482,11 @@ __all__ = [
     "LogprobMode",
     "TensorRef",
     "UpdateWeights",
+    "TensorSpec",
+    "DistributedTensors",
+    "TransferGroupSpec",
+    "InitWeightTransfer",
+    "WeightTransferJoined",
     "WeightsPhase",
     "WeightsProgress",
     "GetState",

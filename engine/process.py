@@ -34,6 +34,7 @@ from engine.messages import (
     FinishReason,
     GetState,
     Heartbeat,
+    InitWeightTransfer,
     Ready,
     RequestOutput,
     Shutdown,
@@ -151,6 +152,10 @@ def _handle(engine: LLMEngine, conn: Connection, msg: ToEngine) -> None:
             engine.abort(msg.request_ids, msg.reason, index=msg.index)
         case UpdateWeights():
             engine.start_weight_update(msg)
+        case InitWeightTransfer():
+            # NOTE: blocks the loop until the group forms, at most its timeout (the service
+            # keeps that within its stall timeout).
+            conn.send(engine.join_weight_transfer(msg))
         case GetState():
             conn.send(Heartbeat(engine.stats()))
         case _:
