@@ -164,6 +164,11 @@ class WeightUpdater:
             if waited > update.msg.drain_timeout:
                 running = len(self.scheduler.running)
                 why = f"drain timed out after {waited:.1f}s with {running} requests running"
+                if update.msg.distributed is not None:
+                    # NOTE: the trainer is already broadcasting: leaving fails it at once,
+                    # where it would otherwise wait out the group's timeout.
+                    join_all(self.model, self.transfer, None, self.channel)
+                    why += "; the engine left the weight-transfer group: call InitWeightTransfer"
                 self._end(WeightsPhase.FAILED, error_code="ABORTED", message=why)
 
     def is_pending(self, msg: UpdateWeights) -> bool:

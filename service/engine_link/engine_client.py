@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.process import BaseProcess
@@ -27,14 +28,17 @@ from engine.messages import (
     FromEngine,
     GetState,
     Heartbeat,
+    InitWeightTransfer,
     ModelInfo,
     Ready,
     Shutdown,
     StepOutput,
     ToEngine,
+    TransferGroupSpec,
     UpdateWeights,
     WeightsPhase,
     WeightsProgress,
+    WeightTransferJoined,
 )
 from engine.process import engine_main
 from service.config import ServiceConfig
@@ -50,6 +54,7 @@ from service.engine_link.engine_state import EngineState
 from service.engine_link.replay_log import ReplayLog
 from service.engine_link.routing import Inbox, RequestRouter
 from service.engine_link.supervisor import Supervisor
+from service.engine_link.transfer_joins import TransferJoins
 from service.engine_link.update_route import UpdateInProgressError, UpdateRoute
 from service.ops.metrics import Metrics
 
@@ -90,6 +95,8 @@ class EngineClient:
         self._on_state = on_state
         self._updates: dict[str, UpdateRoute] = {}  # sent to the engine, no final message yet
         self._update_claimed = False
+        self._joins = TransferJoins()  # InitWeightTransfer sent, not answered yet
+        self.awaiting_weights = False  # restarted without weights it could not replay
         self._stats_waiters: list[asyncio.Future[None]] = []
         self._supervisor: asyncio.Task[None] | None = None
 
@@ -130,7 +137,7 @@ class EngineClient:
     @property
     def busy(self) -> bool:
         """Requests or updates are waiting on the engine: it must make progress."""
-        return bool(len(self.router) or self._updates)
+        return bool(len(self.router) or self._updates or len(self._joins))
 
     # ---- requests ----
 
@@ -186,6 +193,13 @@ class EngineClient:
         assert not any(not r.replay for r in self._updates.values()), "release a sent update"
         self._update_claimed = False
 
+    async def join_weight_transfer(self, group: TransferGroupSpec | None) -> WeightTransferJoined:
+        """Have the engine join a trainer's group (None: leave it); its answer, UNAVAILABLE if
+        the engine is lost meanwhile. Raises EngineUnavailableError if it cannot be sent."""
+        transfer_id = uuid.uuid4().hex
+        self._send(InitWeightTransfer(transfer_id, group))
+        return await self._joins.add(transfer_id)
+
     def update_weights(
         self,
         update: UpdateWeights,
@@ -221,7 +235,17 @@ class EngineClient:
         """Re-apply the replay log to a freshly started engine, in order. Raises
         EngineStartError if an update fails, or if the checkpoint directory to replay changed
         since its update was applied: the engine must not serve older weights, nor other
-        weights under the same version."""
+        weights under the same version. A log holding a distributed update is not replayed at
+        all: the engine then awaits an update that replaces every tensor (awaiting_weights)."""
+        self.awaiting_weights = not self.replay_log.replayable
+        if self.awaiting_weights:
+            log.error(
+                "engine.replay_impossible",
+                policy_version=self.policy_version,
+                reason="weights received over a process group cannot be replayed: generation "
+                "is refused until an update replaces every tensor",
+            )
+            return
         changed = await asyncio.to_thread(self.replay_log.changed)
         if changed is not None:
             self.metrics.weight_replay_refused()
@@ -259,7 +283,15 @@ class EngineClient:
                 # min_policy_version = the new one, or start the next update.
                 if progress.phase is WeightsPhase.APPLIED:
                     self.policy_version = progress.policy_version
-                    self.replay_log.record(route.update, progress.policy_version, route.fingerprint)
+                    self.replay_log.record(
+                        route.update,
+                        progress.policy_version,
+                        route.fingerprint,
+                        progress.replaced_all,
+                    )
+                    if self.awaiting_weights and progress.replaced_all:
+                        self.awaiting_weights = False
+                        self.set_state(EngineState.SERVING)
                 self._update_claimed = False
         route.queue.put_nowait(progress)
         if progress.final and route.on_final is not None:
@@ -345,6 +377,7 @@ class EngineClient:
         message = f"the engine failed: {reason}"
         self.router.fail_all(message, self.policy_version)
         self._fail_updates(message)
+        self._joins.fail_all(message)
 
     def _send(self, msg: ToEngine) -> None:
         engine = self.engine
@@ -368,6 +401,9 @@ class EngineClient:
                     self._update_stats(stats)
                 case WeightsProgress() as progress:
                     self._route_progress(progress)
+                case WeightTransferJoined() as joined:
+                    if not self._joins.route(joined):
+                        log.error("engine.unknown_transfer", transfer_id=joined.transfer_id)
                 case Ready(info=info):
                     self.info = info
                     if not engine.ready.done():

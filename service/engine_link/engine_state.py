@@ -8,6 +8,9 @@ import enum
 class EngineState(enum.Enum):
     STARTING = "starting"
     SERVING = "serving"
+    # Restarted, but the replay log held weights received over a process group, which cannot
+    # be replayed: generation is refused until an update replaces every tensor.
+    AWAITING_WEIGHTS = "awaiting_weights"
     RESTARTING = "restarting"
     STOPPING = "stopping"
     STOPPED = "stopped"

@@ -6,7 +6,9 @@ no progress: no message for `stall_timeout` seconds while requests or updates wa
 `heartbeat_timeout` seconds while idle (an idle engine sends a Heartbeat every second). A lost
 engine is killed, every in-flight request ends with ERROR, and a new one is started with bounded
 exponential backoff; it serves again only once the replay log has been re-applied to it, so the
-policy version and the weights never go backwards. Nothing that goes wrong while restarting
+policy version and the weights never go backwards. A log it cannot replay (weights received
+over a process group) leaves the new engine AWAITING_WEIGHTS instead: generation is refused
+until an update replaces every tensor. Nothing that goes wrong while restarting
 stops the supervisor: it tries again.
 """
 
@@ -37,6 +39,7 @@ class Supervised(Protocol):
     """What the Supervisor reads and calls on the engine's owner (the EngineClient)."""
 
     restarts: int
+    awaiting_weights: bool
 
     @property
     def config(self) -> ServiceConfig: ...
@@ -71,7 +74,8 @@ class Supervisor:
             await self._restart()
             self.client.restarts += 1
             self.client.metrics.engine_restarted()
-            self.client.set_state(EngineState.SERVING)
+            awaiting = self.client.awaiting_weights
+            self.client.set_state(EngineState.AWAITING_WEIGHTS if awaiting else EngineState.SERVING)
 
     async def _watch(self, engine: EngineProcess) -> None:
         """Return once `engine` is lost; declare it lost if it exits or stops making progress."""
