@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import Callable
-from dataclasses import replace
 from multiprocessing.process import BaseProcess
 
 import structlog
@@ -51,6 +50,7 @@ from service.engine_link.engine_process import (
     StartProcess,
 )
 from service.engine_link.engine_state import EngineState
+from service.engine_link.replay import replay
 from service.engine_link.replay_log import ReplayLog
 from service.engine_link.routing import Inbox, RequestRouter
 from service.engine_link.supervisor import Supervisor
@@ -232,44 +232,12 @@ class EngineClient:
         return queue
 
     async def replay(self) -> None:
-        """Re-apply the replay log to a freshly started engine, in order. Raises
-        EngineStartError if an update fails, or if the checkpoint directory to replay changed
-        since its update was applied: the engine must not serve older weights, nor other
-        weights under the same version. A log holding a distributed update is not replayed at
-        all: the engine then awaits an update that replaces every tensor (awaiting_weights)."""
-        self.awaiting_weights = not self.replay_log.replayable
-        if self.awaiting_weights:
-            log.error(
-                "engine.replay_impossible",
-                policy_version=self.policy_version,
-                reason="weights received over a process group cannot be replayed: generation "
-                "is refused until an update replaces every tensor",
-            )
-            return
-        changed = await asyncio.to_thread(self.replay_log.changed)
-        if changed is not None:
-            self.metrics.weight_replay_refused()
-            log.error(
-                "engine.replay_refused",
-                policy_version=changed.policy_version,
-                checkpoint_dir=changed.checkpoint_dir,
-                reason="the checkpoint directory changed since this version was applied from it",
-            )
-            raise EngineStartError(
-                f"checkpoint_dir {changed.checkpoint_dir!r} changed since policy version "
-                f"{changed.policy_version} was applied from it: not serving other weights under "
-                "that version (restore the directory, or restart the server)"
-            )
-        for n, entry in enumerate(self.replay_log.entries()):
-            update = replace(entry, update_id=f"replay-{self.restarts}-{n}")
-            queue = self._send_update(update, None, replay=True)
-            while not (final := await queue.get()).final:
-                pass
-            if final.phase is WeightsPhase.FAILED:
-                raise EngineStartError(
-                    f"replaying policy version {entry.policy_version} failed: {final.message}"
-                )
-            log.info("engine.replayed", policy_version=entry.policy_version)
+        """Re-apply the replay log to a freshly started engine (service/engine_link/replay.py)."""
+        self.awaiting_weights = await replay(self, self.replay_log)
+
+    def send_replay(self, update: UpdateWeights) -> asyncio.Queue[WeightsProgress]:
+        """Send one update of the replay log: it changes neither the version nor the log."""
+        return self._send_update(update, None, replay=True)
 
     def _route_progress(self, progress: WeightsProgress) -> None:
         route = self._updates.get(progress.update_id)
