@@ -80,6 +80,7 @@ def _run(config: EngineConfig, path: Path, rank: int, port: int) -> None:
             case Op.PING:
                 pass
             case Op.STOP:
+                transfer.leave()
                 leave_group()
                 return
 

@@ -146,7 +146,7 @@ async def test_a_trainer_that_dies_mid_broadcast_changes_nothing_and_the_server_
     before = await served_greedy(t)
     status, results = await trainer(t, push(checkpoint_b, die_after_buckets=1))
     assert status == 3 and results == []
-    for _ in range(600):  # the engine notices the closed connection: the update fails
+    for _ in range(1200):  # the engine notices the closed connection: the update fails
         if not server.engine.updating_weights:
             break
         await asyncio.sleep(0.05)
