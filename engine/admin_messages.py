@@ -1,8 +1,9 @@
-"""The admin part of the pipe protocol: weight updates, sleep and wake.
+"""The admin part of the pipe protocol: weight updates and transfers, sleep and wake.
 
 Standard library only, like engine/messages.py (which re-exports every name here): both sides
-import it. Service -> engine: UpdateWeights, Sleep, Wake. Engine -> service: WeightsProgress
-(an update's events), SleepOutcome (the one answer to a Sleep or a Wake).
+import it. Service -> engine: UpdateWeights, InitWeightTransfer, Sleep, Wake. Engine ->
+service: WeightsProgress (an update's events), WeightTransferJoined (the answer to an
+InitWeightTransfer), SleepOutcome (the one answer to a Sleep or a Wake).
 """
 
 from __future__ import annotations
@@ -34,6 +35,57 @@ class TensorRef:
 
 
 @dataclass(frozen=True)
+class TensorSpec:
+    """One tensor a trainer broadcasts in a distributed update."""
+
+    name: str
+    dtype: str  # safetensors names: F32, F16, BF16
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DistributedTensors:
+    """A distributed update's tensors, in broadcast order, packed into buckets of at most
+    `bucket_bytes` (engine/weights/buckets.py has the layout)."""
+
+    tensors: tuple[TensorSpec, ...]
+    bucket_bytes: int
+
+
+@dataclass(frozen=True)
+class TransferGroupSpec:
+    """A trainer's process group to join: its TCPStore, world, and this engine's ranks in it."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int  # the group rank of tensor-parallel rank 0
+    backend: str  # "gloo" or "nccl"
+    group_name: str
+    timeout: float  # seconds: the join and each bucket's receive
+
+
+@dataclass(frozen=True)
+class InitWeightTransfer:
+    """Join `group` (after leaving any group held), or with None leave it; answered by one
+    WeightTransferJoined."""
+
+    transfer_id: str
+    group: TransferGroupSpec | None
+
+
+@dataclass(frozen=True)
+class WeightTransferJoined:
+    """The answer to InitWeightTransfer: `engine_ranks` joined (0: left), or error_code (a
+    grpc.StatusCode name) and message, with no group held."""
+
+    transfer_id: str
+    engine_ranks: int = 0
+    error_code: str = ""
+    message: str = ""
+
+
+@dataclass(frozen=True)
 class UpdateWeights:
     """Swap in new weights under a new policy version.
 
@@ -50,6 +102,8 @@ class UpdateWeights:
     tensor_file: str | None = None
     tensors: tuple[TensorRef, ...] = ()
     drain_timeout: float | None = None  # seconds; DRAIN fails (old weights kept) after it
+    distributed: DistributedTensors | None = None  # broadcast over the joined transfer group
+    complete: bool = False  # refused (FAILED_PRECONDITION) unless it replaces every tensor
 
 
 class WeightsPhase(enum.StrEnum):
@@ -77,6 +131,7 @@ class WeightsProgress:
     error_code: str = ""  # a grpc.StatusCode name: INVALID_ARGUMENT, FAILED_PRECONDITION,
     # OUT_OF_RANGE (the version would pass MAX_POLICY_VERSION), ABORTED
     message: str = ""
+    replaced_all: bool = False  # APPLIED: every tensor of the model was replaced
 
     @property
     def final(self) -> bool:

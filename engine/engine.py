@@ -41,6 +41,7 @@ from engine.messages import (
     EngineStats,
     FinishReason,
     InflightPolicy,
+    InitWeightTransfer,
     RequestOutput,
     SamplingParams,
     Sleep,
@@ -48,6 +49,7 @@ from engine.messages import (
     UpdateWeights,
     Wake,
     WeightsProgress,
+    WeightTransferJoined,
 )
 from engine.models.hf_config import load_model_config
 from engine.overlap import OverlappedSteps, known_tokens, overlap_enabled
@@ -116,6 +118,7 @@ class LLMEngine:
         if self.overlap is not None:
             self.overlap.drain()
         self.runner.close()
+        self.updater.transfer.leave()
         if self.workers is not None:
             self.workers.close()
 
@@ -395,6 +398,13 @@ class LLMEngine:
                 self.updater.refuse(msg, "FAILED_PRECONDITION", "a sleep is draining")
                 return
             self.updater.start(msg, tensors)
+
+    def join_weight_transfer(self, msg: InitWeightTransfer) -> WeightTransferJoined:
+        """Join a trainer's process group on every rank (msg.group None: leave it), for
+        updates with a `distributed` source. Blocks until every rank of the group has joined,
+        at most the group's timeout; the answer carries the failure, if any."""
+        with self.lock:
+            return self.updater.join(msg)
 
     def update_weights(
         self,

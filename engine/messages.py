@@ -3,11 +3,13 @@
 Standard library only: both sides import this module, and the service never imports torch.
 Everything here is plain data (dataclasses of builtins) so it pickles across the pipe.
 
-Service -> engine: AddRequest, AbortRequests, UpdateWeights, Sleep, Wake, GetState, Shutdown.
+Service -> engine: AddRequest, AbortRequests, UpdateWeights, InitWeightTransfer, Sleep, Wake,
+GetState, Shutdown.
 Engine -> service: Ready, StepOutput (one per engine step), WeightsProgress (for an
-UpdateWeights), SleepOutcome (for a Sleep or a Wake), Heartbeat (while idle, and in answer to
-GetState), EngineDead (the last message of a dying engine). The admin messages (weight
-updates, sleep and wake) live in engine/admin_messages.py and are re-exported here.
+UpdateWeights), WeightTransferJoined (for an InitWeightTransfer), SleepOutcome (for a Sleep or a
+Wake), Heartbeat (while idle, and in answer to GetState), EngineDead (the last message of a
+dying engine). The admin messages (weight updates and transfers, sleep and wake) live in
+engine/admin_messages.py and are re-exported here.
 """
 
 from __future__ import annotations
@@ -19,14 +21,19 @@ from typing import Any
 
 from engine.admin_messages import (
     SLEEP_LEVELS,
+    DistributedTensors,
     InflightPolicy,
+    InitWeightTransfer,
     Sleep,
     SleepOutcome,
     TensorRef,
+    TensorSpec,
+    TransferGroupSpec,
     UpdateWeights,
     Wake,
     WeightsPhase,
     WeightsProgress,
+    WeightTransferJoined,
 )
 
 MAX_TOP_LOGPROBS = 20
@@ -360,8 +367,25 @@ class EngineDead:
     traceback: str = ""
 
 
-ToEngine = AddRequest | AbortRequests | UpdateWeights | Sleep | Wake | GetState | Shutdown
-FromEngine = Ready | StepOutput | WeightsProgress | SleepOutcome | Heartbeat | EngineDead
+ToEngine = (
+    AddRequest
+    | AbortRequests
+    | UpdateWeights
+    | InitWeightTransfer
+    | Sleep
+    | Wake
+    | GetState
+    | Shutdown
+)
+FromEngine = (
+    Ready
+    | StepOutput
+    | WeightsProgress
+    | WeightTransferJoined
+    | SleepOutcome
+    | Heartbeat
+    | EngineDead
+)
 __all__ = [
     "FinishReason",
     "SamplingParams",
@@ -375,6 +399,11 @@ __all__ = [
     "Wake",
     "SleepOutcome",
     "SLEEP_LEVELS",
+    "TensorSpec",
+    "DistributedTensors",
+    "TransferGroupSpec",
+    "InitWeightTransfer",
+    "WeightTransferJoined",
     "WeightsPhase",
     "WeightsProgress",
     "GetState",

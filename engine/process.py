@@ -35,6 +35,7 @@ from engine.messages import (
     FinishReason,
     GetState,
     Heartbeat,
+    InitWeightTransfer,
     Ready,
     RequestOutput,
     Shutdown,
@@ -159,6 +160,10 @@ def _handle(engine: LLMEngine, conn: Connection, msg: ToEngine) -> None:
             engine.start_sleep(msg)
         case Wake():
             engine.wake(msg)
+        case InitWeightTransfer():
+            # NOTE: blocks the loop until the group forms, at most its timeout (the service
+            # keeps that within its stall timeout).
+            conn.send(engine.join_weight_transfer(msg))
         case GetState():
             conn.send(Heartbeat(engine.stats()))
         case _:

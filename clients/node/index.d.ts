@@ -260,8 +260,30 @@ export interface InlineTensor {
 }
 
 export type WeightsSource =
-  | { checkpoint: string; tensors?: undefined }
-  | { tensors: string | Record<string, InlineTensor>; checkpoint?: undefined };
+  | { checkpoint: string; tensors?: undefined; distributed?: undefined }
+  | { tensors: string | Record<string, InlineTensor>; checkpoint?: undefined; distributed?: undefined }
+  | { distributed: DistributedSource; checkpoint?: undefined; tensors?: undefined };
+
+/** Tensors a trainer broadcasts over the group of initWeightTransfer, in this order. */
+export interface DistributedSource {
+  tensors: { name: string; dtype: 'F32' | 'F16' | 'BF16'; shape: number[] }[];
+  /** The most bytes a bucket holds; default 1 GiB. */
+  bucketBytes?: number;
+}
+
+/** A trainer's rendezvous for initWeightTransfer, or {close: true} to leave the group. */
+export interface InitWeightTransferRequest {
+  masterAddress?: string;
+  masterPort?: number;
+  worldSize?: number;
+  /** The group rank of the engine's tensor-parallel rank 0 (>= 1). */
+  rankOffset?: number;
+  backend?: 'gloo' | 'nccl';
+  groupName?: string;
+  /** Default 60000, at most the server's --stall-timeout. */
+  timeoutMs?: number;
+  close?: boolean;
+}
 
 export type UpdateProgress =
   | { type: 'paused'; inFlight: number }
@@ -324,6 +346,8 @@ export class Client {
   sleep(options?: SleepOptions): Promise<SleepResult>;
   /** Admin Wake: serves again after sleep(). */
   wake(options?: CallOptions): Promise<WakeResult>;
+  /** Resolves once every rank of the group has joined (the trainer joins meanwhile). */
+  initWeightTransfer(request: InitWeightTransferRequest, options?: CallOptions): Promise<{ engineRanks: number }>;
 }
 
 export interface SleepOptions extends CallOptions {

@@ -30,6 +30,7 @@ class Op(IntEnum):
     GATHER = 3  # send every parameter shard to rank 0 (live_weights)
     PING = 4  # nothing: keeps idle workers inside the collective timeout
     STOP = 5  # leave the group and exit
+    JOIN = 6  # join (or leave) a trainer's weight-transfer group (engine/weights/transfer_group.py)
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Started by rank 0 (engine/parallel/worker_group.py) with the 'spawn' context. It loads its shard
 of the model the same way rank 0 does (engine/execution/model_shard.py), then follows rank 0's
 messages on the StepChannel until STOP: a step's forward on its shard, a weight update's staging
-and swap, a gather of its parameters. It has no scheduler, no sampler and no pipe: rank 0 owns
+and swap, a gather of its parameters, joining a trainer's weight-transfer group. It has no scheduler, no sampler and no pipe: rank 0 owns
 the page tables and the requests. Any failure ends the process (exit status 1), which rank 0's
 watcher turns into the end of the whole engine.
 """
@@ -48,6 +48,7 @@ def _run(config: EngineConfig, path: Path, rank: int, port: int) -> None:
     from engine.parallel.step_channel import Op
     from engine.parallel.tensor_parallel import join_group, leave_group
     from engine.weights.sharded_update import follow_stage, gather_parameters
+    from engine.weights.transfer_group import TransferGroup, follow_join
 
     size = config.tensor_parallel_size
     torch.set_num_threads(rank_threads(config))
@@ -58,6 +59,7 @@ def _run(config: EngineConfig, path: Path, rank: int, port: int) -> None:
     cfg = load_model_config(path, config.max_model_len)
     shard = load_shard(config, cfg, path, tp, device, dtype)
     channel = shard.runner.open_channel()
+    transfer = TransferGroup()  # this rank's membership of a trainer's group, if any
     log.info(
         "engine.worker_loaded",
         rank=rank,
@@ -70,12 +72,15 @@ def _run(config: EngineConfig, path: Path, rank: int, port: int) -> None:
             case Op.STEP:
                 shard.runner.follow(header, copies)
             case Op.STAGE:
-                follow_stage(shard.model)
+                follow_stage(shard.model, transfer)
+            case Op.JOIN:
+                follow_join(shard.model, transfer)
             case Op.GATHER:
                 gather_parameters(shard.model)
             case Op.PING:
                 pass
             case Op.STOP:
+                transfer.leave()
                 leave_group()
                 return
 

@@ -3,8 +3,8 @@
 A bad update must fail at once: under DRAIN the engine stops admitting new requests while the
 running ones finish, so a refusal found only while staging would hold every new request for
 nothing. From safetensors headers, the tensor refs and in-process tensors' metadata alone:
-the source exists, names only parameters of the model, each with its whole shape and a dtype
-the source may have, and (a checkpoint) every parameter. Left to staging is what needs the
+the source exists, names only parameters of the model (a distributed list: each once), each
+with its whole shape and a dtype the source may have, and (a checkpoint) every parameter. Left to staging is what needs the
 data: a truncated or corrupt file. The size (this rank's bytes and tensors, in the served
 dtype) is what LOADING events report as their totals. `params` is the model's
 checkpoint_tensors(), by checkpoint name.
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.messages import TensorSpec
 from engine.parallel.sharding import Sharding
 from engine.weights.loading import IGNORED_SUFFIXES, checkpoint_files
 from engine.weights.sharded_update import UpdateSource
@@ -46,6 +47,8 @@ def check_update(
     `source` can replace the parameters it names; else the size of what it replaces."""
     if tensors is not None:
         names = _check_tensors(params, sharding, tensors)
+    elif source.distributed is not None:
+        names = _check_specs(params, sharding, source.distributed.tensors)
     elif source.checkpoint_dir is not None:
         names = _check_checkpoint(params, sharding, source.checkpoint_dir)
     elif source.tensor_file is not None:
@@ -64,6 +67,26 @@ def _check_tensors(
         if tensor.dtype != param.dtype:
             raise invalid(f"{name}: dtype {tensor.dtype} != served dtype {param.dtype}")
     return list(tensors)
+
+
+def _check_specs(
+    params: Mapping[str, torch.Tensor], sharding: Sharding, specs: tuple[TensorSpec, ...]
+) -> list[str]:
+    """A distributed update's list: each tensor once, with the served shape and dtype."""
+    if not specs:
+        raise invalid("the distributed update lists no tensors")
+    seen: set[str] = set()
+    for spec in specs:
+        param = check_tensor(params, sharding, spec.name, tuple(spec.shape))
+        dtype = DTYPES.get(spec.dtype)
+        if dtype is None:
+            raise invalid(f"{spec.name}: dtype {spec.dtype!r} is not one of {sorted(DTYPES)}")
+        if dtype != param.dtype:
+            raise invalid(f"{spec.name}: dtype {spec.dtype} != served dtype {param.dtype}")
+        if spec.name in seen:
+            raise invalid(f"{spec.name}: listed twice")
+        seen.add(spec.name)
+    return [spec.name for spec in specs]
 
 
 def _check_tensor_file(

@@ -1,8 +1,9 @@
 """Weight updates over every tensor-parallel rank: all ranks swap at one step boundary, or none.
 
 Rank 0 (WeightUpdater) sends Op.STAGE, then broadcasts the update's source: a checkpoint
-directory or a tensor file (each rank reads its own slices from it), or in-process tensors
-(broadcast whole, one at a time; each rank keeps its slice). Every rank stages and validates
+directory or a tensor file (each rank reads its own slices from it), in-process tensors
+(broadcast whole, one at a time; each rank keeps its slice), or a distributed update's list
+(each rank receives every bucket from the trainer itself; engine/weights/distributed.py). Every rank stages and validates
 its shard, then one all-gather of the verdicts decides: if any rank failed, every rank drops
 what it staged and rank 0 fails the update with that rank's reason; otherwise the workers
 swap at once and rank 0 swaps in WeightUpdater, before its next step reaches them.
@@ -20,10 +21,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.messages import TensorRef
+from engine.messages import DistributedTensors, TensorRef
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.sharding import Sharding
 from engine.parallel.step_channel import Op, StepChannel, StepHeader
+from engine.weights.distributed import stage_distributed
 from engine.weights.staging import (
     Progress,
     StagedWeights,
@@ -32,6 +34,7 @@ from engine.weights.staging import (
     stage_tensor_file,
     stage_tensors,
 )
+from engine.weights.transfer_group import TransferGroup
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class UpdateSource:
     tensor_file: str | None = None
     refs: tuple[TensorRef, ...] = ()
     tensors: tuple[tuple[str, tuple[int, ...], str], ...] | None = None  # name, shape, dtype
+    distributed: DistributedTensors | None = None  # every rank receives it from the trainer
 
 
 def stage(
@@ -50,13 +54,16 @@ def stage(
     progress: Progress,
     tensors: Mapping[str, torch.Tensor] | None = None,
     channel: StepChannel | None = None,
+    transfer: TransferGroup | None = None,
 ) -> StagedWeights:
     """Stage this rank's shard of `source`; with a channel (rank 0 of a group) on every rank.
-    Raises WeightUpdateError unless every rank staged its shard."""
+    Raises WeightUpdateError unless every rank staged its shard. `transfer`: this rank's
+    membership of the trainer's group (a distributed source); a failed distributed update
+    leaves it on every rank."""
     params = model.checkpoint_tensors()
     tp, sharding = model.tp, model.sharding
     if not tp.enabled:
-        return _stage_here(params, sharding, source, progress, tensors)
+        return _stage_here(params, sharding, source, progress, tensors, transfer)
     if tp.rank == 0:
         assert channel is not None
         channel.send(StepHeader(Op.STAGE))
@@ -67,22 +74,24 @@ def stage(
         if source.tensors is not None:
             staged = _stage_broadcast(model, source, tensors)
         else:
-            staged = _stage_here(params, sharding, source, progress, None)
+            staged = _stage_here(params, sharding, source, progress, None, transfer)
     except WeightUpdateError as exc:
         failure = (tp.rank, exc.code, exc.message)
     failures = [f for f in tp.all_gather_object(failure) if f is not None]
     if failures:
+        if source.distributed is not None and transfer is not None:
+            transfer.leave()  # the ranks no longer agree on the group's next broadcast
         rank, code, message = failures[0]
         raise WeightUpdateError(code, message if rank == 0 else f"rank {rank}: {message}")
     assert staged is not None
     return staged
 
 
-def follow_stage(model: LlamaForCausalLM) -> None:
+def follow_stage(model: LlamaForCausalLM, transfer: TransferGroup) -> None:
     """A worker, after Op.STAGE: stage with rank 0, and swap if every rank succeeded."""
     source: UpdateSource = model.tp.broadcast_object()
     try:
-        staged = stage(model, source, lambda done, count: None)
+        staged = stage(model, source, lambda done, count: None, transfer=transfer)
     except WeightUpdateError:
         return  # rank 0 reports it; nothing changed here
     staged.apply()
@@ -94,9 +103,13 @@ def _stage_here(
     source: UpdateSource,
     progress: Progress,
     tensors: Mapping[str, torch.Tensor] | None,
+    transfer: TransferGroup | None,
 ) -> StagedWeights:
     if tensors is not None:
         return stage_tensors(params, sharding, tensors)
+    if source.distributed is not None:
+        assert transfer is not None
+        return stage_distributed(params, sharding, transfer, source.distributed, progress)
     if source.checkpoint_dir is not None:
         return stage_checkpoint(params, sharding, source.checkpoint_dir, progress)
     if source.tensor_file is not None:
@@ -134,6 +147,7 @@ def describe(
     tensor_file: str | None,
     refs: tuple[TensorRef, ...],
     tensors: Mapping[str, torch.Tensor] | None,
+    distributed: DistributedTensors | None = None,
 ) -> UpdateSource:
     specs = None
     if tensors is not None:
@@ -141,7 +155,7 @@ def describe(
             (name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
             for name, t in tensors.items()
         )
-    return UpdateSource(checkpoint_dir, tensor_file, refs, specs)
+    return UpdateSource(checkpoint_dir, tensor_file, refs, specs, distributed)
 
 
 def gather_parameters(

@@ -10,7 +10,9 @@ or FAILED. "An update is in
 progress" is `pending`, and nowhere else.
 
 With tensor parallelism every rank stages its shard and all swap, or none does
-(engine/weights/sharded_update.py); versions, policies and events stay here, on rank 0.
+(engine/weights/sharded_update.py); versions, policies and events stay here, on rank 0. A
+distributed update's tensors arrive over the trainer's group that `join` joined (every rank
+is in it: engine/weights/transfer_group.py).
 
 After a level-2 sleep the parameters have no storage (`storage.weights_missing`): an update
 reallocates it (stale until the swap fills it) and must then set every tensor; a refused or
@@ -34,9 +36,11 @@ from engine.messages import (
     MAX_POLICY_VERSION,
     FinishReason,
     InflightPolicy,
+    InitWeightTransfer,
     UpdateWeights,
     WeightsPhase,
     WeightsProgress,
+    WeightTransferJoined,
 )
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.step_channel import StepChannel
@@ -45,6 +49,7 @@ from engine.scheduling.scheduler import Scheduler
 from engine.weights.checks import UpdateSize, check_update
 from engine.weights.sharded_update import describe, gather_parameters, stage
 from engine.weights.staging import StagedWeights, WeightUpdateError
+from engine.weights.transfer_group import TransferGroup, join_all
 from engine.weights.weights_origin import WeightsOrigin
 
 PROGRESS_INTERVAL_S = 0.1  # at most one LOADING event per interval while staging
@@ -74,6 +79,7 @@ class PendingUpdate:
     version: int  # the version it will publish
     started: float  # time.monotonic()
     size: UpdateSize  # what staging reads: the totals of LOADING events
+    replaces_all: bool  # every tensor of the model (APPLIED says so: the service's replay log)
     tensors: Mapping[str, torch.Tensor] | None = None  # in-process source
     last_progress: float = 0.0
 
@@ -99,6 +105,7 @@ class WeightUpdater:
         self.sink: Callable[[WeightsProgress], None] | None = None
         self.events: list[WeightsProgress] = []  # collected while no sink is installed
         self.last_final: WeightsProgress | None = None  # the last APPLIED or FAILED
+        self.transfer = TransferGroup()  # rank 0's membership of a trainer's group, if any
 
     @property
     def in_progress(self) -> bool:
@@ -125,25 +132,57 @@ class WeightUpdater:
         if self.storage is not None and self.storage.weights_released:
             self.storage.restore_weights()  # NOTE: views of the parameters need their storage
         params = self.model.checkpoint_tensors()
-        source = describe(msg.checkpoint_dir, msg.tensor_file, msg.tensors, tensors)
+        source = describe(
+            msg.checkpoint_dir, msg.tensor_file, msg.tensors, tensors, msg.distributed
+        )
         try:
             size = check_update(params, self.model.sharding, source, tensors)
+            self._check_reachable(msg, size, len(params))
         except WeightUpdateError as exc:
             self._failed(msg, exc.code, exc.message)
             return
-        if self.weights_missing and size.tensors < len(params):
+        replaces_all = size.tensors == len(params)
+        if self.weights_missing and not replaces_all:
             why = (
                 f"the weights were released by a level-2 sleep: an update must set every one of "
                 f"the model's {len(params)} tensors (this one sets {size.tensors}), or Wake first"
             )
             self._failed(msg, "FAILED_PRECONDITION", why)
             return
-        self.pending = PendingUpdate(msg, version, time.monotonic(), size, tensors)
+        self.pending = PendingUpdate(msg, version, time.monotonic(), size, replaces_all, tensors)
         self._event(WeightsPhase.PAUSED, in_flight=len(self.scheduler.running))
         if msg.inflight is InflightPolicy.DRAIN:
             self.scheduler.admitting = False  # new requests wait; advance() swaps
         else:
             self._swap()
+
+    def _check_reachable(self, msg: UpdateWeights, size: UpdateSize, tensors: int) -> None:
+        """Refusals that depend on the engine's state rather than on the source."""
+        if msg.distributed is not None and not self.transfer.joined:
+            raise WeightUpdateError(
+                "FAILED_PRECONDITION",
+                "no weight-transfer group: call InitWeightTransfer first (an engine restart or "
+                "a failed transfer leaves the group)",
+            )
+        if msg.complete and size.tensors != tensors:
+            raise WeightUpdateError(
+                "FAILED_PRECONDITION",
+                f"this update must replace every tensor of the model ({tensors}), not "
+                f"{size.tensors}: the engine restarted and could not replay weights received "
+                "over a process group",
+            )
+
+    def join(self, msg: InitWeightTransfer) -> WeightTransferJoined:
+        """Join the trainer's group on every rank (or leave it: msg.group None)."""
+        if self.pending is not None:
+            code, message = "FAILED_PRECONDITION", "a weight update is in progress"
+            return WeightTransferJoined(msg.transfer_id, error_code=code, message=message)
+        try:
+            join_all(self.model, self.transfer, msg.group, self.channel)
+        except WeightUpdateError as exc:
+            return WeightTransferJoined(msg.transfer_id, error_code=exc.code, message=exc.message)
+        ranks = self.model.tp.size if msg.group is not None else 0
+        return WeightTransferJoined(msg.transfer_id, engine_ranks=ranks)
 
     def advance(self) -> None:
         """At a step boundary: swap a draining update once nothing runs, or time it out."""
@@ -157,6 +196,11 @@ class WeightUpdater:
             if waited > update.msg.drain_timeout:
                 running = len(self.scheduler.running)
                 why = f"drain timed out after {waited:.1f}s with {running} requests running"
+                if update.msg.distributed is not None:
+                    # NOTE: the trainer is already broadcasting: leaving fails it at once,
+                    # where it would otherwise wait out the group's timeout.
+                    join_all(self.model, self.transfer, None, self.channel)
+                    why += "; the engine left the weight-transfer group: call InitWeightTransfer"
                 self._end(WeightsPhase.FAILED, error_code="ABORTED", message=why)
 
     @property
@@ -254,7 +298,12 @@ class WeightUpdater:
             )
         previous = self.version
         self._publish(update.version, update.msg.inflight)
-        self._end(WeightsPhase.APPLIED, previous_version=previous, **counts)
+        self._end(
+            WeightsPhase.APPLIED,
+            previous_version=previous,
+            replaced_all=update.replaces_all,
+            **counts,
+        )
 
     def _stage(self, update: PendingUpdate) -> StagedWeights:
         msg = update.msg
@@ -271,10 +320,10 @@ class WeightUpdater:
                     tensors_total=update.size.tensors,
                 )
 
-        if update.tensors is None and msg.checkpoint_dir is None and msg.tensor_file is None:
-            raise WeightUpdateError("INVALID_ARGUMENT", "the update names no source")
-        source = describe(msg.checkpoint_dir, msg.tensor_file, msg.tensors, update.tensors)
-        staged = stage(self.model, source, progress, update.tensors, self.channel)
+        source = describe(
+            msg.checkpoint_dir, msg.tensor_file, msg.tensors, update.tensors, msg.distributed
+        )
+        staged = stage(self.model, source, progress, update.tensors, self.channel, self.transfer)
         total, count = staged.nbytes, len(staged.tensors)
         self._event(
             WeightsPhase.LOADING,

@@ -1,9 +1,11 @@
 """The service's link to the engine process: start it, talk to it, keep it serving.
 
 `engine_client` (the one handle the rest of the service uses; `engine_state` its states,
-`update_route` its weight updates in flight), `engine_process` (one incarnation and its pipe),
+`update_route` its weight updates in flight, `transfer_joins` its InitWeightTransfer joins),
+`engine_process` (one incarnation and its pipe),
 `supervisor` (replaces a lost engine), `routing` (outputs to each request's inbox, metered by
-`buffer_meter`), `replay_log` (updates a restarted engine re-applies), `tensor_file` and
+`buffer_meter`), `replay_log` (updates a restarted engine re-applies) and `replay` (doing
+it), `tensor_file` and
 `checkpoint_fingerprint`. No protobuf, no grpc. May import `engine.messages`, `engine.config`,
 `engine.process` (the spawn target), `service.config` and `service.ops.metrics`.
 """

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections.abc import Callable
-from dataclasses import replace
 from multiprocessing.process import BaseProcess
 
 import structlog
@@ -29,6 +29,7 @@ from engine.messages import (
     GetState,
     Heartbeat,
     InflightPolicy,
+    InitWeightTransfer,
     ModelInfo,
     Ready,
     Shutdown,
@@ -36,10 +37,12 @@ from engine.messages import (
     SleepOutcome,
     StepOutput,
     ToEngine,
+    TransferGroupSpec,
     UpdateWeights,
     Wake,
     WeightsPhase,
     WeightsProgress,
+    WeightTransferJoined,
 )
 from engine.process import engine_main
 from service.config import ServiceConfig
@@ -52,10 +55,12 @@ from service.engine_link.engine_process import (
     StartProcess,
 )
 from service.engine_link.engine_state import EngineState
+from service.engine_link.replay import replay
 from service.engine_link.replay_log import ReplayLog
 from service.engine_link.routing import Inbox, RequestRouter
 from service.engine_link.sleep_link import SleepLink
 from service.engine_link.supervisor import Supervisor
+from service.engine_link.transfer_joins import TransferJoins
 from service.engine_link.update_route import UpdateInProgressError, UpdateRoute
 from service.ops.metrics import Metrics
 
@@ -97,6 +102,8 @@ class EngineClient:
         self._on_state = on_state
         self._updates: dict[str, UpdateRoute] = {}  # sent to the engine, no final message yet
         self._update_claimed = False
+        self._joins = TransferJoins()  # InitWeightTransfer sent, not answered yet
+        self.awaiting_weights = False  # restarted without weights it could not replay
         self._stats_waiters: list[asyncio.Future[None]] = []
         self._supervisor: asyncio.Task[None] | None = None
 
@@ -136,13 +143,17 @@ class EngineClient:
 
     @property
     def busy(self) -> bool:
-        """Requests, updates, a Sleep or a Wake wait on the engine: it must make progress."""
-        return bool(len(self.router) or self._updates or self.sleep_link.busy)
+        """Requests, updates, a join, a Sleep or a Wake wait on the engine: it must make
+        progress."""
+        return bool(len(self.router) or self._updates or len(self._joins) or self.sleep_link.busy)
 
     @property
     def ready_state(self) -> EngineState:
-        """The state of an engine that is up: SLEEPING while the server sleeps."""
-        return EngineState.SLEEPING if self.sleep_link.level else EngineState.SERVING
+        """The state of an engine that is up: SLEEPING while the server sleeps, else
+        AWAITING_WEIGHTS while weights that cannot be replayed are missing, else SERVING."""
+        if self.sleep_link.level:
+            return EngineState.SLEEPING
+        return EngineState.AWAITING_WEIGHTS if self.awaiting_weights else EngineState.SERVING
 
     # ---- requests ----
 
@@ -198,6 +209,13 @@ class EngineClient:
         assert not any(not r.replay for r in self._updates.values()), "release a sent update"
         self._update_claimed = False
 
+    async def join_weight_transfer(self, group: TransferGroupSpec | None) -> WeightTransferJoined:
+        """Have the engine join a trainer's group (None: leave it); its answer, UNAVAILABLE if
+        the engine is lost meanwhile. Raises EngineUnavailableError if it cannot be sent."""
+        transfer_id = uuid.uuid4().hex
+        self._send(InitWeightTransfer(transfer_id, group))
+        return await self._joins.add(transfer_id)
+
     def update_weights(
         self,
         update: UpdateWeights,
@@ -230,37 +248,16 @@ class EngineClient:
         return queue
 
     async def replay(self) -> None:
-        """Re-apply the replay log to a freshly started engine, in order. Raises
-        EngineStartError if an update fails, or if the checkpoint directory to replay changed
-        since its update was applied: the engine must not serve older weights, nor other
-        weights under the same version."""
-        changed = await asyncio.to_thread(self.replay_log.changed)
-        if changed is not None:
-            self.metrics.weight_replay_refused()
-            log.error(
-                "engine.replay_refused",
-                policy_version=changed.policy_version,
-                checkpoint_dir=changed.checkpoint_dir,
-                reason="the checkpoint directory changed since this version was applied from it",
-            )
-            raise EngineStartError(
-                f"checkpoint_dir {changed.checkpoint_dir!r} changed since policy version "
-                f"{changed.policy_version} was applied from it: not serving other weights under "
-                "that version (restore the directory, or restart the server)"
-            )
-        for n, entry in enumerate(self.replay_log.entries()):
-            update = replace(entry, update_id=f"replay-{self.restarts}-{n}")
-            queue = self._send_update(update, None, replay=True)
-            while not (final := await queue.get()).final:
-                pass
-            if final.phase is WeightsPhase.FAILED:
-                raise EngineStartError(
-                    f"replaying policy version {entry.policy_version} failed: {final.message}"
-                )
-            log.info("engine.replayed", policy_version=entry.policy_version)
-        if level := self.sleep_link.level:  # it slept when the engine was lost: so does this one
+        """Re-apply the replay log to a freshly started engine (service/engine_link/replay.py);
+        a server that slept when the engine was lost puts the new one back to sleep."""
+        self.awaiting_weights = await replay(self, self.replay_log)
+        if level := self.sleep_link.level:
             self._send(Sleep(f"resleep-{self.restarts}", level, InflightPolicy.ABORT))
             log.info("engine.put_back_to_sleep", level=level)
+
+    def send_replay(self, update: UpdateWeights) -> asyncio.Queue[WeightsProgress]:
+        """Send one update of the replay log: it changes neither the version nor the log."""
+        return self._send_update(update, None, replay=True)
 
     def _route_progress(self, progress: WeightsProgress) -> None:
         route = self._updates.get(progress.update_id)
@@ -274,7 +271,15 @@ class EngineClient:
                 # min_policy_version = the new one, or start the next update.
                 if progress.phase is WeightsPhase.APPLIED:
                     self.policy_version = progress.policy_version
-                    self.replay_log.record(route.update, progress.policy_version, route.fingerprint)
+                    self.replay_log.record(
+                        route.update,
+                        progress.policy_version,
+                        route.fingerprint,
+                        progress.replaced_all,
+                    )
+                    if self.awaiting_weights and progress.replaced_all:
+                        self.awaiting_weights = False
+                        self.set_state(self.ready_state)  # SLEEPING if it sleeps meanwhile
                 self._update_claimed = False
         route.queue.put_nowait(progress)
         if progress.final and route.on_final is not None:
@@ -385,6 +390,7 @@ class EngineClient:
         self.router.fail_all(message, self.policy_version)
         self._fail_updates(message)
         self.sleep_link.fail_all(message)
+        self._joins.fail_all(message)
 
     def _send(self, msg: ToEngine) -> None:
         engine = self.engine
@@ -410,6 +416,9 @@ class EngineClient:
                     self._route_progress(progress)
                 case SleepOutcome() as outcome:
                     self._route_sleep(outcome)
+                case WeightTransferJoined() as joined:
+                    if not self._joins.route(joined):
+                        log.error("engine.unknown_transfer", transfer_id=joined.transfer_id)
                 case Ready(info=info):
                     self.info = info
                     if not engine.ready.done():

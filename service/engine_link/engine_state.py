@@ -9,6 +9,9 @@ class EngineState(enum.Enum):
     STARTING = "starting"
     SERVING = "serving"
     SLEEPING = "sleeping"  # Admin Sleep, from the call until a Wake: requests are refused
+    # Restarted, but the replay log held weights received over a process group, which cannot
+    # be replayed: generation is refused until an update replaces every tensor.
+    AWAITING_WEIGHTS = "awaiting_weights"
     RESTARTING = "restarting"
     STOPPING = "stopping"
     STOPPED = "stopped"

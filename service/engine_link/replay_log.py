@@ -2,8 +2,11 @@
 
 A restarted engine loads the start-up checkpoint, so every update applied since has to be
 replayed, in order and at its original version, before the engine serves again; otherwise a
-crash would silently roll the weights back. A checkpoint update replaces every tensor, so it
-supersedes everything recorded before it. The log owns the tensor files of inline updates:
+crash would silently roll the weights back. A checkpoint update (or any update that replaced
+every tensor) supersedes everything recorded before it. A distributed update cannot be
+replayed (its tensors were broadcast once, by a trainer, and nothing kept them): a log that
+holds one is not `replayable`, and the EngineClient then refuses generation rather than serve
+older weights under its version. The log owns the tensor files of inline updates:
 it deletes a file once its update is superseded, and all of them on `clear()` (clean shutdown).
 
 A checkpoint update is replayed by reading its directory again, so the log keeps a fingerprint
@@ -27,11 +30,16 @@ class ReplayLog:
         self._fingerprint: str | None = None  # of the first entry's directory, if a checkpoint
 
     def record(
-        self, update: UpdateWeights, policy_version: int, fingerprint: str | None = None
+        self,
+        update: UpdateWeights,
+        policy_version: int,
+        fingerprint: str | None = None,
+        replaced_all: bool = False,
     ) -> None:
         """A live update was applied at `policy_version` (never call this for a replay).
-        `fingerprint`: a checkpoint update's checkpoint_fingerprint, taken when it was sent."""
-        if update.checkpoint_dir is not None:
+        `fingerprint`: a checkpoint update's checkpoint_fingerprint, taken when it was sent.
+        `replaced_all`: it replaced every tensor of the model."""
+        if update.checkpoint_dir is not None or replaced_all:
             self.clear()
             self._fingerprint = fingerprint
         # Replayed between two steps of an engine with nothing in flight, at the same version.
@@ -57,6 +65,11 @@ class ReplayLog:
         if checkpoint_fingerprint(first.checkpoint_dir) == self._fingerprint:
             return None
         return first
+
+    @property
+    def replayable(self) -> bool:
+        """False if an entry's tensors cannot be had again (a distributed update)."""
+        return all(entry.distributed is None for entry in self._entries)
 
     @property
     def policy_version(self) -> int | None:

@@ -6,8 +6,11 @@ no progress: no message for `stall_timeout` seconds while requests or updates wa
 `heartbeat_timeout` seconds while idle (an idle engine sends a Heartbeat every second). A lost
 engine is killed, every in-flight request ends with ERROR, and a new one is started with bounded
 exponential backoff; it serves again only once the replay log has been re-applied to it, so the
-policy version and the weights never go backwards. A server that slept when its engine was lost
-stays asleep: the new engine is put back to sleep after the replay (state SLEEPING). Nothing that goes wrong while restarting
+policy version and the weights never go backwards. A log it cannot replay (weights received
+over a process group) leaves the new engine AWAITING_WEIGHTS instead: generation is refused
+until an update replaces every tensor. A server that slept when its engine was lost stays
+asleep: the new engine is put back to sleep after the replay (state SLEEPING). Nothing that
+goes wrong while restarting
 stops the supervisor: it tries again.
 """
 

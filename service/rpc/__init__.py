@@ -1,6 +1,7 @@
 """The gRPC surface: the Generation and Admin servicers and what runs around every call.
 
-`servicer`, `generate_stream` (bidi multiplexing), `admin`, `admission` (request -> AddRequest
+`servicer`, `generate_stream` (bidi multiplexing), `admin` (with `weight_transfer`, its
+process-group fields), `admission` (request -> AddRequest
 or a refusal with its status code), and the interceptors: `auth`, `call_limit`, `call_metrics`,
 `decoding` (`handlers` rewraps a handler for them). Protobuf stops here. May import
 `service.text`, `service.engine_link`, `service.ops`, `service.config` and `engine.messages`.

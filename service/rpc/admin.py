@@ -6,11 +6,21 @@ UpdateWeights, in order: (auth is the interceptor's) read and validate the heade
 (UNAVAILABLE); refuse a version not above the served one (FAILED_PRECONDITION) or past the
 largest uint64 (OUT_OF_RANGE), then a second update while one holds the engine client's update
 slot (FAILED_PRECONDITION); for inline tensors, assemble every chunk into one temporary
-file (TensorFileWriter); send `UpdateWeights` to the engine and relay its progress. The engine's
+file (TensorFileWriter), or for a distributed source take its tensor list (the trainer
+broadcasts the bytes to the engine itself); send `UpdateWeights` to the engine and relay its
+progress. The engine's
 FAILED becomes the call's status, after the events already sent. The update slot and the tensor
 file are released when the engine's final message arrives (or at once if the update is never
 sent), not when the call ends: a caller that
 walks away mid-update cannot start a second update under the first, nor delete its file.
+
+While the engine awaits weights (it restarted, and updates received over a process group
+could not be replayed), generation is refused and an update is accepted only if it replaces
+every tensor, at a version above the served one (the service names it: the restarted engine
+counts from its start-up version).
+
+InitWeightTransfer holds the same update slot while the engine joins the trainer's group, so
+a join and an update never overlap (service/rpc/weight_transfer.py validates its fields).
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ from service.engine_link.tensor_file import ChunkError, TensorFileWriter
 from service.ops.metrics import Metrics
 from service.rpc.admission import Refusal
 from service.rpc.sleep_wake import sleep_message, sleep_or_wake, sleep_response, wake_response
+from service.rpc.weight_transfer import distributed_tensors, transfer_group
 
 log = structlog.get_logger("sluice.admin")
 
@@ -76,6 +87,32 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self.engine = engine
         self.metrics = metrics
         self._draining = draining
+
+    async def InitWeightTransfer(
+        self, request: pb.InitWeightTransferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.InitWeightTransferResponse:
+        try:
+            group = transfer_group(request, self.config)
+            self._check_serving()
+            try:
+                self.engine.claim_update()
+            except UpdateInProgressError as exc:
+                raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
+            try:
+                joined = await self.engine.join_weight_transfer(group)
+            except EngineUnavailableError as exc:
+                raise Refusal(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
+            finally:
+                self.engine.release_update()
+        except Refusal as refusal:
+            log.info("weights.transfer_refused", code=refusal.code.name)
+            await context.abort_with_status(refusal.to_status())
+        if joined.error_code:
+            log.warning("weights.transfer_failed", code=joined.error_code, message=joined.message)
+            await context.abort(_status_code(joined.error_code), joined.message)
+        where = None if group is None else f"{group.master_address}:{group.master_port}"
+        log.info("weights.transfer_joined", group=where, engine_ranks=joined.engine_ranks)
+        return pb.InitWeightTransferResponse(engine_ranks=joined.engine_ranks)
 
     async def UpdateWeights(
         self,
@@ -133,14 +170,20 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             await context.abort_with_status(refusal.to_status())
         return wake_response(outcome)
 
-    def _check_accepting(self, header: pb.UpdateWeightsHeader) -> None:
+    def _check_serving(self) -> None:
+        """An admin action on the weights may start: not shutting down, an engine that is up
+        (while asleep too: after a level-2 sleep an update must set every tensor), no Sleep
+        or Wake in progress."""
         if self._draining():
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
-        # While asleep an update is applied too (after level 2 it must set every tensor).
-        if self.engine.state not in (EngineState.SERVING, EngineState.SLEEPING):
+        up = (EngineState.SERVING, EngineState.SLEEPING, EngineState.AWAITING_WEIGHTS)
+        if self.engine.state not in up:
             raise Refusal(grpc.StatusCode.UNAVAILABLE, f"the engine is {self.engine.state.value}")
         if self.engine.sleep_link.busy:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "a Sleep or Wake is in progress")
+
+    def _check_accepting(self, header: pb.UpdateWeightsHeader) -> None:
+        self._check_serving()
         served = self.engine.policy_version
         if header.policy_version and header.policy_version <= served:
             raise Refusal(
@@ -175,8 +218,13 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                     header.drain_timeout_ms / 1000 if header.HasField("drain_timeout_ms") else None
                 ),
             )
+            if self.engine.state is EngineState.AWAITING_WEIGHTS:
+                version = header.policy_version or self.engine.policy_version + 1
+                update = replace(update, policy_version=version, complete=True)
             if header.WhichOneof("source") == "checkpoint_dir":
                 update = replace(update, checkpoint_dir=header.checkpoint_dir)
+            elif header.WhichOneof("source") == "distributed":
+                update = replace(update, distributed=distributed_tensors(header.distributed))
             else:
                 writer = TensorFileWriter(self.config.weights_dir)
                 refs = await _receive(writer, messages)
@@ -187,7 +235,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 policy_version=update.policy_version,
                 inflight=update.inflight.value,
                 checkpoint_dir=update.checkpoint_dir,
-                tensors=len(update.tensors),
+                tensors=len(
+                    update.tensors or (update.distributed and update.distributed.tensors) or ()
+                ),
                 bytes=writer.bytes_received if writer else None,
             )
             started = time.monotonic()
@@ -254,11 +304,13 @@ def _validated_header(first: pb.UpdateWeightsRequest | None) -> pb.UpdateWeights
     header = first.header
     match header.WhichOneof("source"):
         case None:
-            _invalid("header.source", "set checkpoint_dir or inline_tensors")
+            _invalid("header.source", "set checkpoint_dir, inline_tensors or distributed")
         case "checkpoint_dir" if not header.checkpoint_dir:
             _invalid("header.checkpoint_dir", "must not be empty")
         case "inline_tensors" if not header.inline_tensors:
             _invalid("header.inline_tensors", "must be true (TensorChunk messages follow)")
+        case "distributed":
+            distributed_tensors(header.distributed)
     if header.inflight not in INFLIGHT_POLICIES:
         _invalid("header.inflight", f"unknown in-flight policy {header.inflight}")
     return header

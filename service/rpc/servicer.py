@@ -32,6 +32,7 @@ SERVING_STATES = {
     EngineState.SERVING: pb.SERVING_STATE_SERVING,
     EngineState.SLEEPING: pb.SERVING_STATE_SLEEPING,
     EngineState.RESTARTING: pb.SERVING_STATE_RESTARTING,
+    EngineState.AWAITING_WEIGHTS: pb.SERVING_STATE_RESTARTING,  # recovering: not serving yet
     EngineState.STOPPING: pb.SERVING_STATE_DRAINING,
     EngineState.STOPPED: pb.SERVING_STATE_DRAINING,
 }
@@ -193,6 +194,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _check_available(self) -> None:
         if self.draining:
             raise self._unavailable("the server is shutting down")
+        if self.engine.state is EngineState.AWAITING_WEIGHTS:
+            raise self._unavailable(
+                f"the engine restarted and lost policy version {self.engine.policy_version}: "
+                "weights received over a process group cannot be replayed, and older ones are "
+                "not served under it; generation resumes after a weight update that replaces "
+                "every tensor"
+            )
         if self.engine.state is not EngineState.SERVING or self.tokenizer is None:
             raise self._unavailable(f"the engine is {self.engine.state.value}")
 

@@ -123,8 +123,10 @@ export class Client {
   }
 
   /**
-   * Swaps the served weights: `{checkpoint: dir}` (on the server's file system) or
-   * `{tensors: path to a .safetensors file | {name: {dtype, shape, data}}}` sent inline.
+   * Swaps the served weights: `{checkpoint: dir}` (on the server's file system),
+   * `{tensors: path to a .safetensors file | {name: {dtype, shape, data}}}` sent inline, or
+   * `{distributed: {tensors: [{name, dtype, shape}], bucketBytes}}`: a trainer in the group of
+   * initWeightTransfer broadcasts them once the `paused` event arrives (see onProgress).
    * Options: policyVersion (0 = served + 1), inflight (drain | abort | continue | recompute),
    * drainTimeoutMs, chunkBytes (default 4 MiB), onProgress(event), deadlineMs. Resolves with the
    * applied event; rejects with a SluiceError when the server refuses or the update fails.
@@ -154,6 +156,16 @@ export class Client {
   /** Serves again after `sleep()`: resolves with {reloaded, policyVersion, seconds}. */
   async wake(options = {}) {
     return this.#adminUnary('Wake', {}, options);
+  }
+
+  /**
+   * Joins the server's engine to a trainer's process group, for `{distributed}` updates:
+   * {masterAddress, masterPort, worldSize, rankOffset, backend ('gloo' | 'nccl'), groupName,
+   * timeoutMs}, or {close: true} to leave it. Resolves with {engineRanks} once every rank has
+   * joined (the trainer joins meanwhile); rejects with a SluiceError otherwise.
+   */
+  initWeightTransfer(request, options = {}) {
+    return this.#adminUnary('InitWeightTransfer', request, options);
   }
 
   #adminUnary(method, request, options) {

@@ -1,5 +1,6 @@
 // Driving one Admin.UpdateWeights call: the header, then (inline tensors) the chunks, then a
-// half-close; the progress events read back until `applied`.
+// half-close; the progress events read back until `applied`. A distributed source sends only
+// the header: a trainer broadcasts the tensors over its process group once `paused` arrives.
 
 import { once } from 'node:events';
 
@@ -9,20 +10,33 @@ import { memoryChunks, safetensorsChunks } from './safetensors.js';
 export const DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024;
 const INFLIGHT = ['drain', 'abort', 'continue', 'recompute'];
 
-/** The UpdateWeightsHeader of an update (checkpoint dir, or inline tensors to follow). */
+/**
+ * The UpdateWeightsHeader of an update: a checkpoint dir, inline tensors to follow, or a
+ * distributed source ({tensors: [{name, dtype, shape}], bucketBytes}) a trainer broadcasts.
+ */
 export function buildHeader(source, { policyVersion = 0, inflight = 'drain', drainTimeoutMs } = {}) {
   const hasCheckpoint = typeof source?.checkpoint === 'string';
-  if (hasCheckpoint === (source?.tensors !== undefined)) {
-    throw new TypeError('updateWeights: give exactly one source: {checkpoint} or {tensors}');
+  const sources = [hasCheckpoint, source?.tensors !== undefined, source?.distributed !== undefined];
+  if (sources.filter(Boolean).length !== 1) {
+    throw new TypeError('updateWeights: give exactly one source: {checkpoint}, {tensors} or {distributed}');
   }
   if (!INFLIGHT.includes(String(inflight).toLowerCase())) {
     throw new TypeError(`updateWeights: inflight ${JSON.stringify(inflight)} is not one of ${INFLIGHT.join(', ')}`);
   }
   const header = { policyVersion, inflight: `INFLIGHT_POLICY_${inflight.toUpperCase()}` };
   if (hasCheckpoint) header.checkpointDir = source.checkpoint;
+  else if (source.distributed !== undefined) header.distributed = distributedSource(source.distributed);
   else header.inlineTensors = true;
   if (drainTimeoutMs !== undefined && drainTimeoutMs !== null) header.drainTimeoutMs = drainTimeoutMs;
   return header;
+}
+
+/** A DistributedSource message: the tensor list, in broadcast order, and the bucket size. */
+function distributedSource({ tensors, bucketBytes } = {}) {
+  if (!Array.isArray(tensors)) throw new TypeError('updateWeights: distributed.tensors must be an array');
+  const message = { tensors: tensors.map(({ name, dtype, shape }) => ({ name, dtype, shape })) };
+  if (bucketBytes !== undefined && bucketBytes !== null) message.bucketBytes = bucketBytes;
+  return message;
 }
 
 /** The TensorChunk messages of an inline source: a .safetensors path, or tensors in memory. */

@@ -294,6 +294,27 @@ test('sleep and wake without the admin token are UNAUTHENTICATED', async () => {
   }
 });
 
+test('initWeightTransfer refuses a bad rendezvous INVALID_ARGUMENT naming the field', async () => {
+  const request = { masterAddress: '127.0.0.1', masterPort: 29500, worldSize: 2, rankOffset: 0, groupName: 'g' };
+  await assert.rejects(
+    client.initWeightTransfer(request),
+    (error) =>
+      error instanceof SluiceError &&
+      error.code === status.INVALID_ARGUMENT &&
+      error.fieldViolations.some(({ field }) => field === 'rank_offset'),
+  );
+});
+
+test('a distributed update with no group joined is FAILED_PRECONDITION and changes nothing', async () => {
+  const { policyVersion } = await client.info();
+  const distributed = { tensors: [{ name: 'model.norm.weight', dtype: 'F32', shape: [64] }], bucketBytes: 4096 };
+  await assert.rejects(
+    client.updateWeights({ distributed }),
+    (error) => error instanceof SluiceError && error.code === status.FAILED_PRECONDITION && /InitWeightTransfer/.test(error.message),
+  );
+  assert.equal((await client.info()).policyVersion, policyVersion);
+});
+
 test('a deadline ends a long request DEADLINE_EXCEEDED', async () => {
   // The server may notice first (finished DEADLINE_EXCEEDED) or gRPC may (the call fails).
   try {

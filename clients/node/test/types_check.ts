@@ -52,6 +52,9 @@ export async function usage(target: string): Promise<void> {
   void [serving, info.kvCache.freePages];
 
   const applied = await client.updateWeights({ checkpoint: '/ckpt' }, { inflight: 'abort', policyVersion: 3 });
+  const joined: { engineRanks: number } = await client.initWeightTransfer({ masterAddress: 'h', masterPort: 29500, worldSize: 2, rankOffset: 1, groupName: 'g' });
+  await client.updateWeights({ distributed: { tensors: [{ name: 'w', dtype: 'F32', shape: [2] }], bucketBytes: 1 << 20 } });
+  void joined;
   const next: number = applied.policyVersion;
   void next;
   await client.updateWeights(
@@ -70,6 +73,8 @@ export async function usage(target: string): Promise<void> {
 
   // @ts-expect-error: exactly one source
   await client.updateWeights({ checkpoint: '/a', tensors: '/b' });
+  // @ts-expect-error: a distributed source lists its tensors
+  await client.updateWeights({ distributed: { bucketBytes: 1 } });
   // @ts-expect-error: not an in-flight policy
   await client.updateWeights({ checkpoint: '/a' }, { inflight: 'later' });
   // @ts-expect-error: a prompt is text or token ids

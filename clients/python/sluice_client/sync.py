@@ -260,6 +260,17 @@ class Client:
         )
         return response
 
+    def init_weight_transfer(
+        self, request: admin_pb.InitWeightTransferRequest, *, timeout: float | None = None
+    ) -> admin_pb.InitWeightTransferResponse:
+        """Join the server's engine to a trainer's process group (or, with `close`, leave it).
+        It returns once every rank has joined: the trainer joins meanwhile (the helper
+        sluice_client.weight_transfer does both)."""
+        response: admin_pb.InitWeightTransferResponse = self.admin_stub.InitWeightTransfer(
+            request, metadata=self.admin_metadata, timeout=timeout
+        )
+        return response
+
     def _update(
         self,
         requests: Iterator[admin_pb.UpdateWeightsRequest],

@@ -29,18 +29,22 @@ def build_header(
     *,
     checkpoint_dir: str | None = None,
     inline_tensors: bool = False,
+    distributed: admin_pb.DistributedSource | None = None,
     policy_version: int = 0,
     inflight: str = "drain",
     drain_timeout_ms: int | None = None,
 ) -> admin_pb.UpdateWeightsHeader:
-    """The first message of an update: exactly one of checkpoint_dir / inline_tensors."""
-    if (checkpoint_dir is None) == (not inline_tensors):
-        raise ValueError("give exactly one source: checkpoint_dir or inline_tensors")
+    """The first message of an update: exactly one of checkpoint_dir / inline_tensors /
+    distributed (the tensor list a trainer then broadcasts: sluice_client.weight_transfer)."""
+    if (checkpoint_dir is not None) + inline_tensors + (distributed is not None) != 1:
+        raise ValueError("give exactly one source: checkpoint_dir, inline_tensors or distributed")
     header = admin_pb.UpdateWeightsHeader(
         policy_version=policy_version, inflight=inflight_policy(inflight)
     )
     if checkpoint_dir is not None:
         header.checkpoint_dir = checkpoint_dir
+    elif distributed is not None:
+        header.distributed.CopyFrom(distributed)
     else:
         header.inline_tensors = True
     if drain_timeout_ms is not None:

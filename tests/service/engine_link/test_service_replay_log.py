@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.messages import TensorRef, UpdateWeights
+from engine.messages import DistributedTensors, TensorRef, TensorSpec, UpdateWeights
 from service.engine_link.checkpoint_fingerprint import checkpoint_fingerprint
 from service.engine_link.replay_log import ReplayLog
 
@@ -74,3 +74,15 @@ def test_a_later_checkpoint_update_takes_its_own_fingerprint(tmp_path: Path) -> 
     assert replay_log.changed() is None
     replay_log.clear()
     assert replay_log.changed() is None
+
+
+def test_a_distributed_update_makes_the_log_unreplayable_until_one_replaces_every_tensor() -> None:
+    replay_log = ReplayLog()
+    spec = TensorSpec("w", "F32", (1,))
+    replay_log.record(UpdateWeights("d", 0, distributed=DistributedTensors((spec,), 64)), 1)
+    ref = TensorRef("w", "F32", (1,), 0, 4)
+    replay_log.record(UpdateWeights("i", 0, tensor_file="/nowhere", tensors=(ref,)), 2)
+    assert not replay_log.replayable and replay_log.policy_version == 2
+    whole = UpdateWeights("all", 0, tensor_file="/nowhere-too", tensors=(ref,))
+    replay_log.record(whole, 3, replaced_all=True)  # supersedes both
+    assert replay_log.replayable and [e.update_id for e in replay_log.entries()] == ["all"]

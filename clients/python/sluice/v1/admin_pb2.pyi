@@ -225,6 +225,7 @@ class UpdateWeightsHeader(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     CHECKPOINT_DIR_FIELD_NUMBER: _builtins.int
     INLINE_TENSORS_FIELD_NUMBER: _builtins.int
+    DISTRIBUTED_FIELD_NUMBER: _builtins.int
     INFLIGHT_FIELD_NUMBER: _builtins.int
     DRAIN_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     policy_version: _builtins.int
@@ -247,22 +248,30 @@ class UpdateWeightsHeader(_message.Message):
     """DRAIN only, in milliseconds: how long running requests may take to finish; then the update
     fails (ABORTED), the old weights stay and the requests keep running. Default: no bound.
     """
+    @_builtins.property
+    def distributed(self) -> Global___DistributedSource:
+        """The tensors the trainer broadcasts over the group InitWeightTransfer joined, after the
+        server's first event (`paused`): no TensorChunk messages follow. FAILED_PRECONDITION if
+        the engine holds no group.
+        """
+
     def __init__(
         self,
         *,
         policy_version: _builtins.int = ...,
         checkpoint_dir: _builtins.str = ...,
         inline_tensors: _builtins.bool = ...,
+        distributed: Global___DistributedSource | None = ...,
         inflight: Global___InflightPolicy.ValueType = ...,
         drain_timeout_ms: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_drain_timeout_ms", b"_drain_timeout_ms", "checkpoint_dir", b"checkpoint_dir", "drain_timeout_ms", b"drain_timeout_ms", "inline_tensors", b"inline_tensors", "source", b"source"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_drain_timeout_ms", b"_drain_timeout_ms", "checkpoint_dir", b"checkpoint_dir", "distributed", b"distributed", "drain_timeout_ms", b"drain_timeout_ms", "inline_tensors", b"inline_tensors", "source", b"source"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_drain_timeout_ms", b"_drain_timeout_ms", "checkpoint_dir", b"checkpoint_dir", "drain_timeout_ms", b"drain_timeout_ms", "inflight", b"inflight", "inline_tensors", b"inline_tensors", "policy_version", b"policy_version", "source", b"source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_drain_timeout_ms", b"_drain_timeout_ms", "checkpoint_dir", b"checkpoint_dir", "distributed", b"distributed", "drain_timeout_ms", b"drain_timeout_ms", "inflight", b"inflight", "inline_tensors", b"inline_tensors", "policy_version", b"policy_version", "source", b"source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__drain_timeout_ms: _TypeAlias = _typing.Literal["drain_timeout_ms"]  # noqa: Y015
     _WhichOneofArgType__drain_timeout_ms: _TypeAlias = _typing.Literal["_drain_timeout_ms", b"_drain_timeout_ms"]  # noqa: Y015
-    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["checkpoint_dir", "inline_tensors"]  # noqa: Y015
+    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["checkpoint_dir", "inline_tensors", "distributed"]  # noqa: Y015
     _WhichOneofArgType_source: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__drain_timeout_ms) -> _WhichOneofReturnType__drain_timeout_ms | None: ...
@@ -465,3 +474,162 @@ class Applied(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Applied: _TypeAlias = Applied  # noqa: Y015
+
+@_typing.final
+class InitWeightTransferRequest(_message.Message):
+    """The trainer's rendezvous for InitWeightTransfer, or (close) the end of the engine's group."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MASTER_ADDRESS_FIELD_NUMBER: _builtins.int
+    MASTER_PORT_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    RANK_OFFSET_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    GROUP_NAME_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    CLOSE_FIELD_NUMBER: _builtins.int
+    master_address: _builtins.str
+    """Host name or IP address of the trainer's TCPStore (its rank 0), reachable from the server;
+    not empty unless `close`.
+    """
+    master_port: _builtins.int
+    """TCP port of that store, in [1, 65535] unless `close`."""
+    world_size: _builtins.int
+    """Ranks in the group: the trainer's plus the engine's tensor-parallel ranks; at least
+    rank_offset + the engine's tensor-parallel size.
+    """
+    rank_offset: _builtins.int
+    """The group rank of the engine's tensor-parallel rank 0; its rank r joins as rank_offset + r.
+    At least 1 (rank 0 is the trainer's, which broadcasts).
+    """
+    backend: _builtins.str
+    """"gloo" (host tensors; any device) or "nccl" (CUDA engines only). Default empty: gloo."""
+    group_name: _builtins.str
+    """Namespaces the group's keys in the store, so one store can host several groups; not empty
+    unless `close`.
+    """
+    timeout_ms: _builtins.int
+    """Milliseconds the join, and later each bucket of a distributed update, may wait for the
+    other ranks; then it fails. In [1, the server's --stall-timeout]. Default 60000.
+    """
+    close: _builtins.bool
+    """True: leave the group the engine holds (if any) and join none; the other fields are
+    ignored.
+    """
+    def __init__(
+        self,
+        *,
+        master_address: _builtins.str = ...,
+        master_port: _builtins.int = ...,
+        world_size: _builtins.int = ...,
+        rank_offset: _builtins.int = ...,
+        backend: _builtins.str = ...,
+        group_name: _builtins.str = ...,
+        timeout_ms: _builtins.int | None = ...,
+        close: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_timeout_ms", b"_timeout_ms", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_timeout_ms", b"_timeout_ms", "backend", b"backend", "close", b"close", "group_name", b"group_name", "master_address", b"master_address", "master_port", b"master_port", "rank_offset", b"rank_offset", "timeout_ms", b"timeout_ms", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__timeout_ms: _TypeAlias = _typing.Literal["timeout_ms"]  # noqa: Y015
+    _WhichOneofArgType__timeout_ms: _TypeAlias = _typing.Literal["_timeout_ms", b"_timeout_ms"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__timeout_ms) -> _WhichOneofReturnType__timeout_ms | None: ...
+
+Global___InitWeightTransferRequest: _TypeAlias = InitWeightTransferRequest  # noqa: Y015
+
+@_typing.final
+class InitWeightTransferResponse(_message.Message):
+    """The engine joined (or, on close, left) the group."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_RANKS_FIELD_NUMBER: _builtins.int
+    engine_ranks: _builtins.int
+    """The engine's ranks now in the group (its tensor-parallel size); 0 after `close`."""
+    def __init__(
+        self,
+        *,
+        engine_ranks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_ranks", b"engine_ranks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InitWeightTransferResponse: _TypeAlias = InitWeightTransferResponse  # noqa: Y015
+
+@_typing.final
+class DistributedSource(_message.Message):
+    """The tensors of a distributed update, in the order the trainer broadcasts them.
+
+    The trainer packs them, in this order, into flat byte buffers ("buckets") and broadcasts each
+    from group rank 0: a tensor's row-major bytes (little-endian) start at the next multiple of 64
+    bytes in the bucket; a bucket takes tensors while they fit in `bucket_bytes`, and a tensor
+    larger than that goes alone into a bucket of its own size. Every engine rank receives every
+    bucket and keeps its shard. The buckets must be broadcast after the server's `paused` event;
+    an engine that waits longer than the group's timeout for one, or whose broadcast fails (the
+    trainer died), fails the update ABORTED and leaves the group (call InitWeightTransfer again).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENSORS_FIELD_NUMBER: _builtins.int
+    BUCKET_BYTES_FIELD_NUMBER: _builtins.int
+    bucket_bytes: _builtins.int
+    """The most bytes a bucket holds, in [1, 2**40]. Default 1073741824 (1 GiB)."""
+    @_builtins.property
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]:
+        """The tensors: any subset of the model's, each once, at least one. Each name, shape and dtype
+        must be the served one's, else INVALID_ARGUMENT naming the tensor, before anything pauses.
+        """
+
+    def __init__(
+        self,
+        *,
+        tensors: _abc.Iterable[Global___TensorSpec] | None = ...,
+        bucket_bytes: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_bucket_bytes", b"_bucket_bytes", "bucket_bytes", b"bucket_bytes"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bucket_bytes", b"_bucket_bytes", "bucket_bytes", b"bucket_bytes", "tensors", b"tensors"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__bucket_bytes: _TypeAlias = _typing.Literal["bucket_bytes"]  # noqa: Y015
+    _WhichOneofArgType__bucket_bytes: _TypeAlias = _typing.Literal["_bucket_bytes", b"_bucket_bytes"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__bucket_bytes) -> _WhichOneofReturnType__bucket_bytes | None: ...
+
+Global___DistributedSource: _TypeAlias = DistributedSource  # noqa: Y015
+
+@_typing.final
+class TensorSpec(_message.Message):
+    """One tensor of a distributed update."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The model's tensor name, as in its safetensors files (e.g. "model.norm.weight")."""
+    dtype: _builtins.str
+    """Safetensors dtype names: F32, F16, BF16; must equal the served dtype."""
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The tensor's dimensions, 1 to 8 of them, each >= 1, equal to the model's."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        dtype: _builtins.str = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "name", b"name", "shape", b"shape"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TensorSpec: _TypeAlias = TensorSpec  # noqa: Y015

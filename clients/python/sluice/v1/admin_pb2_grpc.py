@@ -35,6 +35,11 @@ class AdminStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.InitWeightTransfer = channel.unary_unary(
+                '/sluice.v1.Admin/InitWeightTransfer',
+                request_serializer=sluice_dot_v1_dot_admin__pb2.InitWeightTransferRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_admin__pb2.InitWeightTransferResponse.FromString,
+                _registered_method=True)
         self.UpdateWeights = channel.stream_stream(
                 '/sluice.v1.Admin/UpdateWeights',
                 request_serializer=sluice_dot_v1_dot_admin__pb2.UpdateWeightsRequest.SerializeToString,
@@ -56,19 +61,43 @@ class AdminServicer:
     """Operator actions: live weight swaps; sleep and wake.
     """
 
+    def InitWeightTransfer(self, request, context):
+        """Joins the engine to a trainer's torch.distributed process group (a group of its own,
+        apart from the engine's tensor-parallel one), so that UpdateWeights with a `distributed`
+        source receives tensors the trainer broadcasts over it; gRPC then carries control only.
+
+        The trainer hosts the group's TCPStore at master_address:master_port and is its rank 0;
+        the engine's tensor-parallel rank r joins as rank_offset + r. Forming a group needs every
+        rank: the trainer joins while this call is in flight, and the call returns once all have
+        joined. The engine holds one group at a time: a second call leaves the first group before
+        joining, and `close` leaves it without joining another. The engine steps nothing while it
+        joins (at most `timeout_ms`). The group is lost when the engine restarts, and torn down by a
+        failed distributed update: both need a new InitWeightTransfer. Errors: INVALID_ARGUMENT
+        (bad fields, with google.rpc.BadRequest; a backend this engine cannot use),
+        FAILED_PRECONDITION (a weight update is in progress), UNAVAILABLE (the engine is not
+        serving, or not every rank joined within `timeout_ms`; nothing stays joined then).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def UpdateWeights(self, request_iterator, context):
         """Swaps the served weights under a new policy version while the server keeps serving.
 
         The client sends one `header` first; with `inline_tensors`, TensorChunk messages follow
-        and the client then closes its side. The server streams `paused`, zero or more `loading`,
+        and the client then closes its side; with `distributed`, the trainer broadcasts the tensors
+        over its process group once `paused` arrives (DistributedSource). The server streams `paused`, zero or more `loading`,
         then one `applied` and ends OK. Any failure ends the call with a non-OK status (after the
         events already sent); the served weights and version are then unchanged:
         INVALID_ARGUMENT (bad header or chunks, with google.rpc.BadRequest; unknown tensor name,
         wrong shape or dtype; unreadable checkpoint), FAILED_PRECONDITION (policy_version not
-        above the served one; another update in flight), OUT_OF_RANGE (policy_version 0 while the
+        above the served one; another update in flight; `distributed` with no group joined; after
+        an engine restart lost weights received over a group, an update that does not replace
+        every tensor), OUT_OF_RANGE (policy_version 0 while the
         served version is already 2**64-1), ABORTED (DRAIN timed out; or the caller sent nothing
         for the server's --update-idle-timeout, default 60 s, while it waited for the header, a
-        chunk or the end of the stream), UNAVAILABLE (the engine is not serving, or it failed
+        chunk or the end of the stream; a distributed broadcast failed or timed out, which also
+        tears the group down), UNAVAILABLE (the engine is not serving, or it failed
         during the update), RESOURCE_EXHAUSTED (the disk of the server's --weights-dir is full).
         buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
         """
@@ -116,6 +145,11 @@ class AdminServicer:
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'InitWeightTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitWeightTransfer,
+                    request_deserializer=sluice_dot_v1_dot_admin__pb2.InitWeightTransferRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_admin__pb2.InitWeightTransferResponse.SerializeToString,
+            ),
             'UpdateWeights': grpc.stream_stream_rpc_method_handler(
                     servicer.UpdateWeights,
                     request_deserializer=sluice_dot_v1_dot_admin__pb2.UpdateWeightsRequest.FromString,
@@ -142,6 +176,33 @@ def add_AdminServicer_to_server(servicer, server):
 class Admin:
     """Operator actions: live weight swaps; sleep and wake.
     """
+
+    @staticmethod
+    def InitWeightTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Admin/InitWeightTransfer',
+            sluice_dot_v1_dot_admin__pb2.InitWeightTransferRequest.SerializeToString,
+            sluice_dot_v1_dot_admin__pb2.InitWeightTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def UpdateWeights(request_iterator,

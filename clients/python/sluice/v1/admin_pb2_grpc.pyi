@@ -41,19 +41,39 @@ class AdminStub:
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> AdminAsyncStub: ...
+    InitWeightTransfer: _grpc.UnaryUnaryMultiCallable[_admin_pb2.InitWeightTransferRequest, _admin_pb2.InitWeightTransferResponse]
+    """Joins the engine to a trainer's torch.distributed process group (a group of its own,
+    apart from the engine's tensor-parallel one), so that UpdateWeights with a `distributed`
+    source receives tensors the trainer broadcasts over it; gRPC then carries control only.
+
+    The trainer hosts the group's TCPStore at master_address:master_port and is its rank 0;
+    the engine's tensor-parallel rank r joins as rank_offset + r. Forming a group needs every
+    rank: the trainer joins while this call is in flight, and the call returns once all have
+    joined. The engine holds one group at a time: a second call leaves the first group before
+    joining, and `close` leaves it without joining another. The engine steps nothing while it
+    joins (at most `timeout_ms`). The group is lost when the engine restarts, and torn down by a
+    failed distributed update: both need a new InitWeightTransfer. Errors: INVALID_ARGUMENT
+    (bad fields, with google.rpc.BadRequest; a backend this engine cannot use),
+    FAILED_PRECONDITION (a weight update is in progress), UNAVAILABLE (the engine is not
+    serving, or not every rank joined within `timeout_ms`; nothing stays joined then).
+    """
     UpdateWeights: _grpc.StreamStreamMultiCallable[_admin_pb2.UpdateWeightsRequest, _admin_pb2.UpdateWeightsProgress]
     """Swaps the served weights under a new policy version while the server keeps serving.
 
     The client sends one `header` first; with `inline_tensors`, TensorChunk messages follow
-    and the client then closes its side. The server streams `paused`, zero or more `loading`,
+    and the client then closes its side; with `distributed`, the trainer broadcasts the tensors
+    over its process group once `paused` arrives (DistributedSource). The server streams `paused`, zero or more `loading`,
     then one `applied` and ends OK. Any failure ends the call with a non-OK status (after the
     events already sent); the served weights and version are then unchanged:
     INVALID_ARGUMENT (bad header or chunks, with google.rpc.BadRequest; unknown tensor name,
     wrong shape or dtype; unreadable checkpoint), FAILED_PRECONDITION (policy_version not
-    above the served one; another update in flight), OUT_OF_RANGE (policy_version 0 while the
+    above the served one; another update in flight; `distributed` with no group joined; after
+    an engine restart lost weights received over a group, an update that does not replace
+    every tensor), OUT_OF_RANGE (policy_version 0 while the
     served version is already 2**64-1), ABORTED (DRAIN timed out; or the caller sent nothing
     for the server's --update-idle-timeout, default 60 s, while it waited for the header, a
-    chunk or the end of the stream), UNAVAILABLE (the engine is not serving, or it failed
+    chunk or the end of the stream; a distributed broadcast failed or timed out, which also
+    tears the group down), UNAVAILABLE (the engine is not serving, or it failed
     during the update), RESOURCE_EXHAUSTED (the disk of the server's --weights-dir is full).
     buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
     """
@@ -92,19 +112,39 @@ class AdminAsyncStub(AdminStub):
     """Operator actions: live weight swaps; sleep and wake."""
 
     def __init__(self, channel: _aio.Channel) -> None: ...
+    InitWeightTransfer: _aio.UnaryUnaryMultiCallable[_admin_pb2.InitWeightTransferRequest, _admin_pb2.InitWeightTransferResponse]  # type: ignore[assignment]
+    """Joins the engine to a trainer's torch.distributed process group (a group of its own,
+    apart from the engine's tensor-parallel one), so that UpdateWeights with a `distributed`
+    source receives tensors the trainer broadcasts over it; gRPC then carries control only.
+
+    The trainer hosts the group's TCPStore at master_address:master_port and is its rank 0;
+    the engine's tensor-parallel rank r joins as rank_offset + r. Forming a group needs every
+    rank: the trainer joins while this call is in flight, and the call returns once all have
+    joined. The engine holds one group at a time: a second call leaves the first group before
+    joining, and `close` leaves it without joining another. The engine steps nothing while it
+    joins (at most `timeout_ms`). The group is lost when the engine restarts, and torn down by a
+    failed distributed update: both need a new InitWeightTransfer. Errors: INVALID_ARGUMENT
+    (bad fields, with google.rpc.BadRequest; a backend this engine cannot use),
+    FAILED_PRECONDITION (a weight update is in progress), UNAVAILABLE (the engine is not
+    serving, or not every rank joined within `timeout_ms`; nothing stays joined then).
+    """
     UpdateWeights: _aio.StreamStreamMultiCallable[_admin_pb2.UpdateWeightsRequest, _admin_pb2.UpdateWeightsProgress]  # type: ignore[assignment]
     """Swaps the served weights under a new policy version while the server keeps serving.
 
     The client sends one `header` first; with `inline_tensors`, TensorChunk messages follow
-    and the client then closes its side. The server streams `paused`, zero or more `loading`,
+    and the client then closes its side; with `distributed`, the trainer broadcasts the tensors
+    over its process group once `paused` arrives (DistributedSource). The server streams `paused`, zero or more `loading`,
     then one `applied` and ends OK. Any failure ends the call with a non-OK status (after the
     events already sent); the served weights and version are then unchanged:
     INVALID_ARGUMENT (bad header or chunks, with google.rpc.BadRequest; unknown tensor name,
     wrong shape or dtype; unreadable checkpoint), FAILED_PRECONDITION (policy_version not
-    above the served one; another update in flight), OUT_OF_RANGE (policy_version 0 while the
+    above the served one; another update in flight; `distributed` with no group joined; after
+    an engine restart lost weights received over a group, an update that does not replace
+    every tensor), OUT_OF_RANGE (policy_version 0 while the
     served version is already 2**64-1), ABORTED (DRAIN timed out; or the caller sent nothing
     for the server's --update-idle-timeout, default 60 s, while it waited for the header, a
-    chunk or the end of the stream), UNAVAILABLE (the engine is not serving, or it failed
+    chunk or the end of the stream; a distributed broadcast failed or timed out, which also
+    tears the group down), UNAVAILABLE (the engine is not serving, or it failed
     during the update), RESOURCE_EXHAUSTED (the disk of the server's --weights-dir is full).
     buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
     """
@@ -142,6 +182,28 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
     """Operator actions: live weight swaps; sleep and wake."""
 
     @_abc_1.abstractmethod
+    def InitWeightTransfer(
+        self,
+        request: _admin_pb2.InitWeightTransferRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.InitWeightTransferResponse, _abc.Awaitable[_admin_pb2.InitWeightTransferResponse]]:
+        """Joins the engine to a trainer's torch.distributed process group (a group of its own,
+        apart from the engine's tensor-parallel one), so that UpdateWeights with a `distributed`
+        source receives tensors the trainer broadcasts over it; gRPC then carries control only.
+
+        The trainer hosts the group's TCPStore at master_address:master_port and is its rank 0;
+        the engine's tensor-parallel rank r joins as rank_offset + r. Forming a group needs every
+        rank: the trainer joins while this call is in flight, and the call returns once all have
+        joined. The engine holds one group at a time: a second call leaves the first group before
+        joining, and `close` leaves it without joining another. The engine steps nothing while it
+        joins (at most `timeout_ms`). The group is lost when the engine restarts, and torn down by a
+        failed distributed update: both need a new InitWeightTransfer. Errors: INVALID_ARGUMENT
+        (bad fields, with google.rpc.BadRequest; a backend this engine cannot use),
+        FAILED_PRECONDITION (a weight update is in progress), UNAVAILABLE (the engine is not
+        serving, or not every rank joined within `timeout_ms`; nothing stays joined then).
+        """
+
+    @_abc_1.abstractmethod
     def UpdateWeights(
         self,
         request_iterator: _MaybeAsyncIterator[_admin_pb2.UpdateWeightsRequest],
@@ -150,15 +212,19 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         """Swaps the served weights under a new policy version while the server keeps serving.
 
         The client sends one `header` first; with `inline_tensors`, TensorChunk messages follow
-        and the client then closes its side. The server streams `paused`, zero or more `loading`,
+        and the client then closes its side; with `distributed`, the trainer broadcasts the tensors
+        over its process group once `paused` arrives (DistributedSource). The server streams `paused`, zero or more `loading`,
         then one `applied` and ends OK. Any failure ends the call with a non-OK status (after the
         events already sent); the served weights and version are then unchanged:
         INVALID_ARGUMENT (bad header or chunks, with google.rpc.BadRequest; unknown tensor name,
         wrong shape or dtype; unreadable checkpoint), FAILED_PRECONDITION (policy_version not
-        above the served one; another update in flight), OUT_OF_RANGE (policy_version 0 while the
+        above the served one; another update in flight; `distributed` with no group joined; after
+        an engine restart lost weights received over a group, an update that does not replace
+        every tensor), OUT_OF_RANGE (policy_version 0 while the
         served version is already 2**64-1), ABORTED (DRAIN timed out; or the caller sent nothing
         for the server's --update-idle-timeout, default 60 s, while it waited for the header, a
-        chunk or the end of the stream), UNAVAILABLE (the engine is not serving, or it failed
+        chunk or the end of the stream; a distributed broadcast failed or timed out, which also
+        tears the group down), UNAVAILABLE (the engine is not serving, or it failed
         during the update), RESOURCE_EXHAUSTED (the disk of the server's --weights-dir is full).
         buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
         """

@@ -1,0 +1,58 @@
+"""Staging a distributed weight update: the tensors a trainer broadcasts over the transfer group.
+
+Every rank receives every bucket (engine/weights/buckets.py has the layout) into a fresh
+buffer of its size and stages its slice of each tensor in it, checked like any other source;
+nothing touches the served weights until the caller swaps. A bucket that does not arrive
+within the group's timeout, or whose broadcast fails (the trainer died), fails the update
+ABORTED and leaves the group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from engine.messages import DistributedTensors
+from engine.parallel.sharding import Sharding
+from engine.weights.buckets import bucket_layout
+from engine.weights.staging import DTYPES, Progress, StagedWeights, WeightUpdateError
+from engine.weights.transfer_group import TransferGroup
+
+
+def stage_distributed(
+    params: Mapping[str, torch.Tensor],
+    sharding: Sharding | None,
+    transfer: TransferGroup,
+    source: DistributedTensors,
+    progress: Progress,
+) -> StagedWeights:
+    if not transfer.joined:
+        raise WeightUpdateError(
+            "FAILED_PRECONDITION", "no weight-transfer group: call InitWeightTransfer first"
+        )
+    staged = StagedWeights(params, sharding)
+    buckets = bucket_layout(source.tensors, source.bucket_bytes)
+    done = 0
+    for n, bucket in enumerate(buckets):
+        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=transfer.device)
+        try:
+            transfer.receive(buffer)
+        except RuntimeError as exc:
+            transfer.leave()
+            raise WeightUpdateError(
+                "ABORTED",
+                f"the weight transfer failed at bucket {n + 1} of {len(buckets)}: {exc}; "
+                "nothing changed, and the engine left the group: call InitWeightTransfer again",
+            ) from exc
+        for placed in bucket.tensors:
+            spec = placed.spec
+            raw = buffer[placed.offset : placed.offset + placed.nbytes]
+            whole = raw.view(DTYPES[spec.dtype]).view(spec.shape)
+            staged.add(spec.name, whole, spec.shape, cast=False)
+            # NOTE: the staged slice must own its memory, not pin the whole bucket.
+            staged.tensors[spec.name] = staged.tensors[spec.name].clone()
+            done += staged.tensors[spec.name].numel() * staged.tensors[spec.name].element_size()
+            progress(done, len(staged.tensors))
+        del buffer
+    return staged
