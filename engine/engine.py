@@ -5,9 +5,10 @@ pipe loop (`add_request` / `abort` / `step`). `step()` is: schedule (after step-
 expired deadlines, a pending weight swap), run, postprocess; with `overlap_steps` the run of
 one step overlaps the host work of the next (engine/overlap.py). Every request ends with
 exactly one output whose `finish_reason` is set (engine/request_outputs.py builds them; a
-request that engine/request_validation.py refuses ends at once). Weight updates are WeightUpdater's
-(engine/weights/weight_updater.py), sleep and wake Sleeper's (engine/sleep/sleeper.py);
-`generate`'s results are GenerationResult (engine/generation_result.py).
+request that engine/request_validation.py refuses ends at once; engine/postprocess.py ends those
+a step's samples stop). Weight updates are WeightUpdater's (engine/weights/weight_updater.py),
+sleep and wake Sleeper's (engine/sleep/sleeper.py), and the calls that wait for them are in
+engine/in_process.py; `generate`'s results are GenerationResult (engine/generation_result.py).
 
 With `tensor_parallel_size` N > 1 this process is rank 0: it starts N-1 worker processes
 (engine/parallel/worker_group.py), holds the scheduler, the page tables and the sampler, and its
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from engine import in_process
 from engine.config import EngineConfig
 from engine.execution.launched_step import Sampled
 from engine.execution.model_shard import (
@@ -37,7 +39,6 @@ from engine.execution.model_shard import (
 )
 from engine.generation_result import GenerationResult, generate
 from engine.messages import (
-    SUPPORT_TIES,
     EngineStats,
     FinishReason,
     InflightPolicy,
@@ -56,7 +57,8 @@ from engine.overlap import OverlappedSteps, known_tokens, overlap_enabled
 from engine.parallel.sharding import Sharding
 from engine.parallel.tensor_parallel import TensorParallel
 from engine.parallel.worker_group import WorkerGroup
-from engine.request_outputs import error_output, request_output, stop_reason
+from engine.postprocess import append_sampled, end_scored
+from engine.request_outputs import error_output, request_output
 from engine.request_validation import request_error
 from engine.scheduling.prefix_cache import PrefixCache
 from engine.scheduling.request import Request, RequestStatus, new_sequences
@@ -164,7 +166,7 @@ class LLMEngine:
         self.scheduler.add(leader)  # its siblings fork from its prompt's KV
         self.requests[request_id] = seqs
         if max_tokens == 0 and leader.prompt_scores and leader.prompt_scores.complete:
-            self._end_scored(leader, self.pending)  # nothing to score, nothing to generate
+            end_scored(self, leader, self.pending)  # nothing to score, nothing to generate
 
     def abort(
         self,
@@ -179,7 +181,7 @@ class LLMEngine:
         for request_id in request_ids:
             for req in list(self.requests.get(request_id, [])):
                 if not req.is_finished and index in (None, req.index):
-                    self._finish(req, reason, message)
+                    self.finish(req, reason, message)
                     self.pending.append(request_output(req, [], None, None, self.policy_version))
                     ended += 1
         return ended
@@ -261,66 +263,7 @@ class LLMEngine:
                 )
 
     def _append_sampled(self, sampled: Sampled, first: list[RequestOutput]) -> StepOutputs:
-        """Record the prompt positions scored; append each row's token, end the requests it
-        stops; outputs as StepOutputs (a request's first output carries its prompt logprobs)."""
-        for req, position, rows in sampled.prompt_scores:
-            if req.prompt_scores is not None and not req.is_finished:
-                req.prompt_scores.record(position, rows)
-                if req.max_tokens == 0 and req.prompt_scores.complete:
-                    self._end_scored(req, first)
-        reqs, tokens = sampled.requests, sampled.token_ids
-        # NOTE: siblings fork before any token is appended: a leader that stops at its first
-        # token releases the prompt pages they start from.
-        for req in [r for r in reqs if r.status is RequestStatus.FORK_PENDING]:
-            self.scheduler.fork(req, self.requests[req.request_id][0])
-        for req, token in zip(reqs, tokens, strict=True):
-            req.token_ids.append(token)
-        self.tokens_generated += len(reqs)
-        now = time.monotonic()
-        firsts = [row for row, r in enumerate(reqs) if r.first_token_time is None]
-        for row in firsts:
-            reqs[row].first_token_time = now
-        counts = [len(r.token_ids) - r.prompt_len for r in reqs]
-        eos = self.model_config.eos_token_ids
-        # Rows that may stop (stop_reason decides): an EOS id, stop ids to check, the length.
-        maybe = [
-            row
-            for row, (r, t, c) in enumerate(zip(reqs, tokens, counts, strict=True))
-            if c >= r.max_tokens or t in eos or r.params.stop_token_ids
-        ]
-        outputs = StepOutputs(first, sampled, counts, self.policy_version)
-        for row in firsts:
-            scores, reqs[row].prompt_scores = reqs[row].prompt_scores, None
-            if scores is not None:
-                outputs.attach_prompt(row, scores.result())
-        for row in maybe:
-            reason = stop_reason(reqs[row], tokens[row], eos)
-            if reason is not None:
-                self._finish(reqs[row], reason, None)
-                outputs.build_final(row)  # its values are final now
-        if sampled.support is not None and None in sampled.support:
-            self._end_unlisted_supports(sampled, outputs)
-        return outputs
-
-    def _end_unlisted_supports(self, sampled: Sampled, outputs: StepOutputs) -> None:
-        """A support the sampler could not list (more than SUPPORT_TIES tokens tie at the k-th
-        logit) ends its request: it would be wrong, not short."""
-        assert sampled.support is not None
-        for row, req in enumerate(sampled.requests):
-            listed = sampled.support[row] is not None
-            if not listed and req.params.sampling_support and not req.is_finished:
-                message = f"sampling_support: more than {SUPPORT_TIES} tokens tie at top_k"
-                self._finish(req, FinishReason.ERROR, message)
-                outputs.build_final(row)
-
-    def _end_scored(self, req: Request, outputs: list[RequestOutput]) -> None:
-        """A request that only scores its prompt (max_tokens 0) ends once it is scored."""
-        scores, req.prompt_scores = req.prompt_scores, None
-        assert scores is not None
-        self._finish(req, FinishReason.LENGTH, None)
-        out = request_output(req, [], None, None, self.policy_version)
-        out.prompt_logprobs = scores.result()
-        outputs.append(out)
+        return append_sampled(self, sampled, first)
 
     def _expire_deadlines(self) -> None:
         now = time.time()
@@ -339,12 +282,14 @@ class LLMEngine:
                 f"the request needs {need} KV pages but the whole cache has {self.pool.num_pages}"
             )
             # Pending siblings go to the queue on their own and end the same way next step.
-            self._finish(req, FinishReason.ERROR, message)
+            self.finish(req, FinishReason.ERROR, message)
             self.pending.append(request_output(req, [], None, None, self.policy_version))
 
         self.scheduler.too_big.clear()
 
-    def _finish(self, req: Request, reason: FinishReason, message: str | None) -> None:
+    def finish(self, req: Request, reason: FinishReason, message: str | None) -> None:
+        """End `req` now: the one way a sequence ends (its pages go back to the pool, its
+        pending siblings start on their own)."""
         del req.token_ids[known_tokens(req) :]  # ended with a token in flight: it is dropped
         if req.status is not RequestStatus.FINISHED:  # the scheduler ends requests too big to fit
             self.scheduler.remove(req, leader=self.requests[req.request_id][0])
@@ -413,23 +358,9 @@ class LLMEngine:
         inflight: InflightPolicy = InflightPolicy.DRAIN,
         drain_timeout: float | None = None,
     ) -> WeightsProgress:
-        """In-process update from a checkpoint directory or named tensors; returns APPLIED or
-        raises WeightUpdateError (FAILED_PRECONDITION: the version is not above the served
-        one or another update is in progress; OUT_OF_RANGE: it would pass MAX_POLICY_VERSION;
-        INVALID_ARGUMENT: bad tensors). DRAIN steps running requests to completion first:
-        their outputs are returned by the next step()."""
-        tensors = None if isinstance(source, str | Path) else source
-        msg = UpdateWeights(
-            update_id=f"in-process-{next(self._arrivals)}",
-            policy_version=policy_version,
-            inflight=inflight,
-            checkpoint_dir=str(source) if tensors is None else None,
-            drain_timeout=drain_timeout,
-        )
-        self.start_weight_update(msg, tensors)
-        while self.updater.is_pending(msg):
-            self._step_into_pending()
-        return self.updater.outcome(msg)
+        """An update from a checkpoint directory or named tensors, applied before it returns
+        (engine/in_process.py)."""
+        return in_process.update_weights(self, source, policy_version, inflight, drain_timeout)
 
     @contextlib.contextmanager
     def live_weights(self, policy_version: int = 0) -> Iterator[dict[str, torch.Tensor]]:
@@ -449,25 +380,13 @@ class LLMEngine:
         inflight: InflightPolicy = InflightPolicy.DRAIN,
         drain_timeout: float | None = None,
     ) -> SleepOutcome:
-        """Free the KV cache and the prefix cache (level 1), and the weights too (level 2),
-        until wake_up(). DRAIN steps every request in the engine to completion first (their
-        outputs are returned by the next step()); ABORT ends them ABORTED. Raises SleepError
-        (INVALID_ARGUMENT: a bad level or policy; FAILED_PRECONDITION: an update or a sleep is
-        in progress, or tensor parallelism; ABORTED: the drain timed out, nothing changed)."""
-        msg = Sleep(f"in-process-{next(self._arrivals)}", level, inflight, drain_timeout)
-        self.start_sleep(msg)
-        while self.sleeper.in_progress:
-            self._step_into_pending()
-        return self.sleeper.outcome(msg.sleep_id)
+        """Free the KV cache (level 1) and the weights too (level 2) until wake_up(), done
+        before it returns (engine/in_process.py)."""
+        return in_process.sleep(self, level, inflight, drain_timeout)
 
     def wake_up(self) -> SleepOutcome:
-        """Serve again after sleep(): the same KV pages; after level 2 the weights are read
-        again from their origin (the served checkpoint, or the last checkpoint update and the
-        tensor files after it) unless an update that set every tensor restored them. Raises
-        SleepError FAILED_PRECONDITION (still asleep) when they cannot be read again."""
-        msg = Wake(f"in-process-{next(self._arrivals)}")
-        self.wake(msg)
-        return self.sleeper.outcome(msg.sleep_id)
+        """Serve again after sleep() (engine/in_process.py)."""
+        return in_process.wake_up(self)
 
     def start_sleep(self, msg: Sleep) -> None:
         """Accept a Sleep; its SleepOutcome goes to `sleeper.sink` (or `sleeper.events`)."""

@@ -26,6 +26,7 @@ SHARED = {
     "engine.generation_result",
     "engine.config",
     "engine.messages",
+    "engine.sampling_params",
     "engine.admin_messages",
     "engine.settings",
     "engine.process",

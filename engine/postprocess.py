@@ -1,0 +1,99 @@
+"""Postprocessing a step's samples: what they do to their requests, and the outputs they make.
+
+The prompt positions scored are recorded (a request that only scores its prompt, max_tokens 0,
+ends once it is scored); n > 1 siblings fork before any token is appended; the sampled tokens
+are appended and the requests they stop end; a request's first output carries its prompt
+logprobs; a sampling support the sampler could not list ends its request. LLMEngine owns the
+requests and calls these through `Engine`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from engine.execution.launched_step import Sampled
+from engine.messages import SUPPORT_TIES, FinishReason, RequestOutput
+from engine.models.hf_config import ModelConfig
+from engine.request_outputs import request_output, stop_reason
+from engine.scheduling.request import Request, RequestStatus
+from engine.scheduling.scheduler import Scheduler
+from engine.step_outputs import StepOutputs
+
+
+class Engine(Protocol):
+    """What postprocessing uses of LLMEngine."""
+
+    scheduler: Scheduler
+    requests: dict[str, list[Request]]
+    model_config: ModelConfig
+    tokens_generated: int
+
+    @property
+    def policy_version(self) -> int: ...
+    def finish(self, req: Request, reason: FinishReason, message: str | None) -> None: ...
+
+
+def append_sampled(engine: Engine, sampled: Sampled, first: list[RequestOutput]) -> StepOutputs:
+    """Record the prompt positions scored; append each row's token, end the requests it
+    stops; outputs as StepOutputs (a request's first output carries its prompt logprobs)."""
+    for req, position, rows in sampled.prompt_scores:
+        if req.prompt_scores is not None and not req.is_finished:
+            req.prompt_scores.record(position, rows)
+            if req.max_tokens == 0 and req.prompt_scores.complete:
+                end_scored(engine, req, first)
+    reqs, tokens = sampled.requests, sampled.token_ids
+    # NOTE: siblings fork before any token is appended: a leader that stops at its first
+    # token releases the prompt pages they start from.
+    for req in [r for r in reqs if r.status is RequestStatus.FORK_PENDING]:
+        engine.scheduler.fork(req, engine.requests[req.request_id][0])
+    for req, token in zip(reqs, tokens, strict=True):
+        req.token_ids.append(token)
+    engine.tokens_generated += len(reqs)
+    now = time.monotonic()
+    firsts = [row for row, r in enumerate(reqs) if r.first_token_time is None]
+    for row in firsts:
+        reqs[row].first_token_time = now
+    counts = [len(r.token_ids) - r.prompt_len for r in reqs]
+    eos = engine.model_config.eos_token_ids
+    # Rows that may stop (stop_reason decides): an EOS id, stop ids to check, the length.
+    maybe = [
+        row
+        for row, (r, t, c) in enumerate(zip(reqs, tokens, counts, strict=True))
+        if c >= r.max_tokens or t in eos or r.params.stop_token_ids
+    ]
+    outputs = StepOutputs(first, sampled, counts, engine.policy_version)
+    for row in firsts:
+        scores, reqs[row].prompt_scores = reqs[row].prompt_scores, None
+        if scores is not None:
+            outputs.attach_prompt(row, scores.result())
+    for row in maybe:
+        reason = stop_reason(reqs[row], tokens[row], eos)
+        if reason is not None:
+            engine.finish(reqs[row], reason, None)
+            outputs.build_final(row)  # its values are final now
+    if sampled.support is not None and None in sampled.support:
+        _end_unlisted_supports(engine, sampled, outputs)
+    return outputs
+
+
+def _end_unlisted_supports(engine: Engine, sampled: Sampled, outputs: StepOutputs) -> None:
+    """A support the sampler could not list (more than SUPPORT_TIES tokens tie at the k-th
+    logit) ends its request: it would be wrong, not short."""
+    assert sampled.support is not None
+    for row, req in enumerate(sampled.requests):
+        listed = sampled.support[row] is not None
+        if not listed and req.params.sampling_support and not req.is_finished:
+            message = f"sampling_support: more than {SUPPORT_TIES} tokens tie at top_k"
+            engine.finish(req, FinishReason.ERROR, message)
+            outputs.build_final(row)
+
+
+def end_scored(engine: Engine, req: Request, outputs: list[RequestOutput]) -> None:
+    """A request that only scores its prompt (max_tokens 0) ends once it is scored."""
+    scores, req.prompt_scores = req.prompt_scores, None
+    assert scores is not None
+    engine.finish(req, FinishReason.LENGTH, None)
+    out = request_output(req, [], None, None, engine.policy_version)
+    out.prompt_logprobs = scores.result()
+    outputs.append(out)

@@ -1,0 +1,141 @@
+"""SamplingParams: how a request samples, stops and what it reports, as the engine applies it.
+
+Standard library only, like engine/messages.py (which re-exports every name here): the service
+builds these from a GenerateRequest, a trainer in process builds them directly.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+MAX_TOP_LOGPROBS = 20
+# A token's sampling support holds at most top_k ids (plus ties at the k-th logit, at most
+# SUPPORT_TIES of them): top_k bounds it, up to this.
+MAX_SUPPORT_TOP_K = 1024
+SUPPORT_TIES = 64
+# Temperatures below this sample greedily (vLLM's threshold): dividing logits by less
+# overflows float32 to inf, and softmax of inf is NaN.
+GREEDY_TEMPERATURE = 1e-5
+# Repetition penalty scales a logit by at most 1000x; with temperature >= 1e-5 (1e5x) a logit
+# stays finite in float32 (3.4e38) unless it already exceeds 3.4e30, far above any model's.
+REPETITION_PENALTY_RANGE = (0.001, 1000.0)
+_FLOAT32_MAX = 3.4028234663852886e38  # finite Python floats above this are inf on the device
+
+
+class LogprobMode(enum.StrEnum):
+    """Which distribution logprobs are taken from (engine/sampling/sampler.py)."""
+
+    RAW = "raw"  # the model's logits
+    PROCESSED = "processed"  # after penalties and temperature, before truncation (default)
+    SAMPLED = "sampled"  # after top-k, top-p and min-p, renormalised: what the token was drawn from
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and stopping parameters, as the engine applies them.
+
+    A temperature below GREEDY_TEMPERATURE (0 included) is greedy. Log-probabilities are
+    log_softmax of the logits after penalties (and min_tokens suppression) divided by
+    temperature (a greedy one counts as 1), before top-k/top-p/min-p; with raw_logprobs,
+    log_softmax of the unmodified logits. Every float field must be finite in float32.
+    With prompt_logprobs, the first output also carries the prompt's log-probabilities from
+    position prompt_logprobs_start on (PromptLogprobs); max_tokens may then be 0: the prompt
+    is scored and nothing is generated.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = None  # None = fill the context
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    raw_logprobs: bool = False
+    prompt_logprobs: bool = False
+    prompt_logprobs_start: int = 1  # the first prompt position scored (0 has no context)
+    logprob_mode: LogprobMode | None = None  # None: PROCESSED (RAW with raw_logprobs)
+    sampling_support: bool = False  # return the ids each token could have been drawn from
+
+    @property
+    def greedy(self) -> bool:
+        """The one rule for "this request samples greedily"; the engine decides by it alone."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def mode(self) -> LogprobMode:
+        """The distribution logprobs come from: raw_logprobs is RAW."""
+        if self.raw_logprobs:
+            return LogprobMode.RAW
+        return self.logprob_mode or LogprobMode.PROCESSED
+
+    @property
+    def support_bound(self) -> int:
+        """The most ids a token's sampling support lists, ties at the k-th logit aside: 1 when
+        greedy, top_k when set, 0 when nothing truncates (the support is every token)."""
+        if self.greedy:
+            return 1
+        return self.top_k if self.top_k > 0 else 0
+
+    def errors(self, vocab_size: int | None = None) -> list[tuple[str, str]]:
+        """Every invalid field as (field name, description); empty when the params are valid.
+
+        The names are SamplingParams field names; the service maps them to its request's."""
+        errs: list[tuple[str, str]] = []
+        low, high = REPETITION_PENALTY_RANGE
+        ranges = {
+            "temperature": (self.temperature >= 0.0, "must be >= 0"),
+            "top_p": (0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            "min_p": (0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            "frequency_penalty": (-2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            "presence_penalty": (-2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            "repetition_penalty": (
+                low <= self.repetition_penalty <= high,
+                f"must be in [{low:g}, {high:g}]",
+            ),
+        }
+        for name, (in_range, why) in ranges.items():
+            value = getattr(self, name)
+            if not (math.isfinite(value) and abs(value) <= _FLOAT32_MAX):
+                errs.append((name, "must be finite (as a float32)"))
+            elif not in_range:
+                errs.append((name, why))
+        if self.top_k < 0:
+            errs.append(("top_k", "must be >= 0 (0 disables top-k)"))
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            errs.append(("seed", "must be in [0, 2**64)"))
+        if self.max_tokens is not None and self.max_tokens < (0 if self.prompt_logprobs else 1):
+            errs.append(("max_tokens", "must be >= 1 (0 only to score a prompt)"))
+        if self.prompt_logprobs_start < 1:
+            errs.append(("prompt_logprobs_start", "must be >= 1: position 0 has no context"))
+        if self.min_tokens < 0:
+            errs.append(("min_tokens", "must be >= 0"))
+        elif self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            errs.append(("min_tokens", "must not exceed max_tokens"))
+        if self.raw_logprobs and self.logprob_mode not in (None, LogprobMode.RAW):
+            errs.append(("logprob_mode", "raw_logprobs means RAW: set one or the other"))
+        truncates = not self.greedy and (self.top_k != 0 or self.top_p < 1.0 or self.min_p > 0.0)
+        if self.sampling_support and truncates and not 1 <= self.top_k <= MAX_SUPPORT_TOP_K:
+            errs.append(
+                (
+                    "sampling_support",
+                    f"needs top_k in [1, {MAX_SUPPORT_TOP_K}] with top-k, top-p or min-p "
+                    "(top_k bounds the support)",
+                )
+            )
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            errs.append(("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]"))
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
+            errs.append(("stop_token_ids", f"every id must be in [0, {vocab_size})"))
+        return errs
+
+
+# ---- service -> engine ----
