@@ -61,7 +61,12 @@ from service.engine_link.routing import Inbox, RequestRouter
 from service.engine_link.sleep_link import SleepLink
 from service.engine_link.supervisor import Supervisor
 from service.engine_link.transfer_joins import TransferJoins
-from service.engine_link.update_route import UpdateInProgressError, UpdateRoute
+from service.engine_link.update_route import (
+    UpdateInProgressError,
+    UpdateRoute,
+    UpdateRoutes,
+    deliver,
+)
 from service.ops.metrics import Metrics
 
 log = structlog.get_logger("sluice.engine_client")
@@ -100,8 +105,7 @@ class EngineClient:
         self._target = target
         self._start_process = start_process
         self._on_state = on_state
-        self._updates: dict[str, UpdateRoute] = {}  # sent to the engine, no final message yet
-        self._update_claimed = False
+        self._updates = UpdateRoutes()
         self._joins = TransferJoins()  # InitWeightTransfer sent, not answered yet
         self.awaiting_weights = False  # restarted without weights it could not replay
         self._stats_waiters: list[asyncio.Future[None]] = []
@@ -145,7 +149,9 @@ class EngineClient:
     def busy(self) -> bool:
         """Requests, updates, a join, a Sleep or a Wake wait on the engine: it must make
         progress."""
-        return bool(len(self.router) or self._updates or len(self._joins) or self.sleep_link.busy)
+        return bool(
+            len(self.router) or len(self._updates) or len(self._joins) or self.sleep_link.busy
+        )
 
     @property
     def ready_state(self) -> EngineState:
@@ -196,18 +202,15 @@ class EngineClient:
     @property
     def updating_weights(self) -> bool:
         """A weight update holds the slot: being received, or applied by the engine."""
-        return self._update_claimed
+        return self._updates.claimed
 
     def claim_update(self) -> None:
         """Take the one weight-update slot; UpdateInProgressError if it is taken. It is freed
         by the update's final message, or by `release_update` if the update is never sent."""
-        if self._update_claimed:
-            raise UpdateInProgressError("another weight update is in progress")
-        self._update_claimed = True
+        self._updates.claim()
 
     def release_update(self) -> None:
-        assert not any(not r.replay for r in self._updates.values()), "release a sent update"
-        self._update_claimed = False
+        self._updates.release()
 
     async def join_weight_transfer(self, group: TransferGroupSpec | None) -> WeightTransferJoined:
         """Have the engine join a trainer's group (None: leave it); its answer, UNAVAILABLE if
@@ -227,25 +230,20 @@ class EngineClient:
         the event loop when that final message is routed, also when nobody reads the queue
         any more; the slot is free by then. Raises EngineUnavailableError if the engine cannot
         take it now (the caller still holds the slot)."""
-        assert self._update_claimed, "claim_update() first"
-        queue = self._send_update(update, on_final, replay=False)
+        assert self._updates.claimed, "claim_update() first"
+        route = self._send_update(update, on_final, replay=False)
         if update.checkpoint_dir is not None:  # before the engine reads it: what it will read
-            self._updates[update.update_id].fingerprint = checkpoint_fingerprint(
-                update.checkpoint_dir
-            )
-        return queue
+            route.fingerprint = checkpoint_fingerprint(update.checkpoint_dir)
+        return route.queue
 
     def _send_update(
         self,
         update: UpdateWeights,
         on_final: Callable[[WeightsProgress], None] | None,
         replay: bool,
-    ) -> asyncio.Queue[WeightsProgress]:
-        assert update.update_id not in self._updates, update.update_id
+    ) -> UpdateRoute:
         self._send(update)
-        queue: asyncio.Queue[WeightsProgress] = asyncio.Queue()
-        self._updates[update.update_id] = UpdateRoute(update, queue, on_final, replay)
-        return queue
+        return self._updates.add(update, on_final, replay)
 
     async def replay(self) -> None:
         """Re-apply the replay log to a freshly started engine (service/engine_link/replay.py);
@@ -257,45 +255,24 @@ class EngineClient:
 
     def send_replay(self, update: UpdateWeights) -> asyncio.Queue[WeightsProgress]:
         """Send one update of the replay log: it changes neither the version nor the log."""
-        return self._send_update(update, None, replay=True)
+        return self._send_update(update, None, replay=True).queue
 
     def _route_progress(self, progress: WeightsProgress) -> None:
-        route = self._updates.get(progress.update_id)
+        route = self._updates.pop_route(progress)
         if route is None:
             log.error("engine.unknown_update", update_id=progress.update_id)
             return
-        if progress.final:
-            del self._updates[progress.update_id]
-            if not route.replay:
-                # Published at once: a caller that saw Applied may ask for
-                # min_policy_version = the new one, or start the next update.
-                if progress.phase is WeightsPhase.APPLIED:
-                    self.policy_version = progress.policy_version
-                    self.replay_log.record(
-                        route.update,
-                        progress.policy_version,
-                        route.fingerprint,
-                        progress.replaced_all,
-                    )
-                    if self.awaiting_weights and progress.replaced_all:
-                        self.awaiting_weights = False
-                        self.set_state(self.ready_state)  # SLEEPING if it sleeps meanwhile
-                self._update_claimed = False
-        route.queue.put_nowait(progress)
-        if progress.final and route.on_final is not None:
-            route.on_final(progress)
-
-    def _fail_updates(self, message: str) -> None:
-        updates, self._updates = self._updates, {}
-        for update_id, route in updates.items():
-            failed = WeightsProgress(
-                update_id, WeightsPhase.FAILED, error_code="UNAVAILABLE", message=message
+        # Published at once: a caller that saw Applied may ask for min_policy_version = the
+        # new one, or start the next update.
+        if progress.phase is WeightsPhase.APPLIED and not route.replay:
+            self.policy_version = progress.policy_version
+            self.replay_log.record(
+                route.update, progress.policy_version, route.fingerprint, progress.replaced_all
             )
-            if not route.replay:
-                self._update_claimed = False
-            route.queue.put_nowait(failed)
-            if route.on_final is not None:
-                route.on_final(failed)
+            if self.awaiting_weights and progress.replaced_all:
+                self.awaiting_weights = False
+                self.set_state(self.ready_state)  # SLEEPING if it sleeps meanwhile
+        deliver(route, progress)
 
     # ---- sleep and wake ----
 
@@ -388,7 +365,7 @@ class EngineClient:
             log.error("engine.lost", reason=reason, in_flight=len(self.router))
         message = f"the engine failed: {reason}"
         self.router.fail_all(message, self.policy_version)
-        self._fail_updates(message)
+        self._updates.fail_all(message)
         self.sleep_link.fail_all(message)
         self._joins.fail_all(message)
 
