@@ -4,8 +4,9 @@ The weights at start come from the served checkpoint; each applied update change
 checkpoint update replaces every tensor (its directory becomes the origin, alone), a tensor
 file (inline tensors, written by the service) is read again after what came before it (the
 service keeps those files until a later checkpoint update supersedes them), and in-process
-tensors or live mutation leave no copy to read: the origin is then unknown, and the weights
-can only come back by an update that sets every tensor.
+tensors, live mutation or a trainer's broadcast (a distributed update) leave no copy to read:
+the origin is then unknown, and the weights can only come back by an update that sets every
+tensor.
 
 A directory is read again as it is then: one rewritten since would serve other weights under
 the same version. The service checks its fingerprints (ReplayLog.changed) before a Wake.
