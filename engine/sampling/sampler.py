@@ -26,7 +26,7 @@ equal logits by token id.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -249,19 +249,73 @@ class Sampler:
         being q = floor(weight * 2^32) summed exactly in int64; tied tokens share that mass
         above, so they are kept or dropped together.
         """
-        vocab = logits.shape[-1]
-        sorted_keys, order = order_keys(logits).sort(dim=-1, descending=True)
-        k = torch.full_like(batch.column("top_k"), vocab)
-        if batch.use_top_k:
-            top_k = batch.column("top_k")
-            k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-        threshold = sorted_keys.gather(-1, k[:, None] - 1)
-        if not batch.use_top_p:
-            return threshold
-        in_top_k = sorted_keys >= threshold
-        mass = torch.floor(weights * MASS_SCALE).long().gather(-1, order)
-        mass = torch.where(in_top_k, mass, 0)
-        above = mass.cumsum(dim=-1) - mass
-        limit = batch.column("top_p").double() * mass.sum(dim=-1).double()
-        kept = (above.double() <= limit[:, None]) & in_top_k  # a prefix of the sorted row
-        return sorted_keys.gather(-1, kept.sum(dim=-1, keepdim=True) - 1)
+        if logits.device.type == "cpu":
+            return _prefix_threshold(logits, weights, batch)
+        return _sorted_threshold(logits, weights, batch)
+
+
+def _sorted_threshold(
+    logits: torch.Tensor, weights: torch.Tensor, batch: SamplingBatch
+) -> torch.Tensor:
+    """Sampler._threshold over each row sorted whole."""
+    vocab = logits.shape[-1]
+    sorted_keys, order = order_keys(logits).sort(dim=-1, descending=True)
+    k = torch.full_like(batch.column("top_k"), vocab)
+    if batch.use_top_k:
+        top_k = batch.column("top_k")
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    threshold = sorted_keys.gather(-1, k[:, None] - 1)
+    if not batch.use_top_p:
+        return threshold
+    in_top_k = sorted_keys >= threshold
+    mass = torch.floor(weights * MASS_SCALE).long().gather(-1, order)
+    mass = torch.where(in_top_k, mass, 0)
+    above = mass.cumsum(dim=-1) - mass
+    limit = batch.column("top_p").double() * mass.sum(dim=-1).double()
+    kept = (above.double() <= limit[:, None]) & in_top_k  # a prefix of the sorted row
+    return sorted_keys.gather(-1, kept.sum(dim=-1, keepdim=True) - 1)
+
+
+PREFIX = 128  # the sorted prefix the CPU's threshold looks at before it sorts a whole row
+
+
+def _prefix_threshold(
+    logits: torch.Tensor, weights: torch.Tensor, batch: SamplingBatch
+) -> torch.Tensor:
+    """Sampler._threshold from each row's largest keys only, for the CPU, where sorting every
+    row of the vocabulary is most of a sampled step: the same thresholds as a whole sort.
+
+    top-k needs the k-th largest key, which topk(m) gives for k <= m. top-p's kept tokens are
+    a prefix of the sorted row: when the prefix of the m largest keys holds its end (a token
+    of the top-k set whose mass above passes the limit, or the end of the top-k set), that
+    end is the whole sort's too (tied keys have equal masses, so their order inside the
+    prefix changes no sum that decides). The total mass is summed over the whole row. Rows
+    whose end lies beyond the prefix are sorted whole (a host check: free on the CPU).
+    """
+    vocab = logits.shape[-1]
+    keys = order_keys(logits)
+    top_k = batch.column("top_k") if batch.use_top_k else torch.zeros_like(batch.column("top_k"))
+    m = min(vocab, max(PREFIX, int(top_k.max())))
+    top_keys, top_ids = keys.topk(m, dim=-1)  # the m largest keys, descending
+    cut = (top_k > 0) & (top_k <= m)
+    kth = top_keys.gather(-1, (top_k.clamp(min=1, max=m) - 1)[:, None])
+    threshold = torch.where(cut[:, None], kth, keys.min(dim=-1, keepdim=True).values)
+    if not batch.use_top_p:
+        return threshold
+    in_top_k = keys >= threshold
+    mass = torch.floor(weights * MASS_SCALE).long()
+    limit = batch.column("top_p").double() * torch.where(in_top_k, mass, 0).sum(dim=-1).double()
+    top_in = top_keys >= threshold
+    top_mass = torch.where(top_in, mass.gather(-1, top_ids), 0)
+    above = top_mass.cumsum(dim=-1) - top_mass
+    kept = ((above.double() <= limit[:, None]) & top_in).sum(dim=-1)
+    truncating = batch.column("top_p") < 1.0  # else top-p keeps the whole top-k set
+    resolved = ~truncating | (kept < m) | (in_top_k.sum(dim=-1) <= m)
+    threshold = torch.where(
+        truncating[:, None], top_keys.gather(-1, (kept - 1)[:, None]), threshold
+    )
+    if not bool(resolved.all()):
+        rows = (~resolved).nonzero()[:, 0]
+        sub = replace(batch, floats=batch.floats[rows], ints=batch.ints[rows])
+        threshold[rows] = _sorted_threshold(logits[rows], weights[rows], sub)
+    return threshold

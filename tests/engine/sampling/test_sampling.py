@@ -253,3 +253,27 @@ def test_a_token_of_weight_0_is_never_drawn_whatever_its_noise() -> None:
     for top_p in (1.0, 0.999):
         ids = Sampler()(logits, top_of_range_batch(top_p)).values
         assert ids.tolist() != [TOP_OF_RANGE["token"]]
+
+
+@pytest.mark.parametrize("case", ["peaked", "flat", "ties", "masked", "all_equal"])
+def test_the_cpu_threshold_from_a_prefix_equals_a_whole_sort(case: str) -> None:
+    """The CPU's top-k/top-p threshold looks at each row's 128 largest keys and sorts a row
+    whole only when its end lies beyond them: the same thresholds either way."""
+    from engine.sampling.sampler import _prefix_threshold, _sorted_threshold
+    from engine.sampling.sampling_math import exp_weights
+
+    g = torch.Generator().manual_seed(len(case))
+    rows = [(0, 0.9), (50, 0.95), (0, 1.0), (3, 1.0), (200, 0.5), (1, 0.99), (0, 1e-6)]
+    x = torch.randn(len(rows), 3000, generator=g) * (8.0 if case == "peaked" else 0.5)
+    if case == "ties":
+        x = torch.round(x * 4) / 4
+    elif case == "masked":
+        x[:, ::3] = float("-inf")
+    elif case == "all_equal":
+        x = torch.zeros_like(x)
+    floats = torch.tensor([[1.0, p, 0.0, 1.0, 0.0, 0.0] for _, p in rows])
+    ints = torch.tensor([[1, 0, 0, k, 0] for k, _ in rows])
+    batch = SamplingBatch(floats, ints, use_top_k=True, use_top_p=True)
+    weights = exp_weights(x - x.max(dim=-1, keepdim=True).values)
+    expected = _sorted_threshold(x, weights, batch)
+    assert torch.equal(_prefix_threshold(x, weights, batch), expected)
