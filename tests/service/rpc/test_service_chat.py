@@ -25,7 +25,9 @@ def chat_model(directory, family="qwen3", **knobs):
     import json
 
     write_chat_tokenizer(directory, family)
-    (directory / "fake.json").write_text(json.dumps({"vocab_size": 400, "max_model_len": 128, **knobs}))
+    (directory / "fake.json").write_text(
+        json.dumps({"vocab_size": 400, "max_model_len": 128, **knobs})
+    )
     return directory
 
 
@@ -127,10 +129,10 @@ async def test_a_rendered_prompt_past_the_context_is_invalid_argument(client):
 
 
 async def test_raise_exception_in_the_template_is_invalid_argument_with_its_message(tmp_path):
-    async with running_server(chat_model(tmp_path, "mistral")) as (_, target):
-        async with AsyncClient(target) as client:
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await client.render_chat([{"role": "assistant", "content": "x"}])
+    model = chat_model(tmp_path, "mistral")
+    async with running_server(model) as (_, target), AsyncClient(target) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.render_chat([{"role": "assistant", "content": "x"}])
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "roles must alternate" in err.value.details()
 
@@ -138,20 +140,19 @@ async def test_raise_exception_in_the_template_is_invalid_argument_with_its_mess
 async def test_a_model_without_a_template_is_failed_precondition(tmp_path):
     directory = chat_model(tmp_path)
     (directory / "tokenizer_config.json").write_text("{}")
-    async with running_server(directory) as (_, target):
-        async with AsyncClient(target) as client:
-            for call in (client.render_chat(CHAT), client.complete(CHAT, max_tokens=1)):
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await call
-                assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert (await client.complete("plain text", max_tokens=1)).token_ids
+    async with running_server(directory) as (_, target), AsyncClient(target) as client:
+        for call in (client.render_chat(CHAT), client.complete(CHAT, max_tokens=1)):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert (await client.complete("plain text", max_tokens=1)).token_ids
 
 
 async def test_chat_template_flag_overrides_the_checkpoints(tmp_path):
     override = tmp_path / "override.jinja"
     override.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}")
     directory = chat_model(tmp_path / "model")
-    async with running_server(directory, chat_template=str(override)) as (_, target):
-        async with AsyncClient(target) as client:
-            rendered = await client.render_chat(CHAT)
+    served = running_server(directory, chat_template=str(override))
+    async with served as (_, target), AsyncClient(target) as client:
+        rendered = await client.render_chat(CHAT)
     assert rendered.text == "[system] You are terse.\n[user] The quick brown fox?\n"
