@@ -1051,8 +1051,7 @@ Global___GetServerInfoRequest: _TypeAlias = GetServerInfoRequest  # noqa: Y015
 
 @_typing.final
 class ChatPrompt(_message.Message):
-    """Text to tokenize.
-    A conversation for the model's chat template (Jinja, rendered in a sandbox as transformers
+    """A conversation for the model's chat template (Jinja, rendered in a sandbox as transformers
     renders it). Every message's content, the tools and the template arguments together may
     hold at most as many UTF-8 bytes as a text prompt (max_model_len x the tokenizer's longest
     token); the rendered text is bounded the same way (INVALID_ARGUMENT, field `chat`).
@@ -1195,6 +1194,8 @@ Global___RenderChatResponse: _TypeAlias = RenderChatResponse  # noqa: Y015
 
 @_typing.final
 class TokenizeRequest(_message.Message):
+    """Text to tokenize."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TEXT_FIELD_NUMBER: _builtins.int
