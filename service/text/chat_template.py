@@ -80,18 +80,24 @@ class ChatTemplate:
             for name in SPECIAL_TOKEN_NAMES
             if config.get(name) is not None
         }
+        origin: Path = directory / "chat_template.jinja"
         if override is not None:
-            source: Any = Path(override).read_text()
-        elif (directory / "chat_template.jinja").exists():
-            source = (directory / "chat_template.jinja").read_text()
+            origin = Path(override)
+            source: Any = origin.read_text()
+        elif origin.exists():
+            source = origin.read_text()
         else:
+            origin = config_path
             source = config.get("chat_template")
             if isinstance(source, list):
                 named = {t.get("name"): t.get("template") for t in source}
                 source = named.get("default")
         if not source:
             return None
-        return cls(str(source), special)
+        try:
+            return cls(str(source), special)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ValueError(f"the chat template of {origin} does not parse: {exc}") from exc
 
     def render(self, chat: Chat, max_chars: int) -> str:
         """The prompt text of `chat`; raises ChatTemplateError, or RenderTooLong past

@@ -184,3 +184,11 @@ def test_tojson_keeps_html_and_unicode_as_transformers_does():
     template = ChatTemplate("{{ tools | tojson }}", {})
     text = template.render(Chat(MULTI_TURN, tools=[{"d": "<b>&é"}]), 100)
     assert text == '[{"d": "<b>&é"}]'
+
+
+def test_a_template_that_does_not_parse_names_its_file(tmp_path):
+    directory = write_chat_tokenizer(tmp_path, "qwen3")
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for %}")
+    with pytest.raises(ValueError, match=r"broken\.jinja does not parse"):
+        ChatTemplate.load(directory, broken)
