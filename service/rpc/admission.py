@@ -201,7 +201,7 @@ async def admit(
     if req.WhichOneof("prompt") == "text":
         prompt = await tokenizer.encode(req.text, add_special_tokens=True)
     elif req.WhichOneof("prompt") == "chat":
-        _, prompt = await render(req.chat, chat_template, info, tokenizer)
+        _, prompt = await render(req.chat, chat_template, info, tokenizer, checked=True)
     else:
         prompt = list(req.token_ids.ids)
     if len(prompt) >= info.max_model_len:  # the message of a token ids prompt too long

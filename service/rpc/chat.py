@@ -81,12 +81,14 @@ async def render(
     info: ModelInfo,
     tokenizer: Tokenizer,
     field: str = "chat",
+    checked: bool = False,
 ) -> tuple[str, list[int]]:
-    """The rendered text and its token ids, or a Refusal. Rendering runs in a worker thread:
-    a template is a program, and a long conversation takes a while."""
+    """The rendered text and its token ids, or a Refusal (also for ids that leave no room in
+    the context). `checked`: the prompt has passed chat_violations already. Rendering runs in
+    a worker thread: a template is a program, and a long conversation takes a while."""
     if template is None:
         raise no_template()
-    violations = chat_violations(prompt, info, tokenizer, field)
+    violations = [] if checked else chat_violations(prompt, info, tokenizer, field)
     if violations:
         raise invalid_argument(violations)
     limit = tokenizer.max_text_bytes(info.max_model_len)
@@ -97,6 +99,16 @@ async def render(
     except ChatTemplateError as exc:
         raise invalid_argument([(field, f"the chat template refused it: {exc}")]) from exc
     ids = await tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) >= info.max_model_len:
+        raise invalid_argument(
+            [
+                (
+                    "prompt",
+                    f"the rendered chat's {len(ids)} tokens leave no room in the context of "
+                    f"{info.max_model_len} tokens",
+                )
+            ]
+        )
     return text, ids
 
 

@@ -122,10 +122,11 @@ async def test_an_invalid_chat_is_invalid_argument_naming_the_field(client, name
 async def test_a_rendered_prompt_past_the_context_is_invalid_argument(client):
     # Fits the byte bound, but tokenizes to more than max_model_len (128) tokens.
     long = [{"role": "user", "content": "1 2 3 4 5 6 7 8 9 " * 20}]
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await client.complete(long, max_tokens=1)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "prompt" in violated_fields(err.value)
+    for call in (client.complete(long, max_tokens=1), client.render_chat(long)):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "prompt" in violated_fields(err.value)
 
 
 async def test_raise_exception_in_the_template_is_invalid_argument_with_its_message(tmp_path):
