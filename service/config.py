@@ -44,6 +44,12 @@ class ServiceConfig:
         "the model name GetServerInfo reports (default: the checkpoint directory's name)",
         group=MODEL,
     )
+    chat_template: str | None = setting(
+        None,
+        "a Jinja chat template file for `chat` prompts and RenderChat, in place of the "
+        "checkpoint's (chat_template.jinja or tokenizer_config.json's chat_template)",
+        group=MODEL,
+    )
     # Off by default: with the engine's torch threads on every core (the CPU default) a service
     # below them only runs in the engine's gaps (health checks took 75-84 ms at p50 instead of
     # 3-5 ms under load). With a core left to it, the engine first in line is what lets 64 served
@@ -274,6 +280,8 @@ class ServiceConfig:
             raise ValueError("max_concurrent_streams: must be at least 1 when set")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError("max_connections: must be at least 1 when set")
+        if self.chat_template == "":
+            raise ValueError("chat_template: must not be empty when set")
         if self.served_model_name == "":
             raise ValueError("served_model_name: must not be empty when set")
         if self.max_message_bytes < MIN_MESSAGE_BYTES:

@@ -40,6 +40,7 @@ from service.rpc.call_limit import CallLimit
 from service.rpc.call_metrics import CallMetrics
 from service.rpc.decoding import DecodingInterceptor
 from service.rpc.servicer import GenerationServicer
+from service.text.chat_template import ChatTemplate
 from service.text.tokenizer import Tokenizer
 
 log = structlog.get_logger("sluice.server")
@@ -179,6 +180,10 @@ class SluiceServer:
 
     async def _start_engine(self) -> None:
         info = await self.engine.start()
+        # NOTE: the template first: a request sees the tokenizer only with its template.
+        self.servicer.chat_template = await asyncio.to_thread(
+            ChatTemplate.load, info.path, self.config.chat_template
+        )
         self.servicer.tokenizer = await asyncio.to_thread(Tokenizer, info.path)
         self.ready.set()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)

@@ -29,12 +29,26 @@ API_TOKEN = "tiny-test-api"
 ADMIN_TOKEN = "tiny-test-admin"
 
 
+# A small template on the tiny tokenizer's own <s> and </s>, for the clients' chat tests.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def _add_chat_template(checkpoint: Path) -> None:
+    config_path = checkpoint / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+
+
 def main(extra_flags: list[str]) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with tempfile.TemporaryDirectory(prefix="sluice-tiny-") as tmp:
         root = Path(tmp)
         checkpoint_a = make_checkpoint(root / "a", "llama", seed=0)
+        _add_chat_template(checkpoint_a)
         checkpoint_b = make_checkpoint(root / "b", "llama", seed=1)
         (root / "api-token").write_text(API_TOKEN)
         (root / "admin-token").write_text(ADMIN_TOKEN)

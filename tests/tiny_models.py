@@ -184,3 +184,75 @@ def hf_greedy(model: Any, prompt: list[int], new_tokens: int) -> tuple[list[int]
     )
     tokens = out.sequences[0, len(prompt) :].tolist()
     return tokens, torch.stack(out.logits, dim=1)[0].float().log_softmax(-1)
+
+
+# The chat templates of the supported families (tests/chat_templates/, copied from the
+# checkpoints' tokenizer_config.json) and the tokens they write: special tokens (whole, never
+# split) and, for Qwen, the plain added tokens of its vocabulary.
+CHAT_TEMPLATES = Path(__file__).parent / "chat_templates"
+CHAT_FAMILIES: dict[str, dict[str, Any]] = {
+    "llama3": {
+        "template": "llama3.jinja",
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|eot_id|>",
+        "special": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        "added": [],
+    },
+    "mistral": {
+        "template": "mistral.jinja",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "special": [
+            "[INST]",
+            "[/INST]",
+            "[AVAILABLE_TOOLS]",
+            "[/AVAILABLE_TOOLS]",
+            "[TOOL_CALLS]",
+            "[TOOL_RESULTS]",
+            "[/TOOL_RESULTS]",
+        ],
+        "added": [],
+    },
+    "qwen2_5": {
+        "template": "qwen2_5.jinja",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "special": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        "added": ["<tool_call>", "</tool_call>"],
+    },
+    "qwen3": {
+        "template": "qwen3.jinja",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "special": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        "added": ["<tool_call>", "</tool_call>", "<think>", "</think>"]
+        + ["<tool_response>", "</tool_response>"],
+    },
+}
+
+
+def write_chat_tokenizer(directory: Path, family: str, in_config: bool = True) -> Path:
+    """The tiny trained tokenizer plus `family`'s chat tokens, and a tokenizer_config.json with
+    its chat template (or, `in_config` False, a chat_template.jinja beside it), as a real
+    checkpoint of that family ships them."""
+    from tokenizers import AddedToken
+
+    spec = CHAT_FAMILIES[family]
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in spec["special"]])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in spec["added"]])
+    tok.save(str(directory / "tokenizer.json"))
+    template = (CHAT_TEMPLATES / spec["template"]).read_text()
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": spec["bos_token"],
+        "eos_token": spec["eos_token"],
+    }
+    if in_config:
+        config["chat_template"] = template
+    else:
+        (directory / "chat_template.jinja").write_text(template)
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory

@@ -4,8 +4,36 @@ import type { ChannelOptions, Metadata, status } from '@grpc/grpc-js';
 
 export { status } from '@grpc/grpc-js';
 
-/** A prompt: text (tokenized by the server, with special tokens such as BOS) or token ids. */
-export type Prompt = string | readonly number[] | Uint32Array;
+/**
+ * A prompt: text (tokenized by the server, with special tokens such as BOS), token ids, or a
+ * chat: messages rendered by the server with the model's chat template.
+ */
+export type Prompt = string | readonly number[] | Uint32Array | readonly ChatMessage[];
+
+/** One turn of a chat; keys besides role and content (tool_calls, tool_call_id, ...) reach the template. */
+export interface ChatMessage {
+  role: string;
+  content?: string;
+  [key: string]: unknown;
+}
+
+/** The extras of a chat prompt (GenerateOptions of a chat, and renderChat's options). */
+export interface ChatOptions {
+  /** Tool definitions for the template's `tools` (sent as JSON). */
+  tools?: readonly unknown[];
+  /** End with an assistant turn's header; default true (the server's). */
+  addGenerationPrompt?: boolean;
+  /** Leave the final message open for the model to continue; default false. */
+  continueFinalMessage?: boolean;
+  /** Extra template variables, e.g. {enable_thinking: false} (sent as a JSON object). */
+  templateKwargs?: Record<string, unknown>;
+}
+
+/** The server's rendering of a chat. */
+export interface RenderedChat {
+  text: string;
+  tokenIds: number[];
+}
 
 export interface ClientOptions {
   /** Sent on Generation calls as `authorization: Bearer <apiToken>`. */
@@ -46,7 +74,7 @@ export interface RoutedCallOptions extends CallOptions {
 }
 
 /** GenerateRequest fields (unset: the server's default). See proto/sluice/v1/generation.proto. */
-export interface GenerateOptions extends RoutedCallOptions {
+export interface GenerateOptions extends RoutedCallOptions, ChatOptions {
   requestId?: string;
   maxTokens?: number;
   minTokens?: number;
@@ -198,6 +226,9 @@ export function collect(events: AsyncIterable<GenerateEvent>): Promise<Completio
 /** The GenerateRequest message (proto-loader's camelCase form) for a prompt and options. */
 export function buildRequest(prompt: Prompt, options?: GenerateOptions): Record<string, unknown>;
 
+/** The ChatPrompt message (proto-loader's camelCase form) for chat messages and options. */
+export function chatPrompt(messages: readonly ChatMessage[], options?: ChatOptions): Record<string, unknown>;
+
 export class GenerateStream {
   /** Settles when the call ends; rejects with the call's SluiceError. */
   readonly closed: Promise<void>;
@@ -340,6 +371,8 @@ export class Client {
   /** Behind a load balancer, reaches the replica running them only with their `affinity`. */
   cancel(requestIds: string | readonly string[], options?: RoutedCallOptions): Promise<CancelResult>;
   tokenize(text: string, options?: RoutedCallOptions & { addSpecialTokens?: boolean }): Promise<number[]>;
+  /** RenderChat: the chat template's text and token ids for these messages, without generating. */
+  renderChat(messages: readonly ChatMessage[], options?: RoutedCallOptions & ChatOptions): Promise<RenderedChat>;
   info(options?: RoutedCallOptions): Promise<ServerInfo>;
   updateWeights(source: WeightsSource, options?: UpdateWeightsOptions): Promise<AppliedEvent>;
   /** Admin Sleep: frees the KV cache (level 1) and the weights too (level 2) until wake(). */

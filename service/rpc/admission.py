@@ -9,19 +9,18 @@ ALREADY_EXISTS.
 
 from __future__ import annotations
 
-import random
 import time
 import uuid
 from dataclasses import dataclass
 
 import grpc
-from google.protobuf import any_pb2, duration_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
-from grpc_status import rpc_status
 from sluice.v1 import generation_pb2 as pb
 
 from engine.messages import AddRequest, LogprobMode, ModelInfo, SamplingParams
 from service.config import MAX_REQUEST_ID_LENGTH
+from service.rpc.chat import chat_violations, no_template, render
+from service.rpc.refusal import Refusal, invalid_argument
+from service.text.chat_template import ChatTemplate
 from service.text.completion import OutputSettings
 from service.text.tokenizer import Tokenizer
 
@@ -65,75 +64,6 @@ LOGPROB_MODES = {
 # request whose scores could pass the server's largest message is refused before any work.
 PROMPT_SCORE_BYTES = 16
 TOP_LOGPROB_BYTES = 10
-
-# gRPC's standard trailer: a client's retry policy waits this many milliseconds before its next
-# attempt (instead of its own backoff). gRPC clients honour it for these codes only.
-PUSHBACK_KEY = "grpc-retry-pushback-ms"
-PUSHBACK_CODES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
-# The delay a refusal suggests is retry_after times a random factor in [1, RETRY_JITTER): calls
-# refused in the same instant, all told the same delay, would all come back in the same instant.
-RETRY_JITTER = 1.5
-
-
-class Refusal(Exception):
-    """A request refused before admission: a non-OK status and no events.
-
-    `retry_after` (seconds): retrying later may succeed. The caller is told `retry_delay_ms`,
-    retry_after with jitter (see RETRY_JITTER), drawn once: RetryInfo, the pushback trailer and
-    a GenerateStream `Refused` event of this refusal all carry the same value.
-    """
-
-    def __init__(
-        self,
-        code: grpc.StatusCode,
-        message: str,
-        violations: list[tuple[str, str]] | None = None,
-        retry_after: float | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.violations = violations or []
-        self.retry_delay_ms = (
-            None
-            if retry_after is None
-            else round(retry_after * random.uniform(1.0, RETRY_JITTER) * 1000)
-        )
-
-    def to_status(self) -> grpc.Status:
-        details = []
-        if self.violations:
-            bad_request = error_details_pb2.BadRequest(
-                field_violations=[
-                    error_details_pb2.BadRequest.FieldViolation(field=f, description=d)
-                    for f, d in self.violations
-                ]
-            )
-            details.append(_pack(bad_request))
-        if self.retry_delay_ms is not None:
-            delay = duration_pb2.Duration()
-            delay.FromMilliseconds(self.retry_delay_ms)
-            details.append(_pack(error_details_pb2.RetryInfo(retry_delay=delay)))
-        status = status_pb2.Status(
-            code=getattr(code_pb2, self.code.name), message=self.message, details=details
-        )
-        trailers = rpc_status.to_status(status).trailing_metadata
-        if self.retry_delay_ms is not None and self.code in PUSHBACK_CODES:
-            trailers = (*trailers, (PUSHBACK_KEY, str(self.retry_delay_ms)))
-        return _Status(self.code, self.message, trailers)
-
-
-@dataclass(frozen=True)
-class _Status(grpc.Status):
-    code: grpc.StatusCode
-    details: str
-    trailing_metadata: tuple[tuple[str, str | bytes], ...]
-
-
-def _pack(message: error_details_pb2.BadRequest | error_details_pb2.RetryInfo) -> any_pb2.Any:
-    packed = any_pb2.Any()
-    packed.Pack(message)
-    return packed
 
 
 @dataclass(frozen=True)
@@ -189,7 +119,9 @@ def field_violations(
         errors.append(("request_id", f"must be at most {MAX_REQUEST_ID_LENGTH} characters"))
     match req.WhichOneof("prompt"):
         case None:
-            errors.append(("prompt", "set text or token_ids"))
+            errors.append(("prompt", "set text, token_ids or chat"))
+        case "chat":
+            errors += chat_violations(req.chat, info, tokenizer)
         case "text" if not req.text:
             errors.append(("text", "must not be empty"))
         case "text":
@@ -254,17 +186,22 @@ async def admit(
     deadline: float | None,
     retry_after: float,
     max_message_bytes: int,
+    chat_template: ChatTemplate | None = None,
 ) -> Admission:
-    """Validate and tokenize; raises Refusal. Queue and duplicate checks are the caller's,
+    """Validate and tokenize (a chat prompt rendered with `chat_template` first); raises Refusal. Queue and duplicate checks are the caller's,
     made right before submitting (no await in between). `retry_after`: the delay suggested to a
     request refused for weights older than its `min_policy_version`."""
     if deadline is not None and deadline <= time.time():
         raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline has already passed")
+    if req.WhichOneof("prompt") == "chat" and chat_template is None:
+        raise no_template()
     violations = field_violations(req, info, tokenizer)
     if violations:
         raise invalid_argument(violations)
     if req.WhichOneof("prompt") == "text":
         prompt = await tokenizer.encode(req.text, add_special_tokens=True)
+    elif req.WhichOneof("prompt") == "chat":
+        _, prompt = await render(req.chat, chat_template, info, tokenizer, checked=True)
     else:
         prompt = list(req.token_ids.ids)
     if len(prompt) >= info.max_model_len:  # the message of a token ids prompt too long
@@ -323,12 +260,6 @@ def prompt_logprobs_violations(
             )
         )
     return errors
-
-
-def invalid_argument(violations: list[tuple[str, str]]) -> Refusal:
-    """The refusal of a request with these (field, description) violations."""
-    description = "; ".join(f"{f}: {d}" for f, d in violations)
-    return Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {description}", violations)
 
 
 def _no_room(prompt_tokens: int, info: ModelInfo) -> str:

@@ -1,4 +1,4 @@
-"""GenerationServicer: the five RPCs of sluice.v1.Generation over the EngineClient.
+"""GenerationServicer: the six RPCs of sluice.v1.Generation over the EngineClient.
 
 Protobuf stops here: requests are translated to engine messages by `admission`, engine outputs
 to events by `Completion`.
@@ -21,7 +21,9 @@ from service.engine_link.engine_client import EngineClient, EngineState, EngineU
 from service.engine_link.routing import Inbox
 from service.ops.metrics import Metrics
 from service.rpc.admission import Admission, Refusal, admit, invalid_argument, text_violations
+from service.rpc.chat import render
 from service.rpc.generate_stream import Admitted, GenerateStreamCall, StreamLimits
+from service.text.chat_template import ChatTemplate
 from service.text.completion import Completion
 from service.text.tokenizer import Tokenizer
 
@@ -51,6 +53,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.engine = engine
         self.metrics = metrics
         self.tokenizer: Tokenizer | None = None  # set once the engine is first Ready
+        self.chat_template: ChatTemplate | None = None  # set with the tokenizer, if any
         self.draining = False  # SIGTERM: refuse new requests, let in-flight ones finish
 
     # ---- RPCs ----
@@ -122,6 +125,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         ids = await self.tokenizer.encode(request.text, request.add_special_tokens)
         return pb.TokenizeResponse(token_ids=ids)
 
+    async def RenderChat(
+        self, request: pb.RenderChatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RenderChatResponse:
+        if self.tokenizer is None or self.engine.info is None:
+            unavailable = self._unavailable("the model is not loaded yet")
+            await context.abort_with_status(unavailable.to_status())
+        assert self.tokenizer is not None and self.engine.info is not None
+        try:
+            text, ids = await render(
+                request.chat, self.chat_template, self.engine.info, self.tokenizer
+            )
+        except Refusal as refusal:
+            await context.abort_with_status(refusal.to_status())
+            raise  # not reached: abort_with_status raises
+        return pb.RenderChatResponse(text=text, token_ids=ids)
+
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerInfo:
@@ -172,6 +191,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             deadline=deadline,
             retry_after=self.config.retry_after,
             max_message_bytes=MAX_SEND_MESSAGE_BYTES,
+            chat_template=self.chat_template,
         )
         # NOTE: no await from here to submit(): the duplicate and queue checks stay true.
         self._check_available()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 
 import pytest
 import pytest_asyncio
 from service_harness import make_fake_model, running_server
 from sluice_client import AsyncClient, cli, pb
+from tiny_models import write_chat_tokenizer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 HOLD = 300  # a prompt holding this token stays queued until cancelled
@@ -101,3 +103,51 @@ async def test_serve_without_the_server_package_says_what_to_install(monkeypatch
     for argv in (["serve", "--model", "m", "--port", "1"], ["serve", "--help"]):
         code, out, err = await run(capsys, *argv)
         assert code == 1 and out == "" and "pip install" in err and "scripts/setup.sh" in err
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def chat_target(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("chat")
+    write_chat_tokenizer(directory, "qwen2_5")
+    (directory / "fake.json").write_text(json.dumps({"vocab_size": 400, "max_model_len": 256}))
+    async with running_server(directory) as (_, target):
+        yield target
+
+
+async def test_chat_replies_to_the_conversation_in_a_file(chat_target, capsys, tmp_path):
+    messages = [{"role": "user", "content": "Call me Ishmael."}]
+    conversation = tmp_path / "conversation.json"
+    conversation.write_text(json.dumps({"messages": messages}))
+    code, out, _ = await run(
+        capsys, "chat", "--target", chat_target, "--file", str(conversation), "--max-tokens", "4"
+    )
+    async with AsyncClient(chat_target) as client:
+        expected = await client.complete(messages, max_tokens=4)
+    assert code == 0 and out == expected.text + "\n"
+
+
+async def test_chat_render_prints_the_servers_rendering(chat_target, capsys, tmp_path):
+    conversation = tmp_path / "conversation.json"
+    conversation.write_text(json.dumps([{"role": "user", "content": "Hi"}]))
+    argv = ["chat", "--target", chat_target, "--file", str(conversation), "--render"]
+    code, out, _ = await run(capsys, *argv, "--system", "Be brief.")
+    rendered = json.loads(out)
+    assert code == 0 and rendered["text"] == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert len(rendered["token_ids"]) > 0
+
+
+async def test_chat_without_a_file_keeps_the_conversation_read_from_stdin(
+    chat_target, capsys, monkeypatch
+):
+    monkeypatch.setattr("sys.stdin", io.StringIO("first\nsecond\n"))
+    code, out, _ = await run(capsys, "chat", "--target", chat_target, "--max-tokens", "3")
+    first, second = out.splitlines()
+    async with AsyncClient(chat_target) as client:
+        turns = [{"role": "user", "content": "first"}]
+        assert (await client.complete(turns, max_tokens=3)).text == first
+        turns += [{"role": "assistant", "content": first}, {"role": "user", "content": "second"}]
+        assert (await client.complete(turns, max_tokens=3)).text == second
+    assert code == 0

@@ -7,7 +7,7 @@ import * as grpc from '@grpc/grpc-js';
 import { toSluiceError } from './errors.js';
 import { sluiceServices } from './protos.js';
 import { EventQueue } from './queue.js';
-import { buildRequest, collect, toEvent } from './requests.js';
+import { buildRequest, chatPrompt, collect, toEvent } from './requests.js';
 import { GenerateStream } from './stream.js';
 import { runUpdate } from './update_weights.js';
 
@@ -114,6 +114,16 @@ export class Client {
   async tokenize(text, options = {}) {
     const request = { text, addSpecialTokens: options.addSpecialTokens ?? false };
     return (await this.#unary('Tokenize', request, options)).tokenIds;
+  }
+
+  /**
+   * The server's rendering of a chat with the model's chat template, without generating:
+   * {text, tokenIds}, the prompt a generate() with these messages would use. Options: those
+   * of chatPrompt (tools, addGenerationPrompt, continueFinalMessage, templateKwargs).
+   */
+  async renderChat(messages, options = {}) {
+    const response = await this.#unary('RenderChat', { chat: chatPrompt(messages, options) }, options);
+    return { text: response.text, tokenIds: response.tokenIds };
   }
 
   /** The served model and the engine's state; `state` is a short name ("SERVING", ...). */

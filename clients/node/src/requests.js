@@ -34,12 +34,45 @@ export function buildRequest(prompt, options = {}) {
   };
   if (typeof prompt === 'string') {
     request.text = prompt;
+  } else if (isChat(prompt)) {
+    request.chat = chatPrompt(prompt, options);
   } else if (Array.isArray(prompt) || ArrayBuffer.isView(prompt)) {
     request.tokenIds = { ids: Array.from(prompt) };
   } else {
-    throw new TypeError('prompt: a string or an array of token ids');
+    throw new TypeError('prompt: a string, an array of token ids or an array of chat messages');
   }
   return request;
+}
+
+/** A chat prompt: a non-empty array of message objects ({role, content, ...}). */
+function isChat(prompt) {
+  return Array.isArray(prompt) && prompt.length > 0 && prompt.every((m) => m !== null && typeof m === 'object');
+}
+
+/**
+ * A ChatPrompt from messages as transformers takes them: {role, content} objects; any other
+ * key (toolCalls as `tool_calls`, `tool_call_id`, `reasoning_content`...) goes to the template
+ * as part of the message (extraJson). Options: tools (JSON-able), addGenerationPrompt
+ * (default: the server's, true), continueFinalMessage, templateKwargs (an object of template
+ * variables, e.g. {enable_thinking: false}).
+ */
+export function chatPrompt(messages, options = {}) {
+  const chat = {
+    messages: messages.map(({ role, content, ...extra }) => ({
+      role: role ?? '',
+      content: content ?? '',
+      extraJson: Object.keys(extra).length > 0 ? JSON.stringify(extra) : '',
+    })),
+  };
+  if (options.tools !== undefined && options.tools !== null) chat.toolsJson = JSON.stringify(options.tools);
+  if (options.addGenerationPrompt !== undefined && options.addGenerationPrompt !== null) {
+    chat.addGenerationPrompt = options.addGenerationPrompt;
+  }
+  if (options.continueFinalMessage) chat.continueFinalMessage = true;
+  if (options.templateKwargs !== undefined && options.templateKwargs !== null) {
+    chat.templateKwargsJson = JSON.stringify(options.templateKwargs);
+  }
+  return chat;
 }
 
 function pick(options, names) {

@@ -336,6 +336,31 @@ test('tokenize and info describe the served model', async () => {
   assert.deepEqual(withBos.slice(1), ids);
 });
 
+test('renderChat renders with the chat template; a chat generate equals one on its token ids', async () => {
+  const messages = [
+    { role: 'system', content: 'Be brief.' },
+    { role: 'user', content: 'The quick brown fox' },
+  ];
+  const rendered = await client.renderChat(messages);
+  assert.equal(rendered.text, '<s>system: Be brief.</s>\nuser: The quick brown fox</s>\nassistant:');
+  assert.deepEqual(rendered.tokenIds, await client.tokenize(rendered.text));
+  const open = await client.renderChat(messages, { addGenerationPrompt: false });
+  assert.ok(open.text.endsWith('fox</s>\n'));
+  const chat = await client.complete(messages, GREEDY);
+  const ids = await client.complete(rendered.tokenIds, GREEDY);
+  assert.equal(chat.started.promptTokens, rendered.tokenIds.length);
+  assert.deepEqual(chat.tokenIds, ids.tokenIds);
+});
+
+test('a chat message without a role is INVALID_ARGUMENT naming the field', async () => {
+  await assert.rejects(client.renderChat([{ content: 'no role' }]), (error) => {
+    assert.ok(error instanceof SluiceError, String(error));
+    assert.equal(error.code, status.INVALID_ARGUMENT);
+    assert.ok(error.fieldViolations.some((v) => v.field === 'chat.messages[0].role'), JSON.stringify(error.fieldViolations));
+    return true;
+  });
+});
+
 test("the README's example runs against the server", async () => {
   const packageRoot = dirname(dirname(fileURLToPath(import.meta.url)));
   const readme = await readFile(`${packageRoot}/README.md`, 'utf8');

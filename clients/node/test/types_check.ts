@@ -23,6 +23,11 @@ export async function usage(target: string): Promise<void> {
     const logprobs: number[] = scored.started.promptLogprobs.logprobs;
     void [logprobs, scored.started.promptLogprobs.start];
   }
+  const chat = [{ role: 'user', content: 'Hi' }, { role: 'tool', content: '{}', tool_call_id: 'abc123XYZ' }];
+  const rendered = await client.renderChat(chat, { templateKwargs: { enable_thinking: false }, tools: [] });
+  const renderedIds: number[] = rendered.tokenIds;
+  void [rendered.text, renderedIds];
+  void (await client.complete(chat, { addGenerationPrompt: true, continueFinalMessage: false, maxTokens: 4 }));
   const all: Completion[] = await collect(client.generate('x', { n: 2 }));
   void all;
   const samples = await client.complete('x', { n: 3 });

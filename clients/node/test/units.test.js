@@ -12,7 +12,7 @@ import { promisify } from 'node:util';
 
 import { Metadata } from '@grpc/grpc-js';
 
-import { buildRequest, readSafetensorsIndex } from '../index.js';
+import { buildRequest, chatPrompt, readSafetensorsIndex } from '../index.js';
 import { toSluiceError } from '../src/errors.js';
 import { rpcStatusTypes } from '../src/protos.js';
 import { EventQueue } from '../src/queue.js';
@@ -57,6 +57,21 @@ test('buildRequest sends explicit zeros of optional fields (temperature 0 is gre
   assert.ok(!('topP' in request.sampling), 'unset options stay unset');
   assert.equal(buildRequest('Hi').text, 'Hi');
   assert.throws(() => buildRequest({ text: 'Hi' }), TypeError);
+});
+
+test('buildRequest makes a chat prompt of messages: extra keys as JSON, extras when given', () => {
+  const messages = [
+    { role: 'user', content: 'Hi' },
+    { role: 'assistant', content: '', tool_calls: [{ function: { name: 'f', arguments: {} } }] },
+  ];
+  const { chat } = buildRequest(messages, { tools: [{ type: 'function' }], templateKwargs: { enable_thinking: false } });
+  assert.deepEqual(chat.messages[0], { role: 'user', content: 'Hi', extraJson: '' });
+  assert.deepEqual(JSON.parse(chat.messages[1].extraJson), { tool_calls: [{ function: { name: 'f', arguments: {} } }] });
+  assert.equal(chat.toolsJson, '[{"type":"function"}]');
+  assert.equal(chat.templateKwargsJson, '{"enable_thinking":false}');
+  assert.ok(!('addGenerationPrompt' in chat), "unset: the server's default (true)");
+  assert.equal(buildRequest(messages, { addGenerationPrompt: false }).chat.addGenerationPrompt, false);
+  assert.deepEqual(chatPrompt(messages, { continueFinalMessage: true }).continueFinalMessage, true);
 });
 
 test('buildHeader needs exactly one source and a known in-flight policy', () => {
@@ -195,6 +210,6 @@ test('a packed tarball carries the sluice.v1 protos and loads them from its own 
     const loaded = await run(process.execPath, ['--input-type=module', '-e', probe], { cwd: join(dir, 'package') });
     const [root, methods] = loaded.stdout.trim().split('\n');
     assert.equal(root, join(dir, 'package', 'proto'));
-    assert.equal(methods, 'Generate,GenerateStream,Cancel,Tokenize,GetServerInfo');
+    assert.equal(methods, 'Generate,GenerateStream,Cancel,Tokenize,GetServerInfo,RenderChat');
   });
 });

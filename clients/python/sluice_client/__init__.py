@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from sluice_client.aio import AsyncClient, AsyncGenerateStream
     from sluice_client.channels import TlsConfig
     from sluice_client.replicas import ReplicaUpdate, update_all
-    from sluice_client.requests import Collector, Completion, build_request
+    from sluice_client.requests import Collector, Completion, build_request, chat_prompt
     from sluice_client.retry import DEFAULT_SERVICE_CONFIG
     from sluice_client.sync import Client, GenerateStream
     from sluice_client.weights import build_header, read_safetensors, tensor_chunks
@@ -42,6 +42,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "admin_pb": ("sluice.v1.admin_pb2", None),
     "build_header": ("sluice_client.weights", "build_header"),
     "build_request": ("sluice_client.requests", "build_request"),
+    "chat_prompt": ("sluice_client.requests", "chat_prompt"),
     "pb": ("sluice.v1.generation_pb2", None),
     "read_safetensors": ("sluice_client.weights", "read_safetensors"),
     "tensor_chunks": ("sluice_client.weights", "tensor_chunks"),
@@ -61,6 +62,7 @@ __all__ = [
     "admin_pb",
     "build_header",
     "build_request",
+    "chat_prompt",
     "pb",
     "read_safetensors",
     "tensor_chunks",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any, Literal, overload
 
 import grpc
@@ -12,10 +12,15 @@ from sluice.v1 import generation_pb2_grpc
 
 from sluice_client.affinity import with_affinity
 from sluice_client.channels import TlsConfig, aio_secure_or_insecure
-from sluice_client.requests import Collector, Completion, build_request, samples_asked
+from sluice_client.requests import (
+    Collector,
+    Completion,
+    Prompt,
+    build_request,
+    chat_prompt,
+    samples_asked,
+)
 from sluice_client.retry import Retry, channel_options
-
-Prompt = str | Sequence[int]
 
 
 class AsyncClient:
@@ -148,6 +153,19 @@ class AsyncClient:
         request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
         response = await self.stub.Tokenize(request, metadata=self.metadata)
         return list(response.token_ids)
+
+    async def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | pb.ChatPrompt,
+        *,
+        timeout: float | None = None,
+        **chat_options: Any,
+    ) -> pb.RenderChatResponse:
+        """The server's rendering of a chat: its `text` and `token_ids`, as a Generate with
+        this chat would use them. `chat_options`: those of `chat_prompt` (tools,
+        add_generation_prompt, continue_final_message, template_kwargs)."""
+        request = pb.RenderChatRequest(chat=chat_prompt(messages, **chat_options))
+        return await self.stub.RenderChat(request, metadata=self.metadata, timeout=timeout)
 
     async def info(self) -> pb.ServerInfo:
         return await self.stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=self.metadata)

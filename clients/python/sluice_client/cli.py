@@ -20,6 +20,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sluice_client.chat_verb import add_chat_verb
 from sluice_client.sleep_verbs import add_sleep_verbs
 
 if TYPE_CHECKING:
@@ -160,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tls_flags(update)
     update.set_defaults(run=run_update_weights)
     add_sleep_verbs(verbs)
+    add_chat_verb(verbs)
     return parser
 
 

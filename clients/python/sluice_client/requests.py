@@ -2,14 +2,67 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import json
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from sluice.v1 import generation_pb2 as pb
 
+# A prompt: text, token ids, or a chat (a list of message dicts, or a ChatPrompt).
+Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]] | pb.ChatPrompt
+
+
+def chat_prompt(
+    messages: Sequence[Mapping[str, Any]] | pb.ChatPrompt,
+    *,
+    tools: Sequence[Any] | None = None,
+    add_generation_prompt: bool | None = None,
+    continue_final_message: bool = False,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> pb.ChatPrompt:
+    """A ChatPrompt from messages as transformers takes them: dicts with `role` and `content`;
+    any other key (`tool_calls`, `tool_call_id`, `reasoning_content`...) goes to the template
+    as part of the message (ChatMessage.extra_json). `tools`: JSON-able tool definitions;
+    `template_kwargs`: extra template variables (e.g. {"enable_thinking": False}).
+    None leaves add_generation_prompt unset (the server's default: true)."""
+    if isinstance(messages, pb.ChatPrompt):
+        prompt = pb.ChatPrompt()
+        prompt.CopyFrom(messages)
+    else:
+        prompt = pb.ChatPrompt()
+        for message in messages:
+            extra = {k: v for k, v in message.items() if k not in ("role", "content")}
+            prompt.messages.add(
+                role=message.get("role", ""),
+                content=message.get("content") or "",
+                extra_json=json.dumps(extra) if extra else "",
+            )
+    if tools is not None:
+        prompt.tools_json = json.dumps(list(tools))
+    if add_generation_prompt is not None:
+        prompt.add_generation_prompt = add_generation_prompt
+    if continue_final_message:
+        prompt.continue_final_message = True
+    if template_kwargs is not None:
+        prompt.template_kwargs_json = json.dumps(dict(template_kwargs))
+    return prompt
+
+
+def is_chat(prompt: object) -> bool:
+    """A ChatPrompt, or a non-empty sequence of message mappings."""
+    if isinstance(prompt, pb.ChatPrompt):
+        return True
+    return (
+        isinstance(prompt, Sequence)
+        and not isinstance(prompt, str)
+        and len(prompt) > 0
+        and all(isinstance(m, Mapping) for m in prompt)
+    )
+
 
 def build_request(
-    prompt: str | Sequence[int],
+    prompt: Prompt,
     *,
     request_id: str = "",
     max_tokens: int | None = None,
@@ -37,8 +90,15 @@ def build_request(
     n: int | None = None,
     min_policy_version: int | None = None,
     priority: int = 0,
+    tools: Sequence[Any] | None = None,
+    add_generation_prompt: bool | None = None,
+    continue_final_message: bool = False,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest; None leaves a field unset (the server's default applies).
+    `prompt`: text, token ids, or a chat: a list of messages ({"role", "content", ...}) or a
+    ChatPrompt, rendered by the server's chat template; `tools`, `add_generation_prompt`,
+    `continue_final_message` and `template_kwargs` apply to a chat (see `chat_prompt`).
     `logprob_mode`: "RAW", "PROCESSED" or "SAMPLED" (LogprobMode without its prefix)."""
     sampling = pb.SamplingParams()
     for name, value in (
@@ -78,10 +138,23 @@ def build_request(
     request = pb.GenerateRequest(
         request_id=request_id, sampling=sampling, stop=stop_params, output=output, priority=priority
     )
-    if isinstance(prompt, str):
+    chat_options = {
+        "tools": tools,
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final_message,
+        "template_kwargs": template_kwargs,
+    }
+    if is_chat(prompt):
+        request.chat.CopyFrom(chat_prompt(prompt, **chat_options))  # type: ignore[arg-type]
+    elif any(chat_options.values()) or add_generation_prompt is not None:
+        raise ValueError(
+            "tools, add_generation_prompt, continue_final_message and "
+            "template_kwargs apply to a chat prompt (a list of messages)"
+        )
+    elif isinstance(prompt, str):
         request.text = prompt
     else:
-        request.token_ids.ids.extend(prompt)
+        request.token_ids.ids.extend(prompt)  # type: ignore[arg-type]
     if n is not None:
         request.n = n
     if min_policy_version is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import queue
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, overload
 
 import grpc
@@ -19,7 +19,14 @@ from sluice.v1 import generation_pb2 as pb
 
 from sluice_client.affinity import with_affinity
 from sluice_client.channels import TlsConfig, secure_or_insecure
-from sluice_client.requests import Collector, Completion, build_request, samples_asked
+from sluice_client.requests import (
+    Collector,
+    Completion,
+    Prompt,
+    build_request,
+    chat_prompt,
+    samples_asked,
+)
 from sluice_client.retry import Retry, channel_options
 from sluice_client.weights import (
     DEFAULT_CHUNK_BYTES,
@@ -29,7 +36,6 @@ from sluice_client.weights import (
     tensor_chunks,
 )
 
-Prompt = str | Sequence[int]
 OnProgress = Callable[[admin_pb.UpdateWeightsProgress], None]
 
 
@@ -170,6 +176,19 @@ class Client:
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
         return list(self.stub.Tokenize(request, metadata=self.metadata).token_ids)
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | pb.ChatPrompt,
+        *,
+        timeout: float | None = None,
+        **chat_options: Any,
+    ) -> pb.RenderChatResponse:
+        """The server's rendering of a chat: its `text` and `token_ids`, as a Generate with
+        this chat would use them. `chat_options`: those of `chat_prompt` (tools,
+        add_generation_prompt, continue_final_message, template_kwargs)."""
+        request = pb.RenderChatRequest(chat=chat_prompt(messages, **chat_options))
+        return self.stub.RenderChat(request, metadata=self.metadata, timeout=timeout)
 
     def info(self) -> pb.ServerInfo:
         return self.stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=self.metadata)

@@ -172,6 +172,7 @@ class GenerateRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    CHAT_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
     OUTPUT_FIELD_NUMBER: _builtins.int
@@ -208,6 +209,14 @@ class GenerateRequest(_message.Message):
         """Token ids, used as given (no special tokens added)."""
 
     @_builtins.property
+    def chat(self) -> Global___ChatPrompt:
+        """A conversation, rendered with the model's chat template and tokenized without adding
+        special tokens (the template writes them), exactly as transformers'
+        apply_chat_template(..., tokenize=True). FAILED_PRECONDITION when the model has no chat
+        template; RenderChat returns the same text and ids.
+        """
+
+    @_builtins.property
     def sampling(self) -> Global___SamplingParams:
         """How each token is drawn. Unset: every SamplingParams default (temperature 1, no filters)."""
 
@@ -225,6 +234,7 @@ class GenerateRequest(_message.Message):
         request_id: _builtins.str = ...,
         text: _builtins.str = ...,
         token_ids: Global___TokenIds | None = ...,
+        chat: Global___ChatPrompt | None = ...,
         sampling: Global___SamplingParams | None = ...,
         stop: Global___StopParams | None = ...,
         output: Global___OutputOptions | None = ...,
@@ -232,15 +242,15 @@ class GenerateRequest(_message.Message):
         min_policy_version: _builtins.int | None = ...,
         priority: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_min_policy_version", b"_min_policy_version", "_n", b"_n", "min_policy_version", b"min_policy_version", "n", b"n", "output", b"output", "prompt", b"prompt", "sampling", b"sampling", "stop", b"stop", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_min_policy_version", b"_min_policy_version", "_n", b"_n", "chat", b"chat", "min_policy_version", b"min_policy_version", "n", b"n", "output", b"output", "prompt", b"prompt", "sampling", b"sampling", "stop", b"stop", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_policy_version", b"_min_policy_version", "_n", b"_n", "min_policy_version", b"min_policy_version", "n", b"n", "output", b"output", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "stop", b"stop", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_policy_version", b"_min_policy_version", "_n", b"_n", "chat", b"chat", "min_policy_version", b"min_policy_version", "n", b"n", "output", b"output", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "stop", b"stop", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__min_policy_version: _TypeAlias = _typing.Literal["min_policy_version"]  # noqa: Y015
     _WhichOneofArgType__min_policy_version: _TypeAlias = _typing.Literal["_min_policy_version", b"_min_policy_version"]  # noqa: Y015
     _WhichOneofReturnType__n: _TypeAlias = _typing.Literal["n"]  # noqa: Y015
     _WhichOneofArgType__n: _TypeAlias = _typing.Literal["_n", b"_n"]  # noqa: Y015
-    _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["text", "token_ids"]  # noqa: Y015
+    _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["text", "token_ids", "chat"]  # noqa: Y015
     _WhichOneofArgType_prompt: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_policy_version) -> _WhichOneofReturnType__min_policy_version | None: ...
@@ -1038,6 +1048,149 @@ class GetServerInfoRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetServerInfoRequest: _TypeAlias = GetServerInfoRequest  # noqa: Y015
+
+@_typing.final
+class ChatPrompt(_message.Message):
+    """A conversation for the model's chat template (Jinja, rendered in a sandbox as transformers
+    renders it). Every message's content, the tools and the template arguments together may
+    hold at most as many UTF-8 bytes as a text prompt (max_model_len x the tokenizer's longest
+    token); the rendered text is bounded the same way (INVALID_ARGUMENT, field `chat`).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _builtins.int
+    CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _builtins.int
+    TOOLS_JSON_FIELD_NUMBER: _builtins.int
+    TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _builtins.int
+    add_generation_prompt: _builtins.bool
+    """End the prompt with the header of an assistant turn, for the model to write it. Default
+    true.
+    """
+    continue_final_message: _builtins.bool
+    """Leave the final message open (no end-of-turn marker after it) so that the model continues
+    it, as transformers' continue_final_message; the final message must have content. Use
+    with add_generation_prompt false. Default false.
+    """
+    tools_json: _builtins.str
+    """Tool definitions for templates that take them (`tools`): a JSON array, usually of
+    {"type": "function", "function": {...}} objects. Default (empty): no tools.
+    """
+    template_kwargs_json: _builtins.str
+    """Extra template variables: a JSON object whose keys become variables of the template, e.g.
+    {"enable_thinking": false} for Qwen3 or {"date_string": "26 Jul 2024"} for Llama 3. They
+    override the special tokens of the same name. Default (empty): none.
+    """
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
+        """The turns, in order; not empty (INVALID_ARGUMENT, field `chat.messages`)."""
+
+    def __init__(
+        self,
+        *,
+        messages: _abc.Iterable[Global___ChatMessage] | None = ...,
+        add_generation_prompt: _builtins.bool | None = ...,
+        continue_final_message: _builtins.bool = ...,
+        tools_json: _builtins.str = ...,
+        template_kwargs_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "add_generation_prompt", b"add_generation_prompt"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "add_generation_prompt", b"add_generation_prompt", "continue_final_message", b"continue_final_message", "messages", b"messages", "template_kwargs_json", b"template_kwargs_json", "tools_json", b"tools_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__add_generation_prompt: _TypeAlias = _typing.Literal["add_generation_prompt"]  # noqa: Y015
+    _WhichOneofArgType__add_generation_prompt: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__add_generation_prompt) -> _WhichOneofReturnType__add_generation_prompt | None: ...
+
+Global___ChatPrompt: _TypeAlias = ChatPrompt  # noqa: Y015
+
+@_typing.final
+class ChatMessage(_message.Message):
+    """One turn of a conversation."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    """Who speaks: "system", "user", "assistant", "tool", or any role the template knows; not
+    empty (INVALID_ARGUMENT, field `chat.messages[i].role`).
+    """
+    content: _builtins.str
+    """The turn's text. May be empty (an assistant turn that only calls tools)."""
+    extra_json: _builtins.str
+    """More fields of the message for the template, as a JSON object merged into it, e.g.
+    {"tool_calls": [...]} on an assistant turn, {"tool_call_id": "..."} on a tool turn,
+    {"reasoning_content": "..."} for Qwen3. Default (empty): none.
+    """
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        content: _builtins.str = ...,
+        extra_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "extra_json", b"extra_json", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
+class RenderChatRequest(_message.Message):
+    """RenderChat's input."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHAT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def chat(self) -> Global___ChatPrompt:
+        """The conversation, as GenerateRequest.chat."""
+
+    def __init__(
+        self,
+        *,
+        chat: Global___ChatPrompt | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenderChatRequest: _TypeAlias = RenderChatRequest  # noqa: Y015
+
+@_typing.final
+class RenderChatResponse(_message.Message):
+    """A rendered chat."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """The template's text."""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Its token ids: what a Generate with this chat would use as its prompt."""
+
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenderChatResponse: _TypeAlias = RenderChatResponse  # noqa: Y015
 
 @_typing.final
 class TokenizeRequest(_message.Message):

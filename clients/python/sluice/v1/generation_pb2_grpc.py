@@ -60,6 +60,11 @@ class GenerationStub:
                 request_serializer=sluice_dot_v1_dot_generation__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=sluice_dot_v1_dot_generation__pb2.ServerInfo.FromString,
                 _registered_method=True)
+        self.RenderChat = channel.unary_unary(
+                '/sluice.v1.Generation/RenderChat',
+                request_serializer=sluice_dot_v1_dot_generation__pb2.RenderChatRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_generation__pb2.RenderChatResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -118,6 +123,16 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenderChat(self, request, context):
+        """Renders a chat with the served model's chat template and tokenizes it, as a `chat` prompt
+        is, without generating. UNAVAILABLE until the model is loaded; FAILED_PRECONDITION when the
+        model has no chat template (and the server no --chat-template); INVALID_ARGUMENT (naming
+        the field) for an invalid chat, a template error, or a prompt too long for the context.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +160,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=sluice_dot_v1_dot_generation__pb2.GetServerInfoRequest.FromString,
                     response_serializer=sluice_dot_v1_dot_generation__pb2.ServerInfo.SerializeToString,
+            ),
+            'RenderChat': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenderChat,
+                    request_deserializer=sluice_dot_v1_dot_generation__pb2.RenderChatRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_generation__pb2.RenderChatResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -283,6 +303,33 @@ class Generation:
             '/sluice.v1.Generation/GetServerInfo',
             sluice_dot_v1_dot_generation__pb2.GetServerInfoRequest.SerializeToString,
             sluice_dot_v1_dot_generation__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenderChat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Generation/RenderChat',
+            sluice_dot_v1_dot_generation__pb2.RenderChatRequest.SerializeToString,
+            sluice_dot_v1_dot_generation__pb2.RenderChatResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -83,6 +83,12 @@ class GenerationStub:
     """Describes the served model and the engine's current state. Answers in every state.
     buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
     """
+    RenderChat: _grpc.UnaryUnaryMultiCallable[_generation_pb2.RenderChatRequest, _generation_pb2.RenderChatResponse]
+    """Renders a chat with the served model's chat template and tokenizes it, as a `chat` prompt
+    is, without generating. UNAVAILABLE until the model is loaded; FAILED_PRECONDITION when the
+    model has no chat template (and the server no --chat-template); INVALID_ARGUMENT (naming
+    the field) for an invalid chat, a template error, or a prompt too long for the context.
+    """
 
 @_typing.type_check_only
 class GenerationAsyncStub(GenerationStub):
@@ -120,6 +126,12 @@ class GenerationAsyncStub(GenerationStub):
     GetServerInfo: _aio.UnaryUnaryMultiCallable[_generation_pb2.GetServerInfoRequest, _generation_pb2.ServerInfo]  # type: ignore[assignment]
     """Describes the served model and the engine's current state. Answers in every state.
     buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+    """
+    RenderChat: _aio.UnaryUnaryMultiCallable[_generation_pb2.RenderChatRequest, _generation_pb2.RenderChatResponse]  # type: ignore[assignment]
+    """Renders a chat with the served model's chat template and tokenizes it, as a `chat` prompt
+    is, without generating. UNAVAILABLE until the model is loaded; FAILED_PRECONDITION when the
+    model has no chat template (and the server no --chat-template); INVALID_ARGUMENT (naming
+    the field) for an invalid chat, a template error, or a prompt too long for the context.
     """
 
 class GenerationServicer(metaclass=_abc_1.ABCMeta):
@@ -185,6 +197,18 @@ class GenerationServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_generation_pb2.ServerInfo, _abc.Awaitable[_generation_pb2.ServerInfo]]:
         """Describes the served model and the engine's current state. Answers in every state.
         buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+        """
+
+    @_abc_1.abstractmethod
+    def RenderChat(
+        self,
+        request: _generation_pb2.RenderChatRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_generation_pb2.RenderChatResponse, _abc.Awaitable[_generation_pb2.RenderChatResponse]]:
+        """Renders a chat with the served model's chat template and tokenizes it, as a `chat` prompt
+        is, without generating. UNAVAILABLE until the model is loaded; FAILED_PRECONDITION when the
+        model has no chat template (and the server no --chat-template); INVALID_ARGUMENT (naming
+        the field) for an invalid chat, a template error, or a prompt too long for the context.
         """
 
 def add_GenerationServicer_to_server(servicer: GenerationServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,119 @@
+"""Chat prompts: a ChatPrompt checked, rendered with the model's chat template, and tokenized.
+
+Everything here happens before any engine work. Refusals: FAILED_PRECONDITION for a model
+without a template, INVALID_ARGUMENT (naming the field) for anything wrong with the chat,
+including the template's own raise_exception and any other failure to render.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import grpc
+from sluice.v1 import generation_pb2 as pb
+
+from engine.messages import ModelInfo
+from service.rpc.refusal import Refusal, invalid_argument
+from service.text.chat_template import Chat, ChatTemplate, ChatTemplateError, RenderTooLong
+from service.text.tokenizer import Tokenizer
+
+
+def no_template() -> Refusal:
+    return Refusal(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "the served model has no chat template (none in its tokenizer_config.json or "
+        "chat_template.jinja, and no --chat-template): send `text` or `token_ids`",
+    )
+
+
+def chat_violations(
+    prompt: pb.ChatPrompt, info: ModelInfo, tokenizer: Tokenizer, field: str = "chat"
+) -> list[tuple[str, str]]:
+    """What can be judged without rendering: empty parts, bad JSON, and the input's size."""
+    errors: list[tuple[str, str]] = []
+    if not prompt.messages:
+        errors.append((f"{field}.messages", "must not be empty"))
+    for i, message in enumerate(prompt.messages):
+        if not message.role:
+            errors.append((f"{field}.messages[{i}].role", "must not be empty"))
+        if message.extra_json and not isinstance(_json(message.extra_json), dict):
+            errors.append((f"{field}.messages[{i}].extra_json", "must be a JSON object"))
+    if prompt.tools_json and not isinstance(_json(prompt.tools_json), list):
+        errors.append((f"{field}.tools_json", "must be a JSON array"))
+    if prompt.template_kwargs_json and not isinstance(_json(prompt.template_kwargs_json), dict):
+        errors.append((f"{field}.template_kwargs_json", "must be a JSON object"))
+    limit = tokenizer.max_text_bytes(info.max_model_len)
+    size = sum(len(m.content.encode()) + len(m.extra_json.encode()) for m in prompt.messages)
+    size += len(prompt.tools_json.encode()) + len(prompt.template_kwargs_json.encode())
+    if size > limit:
+        errors.append(
+            (
+                field,
+                f"{size} bytes of messages, tools and arguments cannot fit in the context of "
+                f"{info.max_model_len} tokens (at most {limit} bytes for this tokenizer)",
+            )
+        )
+    return errors
+
+
+def to_chat(prompt: pb.ChatPrompt) -> Chat:
+    """The plain data a template sees; the prompt has passed chat_violations."""
+    messages = []
+    for m in prompt.messages:
+        extra = _json(m.extra_json) if m.extra_json else {}
+        messages.append({**extra, "role": m.role, "content": m.content})
+    return Chat(
+        messages=messages,
+        tools=_json(prompt.tools_json) if prompt.tools_json else None,
+        add_generation_prompt=(
+            prompt.add_generation_prompt if prompt.HasField("add_generation_prompt") else True
+        ),
+        continue_final_message=prompt.continue_final_message,
+        kwargs=_json(prompt.template_kwargs_json) if prompt.template_kwargs_json else None,
+    )
+
+
+async def render(
+    prompt: pb.ChatPrompt,
+    template: ChatTemplate | None,
+    info: ModelInfo,
+    tokenizer: Tokenizer,
+    field: str = "chat",
+    checked: bool = False,
+) -> tuple[str, list[int]]:
+    """The rendered text and its token ids, or a Refusal (also for ids that leave no room in
+    the context). `checked`: the prompt has passed chat_violations already. Rendering runs in
+    a worker thread: a template is a program, and a long conversation takes a while."""
+    if template is None:
+        raise no_template()
+    violations = [] if checked else chat_violations(prompt, info, tokenizer, field)
+    if violations:
+        raise invalid_argument(violations)
+    limit = tokenizer.max_text_bytes(info.max_model_len)
+    try:
+        text = await asyncio.to_thread(template.render, to_chat(prompt), limit)
+    except RenderTooLong as exc:
+        raise invalid_argument([(field, f"{exc}: it cannot fit in the context")]) from exc
+    except ChatTemplateError as exc:
+        raise invalid_argument([(field, f"the chat template refused it: {exc}")]) from exc
+    ids = await tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) >= info.max_model_len:
+        raise invalid_argument(
+            [
+                (
+                    "prompt",
+                    f"the rendered chat's {len(ids)} tokens leave no room in the context of "
+                    f"{info.max_model_len} tokens",
+                )
+            ]
+        )
+    return text, ids
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
