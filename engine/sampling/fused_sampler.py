@@ -85,7 +85,7 @@ class FusedSampler:
         assert logits.dtype in LOGIT_DTYPES, logits.dtype
         if batch.has_surface:
             assert not batch.raw_logprobs, "raw logprobs with a sampling surface: torch Sampler"
-            logits = apply_surface(logits.float(), batch)
+            logits = apply_surface(logits.float(), *batch.surface())
         assert logits.stride(1) == 1 and batch.floats.is_contiguous()
         assert batch.ints.is_contiguous()
         device = logits.device

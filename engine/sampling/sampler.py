@@ -84,6 +84,10 @@ class SamplingBatch:
     def has_surface(self) -> bool:
         return self.allowed_ids is not None or self.bias_ids is not None
 
+    def surface(self) -> tuple[torch.Tensor | None, ...]:
+        """apply_surface's arguments after the logits."""
+        return self.allowed_ids, self.allowed_rows, self.bias_ids, self.bias_values
+
     def column(self, name: str) -> torch.Tensor:
         if name in FLOAT_COLUMNS:
             return self.floats[:, FLOAT_COLUMNS.index(name)]
@@ -123,7 +127,7 @@ class Sampler:
         raw = logits = logits.float()  # [rows, vocab]
         sampled = batch.column("temperature") > 0
         if batch.has_surface:
-            logits = apply_surface(logits, batch)
+            logits = apply_surface(logits, *batch.surface())
         logits = self._processed(logits, batch)
         greedy = logits.argmax(dim=-1)  # the lowest id among equal maxima
         kept = None

@@ -14,28 +14,29 @@ element-wise ops over [rows, vocab], whatever the number of entries.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from engine.sampling.sampler import SamplingBatch
 
-
-def apply_surface(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """`logits` ([rows, vocab] float32) with the batch's surface applied; the same tensor when
-    the batch has none."""
+def apply_surface(
+    logits: torch.Tensor,
+    allowed_ids: torch.Tensor | None,
+    allowed_rows: torch.Tensor | None,
+    bias_ids: torch.Tensor | None,
+    bias_values: torch.Tensor | None,
+) -> torch.Tensor:
+    """`logits` ([rows, vocab] float32) with a SamplingBatch's surface applied (its fields of
+    these names); the same tensor when it has none."""
     rows, vocab = logits.shape
-    if batch.allowed_ids is not None:
-        assert batch.allowed_rows is not None
+    if allowed_ids is not None:
+        assert allowed_rows is not None
         # Over vocab + 1 columns: the last one soaks up padding.
         allowed = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=logits.device)
-        allowed = allowed.scatter_(1, batch.allowed_ids, True)[:, :vocab]
-        allowed |= ~batch.allowed_rows[:, None]
+        allowed = allowed.scatter_(1, allowed_ids, True)[:, :vocab]
+        allowed |= ~allowed_rows[:, None]
         logits = logits.masked_fill(~allowed, float("-inf"))
-    if batch.bias_ids is not None:
-        assert batch.bias_values is not None
+    if bias_ids is not None:
+        assert bias_values is not None
         bias = torch.zeros(rows, vocab + 1, device=logits.device)
-        bias = bias.scatter_add_(1, batch.bias_ids, batch.bias_values)[:, :vocab]
+        bias = bias.scatter_add_(1, bias_ids, bias_values)[:, :vocab]
         logits = logits + bias  # x + 0 is x: untouched tokens keep their logit exactly
     return logits
