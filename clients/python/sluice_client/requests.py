@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sluice.v1 import generation_pb2 as pb
@@ -22,6 +22,10 @@ def build_request(
     presence_penalty: float | None = None,
     repetition_penalty: float | None = None,
     seed: int | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    allowed_token_ids: Iterable[int] = (),
+    bad_words: Iterable[str] = (),
+    bad_token_ids: Iterable[int] = (),
     stop: Iterable[str] = (),
     stop_token_ids: Iterable[int] = (),
     ignore_eos: bool = False,
@@ -39,8 +43,15 @@ def build_request(
     priority: int = 0,
 ) -> pb.GenerateRequest:
     """A GenerateRequest; None leaves a field unset (the server's default applies).
-    `logprob_mode`: "RAW", "PROCESSED" or "SAMPLED" (LogprobMode without its prefix)."""
-    sampling = pb.SamplingParams()
+    `logprob_mode`: "RAW", "PROCESSED" or "SAMPLED" (LogprobMode without its prefix).
+    `logit_bias` (token id -> bias), `allowed_token_ids`, `bad_words`, `bad_token_ids`: the
+    sampling surface (SamplingParams in the proto)."""
+    sampling = pb.SamplingParams(
+        logit_bias=dict(logit_bias or {}),
+        allowed_token_ids=list(allowed_token_ids),
+        bad_words=list(bad_words),
+        bad_token_ids=list(bad_token_ids),
+    )
     for name, value in (
         ("temperature", temperature),
         ("top_p", top_p),
