@@ -513,9 +513,9 @@ class OutputOptions(_message.Message):
     SAMPLING_SUPPORT_FIELD_NUMBER: _builtins.int
     logprobs: _builtins.bool
     """Return the log-probability of each sampled token (TokenChunk.logprobs), under the
-    distribution logprob_mode names (by default the log-softmax of the logits after penalties
-    and min_tokens suppression, divided by the temperature (1 when greedy), before top-k, top-p
-    and min-p). Default false.
+    distribution logprob_mode names (by default the log-softmax of the logits after the
+    sampling surface (SamplingParams.logit_bias, ...), penalties and min_tokens suppression,
+    divided by the temperature (1 when greedy), before top-k, top-p and min-p). Default false.
     """
     top_logprobs: _builtins.int
     """Also return this many most likely tokens per position (TokenChunk.top_logprobs), from the
