@@ -6,8 +6,9 @@ it runs. They are written into the row of its BlockTable slot when the slot chan
 (its epoch moves: a new request, or the same one re-admitted after preemption) and a step
 gathers its rows with one numpy index; only the noise counter (the output index) is
 per-step. Its sampling surface (logit bias, allowed and banned ids) is kept as a RowSurface
-(engine/execution/surface_rows.py) beside the row. A row without a slot (a sibling of n > 1 sampling its first token from its
-leader's prompt, before it forks) is filled on its own, every time.
+(engine/execution/surface_rows.py) beside the row. A row without a slot (a sibling of n > 1
+sampling its first token from its leader's prompt, before it forks) is filled on its own,
+every time.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Order of operations per row (it defines the logprobs callers get, docs/service.md):
   raw logits -> the sampling surface (allowed ids, bad ids and words, logit bias:
-  engine/sampling/surface.py) -> penalties (repetition, frequency, presence) and min_tokens suppression
+  engine/sampling/surface.py) -> penalties (repetition, frequency, presence) and min_tokens
+  suppression
   -> divide by temperature (greedy counts as 1)         => "processed" logits, logprobs here
   -> top-k, top-p, min-p truncation -> sample (greedy rows: argmax of processed logits).
 Logprob modes: RAW (the raw logits' log-softmax), PROCESSED (the default, above) and SAMPLED:
