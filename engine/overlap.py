@@ -20,7 +20,8 @@ the whole pool (the plain loop ends them with ERROR unless the token stops them 
 Some steps are not overlapped: step N is collected before N+1 is scheduled while a weight
 update or a sleep is in progress (a swap, or freeing the KV pool, needs nothing in flight), when N sampled the first tokens of
 n > 1 siblings (forking copies KV pages on the host's side), and when a request sampled at N
-uses penalties (the sampler reads its full token history on the host).
+uses penalties or bad words of two or more tokens (the sampler reads its token history on the
+host).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Protocol, TypeVar
 from engine.config import EngineConfig
 from engine.execution.launched_step import LaunchedStep, PendingInputs, Sampled
 from engine.execution.model_runner import ModelRunner
-from engine.execution.sampling_slots import uses_penalties
+from engine.execution.sampling_slots import reads_history
 from engine.messages import RequestOutput
 from engine.scheduling.page_pool import PagePool
 from engine.scheduling.request import Request, RequestStatus
@@ -176,7 +177,7 @@ class OverlappedSteps:
             # Held: it ends at this token for sure, or its next token would not fit the pool.
             if len(tokens) - req.prompt_len >= req.max_tokens or len(tokens) + 1 > capacity:
                 held.add(req)
-            if req.status is RequestStatus.FORK_PENDING or uses_penalties(req):
+            if req.status is RequestStatus.FORK_PENDING or reads_history(req):
                 needs_host = True
         computed = [req.num_computed_tokens for req in batch.requests]
         return InflightStep(batch, launched, placeholders, computed, held, needs_host)

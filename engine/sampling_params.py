@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20
 # A token's sampling support holds at most top_k ids (plus ties at the k-th logit, at most
@@ -22,6 +22,13 @@ GREEDY_TEMPERATURE = 1e-5
 # stays finite in float32 (3.4e38) unless it already exceeds 3.4e30, far above any model's.
 REPETITION_PENALTY_RANGE = (0.001, 1000.0)
 _FLOAT32_MAX = 3.4028234663852886e38  # finite Python floats above this are inf on the device
+# The sampling surface (logit_bias, allowed_token_ids, bad_token_ids, bad_word_ids): bounded so
+# that a step's masks stay small. OpenAI takes 300 logit_bias entries in [-100, 100].
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_TOKEN_ID_LIST = 1024  # allowed_token_ids, bad_token_ids
+MAX_BAD_WORD_IDS = 128  # token sequences (the service sends two per bad word)
+MAX_BAD_WORD_TOKENS = 64  # tokens per sequence
 
 
 class LogprobMode(enum.StrEnum):
@@ -43,6 +50,12 @@ class SamplingParams:
     With prompt_logprobs, the first output also carries the prompt's log-probabilities from
     position prompt_logprobs_start on (PromptLogprobs); max_tokens may then be 0: the prompt
     is scored and nothing is generated.
+
+    The sampling surface applies to the raw logits first (engine/sampling/surface.py), before
+    penalties: with allowed_token_ids every other token is -inf, bad_token_ids are -inf, each
+    bad_word_ids sequence bans its last token where the output ends with the rest of it (a
+    one-token sequence always), logit_bias (token id -> bias) is added. Raw logprobs and
+    prompt logprobs do not see it.
     """
 
     temperature: float = 1.0
@@ -64,6 +77,17 @@ class SamplingParams:
     prompt_logprobs_start: int = 1  # the first prompt position scored (0 has no context)
     logprob_mode: LogprobMode | None = None  # None: PROCESSED (RAW with raw_logprobs)
     sampling_support: bool = False  # return the ids each token could have been drawn from
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    allowed_token_ids: tuple[int, ...] = ()  # () = every token
+    bad_token_ids: tuple[int, ...] = ()
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()  # the service tokenises bad_words into these
+
+    @property
+    def has_surface(self) -> bool:
+        """Any of logit_bias, allowed_token_ids, bad_token_ids, bad_word_ids is set."""
+        return bool(
+            self.logit_bias or self.allowed_token_ids or self.bad_token_ids or self.bad_word_ids
+        )
 
     @property
     def greedy(self) -> bool:
@@ -135,6 +159,45 @@ class SamplingParams:
             errs.append(("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]"))
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             errs.append(("stop_token_ids", f"every id must be in [0, {vocab_size})"))
+        if self.has_surface:
+            errs += self._surface_errors(vocab_size)
+        return errs
+
+    def _surface_errors(self, vocab_size: int | None) -> list[tuple[str, str]]:
+        """The sampling surface's bounds: counts first, so that nothing looks at more."""
+        errs: list[tuple[str, str]] = []
+
+        def bad_ids(ids: object) -> bool:
+            return any(
+                not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size)
+                for t in ids  # type: ignore[attr-defined]
+            )
+
+        in_range = f"every id must be in [0, {vocab_size})" if vocab_size else "ids must be >= 0"
+        low, high = LOGIT_BIAS_RANGE
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            errs.append(("logit_bias", f"at most {MAX_LOGIT_BIAS} entries"))
+        elif bad_ids(self.logit_bias):
+            errs.append(("logit_bias", in_range))
+        elif not all(low <= b <= high for b in self.logit_bias.values()):  # NaN fails too
+            errs.append(("logit_bias", f"every bias must be in [{low:g}, {high:g}]"))
+        for name in ("allowed_token_ids", "bad_token_ids"):
+            ids = getattr(self, name)
+            if len(ids) > MAX_TOKEN_ID_LIST:
+                errs.append((name, f"at most {MAX_TOKEN_ID_LIST} ids"))
+            elif bad_ids(ids):
+                errs.append((name, in_range))
+        words = self.bad_word_ids
+        if len(words) > MAX_BAD_WORD_IDS:
+            errs.append(("bad_word_ids", f"at most {MAX_BAD_WORD_IDS} token sequences"))
+        elif not all(1 <= len(w) <= MAX_BAD_WORD_TOKENS for w in words):
+            errs.append(("bad_word_ids", f"each sequence must be 1 to {MAX_BAD_WORD_TOKENS} ids"))
+        elif any(bad_ids(w) for w in words):
+            errs.append(("bad_word_ids", in_range))
+        if self.allowed_token_ids and not errs:
+            banned = set(self.bad_token_ids) | {w[0] for w in words if len(w) == 1}
+            if banned.issuperset(self.allowed_token_ids):
+                errs.append(("allowed_token_ids", "every allowed id is banned (bad ids or words)"))
         return errs
 
 

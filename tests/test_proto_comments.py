@@ -64,6 +64,8 @@ def _message_elements(
     for i, field in enumerate(message.field):
         elements.append(((*path, MESSAGE_FIELD, i), f"field {name}.{field.name}"))
     for i, nested in enumerate(message.nested_type):
+        if nested.options.map_entry:  # a map field's entry: protoc's, not in the source
+            continue
         elements += _message_elements(nested, (*path, MESSAGE_NESTED, i), f"{name}.")
     for i, enum in enumerate(message.enum_type):
         elements += _enum_elements(enum, (*path, MESSAGE_ENUM, i), f"{name}.")

@@ -86,6 +86,15 @@ export interface GenerateOptions extends RoutedCallOptions, ChatOptions {
   presencePenalty?: number;
   repetitionPenalty?: number;
   seed?: number | string;
+  /** Token id -> a bias added to its logit before penalties and temperature; at most 300
+   * entries, biases in [-100, 100]. */
+  logitBias?: Readonly<Record<number, number>> | ReadonlyMap<number, number>;
+  /** Only these token ids may be sampled (at most 1024). */
+  allowedTokenIds?: readonly number[];
+  /** Strings never generated (tokenized by the server, alone and after a space); at most 64. */
+  badWords?: readonly string[];
+  /** Token ids never sampled (at most 1024). */
+  badTokenIds?: readonly number[];
   stop?: readonly string[];
   stopTokenIds?: readonly number[];
   ignoreEos?: boolean;

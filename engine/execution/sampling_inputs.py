@@ -2,7 +2,8 @@
 
 The per-row numbers are gathered into the step's buffers and the batch's flags are the OR of
 the rows' bits (engine/execution/sampling_slots.py); what varies with the tokens (the token
-histories penalties read, the stop ids banned below min_tokens) becomes a tensor of its own,
+histories penalties read, the stop ids banned below min_tokens, the sampling surface's
+masks: engine/execution/surface_rows.py) becomes a tensor of its own,
 only when some row needs it.
 """
 
@@ -13,6 +14,7 @@ import torch
 from engine.execution import sampling_slots as slot_bits
 from engine.execution.sampling_slots import SamplingSlots
 from engine.execution.step_inputs import StepArrays, StepInputs
+from engine.execution.surface_rows import surface_tensors
 from engine.messages import SUPPORT_TIES, LogprobMode
 from engine.sampling.sampler import SamplingBatch
 from engine.scheduling.block_table import BlockTable
@@ -84,6 +86,10 @@ class SamplingInputs:
                 stop_ids[row] = self._stop_ids(reqs[row])
             if any(stop_ids):
                 batch.suppress_ids = self._padded([list(b) for b in stop_ids])
+        if flags & slot_bits.SURFACE:
+            surfaces = self.slots.row_surfaces(reqs)
+            tensors = surface_tensors(reqs, surfaces, self.vocab_size, self.device)
+            batch.allowed_ids, batch.allowed_rows, batch.bias_ids, batch.bias_values = tensors
         return batch
 
     def _rows_in(self, modes: list[LogprobMode], mode: LogprobMode) -> torch.Tensor:

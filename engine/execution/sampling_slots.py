@@ -5,8 +5,10 @@ output starts) and what it asks of the sampler (top-k on, logprobs, ...) do not 
 it runs. They are written into the row of its BlockTable slot when the slot changes hands
 (its epoch moves: a new request, or the same one re-admitted after preemption) and a step
 gathers its rows with one numpy index; only the noise counter (the output index) is
-per-step. A row without a slot (a sibling of n > 1 sampling its first token from its
-leader's prompt, before it forks) is filled on its own, every time.
+per-step. Its sampling surface (logit bias, allowed and banned ids) is kept as a RowSurface
+(engine/execution/surface_rows.py) beside the row. A row without a slot (a sibling of n > 1
+sampling its first token from its leader's prompt, before it forks) is filled on its own,
+every time.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from engine.execution.surface_rows import RowSurface, has_long_bad_words, row_surface
 from engine.messages import LogprobMode
 from engine.scheduling.block_table import BlockTable
 from engine.scheduling.request import Request
@@ -32,6 +35,7 @@ RAW = 256  # its logprob mode (what its top logprobs rank by): RAW,
 PROCESSED = 512  # PROCESSED,
 SAMPLED_MODE = 1024  # or SAMPLED
 SUPPORT = 2048  # the sampling support
+SURFACE = 4096  # a sampling surface
 MODE_BITS = {
     LogprobMode.RAW: (RAW_LOGPROBS, RAW),
     LogprobMode.PROCESSED: (LOGPROBS, PROCESSED),
@@ -47,13 +51,15 @@ class SamplingSlots:
         self.top_logprobs = np.zeros(0, dtype=np.int64)
         self.min_tokens = np.zeros(0, dtype=np.int64)
         self.epochs = np.zeros(0, dtype=np.int64)  # the slot epoch each row was filled for
+        self._surfaces: list[RowSurface | None] = []
 
     def gather(
         self, table: BlockTable, reqs: Sequence[Request], floats: np.ndarray, ints: np.ndarray
     ) -> tuple[int, int, np.ndarray]:
         """Write the rows of `reqs` into `floats` and `ints` (the step's host buffers, at least
         len(reqs) rows). Returns (the OR of their flags, their largest top_logprobs, the rows
-        whose min_tokens is not reached yet)."""
+        whose min_tokens is not reached yet). With SURFACE in the flags, `row_surfaces(reqs)`
+        gives their sampling surfaces."""
         if len(self.epochs) != table.num_slots:
             self._resize(table.num_slots)
         rows = len(reqs)
@@ -80,10 +86,15 @@ class SamplingSlots:
         top_max = int(top.max()) if rows else 0
         return int(np.bitwise_or.reduce(flags)) if rows else 0, top_max, banned
 
+    def row_surfaces(self, reqs: Sequence[Request]) -> list[RowSurface | None]:
+        """The sampling surfaces of rows just gathered (a slotless row's made on the spot)."""
+        return [row_surface(r.params) if r.slot is None else self._surfaces[r.slot] for r in reqs]
+
     def _fill(self, slot: int, req: Request, epoch: int) -> None:
         row_floats, row_ints, flags, top, min_tokens = _row(req)
         self.floats[slot], self.ints[slot] = row_floats, row_ints
         self.flags[slot], self.top_logprobs[slot], self.min_tokens[slot] = flags, top, min_tokens
+        self._surfaces[slot] = row_surface(req.params)
         self.epochs[slot] = epoch
 
     def _resize(self, num_slots: int) -> None:
@@ -94,6 +105,7 @@ class SamplingSlots:
         self.top_logprobs = np.zeros(num_slots, dtype=np.int64)
         self.min_tokens = np.zeros(num_slots, dtype=np.int64)
         self.epochs = np.full(num_slots, -1, dtype=np.int64)
+        self._surfaces = [None] * num_slots
 
 
 def _row(req: Request) -> tuple[tuple[float, ...], tuple[int, ...], int, int, int]:
@@ -114,7 +126,14 @@ def _row(req: Request) -> tuple[tuple[float, ...], tuple[int, ...], int, int, in
         flags |= PENALTIES
     logprobs, mode = MODE_BITS[p.mode]
     flags |= mode | (logprobs if p.logprobs else 0) | (SUPPORT if p.sampling_support else 0)
+    flags |= SURFACE if p.has_surface else 0
     return floats, ints, flags, p.top_logprobs, p.min_tokens
+
+
+def reads_history(req: Request) -> bool:
+    """The sampler reads the request's tokens on the host: penalties, or bad words of two or
+    more ids (an overlapped step's pending token is not there yet)."""
+    return uses_penalties(req) or has_long_bad_words(req)
 
 
 def uses_penalties(req: Request) -> bool:

@@ -18,6 +18,11 @@ engine/sampling/sampling_math.py's arithmetic with the same operations in the sa
 in engine/sampling/fused_math.py) and the slices meet only through integer atomics, so the
 kernels pick exactly the tokens the torch Sampler picks; logprobs agree to float32 rounding.
 
+A batch with a sampling surface (engine/sampling/surface.py) has it applied to its logits, in
+float32, before the first launch: the torch Sampler applies the same function to the same
+float32 numbers. Raw logprobs would then come from the changed logits, so such a batch must
+not ask for them (sampler_choice.FusedOrTorch runs the torch Sampler instead).
+
 The kernels also run under Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors, which is
 how the tests check them against the torch Sampler.
 """
@@ -32,6 +37,7 @@ from engine.sampling.fused_passes import count_pass, mass_pass, race_pass, stats
 from engine.sampling.fused_select import LEVELS, SCRATCH
 from engine.sampling.fused_survivors import gather_pass, survivors_race
 from engine.sampling.sampler import SamplerOutput, SamplingBatch
+from engine.sampling.surface import apply_surface
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -77,6 +83,9 @@ class FusedSampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         rows, vocab = logits.shape
         assert logits.dtype in LOGIT_DTYPES, logits.dtype
+        if batch.has_surface:
+            assert not batch.raw_logprobs, "raw logprobs with a sampling surface: torch Sampler"
+            logits = apply_surface(logits.float(), *batch.surface())
         assert logits.stride(1) == 1 and batch.floats.is_contiguous()
         assert batch.ints.is_contiguous()
         device = logits.device

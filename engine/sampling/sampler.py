@@ -1,7 +1,9 @@
 """Batched sampling with per-row parameters and no host sync: the torch reference.
 
 Order of operations per row (it defines the logprobs callers get, docs/service.md):
-  raw logits -> penalties (repetition, frequency, presence) and min_tokens suppression
+  raw logits -> the sampling surface (allowed ids, bad ids and words, logit bias:
+  engine/sampling/surface.py) -> penalties (repetition, frequency, presence) and min_tokens
+  suppression
   -> divide by temperature (greedy counts as 1)         => "processed" logits, logprobs here
   -> top-k, top-p, min-p truncation -> sample (greedy rows: argmax of processed logits).
 Logprob modes: RAW (the raw logits' log-softmax), PROCESSED (the default, above) and SAMPLED:
@@ -38,6 +40,7 @@ from engine.sampling.sampling_math import (
     top_ids,
     uniform,
 )
+from engine.sampling.surface import apply_surface
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingBatch", "uniform"]
 
@@ -72,6 +75,19 @@ class SamplingBatch:
     sampled_logprobs: bool = False  # any row wants SAMPLED logprobs
     sampled_rows: torch.Tensor | None = None  # [rows] bool, when it is not the only kind
     support_width: int = 0  # sampling support ids returned per row; 0 = none asked for
+    # The sampling surface (engine/sampling/surface.py), set only when some row has one:
+    allowed_ids: torch.Tensor | None = None  # [rows, width] the only ids, padded with vocab
+    allowed_rows: torch.Tensor | None = None  # [rows] bool: the rows allowed_ids restricts
+    bias_ids: torch.Tensor | None = None  # [rows, width] ids, padded with vocab
+    bias_values: torch.Tensor | None = None  # [rows, width] float32 added there (-inf: banned)
+
+    @property
+    def has_surface(self) -> bool:
+        return self.allowed_ids is not None or self.bias_ids is not None
+
+    def surface(self) -> tuple[torch.Tensor | None, ...]:
+        """apply_surface's arguments after the logits."""
+        return self.allowed_ids, self.allowed_rows, self.bias_ids, self.bias_values
 
     def column(self, name: str) -> torch.Tensor:
         if name in FLOAT_COLUMNS:
@@ -111,6 +127,8 @@ class Sampler:
         # upcast at the same point, as they load).
         raw = logits = logits.float()  # [rows, vocab]
         sampled = batch.column("temperature") > 0
+        if batch.has_surface:
+            logits = apply_surface(logits, *batch.surface())
         logits = self._processed(logits, batch)
         greedy = logits.argmax(dim=-1)  # the lowest id among equal maxima
         kept = None

@@ -1,7 +1,8 @@
 """The sampler for a device: the fused Triton kernel on CUDA, the torch reference elsewhere.
 
 Both give the same tokens (engine/sampling/fused_sampler.py); `EngineConfig.sampler` forces either.
-A step asking for SAMPLED logprobs or the sampling support runs the torch one (FusedOrTorch).
+A step asking for SAMPLED logprobs or the sampling support, or for raw logprobs with a sampling
+surface, runs the torch one (FusedOrTorch).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def make_sampler(name: str, device: torch.device) -> SamplerFn:
 
 class FusedOrTorch:
     """The fused kernels, except for a batch asking what only the torch sampler computes (SAMPLED
-    logprobs, the sampling support): the two pick the same tokens, so a request's tokens do not
+    logprobs, the sampling support, raw logprobs beside a sampling surface): the two pick the same tokens, so a request's tokens do not
     depend on which one a step ran."""
 
     def __init__(self, fused: SamplerFn, torch_sampler: Sampler) -> None:
@@ -50,6 +51,7 @@ class FusedOrTorch:
         self.torch_sampler = torch_sampler
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        if batch.sampled_logprobs or batch.support_width:
+        raw_beside_surface = batch.raw_logprobs and batch.has_surface
+        if batch.sampled_logprobs or batch.support_width or raw_beside_surface:
             return self.torch_sampler(logits, batch)
         return self.fused(logits, batch)

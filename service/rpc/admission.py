@@ -20,6 +20,7 @@ from engine.messages import AddRequest, LogprobMode, ModelInfo, SamplingParams
 from service.config import MAX_REQUEST_ID_LENGTH
 from service.rpc.chat import chat_violations, no_template, render
 from service.rpc.refusal import Refusal, invalid_argument
+from service.rpc.sampling_surface import bad_word_ids, surface_violations
 from service.text.chat_template import ChatTemplate
 from service.text.completion import OutputSettings
 from service.text.tokenizer import Tokenizer
@@ -45,8 +46,12 @@ FIELD_PATHS = {
             "presence_penalty",
             "repetition_penalty",
             "seed",
+            "logit_bias",
+            "allowed_token_ids",
+            "bad_token_ids",
         )
     },
+    "bad_word_ids": "sampling.bad_words",
     **{name: f"stop.{name}" for name in ("max_tokens", "min_tokens", "stop_token_ids")},
     "top_logprobs": "output.top_logprobs",
     "prompt_logprobs_start": "output.prompt_logprobs_start",
@@ -74,11 +79,18 @@ class Admission:
     output: OutputSettings
 
 
-def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
-    """The engine's parameters for a request; proto defaults where a field is unset."""
+def sampling_params(
+    req: pb.GenerateRequest, surface: bool = True, bad_words: tuple[tuple[int, ...], ...] = ()
+) -> SamplingParams:
+    """The engine's parameters for a request; proto defaults where a field is unset. Without
+    `surface`, no logit_bias, allowed or bad ids; `bad_words` tokenized (bad_word_ids)."""
     s, stop, out = req.sampling, req.stop, req.output
     defaults = SamplingParams()
     return SamplingParams(
+        logit_bias=dict(s.logit_bias) if surface else {},
+        allowed_token_ids=tuple(s.allowed_token_ids) if surface else (),
+        bad_token_ids=tuple(s.bad_token_ids) if surface else (),
+        bad_word_ids=bad_words,
         temperature=s.temperature if s.HasField("temperature") else defaults.temperature,
         top_p=s.top_p if s.HasField("top_p") else defaults.top_p,
         top_k=s.top_k if s.HasField("top_k") else defaults.top_k,
@@ -139,7 +151,9 @@ def field_violations(
     errors += _stop_violations(req.stop)
     if req.output.logprob_mode not in LOGPROB_MODES:
         errors.append(("output.logprob_mode", f"unknown mode {req.output.logprob_mode}"))
-    params = sampling_params(req)
+    surface = surface_violations(req.sampling)  # before the lists are copied
+    errors += surface
+    params = sampling_params(req, surface=not surface)
     errors += [(FIELD_PATHS.get(f, f), d) for f, d in params.errors(info.vocab_size)]
     return errors
 
@@ -206,6 +220,10 @@ async def admit(
         prompt = list(req.token_ids.ids)
     if len(prompt) >= info.max_model_len:  # the message of a token ids prompt too long
         raise invalid_argument([("prompt", _no_room(len(prompt), info))])
+    bad_words = await bad_word_ids(list(req.sampling.bad_words), tokenizer)
+    params = sampling_params(req, bad_words=bad_words)
+    if bad_words and (errors := params.errors(info.vocab_size)):  # what the words became
+        raise invalid_argument([(FIELD_PATHS.get(f, f), d) for f, d in errors])
     if req.output.prompt_logprobs and (
         violations := prompt_logprobs_violations(req, len(prompt), max_message_bytes)
     ):
@@ -223,7 +241,7 @@ async def admit(
     request = AddRequest(
         request_id=req.request_id or uuid.uuid4().hex,
         prompt_token_ids=prompt,
-        params=sampling_params(req),
+        params=params,
         n=req.n if req.HasField("n") else 1,
         priority=req.priority,
         deadline=deadline,

@@ -12,6 +12,14 @@ export function buildRequest(prompt, options = {}) {
     'repetitionPenalty',
     'seed',
   ]);
+  // The sampling surface: logitBias maps token ids to biases ({ 50256: -100 } or a Map).
+  if (options.logitBias !== undefined && options.logitBias !== null) {
+    const entries = options.logitBias instanceof Map ? [...options.logitBias] : Object.entries(options.logitBias);
+    sampling.logitBias = Object.fromEntries(entries.map(([id, bias]) => [String(id), bias]));
+  }
+  for (const name of ['allowedTokenIds', 'badWords', 'badTokenIds']) {
+    if (options[name] !== undefined && options[name] !== null) sampling[name] = [...options[name]];
+  }
   const stop = pick(options, ['maxTokens', 'minTokens', 'ignoreEos', 'includeStopStrInOutput']);
   if (options.stop !== undefined) stop.stop = [...options.stop];
   if (options.stopTokenIds !== undefined) stop.stopTokenIds = [...options.stopTokenIds];

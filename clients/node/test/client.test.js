@@ -100,6 +100,18 @@ test('complete with n > 1 returns every sample in index order; n = 1 one Complet
   assert.deepEqual(one.tokenIds, samples[0].tokenIds);
 });
 
+test('the sampling surface reaches the engine: logitBias, allowedTokenIds, badTokenIds, badWords', async () => {
+  const [plain] = await greedyIds(['Hello']);
+  assert.deepEqual((await client.complete('Hello', { ...GREEDY, logitBias: { 77: 100 } })).tokenIds, Array(MAX_TOKENS).fill(77));
+  const allowed = [30, 31, 32, 33].filter((id) => id !== plain[0]);
+  const restricted = await client.complete('Hello', { ...GREEDY, allowedTokenIds: allowed, badTokenIds: [allowed[0]] });
+  assert.ok(restricted.tokenIds.every((id) => allowed.slice(1).includes(id)), String(restricted.tokenIds));
+  await assert.rejects(
+    client.complete('Hello', { ...GREEDY, badWords: Array(65).fill('x') }),
+    (error) => error instanceof SluiceError && error.code === status.INVALID_ARGUMENT && /sampling\.bad_words/.test(error.message),
+  );
+});
+
 test('generate yields started, token chunks with logprobs and version, then one finished', async () => {
   const events = [];
   for await (const event of client.generate('Hello', { ...GREEDY, logprobs: true })) events.push(event);

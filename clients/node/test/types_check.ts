@@ -19,6 +19,8 @@ export async function usage(target: string): Promise<void> {
   const completion: Completion = await client.complete([0, 1, 2], { n: 1, seed: 7, logprobMode: 'SAMPLED', samplingSupport: true, topK: 5 });
   void completion.tokenIds;
   const scored = await client.complete([0, 1, 2], { maxTokens: 0, promptLogprobs: true, promptLogprobsStart: 1 });
+  await client.complete('x', { logitBias: { 5: 1 }, allowedTokenIds: [5, 6], badWords: ['no'], badTokenIds: [6] });
+  await client.complete('x', { logitBias: new Map([[5, -2]]) });
   if (!Array.isArray(scored) && scored.started?.promptLogprobs) {
     const logprobs: number[] = scored.started.promptLogprobs.logprobs;
     void [logprobs, scored.started.promptLogprobs.start];

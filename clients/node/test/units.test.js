@@ -74,6 +74,14 @@ test('buildRequest makes a chat prompt of messages: extra keys as JSON, extras w
   assert.deepEqual(chatPrompt(messages, { continueFinalMessage: true }).continueFinalMessage, true);
 });
 
+test('buildRequest passes the sampling surface: logitBias, allowed and bad token ids, bad words', () => {
+  const surface = { allowedTokenIds: [1, 2], badWords: ['no'], badTokenIds: [9] };
+  const request = buildRequest('Hi', { logitBias: { 3: -1.5 }, ...surface });
+  assert.deepEqual(request.sampling, { logitBias: { 3: -1.5 }, ...surface });
+  assert.deepEqual(buildRequest('Hi', { logitBias: new Map([[7, 2]]) }).sampling, { logitBias: { 7: 2 } });
+  assert.deepEqual(buildRequest('Hi').sampling, {}, 'nothing set without the options');
+});
+
 test('buildHeader needs exactly one source and a known in-flight policy', () => {
   assert.deepEqual(buildHeader({ checkpoint: '/c' }, { policyVersion: 3, inflight: 'abort', drainTimeoutMs: 50 }), {
     policyVersion: 3,

@@ -75,6 +75,10 @@ def build_request(
     presence_penalty: float | None = None,
     repetition_penalty: float | None = None,
     seed: int | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    allowed_token_ids: Iterable[int] = (),
+    bad_words: Iterable[str] = (),
+    bad_token_ids: Iterable[int] = (),
     stop: Iterable[str] = (),
     stop_token_ids: Iterable[int] = (),
     ignore_eos: bool = False,
@@ -99,8 +103,15 @@ def build_request(
     `prompt`: text, token ids, or a chat: a list of messages ({"role", "content", ...}) or a
     ChatPrompt, rendered by the server's chat template; `tools`, `add_generation_prompt`,
     `continue_final_message` and `template_kwargs` apply to a chat (see `chat_prompt`).
-    `logprob_mode`: "RAW", "PROCESSED" or "SAMPLED" (LogprobMode without its prefix)."""
-    sampling = pb.SamplingParams()
+    `logprob_mode`: "RAW", "PROCESSED" or "SAMPLED" (LogprobMode without its prefix).
+    `logit_bias` (token id -> bias), `allowed_token_ids`, `bad_words`, `bad_token_ids`: the
+    sampling surface (SamplingParams in the proto)."""
+    sampling = pb.SamplingParams(
+        logit_bias=dict(logit_bias or {}),
+        allowed_token_ids=list(allowed_token_ids),
+        bad_words=list(bad_words),
+        bad_token_ids=list(bad_token_ids),
+    )
     for name, value in (
         ("temperature", temperature),
         ("top_p", top_p),

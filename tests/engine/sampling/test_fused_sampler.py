@@ -23,6 +23,7 @@ use_triton(DEVICE)
 
 VOCAB = 300
 PAD = VOCAB
+inf = float("inf")
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,8 @@ def fused() -> ModuleType:
 
 def make_batch(rows: list[dict], vocab: int = VOCAB, **flags: object) -> SamplingBatch:
     """One row per dict (temperature, top_k, top_p, min_p, penalties, seed, step, context,
-    prompt_len, banned); the batch flags follow from the rows unless given."""
+    prompt_len, banned, allowed, bias: {id: value}); the batch flags follow from the rows unless
+    given."""
     floats, ints, contexts, bans = [], [], [], []
     for i, r in enumerate(rows):
         rep, freq, pres = r.get("penalties", (1.0, 0.0, 0.0))
@@ -59,6 +61,15 @@ def make_batch(rows: list[dict], vocab: int = VOCAB, **flags: object) -> Samplin
         batch.context_ids = padded(contexts)
     if any(bans):
         batch.suppress_ids = padded(bans)
+    allowed = [r.get("allowed", []) for r in rows]
+    if any(allowed):
+        batch.allowed_ids = padded(allowed)
+        batch.allowed_rows = torch.tensor([bool(a) for a in allowed], device=DEVICE)
+    bias = [r.get("bias", {}) for r in rows]
+    if any(bias):
+        batch.bias_ids = padded([list(b) for b in bias])
+        values = [list(b.values()) + [0.0] * (batch.bias_ids.shape[1] - len(b)) for b in bias]
+        batch.bias_values = torch.tensor(values, device=DEVICE)
     return replace(batch, **flags)
 
 
@@ -113,6 +124,13 @@ OPTIONS = {
     "presence": {"penalties": (1.0, 0.0, -0.8), **CONTEXT},
     "banned": {"banned": [1, 2, 3, 42]},
     "rl": {"top_k": 50, "top_p": 0.9, "penalties": (1.1, 0.0, 0.0), **CONTEXT},
+    # The sampling surface: bans are -inf biases (bad ids and words), then top-p and penalties.
+    "allowed": {"allowed": [3, 8, 40, 41, 77, 150, 299], "top_p": 0.9},
+    "bias": {
+        "bias": {7: 4.0, 8: -inf, 100: -3.5, 299: 1.25},
+        "penalties": (1.2, 0.0, 0.0),
+        **CONTEXT,
+    },
 }
 
 
@@ -210,6 +228,10 @@ def test_an_engine_with_the_fused_sampler_generates_the_torch_engines_tokens(
     )  # fmt: skip
     params = [rl, replace(rl, temperature=0.0, seed=4), replace(rl, raw_logprobs=True, seed=5)]
     prompts = [[0, 17, 42, 99], [5, 6, 7], [1, 2, 3, 4, 5, 6]]
+    # A sampling surface, in a batch of its own: beside raw logprobs (the third row) a step
+    # runs the torch Sampler.
+    surface = {"logit_bias": {5: 2.0, 9: -1.0}, "bad_token_ids": (7,), "bad_word_ids": ((3, 4),)}
+    alone = replace(rl, seed=6, allowed_token_ids=tuple(range(2, 60)), **surface)
     results = {}
     for name in ("torch", "triton"):
         config = EngineConfig(model=str(tiny_llama), device=DEVICE, sampler=name)
@@ -218,7 +240,7 @@ def test_an_engine_with_the_fused_sampler_generates_the_torch_engines_tokens(
         assert isinstance(chosen, sampler_choice.FusedOrTorch) == (name == "triton")
         if isinstance(chosen, sampler_choice.FusedOrTorch):
             assert isinstance(chosen.fused, fused.FusedSampler)
-        results[name] = engine.generate(prompts, params)
+        results[name] = engine.generate(prompts, params) + engine.generate([[9, 8, 7]], alone)
     for got, expected in zip(results["triton"], results["torch"], strict=True):
         assert got.token_ids == expected.token_ids
         assert got.logprobs is not None and expected.logprobs is not None
@@ -306,11 +328,24 @@ def test_top_p_with_and_without_top_k_matches(fused: ModuleType, top_k: int) -> 
     assert_same_sampling(fused, make_logits(4, seed=50 + top_k, scale=1.5), make_batch(rows))
 
 
+def test_raw_logprobs_beside_a_surface_run_the_torch_sampler(fused: ModuleType) -> None:
+    batch = make_batch([OPTIONS["bias"], OPTIONS["temperature"]], raw_logprobs=True)
+    logits = make_logits(2, seed=70)
+    with pytest.raises(AssertionError, match="raw logprobs"):
+        fused.FusedSampler()(logits, batch)
+    chosen = sampler_choice.FusedOrTorch(fused.FusedSampler(), Sampler())
+    got, expected = chosen(logits, batch).unpack(), Sampler()(logits, batch).unpack()
+    assert torch.equal(got[0], expected[0])
+    raw = logits.log_softmax(-1).gather(-1, got[0][:, None]).squeeze(-1)
+    torch.testing.assert_close(got[1], raw, rtol=0, atol=1e-6)  # the model's own logits
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_logits_in_the_models_dtype_match(fused: ModuleType, dtype: torch.dtype) -> None:
     rows = [OPTIONS["rl"], OPTIONS["top_p"], OPTIONS["greedy"], OPTIONS["frequency"]]
+    rows += [OPTIONS["allowed"], OPTIONS["bias"]]  # the surface upcasts: the same float32 logits
     batch = make_batch(rows, num_top_logprobs=3, logprobs=True)
-    assert_same_sampling(fused, make_logits(4, seed=60).to(dtype), batch)
+    assert_same_sampling(fused, make_logits(6, seed=60).to(dtype), batch)
 
 
 def test_launches_per_call_follow_the_options(fused: ModuleType) -> None:

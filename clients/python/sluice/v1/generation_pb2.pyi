@@ -297,6 +297,26 @@ class SamplingParams(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LogitBiasEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     TEMPERATURE_FIELD_NUMBER: _builtins.int
     TOP_P_FIELD_NUMBER: _builtins.int
     TOP_K_FIELD_NUMBER: _builtins.int
@@ -305,6 +325,10 @@ class SamplingParams(_message.Message):
     PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
     REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    LOGIT_BIAS_FIELD_NUMBER: _builtins.int
+    ALLOWED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    BAD_WORDS_FIELD_NUMBER: _builtins.int
+    BAD_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """Divides the logits; >= 0. Below 1e-5 (0 included) sampling is greedy (argmax). Default 1.0."""
     top_p: _builtins.float
@@ -334,6 +358,39 @@ class SamplingParams(_message.Message):
     seed, the position and the token, not on what else is batched with it nor on a preemption.
     Default: unseeded (different draws each time).
     """
+    @_builtins.property
+    def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
+        """The sampling surface below applies to the model's logits before penalties and temperature
+        (vLLM's order): allowed_token_ids, then bad_token_ids and bad_words, then logit_bias. It
+        changes what is sampled and the PROCESSED and SAMPLED logprobs, never RAW logprobs nor
+        prompt logprobs.
+
+        Token id -> a bias added to its logit; at most 300 entries, ids in
+        [0, ServerInfo.vocab_size), biases in [-100, 100] (OpenAI's bounds). Default: none.
+        """
+
+    @_builtins.property
+    def allowed_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Only these token ids may be sampled (every other token's logit is -inf); at most 1024, each
+        in [0, ServerInfo.vocab_size), not all of them banned by bad_token_ids or one-token
+        bad_words. Default: empty, every token.
+        """
+
+    @_builtins.property
+    def bad_words(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Strings never generated, as vLLM applies them: each is tokenized alone and with a leading
+        space (no special tokens); a word of one token is never sampled, a longer one's last token
+        is banned wherever the completion ends with its other tokens. Only the completion is
+        matched, not the prompt, and only these token sequences (not every spelling of the text).
+        At most 64 strings of 1 to 128 characters, each at most 64 tokens. Default: none.
+        """
+
+    @_builtins.property
+    def bad_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Token ids never sampled (their logits are -inf); at most 1024, each in
+        [0, ServerInfo.vocab_size). Default: none.
+        """
+
     def __init__(
         self,
         *,
@@ -345,10 +402,14 @@ class SamplingParams(_message.Message):
         presence_penalty: _builtins.float | None = ...,
         repetition_penalty: _builtins.float | None = ...,
         seed: _builtins.int | None = ...,
+        logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
+        allowed_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        bad_words: _abc.Iterable[_builtins.str] | None = ...,
+        bad_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_min_p", b"_min_p", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_min_p", b"_min_p", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_min_p", b"_min_p", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "allowed_token_ids", b"allowed_token_ids", "bad_token_ids", b"bad_token_ids", "bad_words", b"bad_words", "frequency_penalty", b"frequency_penalty", "logit_bias", b"logit_bias", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__frequency_penalty: _TypeAlias = _typing.Literal["frequency_penalty"]  # noqa: Y015
     _WhichOneofArgType__frequency_penalty: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty"]  # noqa: Y015
@@ -462,9 +523,9 @@ class OutputOptions(_message.Message):
     SAMPLING_SUPPORT_FIELD_NUMBER: _builtins.int
     logprobs: _builtins.bool
     """Return the log-probability of each sampled token (TokenChunk.logprobs), under the
-    distribution logprob_mode names (by default the log-softmax of the logits after penalties
-    and min_tokens suppression, divided by the temperature (1 when greedy), before top-k, top-p
-    and min-p). Default false.
+    distribution logprob_mode names (by default the log-softmax of the logits after the
+    sampling surface (SamplingParams.logit_bias, ...), penalties and min_tokens suppression,
+    divided by the temperature (1 when greedy), before top-k, top-p and min-p). Default false.
     """
     top_logprobs: _builtins.int
     """Also return this many most likely tokens per position (TokenChunk.top_logprobs), from the
