@@ -56,7 +56,7 @@ from service.engine_link.engine_client import (
 )
 from service.engine_link.tensor_file import ChunkError, TensorFileWriter
 from service.ops.metrics import Metrics
-from service.rpc.admission import Refusal
+from service.rpc.refusal import Refusal
 from service.rpc.sleep_wake import sleep_message, sleep_or_wake, sleep_response, wake_response
 from service.rpc.weight_transfer import distributed_tensors, transfer_group
 

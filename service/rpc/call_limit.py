@@ -20,8 +20,8 @@ from typing import Any
 import grpc
 import structlog
 
-from service.rpc.admission import Refusal
 from service.rpc.handlers import rewrap
+from service.rpc.refusal import Refusal
 
 log = structlog.get_logger("sluice.call_limit")
 

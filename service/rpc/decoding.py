@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from service.rpc.admission import Refusal
+from service.rpc.refusal import Refusal
 
 PREFIX = "/sluice.v1."
 

@@ -13,7 +13,7 @@ import structlog
 from sluice.v1 import generation_pb2 as pb
 
 from service.engine_link.buffer_meter import BufferMeter
-from service.rpc.admission import Refusal
+from service.rpc.refusal import Refusal
 
 log = structlog.get_logger("sluice.servicer")
 

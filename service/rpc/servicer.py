@@ -20,9 +20,10 @@ from service.config import MAX_SEND_MESSAGE_BYTES, ServiceConfig
 from service.engine_link.engine_client import EngineClient, EngineState, EngineUnavailableError
 from service.engine_link.routing import Inbox
 from service.ops.metrics import Metrics
-from service.rpc.admission import Admission, Refusal, admit, invalid_argument, text_violations
+from service.rpc.admission import Admission, admit, text_violations
 from service.rpc.chat import render
 from service.rpc.generate_stream import Admitted, GenerateStreamCall, StreamLimits
+from service.rpc.refusal import Refusal, invalid_argument
 from service.text.chat_template import ChatTemplate
 from service.text.completion import Completion
 from service.text.tokenizer import Tokenizer

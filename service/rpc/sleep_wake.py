@@ -20,7 +20,7 @@ from sluice.v1 import admin_pb2 as pb
 
 from engine.messages import InflightPolicy, Sleep, SleepOutcome, Wake
 from service.engine_link.engine_client import EngineClient, EngineState, EngineUnavailableError
-from service.rpc.admission import Refusal
+from service.rpc.refusal import Refusal
 
 log = structlog.get_logger("sluice.admin")
 

@@ -14,7 +14,7 @@ from sluice.v1 import admin_pb2 as pb
 
 from engine.messages import DistributedTensors, TensorSpec, TransferGroupSpec
 from service.config import ServiceConfig
-from service.rpc.admission import Refusal
+from service.rpc.refusal import Refusal
 
 BACKENDS = ("gloo", "nccl")
 DTYPES = ("F32", "F16", "BF16")

@@ -13,7 +13,7 @@ from service_harness import make_fake_model, running_server
 from sluice.v1 import generation_pb2 as pb
 from sluice_client import AsyncClient, Client
 
-from service.rpc.admission import PUSHBACK_KEY, Refusal
+from service.rpc.refusal import PUSHBACK_KEY, Refusal
 
 HOLD = 300
 BURST = 12
