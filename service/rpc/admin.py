@@ -56,7 +56,7 @@ from service.engine_link.engine_client import (
 )
 from service.engine_link.tensor_file import ChunkError, TensorFileWriter
 from service.ops.metrics import Metrics
-from service.rpc.refusal import Refusal
+from service.rpc.refusal import Refusal, engine_status
 from service.rpc.sleep_wake import sleep_message, sleep_or_wake, sleep_response, wake_response
 from service.rpc.weight_transfer import distributed_tensors, transfer_group
 
@@ -109,7 +109,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             await context.abort_with_status(refusal.to_status())
         if joined.error_code:
             log.warning("weights.transfer_failed", code=joined.error_code, message=joined.message)
-            await context.abort(_status_code(joined.error_code), joined.message)
+            await context.abort(engine_status(joined.error_code), joined.message)
         where = None if group is None else f"{group.master_address}:{group.master_port}"
         log.info("weights.transfer_joined", group=where, engine_ranks=joined.engine_ranks)
         return pb.InitWeightTransferResponse(engine_ranks=joined.engine_ranks)
@@ -145,7 +145,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                         yield pb.UpdateWeightsProgress(applied=_applied(event))
                         return
                     case WeightsPhase.FAILED:
-                        await context.abort(_status_code(event.error_code), event.message)
+                        await context.abort(engine_status(event.error_code), event.message)
                         return
         except asyncio.CancelledError:
             # The caller left; the engine carries on and the slot frees at its final message.
@@ -357,15 +357,6 @@ def _invalid(field_name: str, description: str) -> NoReturn:
         f"invalid update: {field_name}: {description}",
         [(field_name, description)],
     )
-
-
-def _status_code(name: str) -> grpc.StatusCode:
-    """The engine names a grpc.StatusCode; anything else is a bug (INTERNAL)."""
-    code = getattr(grpc.StatusCode, name, None)
-    if not isinstance(code, grpc.StatusCode) or code is grpc.StatusCode.OK:
-        log.error("weights.unknown_status", error_code=name)
-        return grpc.StatusCode.INTERNAL
-    return code
 
 
 def _loading(event: WeightsProgress) -> pb.Loading:

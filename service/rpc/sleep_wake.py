@@ -20,7 +20,7 @@ from sluice.v1 import admin_pb2 as pb
 
 from engine.messages import InflightPolicy, Sleep, SleepOutcome, Wake
 from service.engine_link.engine_client import EngineClient, EngineState, EngineUnavailableError
-from service.rpc.refusal import Refusal
+from service.rpc.refusal import Refusal, engine_status
 
 log = structlog.get_logger("sluice.admin")
 
@@ -70,7 +70,7 @@ async def sleep_or_wake(engine: EngineClient, msg: Sleep | Wake, draining: bool)
         raise Refusal(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
     if not outcome.ok:
         log.warning(f"{kind}.failed", code=outcome.error_code, message=outcome.message)
-        raise Refusal(_status_code(outcome.error_code), outcome.message)
+        raise Refusal(engine_status(outcome.error_code), outcome.message)
     log.info(f"{kind}.done", level=outcome.level, seconds=round(outcome.seconds, 3))
     return outcome
 
@@ -96,12 +96,3 @@ def _invalid(field_name: str, description: str) -> NoReturn:
         f"invalid sleep: {field_name}: {description}",
         [(field_name, description)],
     )
-
-
-def _status_code(name: str) -> grpc.StatusCode:
-    """The engine names a grpc.StatusCode; anything else is a bug (INTERNAL)."""
-    code = getattr(grpc.StatusCode, name, None)
-    if not isinstance(code, grpc.StatusCode) or code is grpc.StatusCode.OK:
-        log.error("sleep.unknown_status", error_code=name)
-        return grpc.StatusCode.INTERNAL
-    return code
