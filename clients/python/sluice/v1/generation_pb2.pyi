@@ -179,6 +179,7 @@ class GenerateRequest(_message.Message):
     N_FIELD_NUMBER: _builtins.int
     MIN_POLICY_VERSION_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    STRUCTURED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The caller's id for this request, returned on every event; at most 256 characters.
     Default (empty): the server assigns a unique one. ALREADY_EXISTS while a request with this
@@ -228,6 +229,12 @@ class GenerateRequest(_message.Message):
     def output(self) -> Global___OutputOptions:
         """What each token chunk carries besides ids and text. Unset: no log-probabilities."""
 
+    @_builtins.property
+    def structured(self) -> Global___StructuredOutput:
+        """A constraint the completion's text must satisfy (JSON schema, any JSON object, regex, GBNF
+        grammar, or one of a list of strings). Unset: free text. See StructuredOutput.
+        """
+
     def __init__(
         self,
         *,
@@ -241,10 +248,11 @@ class GenerateRequest(_message.Message):
         n: _builtins.int | None = ...,
         min_policy_version: _builtins.int | None = ...,
         priority: _builtins.int = ...,
+        structured: Global___StructuredOutput | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_min_policy_version", b"_min_policy_version", "_n", b"_n", "chat", b"chat", "min_policy_version", b"min_policy_version", "n", b"n", "output", b"output", "prompt", b"prompt", "sampling", b"sampling", "stop", b"stop", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_min_policy_version", b"_min_policy_version", "_n", b"_n", "chat", b"chat", "min_policy_version", b"min_policy_version", "n", b"n", "output", b"output", "prompt", b"prompt", "sampling", b"sampling", "stop", b"stop", "structured", b"structured", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_policy_version", b"_min_policy_version", "_n", b"_n", "chat", b"chat", "min_policy_version", b"min_policy_version", "n", b"n", "output", b"output", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "stop", b"stop", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_policy_version", b"_min_policy_version", "_n", b"_n", "chat", b"chat", "min_policy_version", b"min_policy_version", "n", b"n", "output", b"output", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "stop", b"stop", "structured", b"structured", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__min_policy_version: _TypeAlias = _typing.Literal["min_policy_version"]  # noqa: Y015
     _WhichOneofArgType__min_policy_version: _TypeAlias = _typing.Literal["_min_policy_version", b"_min_policy_version"]  # noqa: Y015
@@ -260,6 +268,90 @@ class GenerateRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_prompt) -> _WhichOneofReturnType_prompt | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class StructuredOutput(_message.Message):
+    """A constraint on the completion's text, enforced token by token: at each step only the tokens
+    that keep the text a prefix of some valid output can be drawn (their logits stay; the others
+    become -inf before penalties and temperature, so logprobs in the PROCESSED and SAMPLED modes
+    are of this constrained distribution, and RAW ones are the model's). The model's EOS is
+    allowed only where the text is complete: a request finishes STOP once the constraint is
+    complete and EOS (or, for a constraint that admits nothing more, the end) is drawn, or
+    LENGTH at max_tokens with a text that is still a valid prefix. A stop string can cut the text
+    short of complete. Each sample of n > 1 is constrained on its own. Every document is at most
+    65,536 UTF-8 bytes; one that does not compile (invalid JSON or schema, regex, grammar, or a
+    feature the compiler does not support) is INVALID_ARGUMENT naming the field (e.g.
+    `structured.regex`) before anything is generated. If at some step no token can continue the
+    text (the vocabulary cannot spell what the constraint needs next), that request alone ends
+    with FINISH_REASON_ERROR and a message saying so.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    JSON_OBJECT_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
+    CHOICE_FIELD_NUMBER: _builtins.int
+    json_schema: _builtins.str
+    """A JSON Schema document (as text). The completion is a JSON value valid under it; objects
+    have no properties beyond the schema's `properties` unless the schema allows them
+    (`additionalProperties`), and a run of whitespace between tokens is at most 20
+    characters.
+    """
+    json_object: _builtins.bool
+    """true: the completion is any JSON object. (false is the same as unset.)"""
+    regex: _builtins.str
+    """A regular expression the whole completion matches (no lookaround or backreferences)."""
+    grammar: _builtins.str
+    """A grammar in GBNF, the EBNF dialect of llama.cpp and xgrammar: rules `name ::= ...` with
+    string literals, character classes, grouping, `|`, `*`, `+`, `?` and `{m,n}`; the
+    completion is derived from the rule named `root`.
+    """
+    @_builtins.property
+    def choice(self) -> Global___ChoiceList:
+        """The completion is exactly one of these strings."""
+
+    def __init__(
+        self,
+        *,
+        json_schema: _builtins.str = ...,
+        json_object: _builtins.bool = ...,
+        regex: _builtins.str = ...,
+        grammar: _builtins.str = ...,
+        choice: Global___ChoiceList | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["json_schema", "json_object", "regex", "grammar", "choice"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___StructuredOutput: _TypeAlias = StructuredOutput  # noqa: Y015
+
+@_typing.final
+class ChoiceList(_message.Message):
+    """The strings a `choice` constraint allows: 1 to 1,024 of them, each not empty."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHOICES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        choices: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChoiceList: _TypeAlias = ChoiceList  # noqa: Y015
 
 @_typing.final
 class TokenIds(_message.Message):
