@@ -117,7 +117,8 @@ class OverlappedSteps:
                 launched.admitted = [req for req in batch.requests if req in waiting]
                 launched.first_admitted = [req for req in launched.admitted if req in first]
             launched.preempted = scheduler.num_preemptions != preemptions
-        ahead, engine.pending = engine.pending + drained, []  # aborts and errors first
+        # The step collected first is older than what this schedule ended (a request too big).
+        ahead, engine.pending = drained + engine.pending, []  # then aborts and errors
         return ahead if previous is None else self._collect(previous, ahead)
 
     def drain(self) -> Sequence[RequestOutput]:

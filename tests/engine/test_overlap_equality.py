@@ -80,9 +80,15 @@ def test_preemption_in_a_tiny_pool_gives_the_same_outputs(
     assert_all_pages_returned(engine)
 
 
-def test_a_request_that_fills_the_whole_pool_ends_as_in_the_plain_loop(tiny_llama: Path) -> None:
+@pytest.mark.parametrize("penalty", [1.0, 1.1], ids=["overlapped", "collected-first"])
+def test_a_request_that_fills_the_whole_pool_ends_as_in_the_plain_loop(
+    tiny_llama: Path, penalty: float
+) -> None:
     # 6 pages of 4 tokens: a 7-token prompt plus 17 tokens fill them all; one more is an ERROR.
-    reqs = [Request("r", some_prompts(1, 6)[0], replace(GREEDY, max_tokens=40))]
+    # With a penalty each step is collected before the next is scheduled: the ERROR that
+    # schedule makes still comes after the collected step's token.
+    params = replace(GREEDY, max_tokens=40, repetition_penalty=penalty)
+    reqs = [Request("r", some_prompts(1, 6)[0], params)]
     plain, overlapped, engine = both(tiny_llama, reqs, num_kv_pages=6, page_size=4)
     assert overlapped == plain
     assert plain[("r", 0)].finish_reason is FinishReason.ERROR
