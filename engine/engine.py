@@ -4,9 +4,9 @@ Usable directly by a trainer in the same process (`generate`), and by the engine
 pipe loop (`add_request` / `abort` / `step`). `step()` is: schedule (after step-boundary work:
 expired deadlines, a pending weight swap), run, postprocess; with `overlap_steps` the run of
 one step overlaps the host work of the next (engine/overlap.py). Every request ends with
-exactly one output whose `finish_reason` is set (engine/request_outputs.py builds them; a
-request that engine/request_validation.py refuses ends at once; engine/postprocess.py ends those
-a step's samples stop). Weight updates are WeightUpdater's (engine/weights/weight_updater.py),
+exactly one output whose `finish_reason` is set (engine/request_outputs.py builds them;
+engine/lifecycle.py starts requests and ends those refused, expired or too big;
+engine/postprocess.py ends those a step's samples stop). Weight updates are WeightUpdater's (engine/weights/weight_updater.py),
 sleep and wake Sleeper's (engine/sleep/sleeper.py), and the calls that wait for them are in
 engine/in_process.py; `generate`'s results are GenerationResult (engine/generation_result.py).
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from engine import in_process
+from engine import in_process, lifecycle
 from engine.config import EngineConfig
 from engine.execution.launched_step import Sampled
 from engine.execution.model_shard import (
@@ -57,15 +57,16 @@ from engine.overlap import OverlappedSteps, known_tokens, overlap_enabled
 from engine.parallel.sharding import Sharding
 from engine.parallel.tensor_parallel import TensorParallel
 from engine.parallel.worker_group import WorkerGroup
-from engine.postprocess import append_sampled, end_scored
-from engine.request_outputs import error_output, request_output
-from engine.request_validation import request_error
+from engine.postprocess import append_sampled
+from engine.request_outputs import request_output
 from engine.scheduling.prefix_cache import PrefixCache
-from engine.scheduling.request import Request, RequestStatus, new_sequences
+from engine.scheduling.request import Request, RequestStatus
 from engine.scheduling.scheduler import ScheduledBatch, Scheduler
 from engine.sleep.model_memory import ModelMemory
 from engine.sleep.sleeper import Sleeper
 from engine.step_outputs import StepOutputs
+from engine.structured.grammars import Grammars
+from engine.structured.structured_outputs import StructuredOutputs
 from engine.weights.weight_updater import WeightUpdater
 from engine.weights.weights_origin import WeightsOrigin
 
@@ -108,9 +109,8 @@ class LLMEngine:
             self.model, self.scheduler, self.cache, self.abort, channel, origin
         )
         self.memory = self.updater.storage = ModelMemory(self.model, self.pool, self.runner)
-        self.sleeper = Sleeper(
-            self.memory, self.cache, self.updater, self.abort, lambda: list(self.requests)
-        )
+        self.sleeper = Sleeper(self.memory, self.cache, self.updater, self.abort, self.request_ids)
+        self.structured = StructuredOutputs(Grammars(path, cfg.vocab_size, cfg.eos_token_ids))
         self.overlap = OverlappedSteps(self) if overlap_enabled(config) else None
         self.info = model_info(config, cfg, path, self.device, self.dtype, self.pool.num_pages)
 
@@ -120,6 +120,7 @@ class LLMEngine:
         if self.overlap is not None:
             self.overlap.drain()
         self.runner.close()
+        self.structured.close()
         self.updater.transfer.leave()
         if self.workers is not None:
             self.workers.close()
@@ -138,35 +139,14 @@ class LLMEngine:
     ) -> None:
         """Queue a request. Invalid input becomes that request's ERROR output, never an exception
         (except a request id already in flight, which is the caller's bug); a request while the
-        engine sleeps (or drains into sleep) ends at once, ABORTED."""
-        if request_id in self.requests:
+        engine sleeps (or drains into sleep) ends at once, ABORTED. A request with a
+        structured-output constraint whose grammar is still compiling waits for it outside the
+        scheduler (engine/lifecycle.py)."""
+        if request_id in self.requests or request_id in self.structured.deferred:
             raise ValueError(f"request id {request_id!r} is already in flight")
         prompt = list(prompt_token_ids)
-        limits = (self.model_config, self.config.max_num_seqs, self.policy_version)
-        error = request_error(prompt, params, n, min_policy_version, *limits)
-        refused = error or self.sleeper.refusing
-        if refused is not None:
-            reason = FinishReason.ERROR if error is not None else FinishReason.ABORTED
-            version = self.policy_version
-            self.pending += [
-                error_output(request_id, index, len(prompt), refused, version, reason)
-                for index in range(max(n, 1))
-            ]
-            return
-        max_tokens = self.model_config.max_model_len - len(prompt)
-        if params.max_tokens is not None:
-            max_tokens = min(max_tokens, params.max_tokens)
-        seeds = [
-            params.seed + index if params.seed is not None else self._rng.getrandbits(64)
-            for index in range(n)
-        ]
-        when = (priority, deadline)
-        seqs = new_sequences(request_id, prompt, params, max_tokens, seeds, self._arrivals, *when)
-        leader = seqs[0]
-        self.scheduler.add(leader)  # its siblings fork from its prompt's KV
-        self.requests[request_id] = seqs
-        if max_tokens == 0 and leader.prompt_scores and leader.prompt_scores.complete:
-            end_scored(self, leader, self.pending)  # nothing to score, nothing to generate
+        when = (priority, deadline, min_policy_version)
+        lifecycle.add_request(self, request_id, prompt, params, n, *when)
 
     def abort(
         self,
@@ -179,6 +159,10 @@ class LLMEngine:
         their pages return at once. Returns how many sequences ended."""
         ended = 0
         for request_id in request_ids:
+            deferred = self.structured.deferred.pop(request_id, None)
+            if deferred is not None:  # as a whole: it has no sequences yet
+                lifecycle.refuse(self, request_id, deferred.n, deferred.prompt_len, message, reason)
+                ended += deferred.n
             for req in list(self.requests.get(request_id, [])):
                 if not req.is_finished and index in (None, req.index):
                     self.finish(req, reason, message)
@@ -187,7 +171,11 @@ class LLMEngine:
         return ended
 
     def abort_all(self, reason: FinishReason, message: str | None = None) -> int:
-        return self.abort(list(self.requests), reason, message)
+        return self.abort(self.request_ids(), reason, message)
+
+    def request_ids(self) -> list[str]:
+        """Every request in flight, those waiting for their grammar included."""
+        return [*self.requests, *self.structured.deferred]
 
     @property
     def policy_version(self) -> int:
@@ -195,7 +183,13 @@ class LLMEngine:
         return self.scheduler.policy_version
 
     def has_work(self) -> bool:
+        """Requests in flight (those waiting for their grammar included), or admin work."""
+        return self.can_step() or bool(self.structured.deferred)
+
+    def can_step(self) -> bool:
+        """A step would do something now, not only wait for grammars to compile."""
         busy = self.scheduler.has_work() or self.updater.in_progress or self.sleeper.in_progress
+        busy = busy or self.structured.ready
         return busy or bool(self.pending) or (self.overlap is not None and self.overlap.busy)
 
     # ---- the step ----
@@ -214,14 +208,21 @@ class LLMEngine:
             return self._postprocess(batch, self.runner.run(batch), outputs)
         return outputs
 
+    def wait_for_grammars(self, timeout: float = 1.0) -> None:
+        """Block while nothing is in flight but requests waiting for their grammar (at most
+        `timeout` s): a caller's loop need not spin while they compile."""
+        if self.structured.deferred and not self.can_step():
+            self.structured.wait(timeout)
+
     def _schedule(self, hold: Collection[Request] = ()) -> ScheduledBatch:
         """Step-boundary work (deadlines, a pending weight swap or sleep), then the next
         batch."""
-        self._expire_deadlines()
+        lifecycle.expire_deadlines(self)
         self.updater.advance()
         self.sleeper.advance()
+        self.structured.start_ready()
         batch = self.scheduler.schedule(hold)
-        self._end_too_big()
+        lifecycle.end_too_big(self)
         now = time.monotonic()
         for req in [r for r in batch.requests if r.first_scheduled_time is None]:
             req.first_scheduled_time = now
@@ -265,28 +266,6 @@ class LLMEngine:
     def _append_sampled(self, sampled: Sampled, first: list[RequestOutput]) -> StepOutputs:
         return append_sampled(self, sampled, first)
 
-    def _expire_deadlines(self) -> None:
-        now = time.time()
-        expired = [
-            req_id
-            for req_id, seqs in self.requests.items()
-            if seqs[0].deadline is not None and seqs[0].deadline <= now
-        ]
-        if expired:
-            self.abort(expired, FinishReason.DEADLINE_EXCEEDED, "the deadline passed")
-
-    def _end_too_big(self) -> None:
-        for req in self.scheduler.too_big:
-            need = self.pool.pages_for(req.num_tokens + 1)
-            message = (
-                f"the request needs {need} KV pages but the whole cache has {self.pool.num_pages}"
-            )
-            # Pending siblings go to the queue on their own and end the same way next step.
-            self.finish(req, FinishReason.ERROR, message)
-            self.pending.append(request_output(req, [], None, None, self.policy_version))
-
-        self.scheduler.too_big.clear()
-
     def finish(self, req: Request, reason: FinishReason, message: str | None) -> None:
         """End `req` now: the one way a sequence ends (its pages go back to the pool, its
         pending siblings start on their own)."""
@@ -314,7 +293,7 @@ class LLMEngine:
     def _stats(self) -> EngineStats:
         return EngineStats(
             running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
+            waiting=len(self.scheduler.waiting) + len(self.structured.deferred),
             total_pages=self.pool.num_pages,
             free_pages=self.pool.num_free,
             cached_pages=self.cache.num_cached,

@@ -22,6 +22,8 @@ class Engine(Protocol):
 
     def step(self) -> Sequence[RequestOutput]: ...
 
+    def wait_for_grammars(self) -> None: ...
+
 
 @dataclass
 class GenerationResult:
@@ -86,4 +88,5 @@ def generate(
                 continue
             result.add(out)
             remaining -= out.finished
+        engine.wait_for_grammars()  # rather than spin while they compile
     return [results[(rid, i)] for rid in ids for i in range(n)]

@@ -4,11 +4,11 @@ Standard library only: both sides import this module, and the service never impo
 Everything here is plain data (dataclasses of builtins) so it pickles across the pipe.
 
 Service -> engine: AddRequest, AbortRequests, UpdateWeights, InitWeightTransfer, Sleep, Wake,
-GetState, Shutdown.
+CheckConstraint, GetState, Shutdown.
 Engine -> service: Ready, StepOutput (one per engine step), WeightsProgress (for an
 UpdateWeights), WeightTransferJoined (for an InitWeightTransfer), SleepOutcome (for a Sleep or a
-Wake), Heartbeat (while idle, and in answer to GetState), EngineDead (the last message of a
-dying engine). The admin messages (weight updates and transfers, sleep and wake) live in
+Wake), ConstraintChecked (for a CheckConstraint), Heartbeat (while idle, and in answer to
+GetState), EngineDead (the last message of a dying engine). The admin messages (weight updates and transfers, sleep and wake) live in
 engine/admin_messages.py, SamplingParams in engine/sampling_params.py; both are re-exported here.
 """
 
@@ -35,16 +35,20 @@ from engine.admin_messages import (
     WeightTransferJoined,
 )
 from engine.sampling_params import (
+    CONSTRAINT_KINDS,
     GREEDY_TEMPERATURE,
     LOGIT_BIAS_RANGE,
     MAX_BAD_WORD_IDS,
     MAX_BAD_WORD_TOKENS,
+    MAX_CHOICES,
+    MAX_CONSTRAINT_BYTES,
     MAX_LOGIT_BIAS,
     MAX_SUPPORT_TOP_K,
     MAX_TOKEN_ID_LIST,
     MAX_TOP_LOGPROBS,
     REPETITION_PENALTY_RANGE,
     SUPPORT_TIES,
+    Constraint,
     LogprobMode,
     SamplingParams,
 )
@@ -78,6 +82,15 @@ class AbortRequests:
     request_ids: list[str]
     reason: FinishReason = FinishReason.CANCELLED
     index: int | None = None  # only this sample of each request (a stop string matched on it)
+
+
+@dataclass(frozen=True)
+class CheckConstraint:
+    """Compile a structured-output constraint (or find it compiled) before a request that
+    uses it is added: the engine answers ConstraintChecked, and keeps the grammar cached."""
+
+    check_id: str
+    constraint: Constraint
 
 
 @dataclass(frozen=True)
@@ -241,6 +254,17 @@ class StepOutput:
 
 
 @dataclass(frozen=True)
+class ConstraintChecked:
+    """The answer to a CheckConstraint: `error_code` None when the constraint compiled, else
+    the gRPC status name of what is wrong (INVALID_ARGUMENT: the constraint; FAILED_PRECONDITION:
+    the model's vocabulary cannot be used; UNAVAILABLE: the engine was lost) and `message`."""
+
+    check_id: str
+    error_code: str | None = None
+    message: str = ""
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     stats: EngineStats
 
@@ -258,6 +282,7 @@ ToEngine = (
     | InitWeightTransfer
     | Sleep
     | Wake
+    | CheckConstraint
     | GetState
     | Shutdown
 )
@@ -267,6 +292,7 @@ FromEngine = (
     | WeightsProgress
     | WeightTransferJoined
     | SleepOutcome
+    | ConstraintChecked
     | Heartbeat
     | EngineDead
 )
@@ -290,6 +316,9 @@ __all__ = [
     "WeightTransferJoined",
     "WeightsPhase",
     "WeightsProgress",
+    "Constraint",
+    "CheckConstraint",
+    "ConstraintChecked",
     "GetState",
     "Shutdown",
     "ModelInfo",
@@ -311,6 +340,9 @@ __all__ = [
     "MAX_TOKEN_ID_LIST",
     "MAX_BAD_WORD_IDS",
     "MAX_BAD_WORD_TOKENS",
+    "MAX_CHOICES",
+    "MAX_CONSTRAINT_BYTES",
+    "CONSTRAINT_KINDS",
     "SUPPORT_TIES",
     "MAX_POLICY_VERSION",
     "GREEDY_TEMPERATURE",

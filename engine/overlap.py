@@ -18,17 +18,18 @@ N+1: those that reach max_tokens (they end for sure) and those whose next page w
 the whole pool (the plain loop ends them with ERROR unless the token stops them first).
 
 Some steps are not overlapped: step N is collected before N+1 is scheduled while a weight
-update or a sleep is in progress (a swap, or freeing the KV pool, needs nothing in flight), when N sampled the first tokens of
-n > 1 siblings (forking copies KV pages on the host's side), and when a request sampled at N
-uses penalties or bad words of two or more tokens (the sampler reads its token history on the
-host).
+update or a sleep is in progress (a swap, or freeing the KV pool, needs nothing in flight),
+when N sampled the first tokens of n > 1 siblings (forking copies KV pages on the host's side),
+and when a request sampled at N uses penalties, bad words of two or more tokens or a
+structured-output grammar (the sampler reads its tokens on the host: its history, or its
+grammar's state after N's token). N+1's grammar mask is then computed while N+1's forward runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 from engine.config import EngineConfig
 from engine.execution.launched_step import LaunchedStep, PendingInputs, Sampled
@@ -42,7 +43,6 @@ from engine.sleep.sleeper import Sleeper
 from engine.step_outputs import StepOutputs
 from engine.weights.weight_updater import WeightUpdater
 
-T = TypeVar("T")
 PENDING = -1  # a token sampled by the step in flight, not yet on the host
 
 
@@ -196,7 +196,7 @@ class OverlappedSteps:
             later.append(len(tokens) - index - 1)
             del tokens[index:]
         engine._publish(step.batch.requests, step.computed)
-        kept = _rows(sampled, keep)
+        kept = sampled.rows(keep)
         outputs = engine._append_sampled(kept, first)
         for req, count in zip(kept.requests, later, strict=True):
             if count and not req.is_finished:
@@ -221,22 +221,3 @@ def _pending_inputs(batch: ScheduledBatch, previous: InflightStep | None) -> Pen
                 rows.append(row)
         start += num_tokens
     return PendingInputs(previous.launched, positions, rows) if positions else None
-
-
-def _rows(sampled: Sampled, rows: list[int]) -> Sampled:
-    """The sampled rows `rows` (the prompt scores all kept: ended requests skip theirs)."""
-    if len(rows) == len(sampled.requests):
-        return sampled
-
-    def pick(values: list[T] | None) -> list[T] | None:
-        return None if values is None else [values[row] for row in rows]
-
-    return Sampled(
-        [sampled.requests[row] for row in rows],
-        [sampled.token_ids[row] for row in rows],
-        pick(sampled.logprobs),
-        pick(sampled.top_ids),
-        pick(sampled.top_logprobs),
-        sampled.prompt_scores,
-        pick(sampled.support),
-    )

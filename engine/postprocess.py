@@ -1,7 +1,8 @@
 """Postprocessing a step's samples: what they do to their requests, and the outputs they make.
 
 The prompt positions scored are recorded (a request that only scores its prompt, max_tokens 0,
-ends once it is scored); n > 1 siblings fork before any token is appended; the sampled tokens
+ends once it is scored); structured-output rows advance their grammars; n > 1 siblings fork
+before any token is appended; the sampled tokens
 are appended and the requests they stop end; a request's first output carries its prompt
 logprobs; a sampling support the sampler could not list ends its request. LLMEngine owns the
 requests and calls these through `Engine`.
@@ -42,6 +43,8 @@ def append_sampled(engine: Engine, sampled: Sampled, first: list[RequestOutput])
             req.prompt_scores.record(position, rows)
             if req.max_tokens == 0 and req.prompt_scores.complete:
                 end_scored(engine, req, first)
+    if any(r.grammar is not None for r in sampled.requests):
+        sampled = _advance_grammars(engine, sampled, first)
     reqs, tokens = sampled.requests, sampled.token_ids
     # NOTE: siblings fork before any token is appended: a leader that stops at its first
     # token releases the prompt pages they start from.
@@ -60,7 +63,7 @@ def append_sampled(engine: Engine, sampled: Sampled, first: list[RequestOutput])
     maybe = [
         row
         for row, (r, t, c) in enumerate(zip(reqs, tokens, counts, strict=True))
-        if c >= r.max_tokens or t in eos or r.params.stop_token_ids
+        if c >= r.max_tokens or t in eos or r.params.stop_token_ids or r.grammar is not None
     ]
     outputs = StepOutputs(first, sampled, counts, engine.policy_version)
     for row in firsts:
@@ -75,6 +78,29 @@ def append_sampled(engine: Engine, sampled: Sampled, first: list[RequestOutput])
     if sampled.support is not None and None in sampled.support:
         _end_unlisted_supports(engine, sampled, outputs)
     return outputs
+
+
+def _advance_grammars(engine: Engine, sampled: Sampled, first: list[RequestOutput]) -> Sampled:
+    """Each constrained row's token advances its grammar. A token the grammar refuses (its
+    mask allowed nothing: no token continues the text) ends its request with ERROR and is
+    dropped; the other rows go on."""
+    refused = [
+        row
+        for row, (req, token) in enumerate(zip(sampled.requests, sampled.token_ids, strict=True))
+        if req.grammar is not None and not req.grammar.accept(token)
+    ]
+    for row in refused:
+        req = sampled.requests[row]
+        assert req.params.structured is not None
+        message = (
+            f"{req.params.structured.field}: no token can continue the text after "
+            f"{req.num_output_tokens} tokens"
+        )
+        engine.finish(req, FinishReason.ERROR, message)
+        first.append(request_output(req, [], None, None, engine.policy_version))
+    if not refused:
+        return sampled
+    return sampled.rows([row for row in range(len(sampled.requests)) if row not in refused])
 
 
 def _end_unlisted_supports(engine: Engine, sampled: Sampled, outputs: StepOutputs) -> None:

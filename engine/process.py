@@ -1,7 +1,8 @@
 """The engine process: LLMEngine behind one duplex pipe.
 
 Started by the service with the 'spawn' context as `engine_main(config, conn)`. The loop:
-1. drain the pipe (block only when idle), 2. step, 3. publish one StepOutput per step.
+1. drain the pipe (block only when idle, until a message or a compiled grammar), 2. step,
+3. publish one StepOutput per step (and the answers of constraints checked meanwhile).
 This module imports torch only inside `engine_main`, so the service can name it as a target.
 
 The service declares the engine hung when nothing arrives for its stall timeout while work is
@@ -16,11 +17,12 @@ nothing is sent in the middle of any of them.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import signal
 import time
 import traceback
 from collections.abc import Sequence
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING
 
 import structlog
@@ -30,6 +32,7 @@ from engine.logs import configure_logging
 from engine.messages import (
     AbortRequests,
     AddRequest,
+    CheckConstraint,
     EngineDead,
     EngineStats,
     FinishReason,
@@ -110,18 +113,24 @@ def _serve(engine: LLMEngine, conn: Connection) -> None:
     # inside a long staging; a swap at a step's start is announced before that step's tokens.
     engine.updater.sink = conn.send
     engine.sleeper.sink = conn.send  # one SleepOutcome per Sleep or Wake
+    # A grammar compiled (on its own thread) wakes an idle loop: a request or a check waits.
+    woken, wake = multiprocessing.Pipe(duplex=False)
+    engine.structured.grammars.on_done = lambda: wake.send_bytes(b"")
     while True:
         # 1. Drain every waiting message; block (up to a heartbeat) only when idle.
-        timeout = 0.0 if engine.has_work() else HEARTBEAT_INTERVAL_S
-        while conn.poll(timeout):
+        wait([conn, woken], 0.0 if engine.can_step() else HEARTBEAT_INTERVAL_S)
+        while woken.poll():
+            woken.recv_bytes()
+        while conn.poll():
             msg: ToEngine = conn.recv()
             if isinstance(msg, Shutdown):
                 engine.abort_all(FinishReason.ABORTED, "the server is shutting down")
                 conn.send(step_message(engine.step(), engine.stats()))
                 return
             _handle(engine, conn, msg)
-            timeout = 0.0
-        if not engine.has_work():
+        for verdict in engine.structured.verdicts():
+            conn.send(verdict)
+        if not engine.can_step():
             conn.send(Heartbeat(engine.stats()))
             continue
         # 2. Step, 3. publish: one StepOutput per step, even an empty one (it is also the
@@ -160,6 +169,8 @@ def _handle(engine: LLMEngine, conn: Connection, msg: ToEngine) -> None:
             engine.start_sleep(msg)
         case Wake():
             engine.wake(msg)
+        case CheckConstraint():
+            engine.structured.check(msg.check_id, msg.constraint)
         case InitWeightTransfer():
             # NOTE: blocks the loop until the group forms, at most its timeout (the service
             # keeps that within its stall timeout).

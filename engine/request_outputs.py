@@ -48,7 +48,7 @@ def error_output(
     request_id: str,
     index: int,
     prompt_len: int,
-    error: str,
+    error: str | None,
     policy_version: int,
     reason: FinishReason = FinishReason.ERROR,
 ) -> RequestOutput:
@@ -66,11 +66,12 @@ def error_output(
 
 
 def stop_reason(req: Request, token: int, eos_token_ids: Sequence[int]) -> FinishReason | None:
-    """Why `req` ends with `token` just appended (an EOS or stop token, its length), if it does."""
+    """Why `req` ends with `token` just appended (an EOS or stop token, its structured-output
+    text complete and ended, its length), if it does."""
     params = req.params
     if not params.ignore_eos and token in eos_token_ids:
         return FinishReason.STOP
-    if token in params.stop_token_ids:
+    if token in params.stop_token_ids or (req.grammar is not None and req.grammar.terminated):
         return FinishReason.STOP
     if req.num_output_tokens >= req.max_tokens:
         return FinishReason.LENGTH

@@ -29,6 +29,11 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_TOKEN_ID_LIST = 1024  # allowed_token_ids, bad_token_ids
 MAX_BAD_WORD_IDS = 128  # token sequences (the service sends two per bad word)
 MAX_BAD_WORD_TOKENS = 64  # tokens per sequence
+# Structured output (GenerateRequest.structured): each document at most this many UTF-8 bytes;
+# a choice list of 1 to MAX_CHOICES strings, their total also within MAX_CONSTRAINT_BYTES.
+MAX_CONSTRAINT_BYTES = 65536
+MAX_CHOICES = 1024
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 
 
 class LogprobMode(enum.StrEnum):
@@ -37,6 +42,38 @@ class LogprobMode(enum.StrEnum):
     RAW = "raw"  # the model's logits
     PROCESSED = "processed"  # after penalties and temperature, before truncation (default)
     SAMPLED = "sampled"  # after top-k, top-p and min-p, renormalised: what the token was drawn from
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A structured-output constraint on the completion's text (engine/structured/): `kind` is
+    one of CONSTRAINT_KINDS; `text` the JSON schema, regex or GBNF grammar; `choices` the
+    strings of a "choice". Hashable: equal constraints share one compiled grammar."""
+
+    kind: str
+    text: str = ""
+    choices: tuple[str, ...] = ()
+
+    @property
+    def field(self) -> str:
+        """The request field it came from, as errors name it."""
+        return f"structured.{self.kind}"
+
+    def errors(self) -> list[tuple[str, str]]:
+        """Its bounds, checked before anything looks at the document itself."""
+        if self.kind not in CONSTRAINT_KINDS:
+            return [("structured", f"unknown kind {self.kind!r}")]
+        size = len(self.text.encode()) + sum(len(c.encode()) for c in self.choices)
+        if size > MAX_CONSTRAINT_BYTES:
+            return [(self.field, f"at most {MAX_CONSTRAINT_BYTES} bytes")]
+        if self.kind == "choice":
+            if not 1 <= len(self.choices) <= MAX_CHOICES:
+                return [("structured.choice.choices", f"must hold 1 to {MAX_CHOICES} strings")]
+            if not all(self.choices):
+                return [("structured.choice.choices", "every choice must be non-empty")]
+        elif self.kind != "json_object" and not self.text:
+            return [(self.field, "must not be empty")]
+        return []
 
 
 @dataclass(frozen=True)
@@ -55,7 +92,8 @@ class SamplingParams:
     penalties: with allowed_token_ids every other token is -inf, bad_token_ids are -inf, each
     bad_word_ids sequence bans its last token where the output ends with the rest of it (a
     one-token sequence always), logit_bias (token id -> bias) is added. Raw logprobs and
-    prompt logprobs do not see it.
+    prompt logprobs do not see it. A `structured` constraint masks, at the same point, every
+    token that cannot continue a valid text (engine/structured/).
     """
 
     temperature: float = 1.0
@@ -81,6 +119,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()  # () = every token
     bad_token_ids: tuple[int, ...] = ()
     bad_word_ids: tuple[tuple[int, ...], ...] = ()  # the service tokenises bad_words into these
+    structured: Constraint | None = None
 
     @property
     def has_surface(self) -> bool:
@@ -161,6 +200,8 @@ class SamplingParams:
             errs.append(("stop_token_ids", f"every id must be in [0, {vocab_size})"))
         if self.has_surface:
             errs += self._surface_errors(vocab_size)
+        if self.structured is not None:
+            errs += self.structured.errors()
         return errs
 
     def _surface_errors(self, vocab_size: int | None) -> list[tuple[str, str]]:

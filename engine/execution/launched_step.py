@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -25,6 +26,8 @@ from engine.execution.step_inputs import StepArrays, StepInputs
 from engine.models.llama import KVCache, LlamaForCausalLM
 from engine.sampling.sampler import SamplerOutput
 from engine.scheduling.request import Request
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -42,6 +45,24 @@ class Sampled:
     # Per row when asked for: the ids it could have drawn ([]: every token; None: more tie at
     # the k-th logit than the sampler returned)
     support: list[list[int] | None] | None = None
+
+    def rows(self, rows: list[int]) -> Sampled:
+        """The sampled rows `rows` (the prompt scores all kept: ended requests skip theirs)."""
+        if len(rows) == len(self.requests):
+            return self
+
+        def pick(values: list[T] | None) -> list[T] | None:
+            return None if values is None else [values[row] for row in rows]
+
+        return Sampled(
+            [self.requests[row] for row in rows],
+            [self.token_ids[row] for row in rows],
+            pick(self.logprobs),
+            pick(self.top_ids),
+            pick(self.top_logprobs),
+            self.prompt_scores,
+            pick(self.support),
+        )
 
 
 @dataclass

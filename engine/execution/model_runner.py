@@ -187,7 +187,10 @@ class ModelRunner:
             return self.sampler(logits, sampling)
 
         submit = self.device_thread.submit if self.device_thread is not None else run_now
-        return LaunchedStep(step.sampling, submit(work), scoring)
+        launched = LaunchedStep(step.sampling, submit(work), scoring)
+        if sampling is not None and sampling.grammar is not None:
+            sampling.grammar.fill()  # while the forward runs (unless the sampler did already)
+        return launched
 
     def collect(self, launched: LaunchedStep) -> Sampled:
         """Wait for a launched step and bring its samples to the host."""

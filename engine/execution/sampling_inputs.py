@@ -4,7 +4,8 @@ The per-row numbers are gathered into the step's buffers and the batch's flags a
 the rows' bits (engine/execution/sampling_slots.py); what varies with the tokens (the token
 histories penalties read, the stop ids banned below min_tokens, the sampling surface's
 masks: engine/execution/surface_rows.py) becomes a tensor of its own,
-only when some row needs it.
+only when some row needs it; structured-output rows get a GrammarMask, filled while the step
+runs (engine/structured/grammar_mask.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from engine.messages import SUPPORT_TIES, LogprobMode
 from engine.sampling.sampler import SamplingBatch
 from engine.scheduling.block_table import BlockTable
 from engine.scheduling.request import Request
+from engine.structured.grammar_mask import GrammarMask
 
 
 class SamplingInputs:
@@ -90,6 +92,9 @@ class SamplingInputs:
             surfaces = self.slots.row_surfaces(reqs)
             tensors = surface_tensors(reqs, surfaces, self.vocab_size, self.device)
             batch.allowed_ids, batch.allowed_rows, batch.bias_ids, batch.bias_values = tensors
+        if flags & slot_bits.GRAMMAR:
+            grammars = [(row, r.grammar) for row, r in enumerate(reqs) if r.grammar is not None]
+            batch.grammar = GrammarMask(grammars, rows, self.vocab_size, self.device)
         return batch
 
     def _rows_in(self, modes: list[LogprobMode], mode: LogprobMode) -> torch.Tensor:

@@ -36,6 +36,7 @@ PROCESSED = 512  # PROCESSED,
 SAMPLED_MODE = 1024  # or SAMPLED
 SUPPORT = 2048  # the sampling support
 SURFACE = 4096  # a sampling surface
+GRAMMAR = 8192  # a structured-output constraint
 MODE_BITS = {
     LogprobMode.RAW: (RAW_LOGPROBS, RAW),
     LogprobMode.PROCESSED: (LOGPROBS, PROCESSED),
@@ -127,13 +128,14 @@ def _row(req: Request) -> tuple[tuple[float, ...], tuple[int, ...], int, int, in
     logprobs, mode = MODE_BITS[p.mode]
     flags |= mode | (logprobs if p.logprobs else 0) | (SUPPORT if p.sampling_support else 0)
     flags |= SURFACE if p.has_surface else 0
+    flags |= GRAMMAR if p.structured is not None else 0
     return floats, ints, flags, p.top_logprobs, p.min_tokens
 
 
 def reads_history(req: Request) -> bool:
-    """The sampler reads the request's tokens on the host: penalties, or bad words of two or
-    more ids (an overlapped step's pending token is not there yet)."""
-    return uses_penalties(req) or has_long_bad_words(req)
+    """The sampler reads the request's tokens on the host: penalties, bad words of two or
+    more ids, or a grammar (an overlapped step's pending token is not there yet)."""
+    return uses_penalties(req) or has_long_bad_words(req) or req.params.structured is not None
 
 
 def uses_penalties(req: Request) -> bool:

@@ -40,7 +40,7 @@ from engine.sampling.sampling_math import (
     top_ids,
     uniform,
 )
-from engine.sampling.surface import apply_surface
+from engine.sampling.surface import TokenBitmask, apply_surface
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingBatch", "uniform"]
 
@@ -80,14 +80,23 @@ class SamplingBatch:
     allowed_rows: torch.Tensor | None = None  # [rows] bool: the rows allowed_ids restricts
     bias_ids: torch.Tensor | None = None  # [rows, width] ids, padded with vocab
     bias_values: torch.Tensor | None = None  # [rows, width] float32 added there (-inf: banned)
+    grammar: TokenBitmask | None = None  # structured-output rows' allowed tokens
 
     @property
     def has_surface(self) -> bool:
-        return self.allowed_ids is not None or self.bias_ids is not None
+        return any(x is not None for x in (self.allowed_ids, self.bias_ids, self.grammar))
 
-    def surface(self) -> tuple[torch.Tensor | None, ...]:
+    def surface(
+        self,
+    ) -> tuple[
+        torch.Tensor | None,
+        torch.Tensor | None,
+        torch.Tensor | None,
+        torch.Tensor | None,
+        TokenBitmask | None,
+    ]:
         """apply_surface's arguments after the logits."""
-        return self.allowed_ids, self.allowed_rows, self.bias_ids, self.bias_values
+        return self.allowed_ids, self.allowed_rows, self.bias_ids, self.bias_values, self.grammar
 
     def column(self, name: str) -> torch.Tensor:
         if name in FLOAT_COLUMNS:

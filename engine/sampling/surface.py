@@ -9,12 +9,27 @@ so a step asking for raw logprobs with a surface runs the torch one (sampler_cho
 Per row: tokens outside `allowed_ids` (when the row has any) become -inf, then `bias_values`
 are added at `bias_ids` (bans are -inf entries: bad_token_ids, one-token bad words, and the
 last token of each longer bad word whose prefix the output ends with). Two scatters and two
-element-wise ops over [rows, vocab], whatever the number of entries.
+element-wise ops over [rows, vocab], whatever the number of entries. Last, a structured-output
+constraint's bitmask (engine/structured/) sets every token it does not allow to -inf.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+
+
+class TokenBitmask(Protocol):
+    """A step's allowed tokens, packed (engine/structured/grammar_mask.py)."""
+
+    def fill(self) -> None:
+        """Compute them now, if not done yet."""
+        ...
+
+    def bitmask(self) -> torch.Tensor:
+        """[rows, ceil(vocab / 32)] int32: bit i of word w allows token 32w + i."""
+        ...
 
 
 def apply_surface(
@@ -23,6 +38,7 @@ def apply_surface(
     allowed_rows: torch.Tensor | None,
     bias_ids: torch.Tensor | None,
     bias_values: torch.Tensor | None,
+    grammar: TokenBitmask | None = None,
 ) -> torch.Tensor:
     """`logits` ([rows, vocab] float32) with a SamplingBatch's surface applied (its fields of
     these names); the same tensor when it has none."""
@@ -39,4 +55,13 @@ def apply_surface(
         bias = torch.zeros(rows, vocab + 1, device=logits.device)
         bias = bias.scatter_add_(1, bias_ids, bias_values)[:, :vocab]
         logits = logits + bias  # x + 0 is x: untouched tokens keep their logit exactly
+    if grammar is not None:
+        logits = logits.masked_fill(~unpack_bitmask(grammar.bitmask(), vocab), float("-inf"))
     return logits
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, words] int32 bits -> [rows, vocab] bool."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[:, :, None] >> shifts) & 1
+    return bits.bool().reshape(bitmask.shape[0], -1)[:, :vocab]

@@ -6,15 +6,20 @@ import enum
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.messages import FinishReason, SamplingParams
 from engine.scheduling.prompt_scores import PromptScores
+
+if TYPE_CHECKING:
+    from engine.structured.request_grammar import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FORK_PENDING = "fork_pending"  # a sibling of n > 1 waiting for its leader's prompt KV
+    AWAITING_GRAMMAR = "awaiting_grammar"  # its structured-output grammar is being compiled
     FINISHED = "finished"
 
 
@@ -48,6 +53,7 @@ class Request:
     pending_forks: list[Request] = field(default_factory=list)  # siblings to start from my prompt
     output_logprobs: list[float] = field(default_factory=list)
     prompt_scores: PromptScores | None = None  # prompt logprobs still to be reported (leader)
+    grammar: RequestGrammar | None = None  # its structured-output matcher, once compiled
     finish_reason: FinishReason | None = None
     error: str | None = None
     first_scheduled_time: float | None = None

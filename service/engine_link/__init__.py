@@ -1,7 +1,8 @@
 """The service's link to the engine process: start it, talk to it, keep it serving.
 
 `engine_client` (the one handle the rest of the service uses; `engine_state` its states,
-`update_route` its weight updates in flight, `transfer_joins` its InitWeightTransfer joins),
+`update_route` its weight updates in flight, `answers` its InitWeightTransfer joins and
+CheckConstraint checks),
 `engine_process` (one incarnation and its pipe),
 `supervisor` (replaces a lost engine), `routing` (outputs to each request's inbox, metered by
 `buffer_meter`), `replay_log` (updates a restarted engine re-applies) and `replay` (doing

@@ -1,41 +1,43 @@
-"""TransferJoins: InitWeightTransfer messages sent to the engine and not yet answered.
+"""Answers: messages sent to the engine that wait for one answer each, by id.
 
-Each waits on a future for its WeightTransferJoined; a lost engine answers every one of them
-UNAVAILABLE (its group is gone with it).
+InitWeightTransfer waits for its WeightTransferJoined, CheckConstraint for its
+ConstraintChecked. A lost engine answers every waiting one with `lost(id, message)` (an
+UNAVAILABLE answer: what it was asked is gone with it).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
-from engine.messages import WeightTransferJoined
+T = TypeVar("T")
 
 
-class TransferJoins:
-    def __init__(self) -> None:
-        self._waiting: dict[str, asyncio.Future[WeightTransferJoined]] = {}
+class Answers(Generic[T]):
+    def __init__(self, lost: Callable[[str, str], T]) -> None:
+        self._waiting: dict[str, asyncio.Future[T]] = {}
+        self._lost = lost
 
     def __len__(self) -> int:
         return len(self._waiting)
 
-    def add(self, transfer_id: str) -> asyncio.Future[WeightTransferJoined]:
-        future: asyncio.Future[WeightTransferJoined] = asyncio.get_running_loop().create_future()
-        self._waiting[transfer_id] = future
+    def add(self, answer_id: str) -> asyncio.Future[T]:
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._waiting[answer_id] = future
         return future
 
-    def route(self, joined: WeightTransferJoined) -> bool:
+    def route(self, answer_id: str, answer: T) -> bool:
         """False if nothing waits for it."""
-        future = self._waiting.pop(joined.transfer_id, None)
+        future = self._waiting.pop(answer_id, None)
         if future is None:
             return False
         if not future.done():
-            future.set_result(joined)
+            future.set_result(answer)
         return True
 
     def fail_all(self, message: str) -> None:
         waiting, self._waiting = self._waiting, {}
-        for transfer_id, future in waiting.items():
+        for answer_id, future in waiting.items():
             if not future.done():
-                future.set_result(
-                    WeightTransferJoined(transfer_id, error_code="UNAVAILABLE", message=message)
-                )
+                future.set_result(self._lost(answer_id, message))

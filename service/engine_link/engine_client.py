@@ -22,6 +22,9 @@ import structlog
 from engine.messages import (
     AbortRequests,
     AddRequest,
+    CheckConstraint,
+    Constraint,
+    ConstraintChecked,
     EngineDead,
     EngineStats,
     FinishReason,
@@ -46,6 +49,7 @@ from engine.messages import (
 )
 from engine.process import engine_main
 from service.config import ServiceConfig
+from service.engine_link.answers import Answers
 from service.engine_link.checkpoint_fingerprint import checkpoint_fingerprint
 from service.engine_link.engine_process import (
     EngineProcess,
@@ -60,7 +64,6 @@ from service.engine_link.replay_log import ReplayLog
 from service.engine_link.routing import Inbox, RequestRouter
 from service.engine_link.sleep_link import SleepLink
 from service.engine_link.supervisor import Supervisor
-from service.engine_link.transfer_joins import TransferJoins
 from service.engine_link.update_route import (
     UpdateInProgressError,
     UpdateRoute,
@@ -106,7 +109,11 @@ class EngineClient:
         self._start_process = start_process
         self._on_state = on_state
         self._updates = UpdateRoutes()
-        self._joins = TransferJoins()  # InitWeightTransfer sent, not answered yet
+        # InitWeightTransfer and CheckConstraint sent, not answered yet
+        self._joins = Answers(
+            lambda i, m: WeightTransferJoined(i, error_code="UNAVAILABLE", message=m)
+        )
+        self._checks = Answers(lambda i, m: ConstraintChecked(i, "UNAVAILABLE", m))
         self.awaiting_weights = False  # restarted without weights it could not replay
         self._stats_waiters: list[asyncio.Future[None]] = []
         self._supervisor: asyncio.Task[None] | None = None
@@ -147,10 +154,14 @@ class EngineClient:
 
     @property
     def busy(self) -> bool:
-        """Requests, updates, a join, a Sleep or a Wake wait on the engine: it must make
+        """Requests, updates, a join or a check, a Sleep or a Wake wait on the engine: it must make
         progress."""
         return bool(
-            len(self.router) or len(self._updates) or len(self._joins) or self.sleep_link.busy
+            len(self.router)
+            or len(self._updates)
+            or len(self._joins)
+            or len(self._checks)
+            or self.sleep_link.busy
         )
 
     @property
@@ -218,6 +229,14 @@ class EngineClient:
         transfer_id = uuid.uuid4().hex
         self._send(InitWeightTransfer(transfer_id, group))
         return await self._joins.add(transfer_id)
+
+    async def check_constraint(self, constraint: Constraint) -> ConstraintChecked:
+        """Have the engine compile a structured-output constraint (it keeps it cached for the
+        request that follows); its answer, UNAVAILABLE if the engine is lost meanwhile. Raises
+        EngineUnavailableError if it cannot be sent."""
+        check_id = uuid.uuid4().hex
+        self._send(CheckConstraint(check_id, constraint))
+        return await self._checks.add(check_id)
 
     def update_weights(
         self,
@@ -368,6 +387,7 @@ class EngineClient:
         self._updates.fail_all(message)
         self.sleep_link.fail_all(message)
         self._joins.fail_all(message)
+        self._checks.fail_all(message)
 
     def _send(self, msg: ToEngine) -> None:
         engine = self.engine
@@ -394,8 +414,10 @@ class EngineClient:
                 case SleepOutcome() as outcome:
                     self._route_sleep(outcome)
                 case WeightTransferJoined() as joined:
-                    if not self._joins.route(joined):
+                    if not self._joins.route(joined.transfer_id, joined):
                         log.error("engine.unknown_transfer", transfer_id=joined.transfer_id)
+                case ConstraintChecked() as checked:
+                    self._checks.route(checked.check_id, checked)
                 case Ready(info=info):
                     self.info = info
                     if not engine.ready.done():

@@ -21,6 +21,7 @@ from service.config import MAX_REQUEST_ID_LENGTH
 from service.rpc.chat import chat_violations, no_template, render
 from service.rpc.refusal import Refusal, invalid_argument
 from service.rpc.sampling_surface import bad_word_ids, surface_violations
+from service.rpc.structured import constraint, schema_violations
 from service.text.chat_template import ChatTemplate
 from service.text.completion import OutputSettings
 from service.text.tokenizer import Tokenizer
@@ -118,6 +119,7 @@ def sampling_params(
         ),
         logprob_mode=LOGPROB_MODES.get(out.logprob_mode),
         sampling_support=out.sampling_support,
+        structured=constraint(req),
     )
 
 
@@ -153,6 +155,7 @@ def field_violations(
         errors.append(("output.logprob_mode", f"unknown mode {req.output.logprob_mode}"))
     surface = surface_violations(req.sampling)  # before the lists are copied
     errors += surface
+    errors += schema_violations(req)
     params = sampling_params(req, surface=not surface)
     errors += [(FIELD_PATHS.get(f, f), d) for f, d in params.errors(info.vocab_size)]
     return errors

@@ -24,6 +24,7 @@ from service.rpc.admission import Admission, admit, text_violations
 from service.rpc.chat import render
 from service.rpc.generate_stream import Admitted, GenerateStreamCall, StreamLimits
 from service.rpc.refusal import Refusal, invalid_argument
+from service.rpc.structured import check_constraint
 from service.text.chat_template import ChatTemplate
 from service.text.completion import Completion
 from service.text.tokenizer import Tokenizer
@@ -194,6 +195,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             max_message_bytes=MAX_SEND_MESSAGE_BYTES,
             chat_template=self.chat_template,
         )
+        if (structured := admission.request.params.structured) is not None:
+            await check_constraint(self.engine, structured)  # compiled, or refused
         # NOTE: no await from here to submit(): the duplicate and queue checks stay true.
         self._check_available()
         request_id = admission.request.request_id

@@ -339,7 +339,9 @@ class ChoiceList(_message.Message):
 
     CHOICES_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def choices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def choices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The allowed completions, in any order (the model's probabilities decide among them)."""
+
     def __init__(
         self,
         *,

@@ -1,0 +1,159 @@
+"""How requests start, and how they end outside a step's samples.
+
+In: a request that engine/request_validation.py refuses ends at once with ERROR (one output per
+index), one that arrives while the engine sleeps (or drains into sleep) with ABORTED. One with a
+structured-output constraint whose grammar is still compiling waits outside the scheduler
+(engine/structured/structured_outputs.py) and starts once it is compiled; a constraint that did
+not compile ends it with ERROR. Out, at a step's start: requests past their deadline, and those
+the scheduler found too big for the whole KV cache. LLMEngine owns the requests and calls these
+through `Engine`.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import random
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+from engine.config import EngineConfig
+from engine.messages import FinishReason, RequestOutput, SamplingParams
+from engine.models.hf_config import ModelConfig
+from engine.postprocess import end_scored
+from engine.request_outputs import error_output, request_output
+from engine.request_validation import request_error
+from engine.scheduling.page_pool import PagePool
+from engine.scheduling.request import Request, new_sequences
+from engine.scheduling.scheduler import Scheduler
+from engine.sleep.sleeper import Sleeper
+from engine.structured.request_grammar import RequestGrammar
+from engine.structured.structured_outputs import Deferred, StructuredOutputs, grammar_error
+
+
+class Engine(Protocol):
+    """What admission uses of LLMEngine."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    scheduler: Scheduler
+    pool: PagePool
+    sleeper: Sleeper
+    structured: StructuredOutputs
+    requests: dict[str, list[Request]]
+    pending: list[RequestOutput]
+    tokens_generated: int
+    _rng: random.Random
+    _arrivals: itertools.count[int]
+
+    @property
+    def policy_version(self) -> int: ...
+    def finish(self, req: Request, reason: FinishReason, message: str | None) -> None: ...
+    def abort(
+        self, request_ids: Sequence[str], reason: FinishReason, message: str | None = None
+    ) -> int: ...
+
+
+def add_request(
+    engine: Engine,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    n: int,
+    priority: int,
+    deadline: float | None,
+    min_policy_version: int | None,
+) -> None:
+    """LLMEngine.add_request, past the duplicate check."""
+    limits = (engine.model_config, engine.config.max_num_seqs, engine.policy_version)
+    error = request_error(prompt, params, n, min_policy_version, *limits)
+    refused = error or engine.sleeper.refusing
+    if refused is not None:
+        reason = FinishReason.ERROR if error is not None else FinishReason.ABORTED
+        refuse(engine, request_id, n, len(prompt), refused, reason)
+        return
+    begin = functools.partial(start, engine, request_id, prompt, params, n, priority, deadline)
+    if params.structured is None:
+        begin()
+        return
+    grammar = engine.structured.grammars.compile(params.structured)
+    if grammar.done():
+        begin(grammar)
+    else:
+        deferred = Deferred(grammar, functools.partial(begin, grammar), n, len(prompt))
+        engine.structured.defer(request_id, deferred)
+
+
+def start(
+    engine: Engine,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    n: int,
+    priority: int,
+    deadline: float | None,
+    grammar: Future[Any] | None = None,
+) -> None:
+    """Queue a valid request (each sample with a matcher of its compiled grammar, if it has a
+    constraint)."""
+    if grammar is not None and (failed := grammar_error(grammar)) is not None:
+        refuse(engine, request_id, n, len(prompt), failed[1], FinishReason.ERROR)
+        return
+    max_tokens = engine.model_config.max_model_len - len(prompt)
+    if params.max_tokens is not None:
+        max_tokens = min(max_tokens, params.max_tokens)
+    seeds = [
+        params.seed + index if params.seed is not None else engine._rng.getrandbits(64)
+        for index in range(n)
+    ]
+    when = (priority, deadline)
+    seqs = new_sequences(request_id, prompt, params, max_tokens, seeds, engine._arrivals, *when)
+    if grammar is not None:
+        for seq in seqs:
+            seq.grammar = RequestGrammar(grammar.result())
+    leader = seqs[0]
+    engine.scheduler.add(leader)  # its siblings fork from its prompt's KV
+    engine.requests[request_id] = seqs
+    if max_tokens == 0 and leader.prompt_scores and leader.prompt_scores.complete:
+        end_scored(engine, leader, engine.pending)  # nothing to score, nothing to generate
+
+
+def refuse(
+    engine: Engine,
+    request_id: str,
+    n: int,
+    prompt_len: int,
+    message: str | None,
+    reason: FinishReason,
+) -> None:
+    """End a request that has no sequences: one output per index."""
+    version = engine.policy_version
+    engine.pending += [
+        error_output(request_id, index, prompt_len, message, version, reason)
+        for index in range(max(n, 1))
+    ]
+
+
+def expire_deadlines(engine: Engine) -> None:
+    now = time.time()
+    expired = [
+        req_id
+        for req_id, seqs in engine.requests.items()
+        if seqs[0].deadline is not None and seqs[0].deadline <= now
+    ]
+    if expired:
+        engine.abort(expired, FinishReason.DEADLINE_EXCEEDED, "the deadline passed")
+
+
+def end_too_big(engine: Engine) -> None:
+    """End the requests the scheduler found too big for the whole cache."""
+    pool = engine.pool
+    for req in engine.scheduler.too_big:
+        need = pool.pages_for(req.num_tokens + 1)
+        message = f"the request needs {need} KV pages but the whole cache has {pool.num_pages}"
+        # Pending siblings go to the queue on their own and end the same way next step.
+        engine.finish(req, FinishReason.ERROR, message)
+        engine.pending.append(request_output(req, [], None, None, engine.policy_version))
+    engine.scheduler.too_big.clear()

@@ -1,0 +1,80 @@
+"""StructuredOutputs: the engine's side of structured output, between the loop and grammars.py.
+
+- A request whose grammar is still compiling waits here, not in the scheduler (`defer`): the
+  steps go on without it, and `start_ready` starts it once its grammar is compiled (its start
+  ends it with ERROR if the constraint did not compile).
+- The service's CheckConstraint messages are answered once their grammar is compiled
+  (`check`, then `verdicts`), so that a bad constraint is refused before its request is sent.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from engine.messages import Constraint, ConstraintChecked
+from engine.structured.grammars import ConstraintError, Grammars
+
+
+@dataclass
+class Deferred:
+    grammar: Future[Any]
+    start: Callable[[], None]  # adds the request to the scheduler, or ends it
+    n: int
+    prompt_len: int
+
+
+class StructuredOutputs:
+    def __init__(self, grammars: Grammars) -> None:
+        self.grammars = grammars
+        self.deferred: dict[str, Deferred] = {}  # request id -> its wait
+        self.checks: dict[str, Future[Any]] = {}  # CheckConstraint id -> its grammar
+
+    def defer(self, request_id: str, deferred: Deferred) -> None:
+        self.deferred[request_id] = deferred
+
+    @property
+    def ready(self) -> bool:
+        """Some deferred request can start, or some check can be answered."""
+        futures = [d.grammar for d in self.deferred.values()] + list(self.checks.values())
+        return any(f.done() for f in futures)
+
+    def start_ready(self) -> None:
+        done = [rid for rid, d in self.deferred.items() if d.grammar.done()]
+        for request_id in done:
+            self.deferred.pop(request_id).start()
+
+    def check(self, check_id: str, constraint: Constraint) -> None:
+        self.checks[check_id] = self.grammars.compile(constraint)
+
+    def verdicts(self) -> list[ConstraintChecked]:
+        """The answers of the checks whose grammar is compiled (each once)."""
+        done = [check_id for check_id, f in self.checks.items() if f.done()]
+        answers = []
+        for check_id in done:
+            error = grammar_error(self.checks.pop(check_id))
+            code, message = error if error is not None else (None, "")
+            answers.append(ConstraintChecked(check_id, code, message))
+        return answers
+
+    def wait(self, timeout: float) -> None:
+        """Block until some deferred request's grammar is compiled, at most `timeout` s."""
+        futures = [d.grammar for d in self.deferred.values()]
+        concurrent.futures.wait(futures, timeout, concurrent.futures.FIRST_COMPLETED)
+
+    def close(self) -> None:
+        self.grammars.close()
+
+
+def grammar_error(grammar: Future[Any]) -> tuple[str, str] | None:
+    """(gRPC status name, message) of a compiled grammar that failed, or None."""
+    exc = grammar.exception()
+    if exc is None:
+        return None
+    if isinstance(exc, ConstraintError):
+        return "INVALID_ARGUMENT", str(exc)
+    message = f"structured: constraints cannot be compiled for this model: {exc!r}"
+    return "FAILED_PRECONDITION", message
