@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from sluice_client.chat_verb import add_chat_verb
 from sluice_client.sleep_verbs import add_sleep_verbs
+from sluice_client.structured_flags import add_structured_flags, structured_options
 from sluice_client.update_weights_verb import add_update_weights_verb
 
 if TYPE_CHECKING:
@@ -99,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     add_affinity_flag(gen)
+    add_structured_flags(gen)
     gen.set_defaults(run=run_generate)
 
     info = verbs.add_parser("info", help="print the server's model and state as JSON")
@@ -199,6 +201,7 @@ def client_tls(args: argparse.Namespace) -> TlsConfig | None:
 def run_generate(args: argparse.Namespace) -> int:
     from sluice_client import pb
 
+    structured = structured_options(args)  # NOTE: before connecting: a bad file makes no RPC
     with connect(args) as client:
         events = client.generate(
             args.prompt,
@@ -210,6 +213,7 @@ def run_generate(args: argparse.Namespace) -> int:
             stop=args.stop,
             ignore_eos=args.ignore_eos,
             affinity=args.affinity,
+            **structured,
         )
         for event in events:
             match event.WhichOneof("event"):
