@@ -35,7 +35,7 @@ export interface ChatOptions {
  */
 export interface StructuredOptions {
   /** A JSON Schema the completion is valid under: an object (sent as JSON) or JSON text. */
-  jsonSchema?: Readonly<Record<string, unknown>> | boolean | string;
+  jsonSchema?: Readonly<Record<string, unknown>> | string;
   /** true: the completion is any JSON object (false: unset). */
   jsonObject?: boolean;
   /** A regular expression the whole completion matches (no lookaround or backreferences). */
