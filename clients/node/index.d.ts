@@ -29,6 +29,23 @@ export interface ChatOptions {
   templateKwargs?: Record<string, unknown>;
 }
 
+/**
+ * A constraint on the completion's text (GenerateRequest.structured): at most one of these
+ * (two are a TypeError). See StructuredOutput in proto/sluice/v1/generation.proto.
+ */
+export interface StructuredOptions {
+  /** A JSON Schema the completion is valid under: an object (sent as JSON) or JSON text. */
+  jsonSchema?: Readonly<Record<string, unknown>> | string;
+  /** true: the completion is any JSON object (false: unset). */
+  jsonObject?: boolean;
+  /** A regular expression the whole completion matches (no lookaround or backreferences). */
+  regex?: string;
+  /** A GBNF grammar; the completion is derived from its rule `root`. */
+  grammar?: string;
+  /** The completion is exactly one of these strings. */
+  choice?: readonly string[];
+}
+
 /** The server's rendering of a chat. */
 export interface RenderedChat {
   text: string;
@@ -74,7 +91,7 @@ export interface RoutedCallOptions extends CallOptions {
 }
 
 /** GenerateRequest fields (unset: the server's default). See proto/sluice/v1/generation.proto. */
-export interface GenerateOptions extends RoutedCallOptions, ChatOptions {
+export interface GenerateOptions extends RoutedCallOptions, ChatOptions, StructuredOptions {
   requestId?: string;
   maxTokens?: number;
   minTokens?: number;

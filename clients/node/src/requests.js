@@ -40,6 +40,8 @@ export function buildRequest(prompt, options = {}) {
     output,
     ...pick(options, ['n', 'minPolicyVersion', 'priority']),
   };
+  const structured = structuredOutput(options);
+  if (structured !== null) request.structured = structured;
   if (typeof prompt === 'string') {
     request.text = prompt;
   } else if (isChat(prompt)) {
@@ -81,6 +83,38 @@ export function chatPrompt(messages, options = {}) {
     chat.templateKwargsJson = JSON.stringify(options.templateKwargs);
   }
   return chat;
+}
+
+const STRUCTURED_KINDS = ['jsonSchema', 'jsonObject', 'regex', 'grammar', 'choice'];
+
+/**
+ * GenerateRequest.structured (a oneof) from at most one of the options jsonSchema (an object,
+ * sent as JSON, or JSON text as it is), jsonObject (true), regex, grammar (GBNF text) and
+ * choice (an array of strings); null when none is given. Two are a TypeError here rather than
+ * the last one silently winning on the wire.
+ */
+function structuredOutput(options) {
+  const given = STRUCTURED_KINDS.filter(
+    (kind) => options[kind] !== undefined && options[kind] !== null && options[kind] !== false,
+  );
+  if (given.length > 1) {
+    throw new TypeError(`at most one of ${STRUCTURED_KINDS.join(', ')}; got ${given.join(', ')}`);
+  }
+  const [kind] = given;
+  const value = options[kind];
+  switch (kind) {
+    case undefined:
+      return null;
+    case 'jsonSchema':
+      return { jsonSchema: typeof value === 'string' ? value : JSON.stringify(value) };
+    case 'jsonObject':
+      return { jsonObject: true };
+    case 'choice':
+      if (!Array.isArray(value)) throw new TypeError('choice: an array of strings');
+      return { choice: { choices: [...value] } };
+    default:
+      return { [kind]: value };
+  }
 }
 
 function pick(options, names) {

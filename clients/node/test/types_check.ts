@@ -30,6 +30,16 @@ export async function usage(target: string): Promise<void> {
   const renderedIds: number[] = rendered.tokenIds;
   void [rendered.text, renderedIds];
   void (await client.complete(chat, { addGenerationPrompt: true, continueFinalMessage: false, maxTokens: 4 }));
+  const schema = { type: 'object', properties: { name: { type: 'string' } }, required: ['name'] };
+  const json: Completion = await client.complete('A cat, as JSON:', { jsonSchema: schema, maxTokens: 64 });
+  void json.text;
+  await client.complete('x', { jsonSchema: '{"type": "integer"}' });
+  await client.complete('x', { jsonObject: true });
+  await client.complete('x', { regex: '[0-9]{3}' });
+  await client.complete('x', { grammar: 'root ::= "yes" | "no"' });
+  await client.complete(chat, { choice: ['yes', 'no'] });
+  // @ts-expect-error: choice is an array of strings
+  await client.complete('x', { choice: 'yes' });
   const all: Completion[] = await collect(client.generate('x', { n: 2 }));
   void all;
   const samples = await client.complete('x', { n: 3 });

@@ -14,7 +14,7 @@ import { Metadata } from '@grpc/grpc-js';
 
 import { buildRequest, chatPrompt, readSafetensorsIndex } from '../index.js';
 import { toSluiceError } from '../src/errors.js';
-import { rpcStatusTypes } from '../src/protos.js';
+import { rpcStatusTypes, sluiceServices } from '../src/protos.js';
 import { EventQueue } from '../src/queue.js';
 import { safetensorsChunks } from '../src/safetensors.js';
 import { buildHeader } from '../src/update_weights.js';
@@ -80,6 +80,33 @@ test('buildRequest passes the sampling surface: logitBias, allowed and bad token
   assert.deepEqual(request.sampling, { logitBias: { 3: -1.5 }, ...surface });
   assert.deepEqual(buildRequest('Hi', { logitBias: new Map([[7, 2]]) }).sampling, { logitBias: { 7: 2 } });
   assert.deepEqual(buildRequest('Hi').sampling, {}, 'nothing set without the options');
+});
+
+test('buildRequest sets one structured constraint, under the field names the proto gives it', () => {
+  // Through the loaded proto and back: a misspelt field would be dropped by the encoder.
+  const { requestSerialize, requestDeserialize } = sluiceServices().Generation.service.Generate;
+  const onTheWire = (options) => requestDeserialize(requestSerialize(buildRequest('Hi', options))).structured;
+  const schema = { type: 'object', properties: { ok: { type: 'boolean' } } };
+  const fromObject = onTheWire({ jsonSchema: schema });
+  assert.equal(fromObject.kind, 'jsonSchema');
+  assert.deepEqual(JSON.parse(fromObject.jsonSchema), schema);
+  assert.equal(onTheWire({ jsonSchema: '{"type": "integer"}' }).jsonSchema, '{"type": "integer"}', 'text as it is');
+  assert.equal(onTheWire({ jsonObject: true }).kind, 'jsonObject');
+  assert.equal(onTheWire({ regex: '\\d{3}' }).regex, '\\d{3}');
+  assert.equal(onTheWire({ grammar: 'root ::= "a"' }).grammar, 'root ::= "a"');
+  const choice = onTheWire({ choice: ['yes', 'no'] });
+  assert.equal(choice.kind, 'choice');
+  assert.deepEqual(choice.choice.choices, ['yes', 'no']);
+  assert.equal(onTheWire({}), null, 'no constraint: unset');
+  assert.ok(!('structured' in buildRequest('Hi', { jsonObject: false })), 'jsonObject false is unset');
+});
+
+test('buildRequest refuses two structured constraints, and one string as choice', () => {
+  assert.throws(() => buildRequest('Hi', { regex: 'a+', choice: ['a'] }), {
+    name: 'TypeError',
+    message: /got regex, choice/,
+  });
+  assert.throws(() => buildRequest('Hi', { choice: 'yes' }), /choice: an array of strings/);
 });
 
 test('buildHeader needs exactly one source and a known in-flight policy', () => {

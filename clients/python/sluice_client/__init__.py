@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from sluice_client.replicas import ReplicaUpdate, update_all
     from sluice_client.requests import Collector, Completion, build_request, chat_prompt
     from sluice_client.retry import DEFAULT_SERVICE_CONFIG
+    from sluice_client.structured import structured_output
     from sluice_client.sync import Client, GenerateStream
     from sluice_client.weights import build_header, read_safetensors, tensor_chunks
 
@@ -45,6 +46,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "chat_prompt": ("sluice_client.requests", "chat_prompt"),
     "pb": ("sluice.v1.generation_pb2", None),
     "read_safetensors": ("sluice_client.weights", "read_safetensors"),
+    "structured_output": ("sluice_client.structured", "structured_output"),
     "tensor_chunks": ("sluice_client.weights", "tensor_chunks"),
     "update_all": ("sluice_client.replicas", "update_all"),
 }
@@ -65,6 +67,7 @@ __all__ = [
     "chat_prompt",
     "pb",
     "read_safetensors",
+    "structured_output",
     "tensor_chunks",
     "update_all",
 ]

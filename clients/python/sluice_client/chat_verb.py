@@ -4,7 +4,8 @@ With `--file`, the conversation in a JSON file (a list of messages, or an object
 `messages` and optionally `tools` and `template_kwargs`) gets one reply, streamed to stdout.
 Without it, each line read from stdin is a user turn: the reply is streamed, kept in the
 conversation, and the next line continues it (end with EOF, Ctrl-D). `--render` prints the
-server's rendering (RenderChat: text and token ids) as JSON instead of generating.
+server's rendering (RenderChat: text and token ids) as JSON instead of generating. The
+structured-output flags (structured_flags.py) constrain every reply.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 def add_chat_verb(verbs: Any) -> None:
     """Add `chat` to the `sluice` command's subparsers."""
     from sluice_client.cli import UINT32, UINT64, add_affinity_flag, add_client_flags, int_in
+    from sluice_client.structured_flags import add_structured_flags
 
     chat = verbs.add_parser("chat", help="talk to the model through its chat template")
     add_client_flags(chat)
@@ -43,12 +45,15 @@ def add_chat_verb(verbs: Any) -> None:
     chat.add_argument("--temperature", type=float)
     chat.add_argument("--seed", type=int_in(0, UINT64))
     add_affinity_flag(chat)
+    add_structured_flags(chat)
     chat.set_defaults(run=run_chat)
 
 
 def run_chat(args: argparse.Namespace) -> int:
     from sluice_client.cli import connect
+    from sluice_client.structured_flags import structured_options
 
+    structured = structured_options(args, stdin_free=args.file is not None)
     conversation = _read_file(args.file) if args.file else {"messages": []}
     messages: list[dict[str, Any]] = list(conversation["messages"])
     if args.system:
@@ -61,13 +66,13 @@ def run_chat(args: argparse.Namespace) -> int:
         if args.file:
             if args.render:
                 return _print_render(client, messages, options)
-            return 0 if _reply(client, args, messages, options) is not None else 1
+            return 0 if _reply(client, args, messages, options | structured) is not None else 1
         for line in sys.stdin:
             messages.append({"role": "user", "content": line.rstrip("\n")})
             if args.render:
                 _print_render(client, messages, options)
                 continue
-            reply = _reply(client, args, messages, options)
+            reply = _reply(client, args, messages, options | structured)
             if reply is None:
                 return 1
             messages.append({"role": "assistant", "content": reply})
@@ -88,7 +93,8 @@ def _print_render(client: Any, messages: list[dict[str, Any]], options: dict[str
 def _reply(
     client: Any, args: argparse.Namespace, messages: list[dict[str, Any]], options: dict[str, Any]
 ) -> str | None:
-    """Stream the model's reply to stdout; its text, or None if it ended in an error."""
+    """Stream the model's reply to stdout; its text, or None if it ended in an error.
+    `options`: build_request's keyword arguments (chat extras, a structured constraint)."""
     from sluice_client import pb
 
     events = client.generate(

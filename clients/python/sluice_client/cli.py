@@ -1,5 +1,5 @@
-"""The `sluice` command's client verbs: generate, info, health, tokenize, cancel, update-weights,
-sleep and wake (sleep_verbs.py).
+"""The `sluice` command's client verbs: generate, info, health, tokenize, cancel, update-weights
+(update_weights_verb.py), sleep and wake (sleep_verbs.py) and chat (chat_verb.py).
 
 They need only this package (no torch). The server distribution adds `serve` to the same command
 through the `sluice.commands` entry point group: each entry point is a function that adds its
@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 from sluice_client.chat_verb import add_chat_verb
 from sluice_client.sleep_verbs import add_sleep_verbs
+from sluice_client.structured_flags import add_structured_flags, structured_options
+from sluice_client.update_weights_verb import add_update_weights_verb
 
 if TYPE_CHECKING:
-    from sluice.v1 import admin_pb2
-
     from sluice_client import Client
     from sluice_client.channels import TlsConfig
 
@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     add_affinity_flag(gen)
+    add_structured_flags(gen)
     gen.set_defaults(run=run_generate)
 
     info = verbs.add_parser("info", help="print the server's model and state as JSON")
@@ -128,38 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_affinity_flag(cancel)
     cancel.set_defaults(run=run_cancel)
 
-    update = verbs.add_parser(
-        "update-weights", help="swap the served weights live; prints Applied as JSON"
-    )
-    update.add_argument(
-        "--target",
-        action="append",
-        help=f"HOST:PORT (default {DEFAULT_TARGET}); repeat it to update several replicas in "
-        "parallel, each at its own address (never a load balancer's)",
-    )
-    source = update.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", help="HF checkpoint directory on the server's machine")
-    source.add_argument(
-        "--tensors", type=Path, help="a local .safetensors file: its tensors are sent inline"
-    )
-    update.add_argument(
-        "--inflight", choices=["drain", "abort", "continue", "recompute"], default="drain"
-    )
-    update.add_argument(
-        "--version", type=int_in(0, UINT64), default=0, help="new policy version (0 = +1)"
-    )
-    update.add_argument(
-        "--drain-timeout-ms", type=int_in(0, UINT32), help="DRAIN: fail after this long"
-    )
-    update.add_argument("--chunk-bytes", type=parse_bytes, default="4M", help="--tensors chunks")
-    update.add_argument("--admin-token-file", type=Path)
-    update.add_argument(
-        "--api-token-file",
-        type=Path,
-        help="several targets and --version 0: the API token to read their versions with",
-    )
-    add_tls_flags(update)
-    update.set_defaults(run=run_update_weights)
+    add_update_weights_verb(verbs)
     add_sleep_verbs(verbs)
     add_chat_verb(verbs)
     return parser
@@ -231,6 +201,7 @@ def client_tls(args: argparse.Namespace) -> TlsConfig | None:
 def run_generate(args: argparse.Namespace) -> int:
     from sluice_client import pb
 
+    structured = structured_options(args)  # NOTE: before connecting: a bad file makes no RPC
     with connect(args) as client:
         events = client.generate(
             args.prompt,
@@ -242,6 +213,7 @@ def run_generate(args: argparse.Namespace) -> int:
             stop=args.stop,
             ignore_eos=args.ignore_eos,
             affinity=args.affinity,
+            **structured,
         )
         for event in events:
             match event.WhichOneof("event"):
@@ -311,102 +283,6 @@ def run_health(args: argparse.Namespace) -> int:
                 print(status, file=sys.stderr)
                 return 1
             time.sleep(0.5)
-
-
-def run_update_weights(args: argparse.Namespace) -> int:
-    """One target: progress on stderr, Applied as JSON. Several: each replica's progress lines
-    prefixed with its target, then a JSON list of results; exit 1 when any replica failed."""
-    from sluice_client import Client, read_safetensors
-
-    targets = args.target or [DEFAULT_TARGET]
-    admin_token = read_token(args.admin_token_file)
-    tensors = None if args.tensors is None else read_safetensors(args.tensors)
-    if len(targets) > 1:
-        return _update_replicas(args, targets, admin_token, tensors)
-    options = {
-        "policy_version": args.version,
-        "inflight": args.inflight,
-        "drain_timeout_ms": args.drain_timeout_ms,
-        "on_progress": lambda event: _show_progress("", event, sys.stderr.isatty()),
-    }
-    with Client(targets[0], admin_token=admin_token, tls=client_tls(args)) as client:
-        if tensors is None:
-            applied = client.update_weights(args.checkpoint, **options)
-        else:
-            applied = client.update_weights_inline(tensors, chunk_bytes=args.chunk_bytes, **options)
-    print(json.dumps(_applied_fields(applied), indent=2))
-    return 0
-
-
-def _update_replicas(
-    args: argparse.Namespace,
-    targets: list[str],
-    admin_token: str | None,
-    tensors: dict[str, tuple[str, list[int], memoryview]] | None,
-) -> int:
-    from sluice_client.replicas import update_all
-
-    results = update_all(
-        targets,
-        checkpoint_dir=args.checkpoint,
-        tensors=tensors,
-        admin_token=admin_token,
-        api_token=read_token(args.api_token_file),
-        tls=client_tls(args),
-        policy_version=args.version,
-        inflight=args.inflight,
-        drain_timeout_ms=args.drain_timeout_ms,
-        chunk_bytes=args.chunk_bytes,
-        on_progress=lambda target, event: _show_progress(f"{target}: ", event, False),
-    )
-    report = []
-    for result in results:
-        if result.applied is not None:
-            report.append({"target": result.target, "applied": _applied_fields(result.applied)})
-        else:
-            print(f"{result.target}: {result.code}: {result.message}", file=sys.stderr)
-            report.append(
-                {"target": result.target, "error": {"code": result.code, "message": result.message}}
-            )
-    print(json.dumps(report, indent=2))
-    return 0 if all(r.ok for r in results) else 1
-
-
-def _show_progress(prefix: str, event: admin_pb2.UpdateWeightsProgress, redraw: bool) -> None:
-    """One update's progress on stderr; `redraw`: the loading bar rewrites one line."""
-    match event.WhichOneof("event"):
-        case "paused":
-            print(f"{prefix}paused: {event.paused.in_flight} requests in flight", file=sys.stderr)
-        case "loading":
-            end = "\r" if redraw else "\n"
-            print(prefix + _progress_bar(event.loading), end=end, file=sys.stderr, flush=True)
-        case "applied" if redraw:
-            print(file=sys.stderr)
-        case "applied":
-            applied = event.applied
-            print(
-                f"{prefix}applied: version {applied.previous_version} -> {applied.policy_version}",
-                file=sys.stderr,
-            )
-
-
-def _applied_fields(applied: admin_pb2.Applied) -> dict[str, object]:
-    from google.protobuf import json_format
-
-    return json_format.MessageToDict(applied, always_print_fields_with_no_presence=True)
-
-
-def _progress_bar(loading: admin_pb2.Loading, width: int = 30) -> str:
-    """`loading [#########.....]  60%  12.0/20.0 MiB  3/5 tensors`"""
-    done, total = loading.bytes_done, loading.bytes_total
-    fraction = done / total if total else 0.0
-    filled = int(fraction * width)
-    mib = 2**20
-    return (
-        f"loading [{'#' * filled}{'.' * (width - filled)}] {fraction:4.0%}  "
-        f"{done / mib:.1f}/{total / mib:.1f} MiB  "
-        f"{loading.tensors_done}/{loading.tensors_total} tensors"
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,8 @@ from typing import Any
 
 from sluice.v1 import generation_pb2 as pb
 
+from sluice_client.structured import structured_output
+
 # A prompt: text, token ids, or a chat (a list of message dicts, or a ChatPrompt).
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]] | pb.ChatPrompt
 
@@ -98,6 +100,11 @@ def build_request(
     add_generation_prompt: bool | None = None,
     continue_final_message: bool = False,
     template_kwargs: Mapping[str, Any] | None = None,
+    json_schema: Mapping[str, Any] | str | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    grammar: str | None = None,
+    choice: Sequence[str] | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest; None leaves a field unset (the server's default applies).
     `prompt`: text, token ids, or a chat: a list of messages ({"role", "content", ...}) or a
@@ -105,7 +112,9 @@ def build_request(
     `continue_final_message` and `template_kwargs` apply to a chat (see `chat_prompt`).
     `logprob_mode`: "RAW", "PROCESSED" or "SAMPLED" (LogprobMode without its prefix).
     `logit_bias` (token id -> bias), `allowed_token_ids`, `bad_words`, `bad_token_ids`: the
-    sampling surface (SamplingParams in the proto)."""
+    sampling surface (SamplingParams in the proto). `json_schema` (a dict or JSON text),
+    `json_object`, `regex`, `grammar` (GBNF) and `choice` (a list of strings): at most one,
+    the constraint on the completion's text (see `structured_output`)."""
     sampling = pb.SamplingParams(
         logit_bias=dict(logit_bias or {}),
         allowed_token_ids=list(allowed_token_ids),
@@ -170,6 +179,15 @@ def build_request(
         request.n = n
     if min_policy_version is not None:
         request.min_policy_version = min_policy_version
+    structured = structured_output(
+        json_schema=json_schema,
+        json_object=json_object,
+        regex=regex,
+        grammar=grammar,
+        choice=choice,
+    )
+    if structured is not None:
+        request.structured.CopyFrom(structured)
     return request
 
 
