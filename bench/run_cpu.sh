@@ -63,6 +63,8 @@ if [[ $MODE == smoke ]]; then
   # Prompt scoring beside prefill, SAMPLED logprobs and supports beside PROCESSED (about 3 s).
   run rl_outputs bench.rl_outputs --shape tiny --num-requests 8 --scale 0.05 --repeat 1 \
     --threads 1
+  # A batch under a JSON schema beside the same batch free (about 5 s: xgrammar's import).
+  run structured bench.structured --shape tiny --batch 8 --max-tokens 16 --repeat 1 --threads 1
 else
   # --repeat: engine and HF runs alternate and each side's best counts; likewise the serving
   # benchmark's offline reference runs and its rate-inf phases (a busy machine only slows runs).
@@ -77,6 +79,8 @@ else
   run service_ceiling_stream bench.service_ceiling --seconds 4 --warmup 1.5 --rpc stream
   run detokenize bench.detokenize
   run rl_outputs bench.rl_outputs --shape tiny --scale 0.5 --repeat 2 --threads "$THREADS"
+  run structured bench.structured --shape tiny --batch 32 --max-tokens 256 --repeat 3 \
+    --threads "$THREADS"
 fi
 
 echo "== done in ${SECONDS} s; load average: $(cut -d' ' -f1-3 /proc/loadavg)" >&2
