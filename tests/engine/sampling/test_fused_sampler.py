@@ -13,6 +13,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from fixed_bitmask import FixedBitmask
 from triton_interpreter import use_triton
 
 from engine.sampling import sampler_choice
@@ -340,19 +341,6 @@ def test_raw_logprobs_beside_a_surface_run_the_torch_sampler(fused: ModuleType) 
     torch.testing.assert_close(got[1], raw, rtol=0, atol=1e-6)  # the model's own logits
 
 
-class Bitmask:
-    """A structured-output mask, as engine/structured/grammar_mask.py hands it to the samplers."""
-
-    def __init__(self, bits: torch.Tensor) -> None:
-        self.bits = bits
-
-    def fill(self) -> None:
-        pass
-
-    def bitmask(self) -> torch.Tensor:
-        return self.bits
-
-
 def test_a_grammar_mask_picks_the_torch_samplers_tokens(fused: ModuleType) -> None:
     rows = [OPTIONS["rl"], OPTIONS["top_p"], OPTIONS["greedy"], OPTIONS["allowed"]]
     batch = make_batch(rows, num_top_logprobs=3, logprobs=True)
@@ -362,7 +350,7 @@ def test_a_grammar_mask_picks_the_torch_samplers_tokens(fused: ModuleType) -> No
     bits[1] = -1  # an unconstrained row
     bits[3, :] = 0
     bits[3, 0] = 1 << 8  # allows only token 8, which the row's allowed ids hold too
-    batch.grammar = Bitmask(bits)
+    batch.grammar = FixedBitmask(bits)
     assert_same_sampling(fused, make_logits(4, seed=80), batch)
     assert Sampler()(make_logits(4, seed=80), batch).unpack()[0][3] == 8
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import xgrammar
+from fixed_bitmask import FixedBitmask
 
 from engine.messages import Constraint
 from engine.models.hf_config import load_model_config
@@ -21,17 +22,6 @@ def grammars(tiny_llama: Path) -> Grammars:
     return Grammars(tiny_llama, cfg.vocab_size, cfg.eos_token_ids, capacity=2)
 
 
-class Mask:
-    def __init__(self, bitmask: torch.Tensor) -> None:
-        self._bitmask = bitmask
-
-    def fill(self) -> None:
-        pass
-
-    def bitmask(self) -> torch.Tensor:
-        return self._bitmask
-
-
 def test_the_mask_sets_exactly_the_tokens_xgrammar_sets_to_minus_inf() -> None:
     rows, vocab = 5, 1000
     gen = torch.Generator().manual_seed(0)
@@ -40,7 +30,7 @@ def test_the_mask_sets_exactly_the_tokens_xgrammar_sets_to_minus_inf() -> None:
     bitmask[2] = -1  # a row that allows everything
     expected = logits.clone()
     xgrammar.apply_token_bitmask_inplace(expected, bitmask)
-    ours = apply_surface(logits, None, None, None, None, Mask(bitmask))
+    ours = apply_surface(logits, None, None, None, None, FixedBitmask(bitmask))
     assert torch.equal(ours, expected)
     assert torch.equal(ours[2], logits[2])
 
