@@ -6,9 +6,10 @@ expired deadlines, a pending weight swap), run, postprocess; with `overlap_steps
 one step overlaps the host work of the next (engine/overlap.py). Every request ends with
 exactly one output whose `finish_reason` is set (engine/request_outputs.py builds them;
 engine/lifecycle.py starts requests and ends those refused, expired or too big;
-engine/postprocess.py ends those a step's samples stop). Weight updates are WeightUpdater's (engine/weights/weight_updater.py),
-sleep and wake Sleeper's (engine/sleep/sleeper.py), and the calls that wait for them are in
-engine/in_process.py; `generate`'s results are GenerationResult (engine/generation_result.py).
+engine/postprocess.py ends those a step's samples stop). Weight updates are WeightUpdater's
+(engine/weights/weight_updater.py), sleep and wake Sleeper's (engine/sleep/sleeper.py), and the
+calls that wait for them are in engine/in_process.py; `generate`'s results are
+GenerationResult (engine/generation_result.py).
 
 With `tensor_parallel_size` N > 1 this process is rank 0: it starts N-1 worker processes
 (engine/parallel/worker_group.py), holds the scheduler, the page tables and the sampler, and its

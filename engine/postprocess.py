@@ -1,8 +1,8 @@
 """Postprocessing a step's samples: what they do to their requests, and the outputs they make.
 
 The prompt positions scored are recorded (a request that only scores its prompt, max_tokens 0,
-ends once it is scored); structured-output rows advance their grammars; n > 1 siblings fork
-before any token is appended; the sampled tokens
+ends once it is scored); structured-output rows advance their grammars (a token a grammar
+refuses ends its request); n > 1 siblings fork before any token is appended; the sampled tokens
 are appended and the requests they stop end; a request's first output carries its prompt
 logprobs; a sampling support the sampler could not list ends its request. LLMEngine owns the
 requests and calls these through `Engine`.

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -114,8 +115,15 @@ def _serve(engine: LLMEngine, conn: Connection) -> None:
     engine.updater.sink = conn.send
     engine.sleeper.sink = conn.send  # one SleepOutcome per Sleep or Wake
     # A grammar compiled (on its own thread) wakes an idle loop: a request or a check waits.
+    # (Locked: a grammar that compiled before its callback was added calls it on this thread.)
     woken, wake = multiprocessing.Pipe(duplex=False)
-    engine.structured.grammars.on_done = lambda: wake.send_bytes(b"")
+    wake_lock = threading.Lock()
+
+    def on_done() -> None:
+        with wake_lock:
+            wake.send_bytes(b"")
+
+    engine.structured.grammars.on_done = on_done
     while True:
         # 1. Drain every waiting message; block (up to a heartbeat) only when idle.
         wait([conn, woken], 0.0 if engine.can_step() else HEARTBEAT_INTERVAL_S)
