@@ -25,6 +25,10 @@ import torch
 
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffast-math"]
 FLAGS += ["-fno-strict-aliasing", "-fPIC"]
+# For kernels whose results must equal torch's bit for bit (the sampler's decisions): IEEE
+# float32 as written, no reassociation, no fused multiply-add.
+EXACT_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-strict-aliasing"]
+EXACT_FLAGS += ["-fPIC"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' dtype codes (cpu_dtypes.h)
 HEADERS = Path(__file__).parent  # cpu_dtypes.h, shared by the kernels
 
@@ -44,11 +48,11 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build(compiler: str, source: Path, target: Path) -> None:
+def _build(compiler: str, flags: list[str], source: Path, target: Path) -> None:
     """Compile, then link without -ffast-math (which would set flush-to-zero process-wide)."""
     with tempfile.TemporaryDirectory() as tmp:
         obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
-        subprocess.run([compiler, *FLAGS, "-c", str(source), "-o", str(obj)], check=True)
+        subprocess.run([compiler, *flags, "-c", str(source), "-o", str(obj)], check=True)
         subprocess.run(
             [compiler, "-shared", "-fopenmp", str(obj), "-o", str(lib), "-lm"], check=True
         )
@@ -57,20 +61,22 @@ def _build(compiler: str, source: Path, target: Path) -> None:
 
 
 @functools.cache
-def load(source: Path) -> ctypes.CDLL | None:
-    """The library built from `source` (a .c file), or None when it cannot be built here."""
+def load(source: Path, exact: bool = False) -> ctypes.CDLL | None:
+    """The library built from `source` (a .c file), or None when it cannot be built here.
+    `exact`: with EXACT_FLAGS instead of FLAGS."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         return None
+    flags = EXACT_FLAGS if exact else FLAGS
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     headers = [h.read_text() for h in sorted(HEADERS.glob("*.h"))]  # what a source includes
     key = hashlib.sha256(
-        "\0".join([source.read_text(), *headers, *FLAGS, version, _cpu_flags()]).encode()
+        "\0".join([source.read_text(), *headers, *flags, version, _cpu_flags()]).encode()
     ).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     try:
         if not target.exists():
-            _build(compiler, source, target)
+            _build(compiler, flags, source, target)
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError):
         return None

@@ -19,7 +19,8 @@ tokens, w = exp(logit - max), E ~ Exp(1).
 
 Every decision (the kept set, the race, top logprob ids) is computed with the reproducible
 arithmetic of engine/sampling/sampling_math.py, so the fused kernels
-(engine/sampling/fused_sampler.py) pick exactly these tokens. The logits may come in the
+(engine/sampling/fused_sampler.py) pick exactly these tokens. On the CPU the exp weights and the
+race run as two C passes (engine/sampling/cpu_race.py) that compute the same bits. The logits may come in the
 model's dtype; everything is float32 from the first operation on. Ties: top-k keeps every token tied
 with the k-th (as Hugging Face's warper does); top-p keeps or drops a group of tied tokens
 together; the race and greedy take the lowest token id among equal scores; top logprobs list
@@ -32,6 +33,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.sampling import cpu_race
 from engine.sampling.sampling_math import (
     MASS_SCALE,
     exp_weights,
@@ -144,9 +146,19 @@ class Sampler:
         if batch.all_greedy:
             token_ids = greedy
         else:
-            weights = exp_weights(logits - logits.max(dim=-1, keepdim=True).values)
+            native = cpu_race.usable(logits)  # the same numbers, from one C pass each
+            row_max = logits.max(dim=-1, keepdim=True).values
+            if native:
+                weights = cpu_race.exp_weights(logits, row_max[:, 0])
+            else:
+                weights = exp_weights(logits - row_max)
             kept = self._kept(logits, weights, batch)
-            token_ids = torch.where(sampled, self._race(logits, weights, kept, batch), greedy)
+            if native:
+                seeds, counters = batch.ints[:, :2], batch.column("counter")
+                raced = cpu_race.race(weights, kept, seeds, counters, sampled)
+            else:
+                raced = self._race(logits, weights, kept, batch)
+            token_ids = torch.where(sampled, raced, greedy)
         support = None
         if batch.sampled_logprobs or batch.support_width:
             # The tokens each row could draw: its kept ones, a greedy row's argmax.

@@ -122,12 +122,17 @@ def mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
 
 
+def row_hash(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """[rows] int64 < 2**32: each row's hash of its seed (low, high 32 bits) and counter."""
+    return fmix32(seeds[:, 1] ^ fmix32(seeds[:, 0] ^ fmix32(counters & MASK32)))
+
+
 def uniform(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
     """Uniform (0, 1) noise [rows, vocab], a pure function of (seed, counter, token id):
     (k + 0.5) * 2^-24 for the hash's top 24 bits k, in float32, at most U_MAX, so -log(u) is
     finite and positive. (k = 2^24 - 1 rounds to 1 in float32: its noise would be 0, and a
     weight divided by 0 is inf, or NaN for a weight of 0, which argmax would pick.)"""
-    row = fmix32(seeds[:, 1] ^ fmix32(seeds[:, 0] ^ fmix32(counters & MASK32)))
+    row = row_hash(seeds, counters)
     # Token ids times an odd constant (a bijection mod 2**32) spread over all 32 bits; one
     # finaliser round over [rows, vocab], the one tensor that is large.
     cols = mul32(torch.arange(vocab, device=seeds.device), 0x9E3779B9)
