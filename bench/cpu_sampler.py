@@ -5,7 +5,7 @@ Two levels, each side alternating and the same tokens checked:
 - one Sampler call on random float32 logits, per batch size and setting (temperature 1 alone;
   RL: top-k 50, top-p 0.9, repetition 1.1 with logprobs and top-5; top-p 0.95 alone): the median
   milliseconds of each side;
-- sampled decoding through LLMEngine.generate (temperature 1, top-p 0.95, ignore_eos) on a
+- sampled decoding through LLMEngine.generate (temperature 1, `--top-p`, ignore_eos) on a
   bench checkpoint: output tokens/s of each side.
 
     python -m bench.cpu_sampler --batches 1 64 --vocab 32000 --shape llama-75m --threads 2
@@ -35,6 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=64, help="for the engine level")
     p.add_argument("--max-tokens", type=int, default=32, help="for the engine level")
     p.add_argument("--repeat", type=int, default=2, help="engine level: alternating runs")
+    p.add_argument("--top-p", type=float, default=1.0, help="engine level: 1 = off")
     return p.parse_args(argv)
 
 
@@ -95,7 +96,7 @@ def engine_level(args: argparse.Namespace) -> dict[str, Any]:
     prompts = make_workload(engine.info.vocab_size, num_requests=args.num_requests).prompts
     prompts = [p[:64] for p in prompts]
     params = [
-        SamplingParams(temperature=1.0, top_p=0.95, seed=i, max_tokens=args.max_tokens,
+        SamplingParams(temperature=1.0, top_p=args.top_p, seed=i, max_tokens=args.max_tokens,
                        ignore_eos=True)
         for i in range(len(prompts))
     ]  # fmt: skip
@@ -118,6 +119,7 @@ def engine_level(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": dtype,
         "torch_tokens_per_s": best["torch"],
         "c_tokens_per_s": best["c"],
+        "top_p": args.top_p,
         "c_over_torch": best["c"] / best["torch"],
         "same_tokens": tokens["c"] == tokens["torch"],
     }
