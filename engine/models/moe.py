@@ -120,6 +120,11 @@ class StackedExperts(nn.Module):
         scaled = (out * weights.reshape(-1)[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, scaled)
 
+    def drop_views(self) -> None:
+        """Forget the per-expert views and the packed CPU copies `linear` cached on them (a
+        sleep releasing the weights: engine/sleep/model_memory.py)."""
+        self._views = None
+
     def _expert_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         key = (self.gate_up_proj.data_ptr(), self.down_proj.data_ptr())
         if self._views is None or self._views[0] != key:

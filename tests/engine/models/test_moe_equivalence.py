@@ -121,6 +121,19 @@ def test_an_update_naming_one_expert_lands_in_the_stacked_weights(
     assert [r.token_ids for r in engine.generate(batch, greedy)] == want
 
 
+def test_level_2_sleep_frees_the_stacked_experts_and_wake_reloads_them(qwen2_moe: Path) -> None:
+    engine = make_engine(qwen2_moe)
+    batch = prompts(engine.info.vocab_size, count=3)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    before = [r.token_ids for r in engine.generate(batch, greedy)]
+    experts = engine.model.model.layers[0].mlp.experts
+    engine.sleep(level=2)
+    assert experts.gate_up_proj.untyped_storage().nbytes() == 0
+    assert experts._views is None  # no view (nor packed copy) keeps the old weights
+    assert engine.wake_up().reloaded
+    assert [r.token_ids for r in engine.generate(batch, greedy)] == before
+
+
 @pytest.mark.parametrize(
     ("change", "key"),
     [
