@@ -1,6 +1,7 @@
 """Mixture-of-experts checkpoints (Mixtral, Qwen2-MoE, Qwen3-MoE) through the engine: greedy ids
-and logprobs equal transformers', alone and in a batch that preempts, shares a cached prefix and
-samples n > 1; updates naming single experts land in the stacked expert weights."""
+and logprobs equal transformers'; a batch that preempts, prefills in chunks, shares a cached
+prefix and samples n > 1 gives the unconstrained engine's tokens; updates naming single experts
+land in the stacked expert weights; a level-2 sleep frees and reloads them."""
 
 from __future__ import annotations
 
@@ -81,13 +82,18 @@ def test_the_sparse_and_dense_layers_follow_the_config(checkpoint: Path) -> None
     assert 0 < len(sparse) <= len(layers)
 
 
-def test_preemption_prefix_cache_and_n_give_the_unconstrained_tokens(qwen2_moe: Path) -> None:
+def test_preemption_chunked_prefill_prefix_cache_and_n_give_the_unconstrained_tokens(
+    qwen2_moe: Path,
+) -> None:
     shared = [0, 11, 12, 13, 14, 15, 16, 17, 18]  # two full pages: a prefix-cache hit
     batch = [[*shared, 40 + k] for k in range(4)] + prompts(300, count=4)[1:]
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=20, ignore_eos=True)
     expected = [r.token_ids for r in make_engine(qwen2_moe).generate(batch, params, n=2)]
-    # 16 pages of 4 tokens for up to 6 sequences of 10-50 tokens: requests must be preempted.
-    tight = make_engine(qwen2_moe, num_kv_pages=16, page_size=4, max_num_seqs=6)
+    # 16 pages of 4 tokens for up to 6 sequences of 10-50 tokens: requests must be preempted;
+    # 16 tokens a step: the longer prompts are prefilled in chunks.
+    tight = make_engine(
+        qwen2_moe, num_kv_pages=16, page_size=4, max_num_seqs=6, max_num_batched_tokens=16
+    )
     results = tight.generate(batch, params, n=2)
     assert [r.token_ids for r in results] == expected
     assert results[0].token_ids != results[1].token_ids  # n = 2 sampled two sequences

@@ -15,6 +15,8 @@ from tiny_models import hf_greedy, load_hf_model, make_checkpoint, prompts
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.messages import WeightsPhase
+from engine.models.hf_config import load_model_config
+from engine.parallel.sharding import Sharding
 
 NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True)
@@ -81,3 +83,20 @@ def test_updates_naming_experts_reach_every_ranks_slice(tmp_path, engines) -> No
         for name in experts:
             params[name].copy_(old[name])
     assert [r.token_ids for r in two.generate(batch, GREEDY)] == untouched
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides", "key"),
+    [
+        ("qwen2_moe", {"moe_intermediate_size": 50}, "moe_intermediate_size=50"),
+        ("qwen2_moe", {"shared_expert_intermediate_size": 90}, "shared_expert_intermediate_size"),
+        ("mixtral", {"intermediate_size": 50}, "intermediate_size=50"),
+    ],
+)
+def test_a_size_that_does_not_divide_an_experts_width_is_refused(
+    arch, overrides, key, tmp_path
+) -> None:
+    cfg = load_model_config(make_checkpoint(tmp_path / arch, arch, **overrides))
+    Sharding(cfg, 0, 2)  # 2 divides every width
+    with pytest.raises(ValueError, match=key):
+        Sharding(cfg, 0, 4)
