@@ -46,6 +46,22 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {"tie_word_embeddings": False, "sliding_window": None},
     "qwen2": {"tie_word_embeddings": True},
     "qwen3": {"tie_word_embeddings": False, "head_dim": 32},  # head_dim != hidden / heads
+    # Mixture of experts: 8 experts, top-2, expert sizes apart from the dense MLP's.
+    "mixtral": {"tie_word_embeddings": False, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen2_moe": {
+        "tie_word_embeddings": False,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
+        "shared_expert_intermediate_size": 96,
+    },
+    "qwen3_moe": {
+        "tie_word_embeddings": False,
+        "head_dim": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
+    },
 }
 
 
@@ -112,7 +128,8 @@ def make_checkpoint(
     max_shard_size: str | None = None,
     **config_overrides: Any,
 ) -> Path:
-    """Write a tiny random checkpoint of `arch` (llama, mistral, qwen2, qwen3) into directory."""
+    """Write a tiny random checkpoint of `arch` (llama, mistral, qwen2, qwen3, and the
+    mixture-of-experts mixtral, qwen2_moe, qwen3_moe) into directory."""
     import torch
     import transformers
 
@@ -132,6 +149,9 @@ def make_checkpoint(
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[arch]
     kwargs = {**BASE_CONFIG, **ARCH_DEFAULTS[arch], **config_overrides}
     config = config_class(

@@ -65,7 +65,9 @@ def load_shard(
         config.max_num_batched_tokens,
         make_sampler(config.sampler, device),
     )
-    if device.type == "cuda" and not config.enforce_eager:
+    # NOTE: MoE models run eagerly: the torch MoE layer reads its per-expert token counts on
+    # the host (engine/models/moe.py), which a CUDA graph cannot capture.
+    if device.type == "cuda" and not config.enforce_eager and cfg.moe is None:
         runner.attach_graphs(capture=True, compile=config.compile)
     elif config.compile:
         runner.attach_graphs(capture=False, compile=True)

@@ -2,8 +2,10 @@
 
 Hub checkpoints were mostly written by transformers 4.x (top-level `rope_theta`, `rope_scaling`
 with `rope_type` or the older `type`, `torch_dtype`); transformers 5.x writes `rope_parameters`
-and `dtype`. Both are read. Anything this engine would compute differently from transformers is
-refused with an error that names the key, never silently ignored.
+and `dtype`. Both are read. Mixture-of-experts checkpoints (Qwen2-MoE, Qwen3-MoE, Mixtral) add
+a `MoeConfig`, read with the keys and defaults of transformers' own config classes. Anything
+this engine would compute differently from transformers is refused with an error that names
+the key, never silently ignored.
 """
 
 from __future__ import annotations
@@ -19,12 +21,34 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": (False, False, False),
     "Qwen2ForCausalLM": (True, False, False),
     "Qwen3ForCausalLM": (None, None, True),
+    "MixtralForCausalLM": (False, False, False),
+    "Qwen2MoeForCausalLM": (True, False, False),  # read from `qkv_bias` (default true)
+    "Qwen3MoeForCausalLM": (None, None, True),
 }
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 class UnsupportedModelError(ValueError):
     """The checkpoint needs something this engine does not implement."""
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The sparse feed-forward of a mixture-of-experts checkpoint (engine/models/moe.py).
+
+    Routing as transformers computes it: softmax over the router logits in float32, the top-k,
+    renormalised to sum to 1 when `norm_topk_prob`; the weights are then cast to the model's
+    dtype (Qwen) or kept in float32 (Mixtral: `weights_in_float32`) for the weighted sum.
+    """
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool
+    weights_in_float32: bool
+    shared_expert_intermediate_size: int  # 0: no shared expert (Qwen2-MoE has a gated one)
+    sparse_layers: tuple[int, ...]  # the layers whose MLP is the MoE block; the rest are dense
 
 
 @dataclass(frozen=True)
@@ -49,6 +73,7 @@ class ModelConfig:
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
     checkpoint_dtype: str | None
+    moe: MoeConfig | None = None  # None: every layer's MLP is dense
 
 
 def load_model_config(directory: str | Path, max_model_len: int | None = None) -> ModelConfig:
@@ -68,6 +93,8 @@ def parse_model_config(
     architecture = _architecture(raw)
     qkv_bias, o_bias, qk_norm = SUPPORTED_ARCHITECTURES[architecture]
     attention_bias = bool(raw.get("attention_bias", False))
+    if architecture == "Qwen2MoeForCausalLM":
+        qkv_bias = bool(raw.get("qkv_bias", True))  # 4.x checkpoints lack the key: always bias
 
     act = raw.get("hidden_act", "silu")
     if act != "silu":
@@ -106,6 +133,7 @@ def parse_model_config(
         qk_norm=qk_norm,
         eos_token_ids=eos_ids,
         checkpoint_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+        moe=_moe(raw, architecture) if architecture in MOE_ARCHITECTURES else None,
     )
 
 
@@ -117,6 +145,46 @@ def _architecture(raw: dict[str, Any]) -> str:
     named = ", ".join(archs) if archs else f"model_type={raw.get('model_type')!r}"
     raise UnsupportedModelError(
         f"architecture {named} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _moe(raw: dict[str, Any], architecture: str) -> MoeConfig:
+    """The MoE keys as transformers names them: Mixtral's `num_local_experts` (every layer
+    sparse, top-k always renormalised, expert size `intermediate_size`); Qwen's `num_experts`
+    (transformers 5 saves Qwen3-MoE's as `num_local_experts`), `moe_intermediate_size`,
+    `norm_topk_prob`, `decoder_sparse_step` and `mlp_only_layers` (dense layers)."""
+    num_layers = int(raw["num_hidden_layers"])
+    num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    top_k = int(raw["num_experts_per_tok"])
+    if not 1 <= top_k <= num_experts:
+        raise UnsupportedModelError(
+            f"num_experts_per_tok={top_k} must be within 1..{num_experts} (the experts)"
+        )
+    if architecture == "MixtralForCausalLM":
+        return MoeConfig(
+            num_experts=num_experts,
+            top_k=top_k,
+            expert_intermediate_size=int(raw["intermediate_size"]),
+            norm_topk_prob=True,
+            weights_in_float32=True,
+            shared_expert_intermediate_size=0,
+            sparse_layers=tuple(range(num_layers)),
+        )
+    step = int(raw.get("decoder_sparse_step", 1))
+    if step < 1:
+        raise UnsupportedModelError(f"decoder_sparse_step={step} is not supported (must be >= 1)")
+    dense = set(raw.get("mlp_only_layers") or ())
+    shared = 0
+    if architecture == "Qwen2MoeForCausalLM":
+        shared = int(raw["shared_expert_intermediate_size"])
+    return MoeConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        expert_intermediate_size=int(raw["moe_intermediate_size"]),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        weights_in_float32=False,
+        shared_expert_intermediate_size=shared,
+        sparse_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
     )
 
 

@@ -2,9 +2,11 @@
 
 Llama 2/3/3.1/3.2 (rope scaling linear / llama3), Mistral, Qwen2/2.5 (q/k/v bias),
 Qwen3 (q/k RMSNorm per head, explicit head_dim); grouped-query attention; tied or untied
-embeddings. Module and parameter names equal the checkpoint's, except that q/k/v are merged
-into one `qkv_proj` and gate/up into one `gate_up_proj` (engine/models/merged_linear.py):
-`checkpoint_tensors()` names every tensor by its checkpoint name, so weights load by name.
+embeddings; and their mixture-of-experts kin Mixtral, Qwen2-MoE and Qwen3-MoE, whose sparse
+layers' MLP is an MoE block (engine/models/moe.py). Module and parameter names equal the
+checkpoint's, except that q/k/v are merged into one `qkv_proj`, gate/up into one `gate_up_proj`
+(engine/models/merged_linear.py) and the experts into stacked tensors: `checkpoint_tensors()`
+names every tensor by its checkpoint name, so weights load by name.
 
 The forward pass takes a packed batch: every sequence's new tokens concatenated into one
 [tokens] vector, with positions and attention metadata saying where each sequence's KV lives.
@@ -30,6 +32,7 @@ from engine.layers.rms_norm import RMSNorm
 from engine.layers.silu_and_mul import SiluAndMul
 from engine.models.hf_config import ModelConfig
 from engine.models.merged_linear import MergedLinear
+from engine.models.moe import SparseMoeBlock, StackedExperts, block_name
 from engine.models.rope import RotaryEmbedding
 from engine.parallel.sharding import Sharding
 from engine.parallel.tensor_parallel import TensorParallel
@@ -156,12 +159,21 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: Sharding, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Sharding, tp: TensorParallel, index: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, shard, tp)
-        self.mlp = LlamaMLP(cfg, shard, tp)
+        # Registered under the checkpoint's name: `mlp`, or Mixtral's `block_sparse_moe`.
+        sparse = cfg.moe is not None and index in cfg.moe.sparse_layers
+        self.mlp_name = block_name(cfg.architecture) if sparse else "mlp"
+        mlp = SparseMoeBlock(cfg, shard, tp) if sparse else LlamaMLP(cfg, shard, tp)
+        self.add_module(self.mlp_name, mlp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @property
+    def feed_forward(self) -> nn.Module:
+        """The layer's MLP: dense (LlamaMLP) or an MoE block, whatever its checkpoint name."""
+        return self.get_submodule(self.mlp_name)
 
     def forward(
         self,
@@ -181,7 +193,7 @@ class LlamaDecoderLayer(nn.Module):
             h, residual = self.input_layernorm(h, residual)
         h = self.self_attn(h, positions, rotary, backend, cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.feed_forward(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -191,7 +203,7 @@ class LlamaModel(nn.Module):
             shard.vocab_size, cfg.hidden_size, shard.vocab_start, tp
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, shard, tp) for _ in range(cfg.num_layers)
+            LlamaDecoderLayer(cfg, shard, tp, i) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -244,12 +256,15 @@ class LlamaForCausalLM(nn.Module):
         """Every tensor of the checkpoint, by its Hugging Face name, in module order (q, k, v
         before o_proj; gate, up before down_proj) -> this rank's part of it (its shape;
         Sharding.full_shape gives the whole one), outside autograd. All share the parameters'
-        storage (the parts of merged projections are views of their rows): copying into one
-        changes exactly that tensor of the served weights."""
+        storage (the parts of merged projections are views of their rows, each expert's
+        tensors views of the stacked experts): copying into one changes exactly that tensor of
+        the served weights."""
         tensors: dict[str, torch.Tensor] = {}
         for prefix, module in self.named_modules():
             if isinstance(module, MergedLinear):  # its parts are its parent's projections
                 prefix = prefix.rpartition(".")[0]
+                local = module.checkpoint_tensors()
+            elif isinstance(module, StackedExperts):  # `experts.{e}.gate_proj.weight`, ...
                 local = module.checkpoint_tensors()
             else:
                 local = {name: p.detach() for name, p in module.named_parameters(recurse=False)}

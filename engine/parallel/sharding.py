@@ -9,6 +9,12 @@ one weight over head_dim, shared by every head) are replicated.
 With fewer KV heads than ranks, each KV head is replicated on the ranks whose query heads use
 it (rank r holds KV head r // (ranks / kv_heads)). With one rank every tensor is whole.
 
+Mixture-of-experts layers (engine/models/moe.py) split every expert as a dense MLP is split:
+each rank holds a slice of each expert's intermediate dimension (gate/up rows, down columns;
+Mixtral's w1/w3 and w2), and of the shared expert's; the router and the shared-expert gate are
+replicated. Which intermediate size a gate/up/down tensor splits is told by its name
+(`.experts.`, `.shared_expert.`, else the dense MLP's).
+
 Slices are decided by checkpoint name: a rank's merged qkv_proj (gate_up_proj) stacks its
 slices of q, k and v (gate and up), each found by its own name
 (LlamaForCausalLM.checkpoint_tensors).
@@ -33,10 +39,12 @@ COLUMN = {
     "gate_proj.bias": "mlp",
     "up_proj.weight": "mlp",
     "up_proj.bias": "mlp",
+    "w1.weight": "expert",  # Mixtral's experts: gate (w1), up (w3), down (w2)
+    "w3.weight": "expert",
     "embed_tokens.weight": "vocab",
     "lm_head.weight": "vocab",
 }
-ROW = {"o_proj.weight": "q", "down_proj.weight": "mlp"}
+ROW = {"o_proj.weight": "q", "down_proj.weight": "mlp", "w2.weight": "expert"}
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,12 @@ class Sharding:
             "mlp": (rank * self.intermediate_size, self.intermediate_size, cfg.intermediate_size),
             "vocab": (self.vocab_start, self.vocab_size, cfg.vocab_size),
         }
+        expert = cfg.moe.expert_intermediate_size if cfg.moe else 0
+        shared = cfg.moe.shared_expert_intermediate_size if cfg.moe else 0
+        self.expert_intermediate_size = expert // size  # each expert's, this rank's
+        self.shared_expert_intermediate_size = shared // size
+        self._ranges["expert"] = (rank * (expert // size), expert // size, expert)
+        self._ranges["shared_expert"] = (rank * (shared // size), shared // size, shared)
 
     @classmethod
     def whole(cls) -> Sharding:
@@ -93,6 +107,10 @@ class Sharding:
         kind, dim = (COLUMN.get(suffix), 0) if suffix in COLUMN else (ROW.get(suffix), 1)
         if kind is None:
             return None
+        if kind == "mlp" and ".experts." in name:
+            kind = "expert"
+        elif kind == "mlp" and ".shared_expert." in name:
+            kind = "shared_expert"
         start, length, full = self._ranges[kind]
         return Split(dim, start, start + length, full)
 
@@ -127,3 +145,11 @@ def _check_divisible(cfg: ModelConfig, size: int) -> None:
         raise refuse(f"does not divide intermediate_size={cfg.intermediate_size}")
     if cfg.vocab_size % size:
         raise refuse(f"does not divide vocab_size={cfg.vocab_size}")
+    if cfg.moe is not None:
+        mixtral = cfg.architecture == "MixtralForCausalLM"
+        key = "intermediate_size" if mixtral else "moe_intermediate_size"
+        if cfg.moe.expert_intermediate_size % size:
+            raise refuse(f"does not divide {key}={cfg.moe.expert_intermediate_size}")
+        if cfg.moe.shared_expert_intermediate_size % size:
+            shared = cfg.moe.shared_expert_intermediate_size
+            raise refuse(f"does not divide shared_expert_intermediate_size={shared}")

@@ -26,6 +26,7 @@ import torch
 
 from engine.execution.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
+from engine.models.moe import StackedExperts
 from engine.scheduling.page_pool import PagePool
 
 Released = list[tuple[torch.UntypedStorage, int]]  # each storage, with its size before
@@ -80,6 +81,9 @@ class ModelMemory:
         for param in params:
             if hasattr(param, "_cpu_copy"):
                 del param._cpu_copy
+        for module in self.model.modules():
+            if isinstance(module, StackedExperts):
+                module.drop_views()  # with the packed copies cached on them
         self._weights = _release(params)
         _return_to_system(self.device)
         return sum(nbytes for _, nbytes in self._weights)

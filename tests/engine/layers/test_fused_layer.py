@@ -2,7 +2,8 @@
 tokens of the torch path, which tests/engine/models/test_hf_equivalence.py holds to HF.
 
 Float32 on the CPU through Triton's interpreter, or compiled on CUDA: tiny Llama (GQA,
-untied), Qwen2 (q/k/v bias, tied) and Qwen3 (q/k norm through the norm kernel, head_dim 32).
+untied), Qwen2 (q/k/v bias, tied), Qwen3 (q/k norm through the norm kernel, head_dim 32), and
+the MoE Qwen2-MoE and Mixtral (each expert's activation through the SiLU-and-mul kernel).
 
 NOTE: `use_triton` (tests/triton_interpreter.py) runs at collection: it chooses the
 interpreter before anything imports triton.
@@ -23,7 +24,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 use_triton(DEVICE)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+MODELS = ["llama", "qwen2", "qwen3", "qwen2_moe", "mixtral"]
+
+
+@pytest.fixture(scope="module", params=MODELS)
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
 

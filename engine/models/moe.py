@@ -1,0 +1,180 @@
+"""The mixture-of-experts feed-forward of Qwen2-MoE, Qwen3-MoE and Mixtral, as transformers
+computes it.
+
+A router (`gate`, [experts, hidden]) scores every token; each token goes to its top-k experts
+(`route`), and its output is the routing-weighted sum of theirs; Qwen2-MoE adds a shared expert
+that every token runs, scaled by sigmoid(`shared_expert_gate`).
+
+Expert weights are stacked at load time: `StackedExperts.gate_up_proj` [experts, 2 * inter,
+hidden] (each expert's gate rows, then its up rows, as MergedLinear stacks a dense MLP's) and
+`down_proj` [experts, hidden, inter]. Checkpoints name each expert apart
+(`mlp.experts.3.gate_proj.weight`; Mixtral `block_sparse_moe.experts.3.w1.weight`), so
+`checkpoint_tensors` names each expert's part by its checkpoint name, as a view of the stack:
+loading and weight updates write through these views.
+
+The forward groups the (token, choice) pairs by expert (one sort) and runs each expert that has
+tokens as one GEMM over all of them: a loop over the experts with tokens, never over tokens. It
+reads the per-expert token counts on the host, so it is not CUDA-graph capturable (the engine
+runs MoE models eagerly); a grouped-GEMM kernel would lift that.
+
+Tensor parallelism: every expert (and the shared expert) is split on its intermediate dimension
+(engine/parallel/sharding.py); each rank's partial sum of routed and shared outputs is summed by
+one all-reduce per MoE layer, as a dense MLP's down_proj is. The routing weights and the shared
+gate are per-token scalars that every rank computes whole, so scaling before the sum is exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.linear import linear
+from engine.layers.silu_and_mul import SiluAndMul
+from engine.models.hf_config import ModelConfig, MoeConfig
+from engine.models.merged_linear import MergedLinear
+from engine.parallel.sharding import Sharding
+from engine.parallel.tensor_parallel import TensorParallel
+
+# Checkpoint names: the MoE block's module name in a decoder layer, and each expert's
+# (gate, up, down) projections.
+MIXTRAL = "MixtralForCausalLM"
+BLOCK_NAMES = {MIXTRAL: "block_sparse_moe"}
+EXPERT_PARTS = {MIXTRAL: ("w1", "w3", "w2")}
+QWEN_PARTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def block_name(architecture: str) -> str:
+    """The decoder layer's name for its MoE block in `architecture`'s checkpoints."""
+    return BLOCK_NAMES.get(architecture, "mlp")
+
+
+def route(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, expert ids), each [tokens, top_k], highest weight first, from the router's
+    logits [tokens, experts] (in the model's dtype): softmax in float32, top-k, renormalised if
+    `norm_topk_prob`, then cast back to the logits' dtype unless `weights_in_float32`."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, moe.top_k, dim=-1)
+    if moe.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if not moe.weights_in_float32:
+        weights = weights.to(logits.dtype)
+    return weights, ids
+
+
+class StackedExperts(nn.Module):
+    """Every expert's gate/up and down weights (this rank's slice of each), stacked."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, parts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.inter = inter
+        self.parts = parts  # checkpoint names of (gate, up, down)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.act = SiluAndMul()
+        for view in self.checkpoint_tensors().values():  # as nn.Linear initialises each
+            nn.init.kaiming_uniform_(view, a=math.sqrt(5))
+        # Per-expert views, rebuilt when the parameters' storage moves (to_empty, sleep):
+        # `linear` caches a packed CPU copy on the weight tensor it is given, so it must be
+        # given the same tensor every step.
+        self._views: tuple[tuple[int, int], list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """`{expert}.{gate|up|down}.weight` -> that expert's part of the stack: views sharing
+        its storage, outside autograd."""
+        gate, up, down = self.parts
+        gate_up, down_w = self.gate_up_proj.detach(), self.down_proj.detach()
+        tensors: dict[str, torch.Tensor] = {}
+        for e in range(gate_up.shape[0]):
+            tensors[f"{e}.{gate}.weight"] = gate_up[e, : self.inter]
+            tensors[f"{e}.{up}.weight"] = gate_up[e, self.inter :]
+            tensors[f"{e}.{down}.weight"] = down_w[e]
+        return tensors
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [tokens, hidden]
+        weights: torch.Tensor,  # [tokens, top_k]
+        ids: torch.Tensor,  # [tokens, top_k]
+    ) -> torch.Tensor:  # [tokens, hidden]: sum over k of weights[:, k] * expert ids[:, k](x)
+        top_k = ids.shape[1]
+        flat = ids.reshape(-1)  # [tokens * top_k] (token, choice) pairs
+        order = flat.argsort(stable=True)  # the pairs grouped by expert
+        token_of = order // top_k  # each grouped pair's token
+        grouped = x[token_of]  # [pairs, hidden]
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()  # host sync
+        gate_up, down = self._expert_views()
+        out = torch.empty_like(grouped)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = slice(start, start + n)
+            g, u = linear(grouped[rows], gate_up[e], None).chunk(2, dim=-1)  # [n, 2 * inter]
+            out[rows] = linear(self.act(g, u), down[e], None)
+            start += n
+        # As transformers: each product in the weights' dtype (float32 for Mixtral), then cast
+        # back and summed per token in the model's dtype.
+        scaled = (out * weights.reshape(-1)[order, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, scaled)
+
+    def drop_views(self) -> None:
+        """Forget the per-expert views and the packed CPU copies `linear` cached on them (a
+        sleep releasing the weights: engine/sleep/model_memory.py)."""
+        self._views = None
+
+    def _expert_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        key = (self.gate_up_proj.data_ptr(), self.down_proj.data_ptr())
+        if self._views is None or self._views[0] != key:
+            gate_up = list(self.gate_up_proj.detach().unbind(0))
+            down = list(self.down_proj.detach().unbind(0))
+            self._views = (key, gate_up, down)
+        return self._views[1], self._views[2]
+
+
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's shared expert: a dense MLP (this rank's slice) whose down projection is not
+    all-reduced here; SparseMoeBlock sums it with the routed experts' partial sums."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden, {"gate_proj": inter, "up_proj": inter}, False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return linear(self.act(gate, up), self.down_proj.weight, None)
+
+
+class SparseMoeBlock(nn.Module):
+    """A decoder layer's MoE feed-forward: router, stacked experts, optional shared expert.
+    Module names are the checkpoint's (`gate`, `experts`, `shared_expert`,
+    `shared_expert_gate`)."""
+
+    def __init__(self, cfg: ModelConfig, shard: Sharding, tp: TensorParallel) -> None:
+        super().__init__()
+        assert cfg.moe is not None, "an MoE block needs the checkpoint's MoE config"
+        self.moe = cfg.moe
+        self.tp = tp
+        hidden = cfg.hidden_size
+        self.gate = nn.Linear(hidden, cfg.moe.num_experts, bias=False)  # replicated
+        parts = EXPERT_PARTS.get(cfg.architecture, QWEN_PARTS)
+        self.experts = StackedExperts(
+            cfg.moe.num_experts, hidden, shard.expert_intermediate_size, parts
+        )
+        self.shared_expert: SharedExpert | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if cfg.moe.shared_expert_intermediate_size:
+            self.shared_expert = SharedExpert(hidden, shard.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, hidden] -> same
+        weights, ids = route(linear(x, self.gate.weight, None), self.moe)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            scale = F.sigmoid(linear(x, self.shared_expert_gate.weight, None))  # [tokens, 1]
+            out = out + scale * self.shared_expert(x)
+        return self.tp.all_reduce(out)
