@@ -39,6 +39,7 @@ from engine.execution.model_shard import (
     resolve_model_path,
 )
 from engine.generation_result import GenerationResult, generate
+from engine.lora.registry import AdapterRegistry, ResidentAdapter
 from engine.messages import (
     EngineStats,
     FinishReason,
@@ -95,6 +96,9 @@ class LLMEngine:
         self.model, self.pool, self.runner = shard.model, shard.pool, shard.runner
         if self.workers is not None:
             self.workers.attach(self.runner.open_channel(), self.lock)
+        self.lora = self.runner.adapters = AdapterRegistry(
+            self.model, config.max_loras, config.max_lora_rank
+        )
         self.cache = PrefixCache(self.pool, config.enable_prefix_cache)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.scheduler.policy_version = config.policy_version
@@ -261,7 +265,12 @@ class LLMEngine:
             if req.status is RequestStatus.RUNNING:
                 num_tokens = min(num_tokens, req.num_computed_tokens, known_tokens(req))
                 self.cache.publish(
-                    self.policy_version, req.token_ids, req.pages, num_tokens, req.page_hashes
+                    self.policy_version,
+                    req.token_ids,
+                    req.pages,
+                    num_tokens,
+                    req.page_hashes,
+                    req.adapter_key,
                 )
 
     def _append_sampled(self, sampled: Sampled, first: list[RequestOutput]) -> StepOutputs:
@@ -351,6 +360,29 @@ class LLMEngine:
             self._settle()
             with self.updater.live(policy_version) as params:
                 yield params
+
+    # ---- LoRA adapters (engine/lora/registry.py) ----
+
+    def load_adapter(self, name: str, path: str | Path) -> ResidentAdapter:
+        """Make the PEFT adapter directory at `path` resident as `name`, for requests whose
+        `SamplingParams.adapter` names it. ValueError, with nothing changed, when it does not
+        fit the model or the engine (shapes, target modules, rank, every slot taken)."""
+        with self.lock:
+            return self.lora.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """ValueError when `name` is not loaded or a request in flight runs it."""
+        with self.lock:
+            self._settle()  # an overlapped step in flight may still read its slot
+            key = self.lora.key_of(name)
+            users = [i for i, seqs in self.requests.items() if key and seqs[0].adapter_key == key]
+            if users:
+                raise ValueError(f"adapter {name!r}: {len(users)} requests in flight run it")
+            self.lora.unload(name)
+
+    def adapters(self) -> list[ResidentAdapter]:
+        with self.lock:
+            return list(self.lora.resident.values())
 
     # ---- sleep and wake (the state machine is Sleeper's) ----
 

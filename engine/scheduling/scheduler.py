@@ -197,7 +197,9 @@ class Scheduler:
             limit = req.num_tokens - 1
             if req.prompt_scores is not None:
                 limit = min(limit, req.prompt_scores.cache_limit)
-            hit_pages = self.cache.match(self.policy_version, req.token_ids, limit, req.page_hashes)
+            hit_pages = self.cache.match(
+                self.policy_version, req.token_ids, limit, req.page_hashes, req.adapter_key
+            )
             num_cached = len(hit_pages) * self.cache.pool.page_size
             num_tokens = min(req.num_tokens - num_cached, budget)
             needed = self.cache.pool.pages_for(num_cached + num_tokens) - len(hit_pages)
