@@ -70,7 +70,7 @@ def add_request(
 ) -> None:
     """LLMEngine.add_request, past the duplicate check."""
     limits = (engine.model_config, engine.config.max_num_seqs, engine.policy_version)
-    error = request_error(prompt, params, n, min_policy_version, *limits, engine.lora.resident)
+    error = request_error(prompt, params, n, min_policy_version, *limits, engine.lora.loaded)
     refused = error or engine.sleeper.refusing
     if refused is not None:
         reason = FinishReason.ERROR if error is not None else FinishReason.ABORTED

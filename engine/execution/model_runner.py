@@ -123,6 +123,15 @@ class ModelRunner:
         spare = StepInputs.allocate(*self._sizes, torch.device("cpu"))
         self._slots = [(self.host, self.arrays), (spare, spare.numpy())]
 
+    def run_on_device(self, work: Callable[[], None]) -> None:
+        """Run `work` (a write of weights the steps read) after every step launched so far:
+        on the CPU's device thread when steps overlap, waiting for it; else now (CUDA queues
+        it on the stream behind them)."""
+        if self.device_thread is None:
+            work()
+        else:
+            self.device_thread.submit(work).result()
+
     def close(self) -> None:
         if self.device_thread is not None:
             self.device_thread.close()

@@ -91,15 +91,39 @@ def test_an_unsupported_target_or_option_is_refused(
     refused(engine, tmp_path, "no adapter_config.json")
 
 
-def test_a_refused_load_leaves_the_resident_adapters_serving(
-    tiny_llama: Path, adapter: Path
+def test_a_refused_load_leaves_the_loaded_adapters_serving(
+    tiny_llama: Path, adapter: Path, tmp_path: Path
 ) -> None:
     engine = make_engine(tiny_llama, max_loras=1)
     engine.load_adapter("a", adapter)
     expected = engine.generate([[0, 5, 6, 7]], params("a"))[0].token_ids
     refused(engine, adapter, "'a': already loaded", name="a")
-    refused(engine, adapter, "max_loras=1 adapters are resident", name="b")
+    refused(engine, make_adapter(tiny_llama, tmp_path / "r16", r=16), "max_lora_rank=8")
     assert engine.generate([[0, 5, 6, 7]], params("a"))[0].token_ids == expected
+    assert [a.name for a in engine.adapters()] == ["a"]
+
+
+def test_a_load_beyond_max_loras_evicts_the_least_recently_used_unpinned_adapter(
+    tiny_llama: Path, adapter: Path, tmp_path: Path
+) -> None:
+    engine = make_engine(tiny_llama, max_loras=2)
+    other = make_adapter(tiny_llama, tmp_path / "b", r=4, seed=1)
+    engine.load_adapter("a", adapter, pinned=True)
+    engine.load_adapter("b", other)
+    engine.load_adapter("c", adapter)
+    assert engine.lora.resident == ["a", "c"]  # b was the only one not pinned
+    alone = make_engine(tiny_llama)
+    alone.load_adapter("b", other)
+    expected = alone.generate([[0, 5, 6, 7]], params("b"))[0].token_ids
+    assert engine.generate([[0, 5, 6, 7]], params("b"))[0].token_ids == expected
+    assert engine.lora.resident == ["a", "b"] and engine.lora.evictions == 2
+
+
+def test_pinning_every_slot_is_refused(tiny_llama: Path, adapter: Path) -> None:
+    engine = make_engine(tiny_llama, max_loras=2)
+    engine.load_adapter("a", adapter, pinned=True)
+    with pytest.raises(ValueError, match="none of max_loras=2 slots for the others"):
+        engine.load_adapter("b", adapter, pinned=True)
     assert [a.name for a in engine.adapters()] == ["a"]
 
 

@@ -125,3 +125,14 @@ def test_n_samples_of_an_adapter_fork_from_its_own_prompt_kv(
     cases = [(adapter, p) for p, adapter in zip(batch, ["b", "", "c"], strict=True)]
     results = engine.generate([p for _, p in cases], [greedy(a) for a, _ in cases], n=3)
     check(results, [case for case in cases for _ in range(3)], reference)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_requests_beyond_max_loras_wait_for_a_slot_and_equal_peft(
+    tiny_llama: Path, adapters: dict[str, Path], reference: Any, overlap: bool
+) -> None:
+    engine = make_engine(tiny_llama, adapters, max_loras=1, overlap_steps=overlap)
+    cases = mixed_cases(engine.info.vocab_size, count=3)
+    results = engine.generate([p for _, p in cases], [greedy(a) for a, _ in cases])
+    check(results, cases, reference)
+    assert engine.lora.evictions >= len(SPECS)  # each adapter had its turn in the one slot
