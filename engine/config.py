@@ -106,6 +106,15 @@ class EngineConfig:
         "--tensor-parallel-size N on the CPU, the cores shared out among the N ranks)",
         group=EXECUTION,
     )
+    max_loras: int = setting(
+        0,
+        "LoRA adapters resident at once, each selectable per request (0: no LoRA, no memory "
+        "for it); their stacked weights are allocated at start",
+        group=MODEL,
+    )
+    max_lora_rank: int = setting(
+        16, "the largest LoRA rank an adapter may have (the stacked weights' width)", group=MODEL
+    )
     # The engine process logs as the service does (engine/logs.py): same level, same format.
     log_level: str = setting("info", "both processes", group=OBSERVABILITY, choices=LOG_LEVELS)
     log_format: str = setting(
@@ -144,6 +153,12 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}: must be at least 1 when set")
+        if self.max_loras < 0:
+            raise ValueError("max_loras: must be at least 0")
+        if self.max_lora_rank < 1:
+            raise ValueError("max_lora_rank: must be at least 1")
+        if self.max_loras and self.tensor_parallel_size > 1:
+            raise ValueError("max_loras: LoRA with tensor parallelism is not built yet")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization: must be in (0, 1]")
         if not 0 <= self.policy_version <= MAX_POLICY_VERSION:

@@ -39,6 +39,7 @@ from engine.execution.model_shard import (
     resolve_model_path,
 )
 from engine.generation_result import GenerationResult, generate
+from engine.lora.registry import AdapterRegistry, LoadedAdapter
 from engine.messages import (
     EngineStats,
     FinishReason,
@@ -95,9 +96,14 @@ class LLMEngine:
         self.model, self.pool, self.runner = shard.model, shard.pool, shard.runner
         if self.workers is not None:
             self.workers.attach(self.runner.open_channel(), self.lock)
+        self.lora = self.runner.adapters = AdapterRegistry(
+            self.model, config.max_loras, config.max_lora_rank, self.runner.run_on_device
+        )
         self.cache = PrefixCache(self.pool, config.enable_prefix_cache)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.scheduler.policy_version = config.policy_version
+        if config.max_loras:
+            self.scheduler.adapter_gate = self._adapter_resident
         self.requests: dict[str, list[Request]] = {}  # request id -> its n sequences
         self.pending: list[RequestOutput] = []  # produced outside step(): errors, aborts
         self.tokens_generated = 0
@@ -261,7 +267,12 @@ class LLMEngine:
             if req.status is RequestStatus.RUNNING:
                 num_tokens = min(num_tokens, req.num_computed_tokens, known_tokens(req))
                 self.cache.publish(
-                    self.policy_version, req.token_ids, req.pages, num_tokens, req.page_hashes
+                    self.policy_version,
+                    req.token_ids,
+                    req.pages,
+                    num_tokens,
+                    req.page_hashes,
+                    req.adapter_key,
                 )
 
     def _append_sampled(self, sampled: Sampled, first: list[RequestOutput]) -> StepOutputs:
@@ -351,6 +362,35 @@ class LLMEngine:
             self._settle()
             with self.updater.live(policy_version) as params:
                 yield params
+
+    # ---- LoRA adapters (engine/lora/registry.py) ----
+
+    def load_adapter(self, name: str, path: str | Path, pinned: bool = False) -> LoadedAdapter:
+        """Load the PEFT adapter directory at `path` as `name`, for requests whose
+        `SamplingParams.adapter` names it (resident now, or when a slot frees; a pinned one
+        keeps its slot). ValueError, with nothing changed, when it does not fit the model or
+        the engine (shapes, target modules, rank, pinning every slot)."""
+        with self.lock:
+            return self.lora.load(name, path, pinned, self._adapters_running())
+
+    def unload_adapter(self, name: str) -> None:
+        """ValueError when `name` is not loaded or a request in flight runs it."""
+        with self.lock:
+            key = self.lora.key_of(name)
+            users = [i for i, seqs in self.requests.items() if key and seqs[0].adapter_key == key]
+            if users:
+                raise ValueError(f"adapter {name!r}: {len(users)} requests in flight run it")
+            self.lora.unload(name)
+
+    def adapters(self) -> list[LoadedAdapter]:
+        with self.lock:
+            return list(self.lora.loaded.values())
+
+    def _adapters_running(self) -> set[int]:
+        return {r.adapter_key for r in self.scheduler.running}
+
+    def _adapter_resident(self, req: Request) -> bool:
+        return self.lora.make_resident(req.adapter_key, self._adapters_running())
 
     # ---- sleep and wake (the state machine is Sleeper's) ----
 

@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol
 
 from engine.config import EngineConfig
+from engine.lora.registry import AdapterRegistry
 from engine.messages import FinishReason, RequestOutput, SamplingParams
 from engine.models.hf_config import ModelConfig
 from engine.postprocess import end_scored
@@ -42,6 +43,7 @@ class Engine(Protocol):
     pool: PagePool
     sleeper: Sleeper
     structured: StructuredOutputs
+    lora: AdapterRegistry
     requests: dict[str, list[Request]]
     pending: list[RequestOutput]
     tokens_generated: int
@@ -68,7 +70,7 @@ def add_request(
 ) -> None:
     """LLMEngine.add_request, past the duplicate check."""
     limits = (engine.model_config, engine.config.max_num_seqs, engine.policy_version)
-    error = request_error(prompt, params, n, min_policy_version, *limits)
+    error = request_error(prompt, params, n, min_policy_version, *limits, engine.lora.loaded)
     refused = error or engine.sleeper.refusing
     if refused is not None:
         reason = FinishReason.ERROR if error is not None else FinishReason.ABORTED
@@ -101,6 +103,11 @@ def start(
     if grammar is not None and (failed := grammar_error(grammar)) is not None:
         refuse(engine, request_id, n, len(prompt), failed[1], FinishReason.ERROR)
         return
+    adapter = engine.lora.key_of(params.adapter)
+    if adapter is None:  # unloaded while its grammar compiled
+        message = f"adapter: {params.adapter!r} is not loaded"
+        refuse(engine, request_id, n, len(prompt), message, FinishReason.ERROR)
+        return
     max_tokens = engine.model_config.max_model_len - len(prompt)
     if params.max_tokens is not None:
         max_tokens = min(max_tokens, params.max_tokens)
@@ -110,8 +117,9 @@ def start(
     ]
     when = (priority, deadline)
     seqs = new_sequences(request_id, prompt, params, max_tokens, seeds, engine._arrivals, *when)
-    if grammar is not None:
-        for seq in seqs:
+    for seq in seqs:
+        seq.adapter_key = adapter
+        if grammar is not None:
             seq.grammar = RequestGrammar(grammar.result())
     leader = seqs[0]
     engine.scheduler.add(leader)  # its siblings fork from its prompt's KV

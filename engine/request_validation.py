@@ -5,6 +5,8 @@ The sampling parameters check their own fields (SamplingParams.errors, engine/me
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from engine.messages import SamplingParams
 from engine.models.hf_config import ModelConfig
 
@@ -17,6 +19,7 @@ def request_error(
     model: ModelConfig,
     max_num_seqs: int,
     policy_version: int,
+    adapters: Container[str] = (),
 ) -> str | None:
     """What is wrong with this request, as `field: why` (several joined by '; '), or None."""
     vocab, max_len = model.vocab_size, model.max_model_len
@@ -36,6 +39,8 @@ def request_error(
         return f"prompt_logprobs_start: must be at most the prompt's length, {len(prompt)} tokens"
     if params.max_tokens == 0 and n > 1:
         return "n: must be 1 to score a prompt (max_tokens 0)"
+    if params.adapter and params.adapter not in adapters:
+        return f"adapter: {params.adapter!r} is not loaded"
     if min_version is not None and min_version > policy_version:
         return f"min_policy_version: {min_version} > served version {policy_version}"
     return None

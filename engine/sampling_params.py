@@ -93,7 +93,8 @@ class SamplingParams:
     bad_word_ids sequence bans its last token where the output ends with the rest of it (a
     one-token sequence always), logit_bias (token id -> bias) is added. Raw logprobs and
     prompt logprobs do not see it. A `structured` constraint masks, at the same point, every
-    token that cannot continue a valid text (engine/structured/).
+    token that cannot continue a valid text (engine/structured/). `adapter` names the LoRA
+    adapter the request runs, "" the base model.
     """
 
     temperature: float = 1.0
@@ -120,6 +121,9 @@ class SamplingParams:
     bad_token_ids: tuple[int, ...] = ()
     bad_word_ids: tuple[tuple[int, ...], ...] = ()  # the service tokenises bad_words into these
     structured: Constraint | None = None
+    # The resident LoRA adapter (engine/lora/) that computes this request, by its name; "" is
+    # the base model. An adapter not loaded when the request starts is its ERROR output.
+    adapter: str = ""
 
     @property
     def has_surface(self) -> bool:

@@ -23,7 +23,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.execution.cuda_graph import CUDAGraphRunner
 from engine.execution.prompt_scoring import ScoredRows
 from engine.execution.step_inputs import StepArrays, StepInputs
-from engine.models.llama import KVCache, LlamaForCausalLM
+from engine.models.llama import KVCache, LlamaForCausalLM, LoraPass
 from engine.sampling.sampler import SamplerOutput
 from engine.scheduling.request import Request
 
@@ -146,15 +146,17 @@ def eager_hidden(
     inputs: tuple[torch.Tensor, torch.Tensor, AttentionMetadata],
     rows: torch.Tensor | None,
     pending: PendingInputs | None,
+    lora: LoraPass | None = None,
 ) -> Callable[[], torch.Tensor]:
     """The device work of an eager step on uploaded inputs (ids, positions, metadata): write
-    the pending ids, forward; the hidden states of `rows` (or of every token)."""
+    the pending ids, forward (with the step's LoRA adapters, if any); the hidden states of
+    `rows` (or of every token)."""
     ids, positions, meta = inputs
 
     def hidden() -> torch.Tensor:
         if pending is not None:
             pending.scatter(ids)
-        out = model(ids, positions, meta, kv_caches)
+        out = model(ids, positions, meta, kv_caches, lora)
         return out if rows is None else out[rows]
 
     return hidden

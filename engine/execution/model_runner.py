@@ -41,6 +41,7 @@ from engine.execution.prompt_scoring import ScoredRows, follow_scored_rows, scor
 from engine.execution.sampling_inputs import SamplingInputs
 from engine.execution.step_inputs import StepArrays, StepInputs, forward_inputs
 from engine.execution.step_rows import PreparedStep, lm_head_rows
+from engine.lora.registry import AdapterRegistry
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.step_channel import Op, StepChannel, StepHeader
 from engine.sampling.sampler import SamplerOutput, SamplingBatch
@@ -88,6 +89,7 @@ class ModelRunner:
         self.device_thread: DeviceThread | None = None  # the CPU's, when steps overlap
         # The CPU's doubled host buffers, when steps overlap.
         self._slots: list[tuple[StepInputs, StepArrays]] = []
+        self.adapters: AdapterRegistry | None = None  # the resident LoRA adapters, if any
 
     def open_channel(self) -> StepChannel:
         """Tensor parallel: the channel rank 0 sends each step's inputs through, and other
@@ -121,6 +123,15 @@ class ModelRunner:
         spare = StepInputs.allocate(*self._sizes, torch.device("cpu"))
         self._slots = [(self.host, self.arrays), (spare, spare.numpy())]
 
+    def run_on_device(self, work: Callable[[], None]) -> None:
+        """Run `work` (a write of weights the steps read) after every step launched so far:
+        on the CPU's device thread when steps overlap, waiting for it; else now (CUDA queues
+        it on the stream behind them)."""
+        if self.device_thread is None:
+            work()
+        else:
+            self.device_thread.submit(work).result()
+
     def close(self) -> None:
         if self.device_thread is not None:
             self.device_thread.close()
@@ -140,8 +151,12 @@ class ModelRunner:
         num_seqs = len(batch.requests)
         width = max([len(r.pages) for r in batch.requests])  # the widest row the step reads
         graphs = self.graphs
-        # A decode step replays a graph, unless it scores prompt positions (a 1-token chunk).
-        decode = batch.num_tokens == num_seqs and graphs is not None
+        lora = None
+        if self.adapters is not None:
+            lora = self.adapters.step(batch.requests, batch.query_lens, self.device)
+        # A decode step replays a graph, unless it scores prompt positions (a 1-token chunk)
+        # or runs LoRA adapters (the graphs hold the base model only).
+        decode = batch.num_tokens == num_seqs and graphs is not None and lora is None
         if decode and any([r.prompt_scores is not None for r in batch.requests]):
             decode = False
         size = graphs.bucket(num_seqs) if graphs is not None and decode else None
@@ -168,7 +183,7 @@ class ModelRunner:
         else:
             self._upload(step)
             inputs = forward_inputs(self.inputs, self.arrays, *_shape(step))
-            hidden_of = eager_hidden(self.model, self.kv_caches, inputs, rows, pending)
+            hidden_of = eager_hidden(self.model, self.kv_caches, inputs, rows, pending, lora)
             num_sampled = step.num_rows
 
             def work() -> StepResult | None:

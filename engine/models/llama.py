@@ -15,6 +15,9 @@ Tensor parallelism (engine/parallel/sharding.py says which slice each rank holds
 are built at their local sizes, and each layer runs two all-reduces (after o_proj and after
 down_proj); the embedding runs one, and the LM head one all-gather of the vocabulary slices.
 With one rank these collectives are the identity and every module is whole.
+
+LoRA: a step whose requests select adapters passes a LoraPass (engine/lora/) that adds each
+adapter's delta to the projections' outputs of its tokens; the base model's steps pass None.
 """
 
 from __future__ import annotations
@@ -65,6 +68,14 @@ class AttentionBackend(Protocol):
         cache: KVCache | None,
         meta: AttentionMetadata,
     ) -> torch.Tensor: ...
+
+
+class LoraPass(Protocol):
+    """A step's LoRA adapters (engine/lora/): `add` adds to a projection's output `y`, in
+    place, the deltas of the tokens whose adapter targets that projection (`x` its input).
+    A step without adapters passes None and runs none of it."""
+
+    def add(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None: ...
 
 
 class RowParallelLinear(nn.Module):
@@ -130,9 +141,13 @@ class LlamaAttention(nn.Module):
         backend: AttentionBackend,
         cache: KVCache | None,
         meta: AttentionMetadata,
+        lora: LoraPass | None = None,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)  # strided column views
+        qkv = self.qkv_proj(x)
+        if lora is not None:
+            lora.add(self.qkv_proj, x, qkv)
+        q, k, v = qkv.split(self.qkv_proj.sizes, dim=-1)  # strided column views
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
@@ -140,7 +155,11 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         # Rotary on q and k, k and v into the cache, then attention.
         out = backend.forward(q, k, v, positions, rotary, cache, meta)  # [tokens, heads, head_dim]
-        return self.o_proj(out.reshape(tokens, -1))
+        attended = out.reshape(tokens, -1)
+        y = self.o_proj(attended)
+        if lora is not None:
+            lora.add(self.o_proj, attended, y)
+        return y
 
 
 class LlamaMLP(nn.Module):
@@ -153,9 +172,16 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, tp)
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [tokens, 2 * inter]: gate half first
-        return self.down_proj(self.act(gate, up))
+    def forward(self, x: torch.Tensor, lora: LoraPass | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [tokens, 2 * inter]: gate half first
+        if lora is not None:
+            lora.add(self.gate_up_proj, x, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = self.act(gate, up)
+        y = self.down_proj(h)
+        if lora is not None:
+            lora.add(self.down_proj, h, y)
+        return y
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -184,6 +210,7 @@ class LlamaDecoderLayer(nn.Module):
         backend: AttentionBackend,
         cache: KVCache | None,
         meta: AttentionMetadata,
+        lora: LoraPass | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), not yet summed
         # Each norm adds the sublayer output before it to the stream (one kernel on Triton);
         # layer 0 starts the stream at the embedding.
@@ -191,9 +218,10 @@ class LlamaDecoderLayer(nn.Module):
             h, residual = self.input_layernorm(h), h
         else:
             h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(h, positions, rotary, backend, cache, meta)
+        h = self.self_attn(h, positions, rotary, backend, cache, meta, lora)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.feed_forward(h), residual
+        mlp = self.feed_forward  # an MoE block's experts take no adapter (one is refused)
+        return (mlp(h, lora) if isinstance(mlp, LlamaMLP) else mlp(h)), residual
 
 
 class LlamaModel(nn.Module):
@@ -240,6 +268,7 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [tokens]
         meta: AttentionMetadata,
         kv_caches: list[KVCache] | None,
+        lora: LoraPass | None = None,
     ) -> torch.Tensor:  # [tokens, hidden], after the final norm
         if kv_caches is not None:
             self.backend.prepare(meta)
@@ -247,7 +276,9 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for i, layer in enumerate(self.model.layers):
             cache = kv_caches[i] if kv_caches is not None else None
-            h, residual = layer(h, residual, positions, self.rotary, self.backend, cache, meta)
+            h, residual = layer(
+                h, residual, positions, self.rotary, self.backend, cache, meta, lora
+            )
         assert residual is not None, "a model has at least one layer"
         h, _ = self.model.norm(h, residual)  # with the last layer's residual add
         return h

@@ -1,9 +1,12 @@
-"""Prefix cache: full KV pages keyed by a hash chained over (policy version, parent, tokens).
+"""Prefix cache: full KV pages keyed by a hash chained over (policy version, LoRA adapter,
+parent, tokens).
 
 It also hands out pages: from the pool's free list first, and only when that is empty by
 evicting the least recently used unreferenced cached page. A hit re-checks the page's token
 ids (hashes can collide) and shares the page by reference count. Folding the policy version
-into the hash means pages computed by older weights are never reused.
+into the hash means pages computed by older weights are never reused; folding the adapter's
+key (engine/lora/registry.py; 0 for the base model) means one adapter's KV never serves
+another's requests, nor the base model's.
 """
 
 from __future__ import annotations
@@ -52,19 +55,26 @@ class PrefixCache:
             self.pool.put_free(page)
 
     def match(
-        self, version: int, token_ids: list[int], max_tokens: int, hashes: list[int]
+        self,
+        version: int,
+        token_ids: list[int],
+        max_tokens: int,
+        hashes: list[int],
+        adapter: int = 0,
     ) -> list[int]:
-        """Referenced pages holding the longest cached prefix of token_ids[:max_tokens].
+        """Referenced pages holding the longest cached prefix of token_ids[:max_tokens]
+        computed under `version` and `adapter`.
 
         `hashes` (empty on entry) receives the chain hash of every matched page.
         """
         if not self.enabled:
             return []
         size = self.pool.page_size
+        root = _root(version, adapter)
         pages: list[int] = []
         for start in range(0, max_tokens - size + 1, size):
             tokens = tuple(token_ids[start : start + size])
-            key = hash((hashes[-1] if hashes else version, tokens))
+            key = hash((hashes[-1] if hashes else root, tokens))
             page = self.page_of_hash.get(key)
             if page is None or self.tokens_of_page[page] != tokens:
                 break
@@ -82,6 +92,7 @@ class PrefixCache:
         pages: list[int],
         num_tokens: int,
         hashes: list[int],
+        adapter: int = 0,
     ) -> None:
         """Register the full pages among the first num_tokens (computed) tokens for reuse.
 
@@ -91,9 +102,10 @@ class PrefixCache:
         if not self.enabled:
             return
         size = self.pool.page_size
+        root = _root(version, adapter)
         for i in range(len(hashes), num_tokens // size):
             tokens = tuple(token_ids[i * size : (i + 1) * size])
-            key = hash((hashes[-1] if hashes else version, tokens))
+            key = hash((hashes[-1] if hashes else root, tokens))
             hashes.append(key)
             page = pages[i]
             if page not in self.hash_of_page and key not in self.page_of_hash:
@@ -114,3 +126,8 @@ class PrefixCache:
         key = self.hash_of_page.pop(page)
         del self.page_of_hash[key]
         del self.tokens_of_page[page]
+
+
+def _root(version: int, adapter: int) -> int | tuple[int, int]:
+    """What a chain's first page hashes with: the base model's chains as before adapters."""
+    return version if not adapter else (version, adapter)

@@ -42,6 +42,7 @@ class Request:
     arrival_seq: int  # FCFS tie-breaker within a priority; kept across preemption
     priority: int = 0
     deadline: float | None = None  # absolute time.time()
+    adapter_key: int = 0  # its resident LoRA adapter's key (engine/lora/registry.py); 0: none
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     pages: list[int] = field(default_factory=list)

@@ -13,7 +13,7 @@ kept). Only a request that alone cannot fit in the whole pool is ended, with ERR
 from __future__ import annotations
 
 import bisect
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from engine.scheduling.block_table import BlockTable
@@ -65,6 +65,9 @@ class Scheduler:
         self.too_big: list[Request] = []  # requests that alone cannot fit; the engine ends them
         self.admitting = True  # False while a weight update drains the running requests
         self.block_table = BlockTable(max_num_seqs)  # every page change goes through it
+        # Whether a waiting request's LoRA adapter holds a slot, given one if it can be
+        # (engine/lora/registry.py); None without adapters. One that cannot waits, in order.
+        self.adapter_gate: Callable[[Request], bool] | None = None
 
     @property
     def pool_pages(self) -> int:
@@ -193,11 +196,15 @@ class Scheduler:
                 self.waiting.pop(0)
                 self._drop_too_big(req)
                 continue
+            if req.adapter_key and self.adapter_gate is not None and not self.adapter_gate(req):
+                break  # every slot's adapter runs requests: its turn comes when they end
             # The cache may not supply a position whose prompt logprob is still to be scored.
             limit = req.num_tokens - 1
             if req.prompt_scores is not None:
                 limit = min(limit, req.prompt_scores.cache_limit)
-            hit_pages = self.cache.match(self.policy_version, req.token_ids, limit, req.page_hashes)
+            hit_pages = self.cache.match(
+                self.policy_version, req.token_ids, limit, req.page_hashes, req.adapter_key
+            )
             num_cached = len(hit_pages) * self.cache.pool.page_size
             num_tokens = min(req.num_tokens - num_cached, budget)
             needed = self.cache.pool.pages_for(num_cached + num_tokens) - len(hit_pages)
