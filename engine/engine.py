@@ -55,14 +55,14 @@ from engine.messages import (
     WeightTransferJoined,
 )
 from engine.models.hf_config import load_model_config
-from engine.overlap import OverlappedSteps, known_tokens, overlap_enabled
+from engine.overlap import OverlappedSteps, overlap_enabled
 from engine.parallel.sharding import Sharding
 from engine.parallel.tensor_parallel import TensorParallel
 from engine.parallel.worker_group import WorkerGroup
-from engine.postprocess import append_sampled
+from engine.postprocess import append_sampled, publish_pages
 from engine.request_outputs import request_output
 from engine.scheduling.prefix_cache import PrefixCache
-from engine.scheduling.request import Request, RequestStatus
+from engine.scheduling.request import Request
 from engine.scheduling.scheduler import ScheduledBatch, Scheduler
 from engine.sleep.model_memory import ModelMemory
 from engine.sleep.sleeper import Sleeper
@@ -254,46 +254,14 @@ class LLMEngine:
         self.prompt_tokens_computed += sum(prompt)
 
     def _publish(self, reqs: list[Request], computed: list[int]) -> None:
-        """Publish to the prefix cache the full pages of each request's first `computed`
-        tokens, as far as they are computed and known on the host (an overlapped step's
-        pending tokens are not)."""
-        if not self.cache.enabled:
-            return
-        size = self.pool.page_size
-        for req, num_tokens in zip(reqs, computed, strict=True):
-            # Only a request whose step filled a page has anything to publish.
-            if num_tokens // size <= len(req.page_hashes) or not req.publish_pages:
-                continue
-            if req.status is RequestStatus.RUNNING:
-                num_tokens = min(num_tokens, req.num_computed_tokens, known_tokens(req))
-                self.cache.publish(
-                    self.policy_version,
-                    req.token_ids,
-                    req.pages,
-                    num_tokens,
-                    req.page_hashes,
-                    req.adapter_key,
-                )
+        publish_pages(self, reqs, computed)
 
     def _append_sampled(self, sampled: Sampled, first: list[RequestOutput]) -> StepOutputs:
         return append_sampled(self, sampled, first)
 
     def finish(self, req: Request, reason: FinishReason, message: str | None) -> None:
-        """End `req` now: the one way a sequence ends (its pages go back to the pool, its
-        pending siblings start on their own)."""
-        del req.token_ids[known_tokens(req) :]  # ended with a token in flight: it is dropped
-        if req.status is not RequestStatus.FINISHED:  # the scheduler ends requests too big to fit
-            self.scheduler.remove(req, leader=self.requests[req.request_id][0])
-        for sibling in req.pending_forks:  # a leader ended early: they compute the prompt alone
-            self.scheduler.add(sibling)
-        req.pending_forks = []
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
-        req.error = message
-        req.finish_time = time.monotonic()
-        seqs = self.requests.get(req.request_id, [])
-        if all(s.is_finished for s in seqs):
-            self.requests.pop(req.request_id, None)
+        """End `req` now: the one way a sequence ends (engine/lifecycle.py)."""
+        lifecycle.finish(self, req, reason, message)
 
     # ---- stats ----
 

@@ -23,11 +23,13 @@ from engine.config import EngineConfig
 from engine.lora.registry import AdapterRegistry
 from engine.messages import FinishReason, RequestOutput, SamplingParams
 from engine.models.hf_config import ModelConfig
+from engine.overlap import known_tokens
 from engine.postprocess import end_scored
 from engine.request_outputs import error_output, request_output
 from engine.request_validation import request_error
 from engine.scheduling.page_pool import PagePool
-from engine.scheduling.request import Request, new_sequences
+from engine.scheduling.prefix_cache import PrefixCache
+from engine.scheduling.request import Request, RequestStatus, new_sequences
 from engine.scheduling.scheduler import Scheduler
 from engine.sleep.sleeper import Sleeper
 from engine.structured.request_grammar import RequestGrammar
@@ -40,6 +42,7 @@ class Engine(Protocol):
     config: EngineConfig
     model_config: ModelConfig
     scheduler: Scheduler
+    cache: PrefixCache
     pool: PagePool
     sleeper: Sleeper
     structured: StructuredOutputs
@@ -165,3 +168,20 @@ def end_too_big(engine: Engine) -> None:
         engine.finish(req, FinishReason.ERROR, message)
         engine.pending.append(request_output(req, [], None, None, engine.policy_version))
     engine.scheduler.too_big.clear()
+
+
+def finish(engine: Engine, req: Request, reason: FinishReason, message: str | None) -> None:
+    """End `req` now: its pages go back to the pool, its pending siblings start on their own."""
+    del req.token_ids[known_tokens(req) :]  # ended with a token in flight: it is dropped
+    if req.status is not RequestStatus.FINISHED:  # the scheduler ends requests too big to fit
+        engine.scheduler.remove(req, leader=engine.requests[req.request_id][0])
+    for sibling in req.pending_forks:  # a leader ended early: they compute the prompt alone
+        engine.scheduler.add(sibling)
+    req.pending_forks = []
+    req.status = RequestStatus.FINISHED
+    req.finish_reason = reason
+    req.error = message
+    req.finish_time = time.monotonic()
+    seqs = engine.requests.get(req.request_id, [])
+    if all(s.is_finished for s in seqs):
+        engine.requests.pop(req.request_id, None)

@@ -16,7 +16,9 @@ from typing import Protocol
 from engine.execution.launched_step import Sampled
 from engine.messages import SUPPORT_TIES, FinishReason, RequestOutput
 from engine.models.hf_config import ModelConfig
+from engine.overlap import known_tokens
 from engine.request_outputs import request_output, stop_reason
+from engine.scheduling.prefix_cache import PrefixCache
 from engine.scheduling.request import Request, RequestStatus
 from engine.scheduling.scheduler import Scheduler
 from engine.step_outputs import StepOutputs
@@ -26,6 +28,7 @@ class Engine(Protocol):
     """What postprocessing uses of LLMEngine."""
 
     scheduler: Scheduler
+    cache: PrefixCache
     requests: dict[str, list[Request]]
     model_config: ModelConfig
     tokens_generated: int
@@ -123,3 +126,22 @@ def end_scored(engine: Engine, req: Request, outputs: list[RequestOutput]) -> No
     out = request_output(req, [], None, None, engine.policy_version)
     out.prompt_logprobs = scores.result()
     outputs.append(out)
+
+
+def publish_pages(engine: Engine, reqs: list[Request], computed: list[int]) -> None:
+    """Publish to the prefix cache the full pages of each request's first `computed` tokens,
+    as far as they are computed and known on the host (an overlapped step's pending tokens are
+    not)."""
+    cache = engine.cache
+    if not cache.enabled:
+        return
+    size = cache.pool.page_size
+    for req, num_tokens in zip(reqs, computed, strict=True):
+        # Only a request whose step filled a page has anything to publish.
+        if num_tokens // size <= len(req.page_hashes) or not req.publish_pages:
+            continue
+        if req.status is RequestStatus.RUNNING:
+            num_tokens = min(num_tokens, req.num_computed_tokens, known_tokens(req))
+            pages, hashes = req.pages, req.page_hashes
+            version, adapter = engine.policy_version, req.adapter_key
+            cache.publish(version, req.token_ids, pages, num_tokens, hashes, adapter)
