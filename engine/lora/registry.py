@@ -32,6 +32,7 @@ from engine.lora.adapter_file import AdapterFile, read_adapter
 from engine.lora.lora_weights import LoraStep, ProjectionLora
 from engine.models.llama import LlamaForCausalLM, RowParallelLinear
 from engine.models.merged_linear import MergedLinear
+from engine.models.moe import SparseMoeBlock
 from engine.scheduling.request import Request
 
 
@@ -75,8 +76,12 @@ class AdapterRegistry:
 
     def _allocate(self, model: LlamaForCausalLM) -> None:
         param = model.model.embed_tokens.weight
+        # An MoE block's projections (its shared expert's) take no adapter: not targets.
+        moe = tuple(f"{p}." for p, m in model.named_modules() if isinstance(m, SparseMoeBlock))
         for prefix, module in model.named_modules():
             parent, _, own = prefix.rpartition(".")
+            if moe and prefix.startswith(moe):
+                continue
             if isinstance(module, MergedLinear):
                 parts = module.parts
             elif isinstance(module, RowParallelLinear):

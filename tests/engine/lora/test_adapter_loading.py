@@ -163,3 +163,14 @@ def test_without_adapters_the_base_model_runs_no_lora_pass(tiny_llama: Path) -> 
     engine.add_request("r", [0, 5, 6], params())
     req = engine.requests["r"][0]
     assert engine.lora.step([req], [3], engine.device) is None  # nothing resident
+
+
+def test_an_moe_models_experts_are_no_targets_its_dense_layers_are(tmp_path: Path) -> None:
+    """A Qwen2-MoE with a dense first layer: its attention and dense MLP take adapters; the MoE
+    block's projections (the shared expert's) are not targets, so an adapter naming them is
+    refused rather than loaded and silently unused."""
+    checkpoint = make_checkpoint(tmp_path / "moe", "qwen2_moe", mlp_only_layers=[0])
+    targets = set(make_engine(checkpoint).lora.shapes)
+    assert "model.layers.0.mlp.gate_proj" in targets
+    assert "model.layers.1.self_attn.q_proj" in targets
+    assert not [t for t in targets if "layers.1.mlp" in t]
