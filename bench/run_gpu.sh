@@ -98,6 +98,10 @@ step serve-qwen2.5-0.5b 100 bench.serve --shape qwen2.5-0.5b $DEV --scale 0.5 --
   --max-concurrency 64
 step offline-qwen2.5-0.5b 200 bench.offline --shape qwen2.5-0.5b $DEV --hf-batch-sizes 256 \
   --kv-cache-gib 16
+# Structured output on a 152k vocabulary: a batch under a JSON schema beside the same batch
+# free (needs xgrammar: scripts/device_wheels.sh fetches it).
+step structured-qwen2.5-0.5b 90 bench.structured --shape qwen2.5-0.5b $DEV --batch 32 \
+  --max-tokens 128 --repeat 2
 # The service's ceiling in front of an instant stand-in engine (no GPU needed, the host's cores).
 CEIL="bench.service_ceiling --streams 256 --step-ms 5 2.5 --clients 8 --seconds 4"
 step service-ceiling 45 $CEIL
