@@ -165,8 +165,8 @@ class AdminServicer:
         not a PEFT LoRA adapter of this model: missing files, target modules it does not have or
         this engine does not compute, shapes that do not fit, a rank above --max-lora-rank;
         nothing changes), ALREADY_EXISTS (an adapter of this name is loaded; unload it first),
-        FAILED_PRECONDITION (--max-loras is 0; or `pinned` would pin every slot), UNAVAILABLE (the
-        engine is not serving, or was lost meanwhile).
+        FAILED_PRECONDITION (--max-loras is 0; `pinned` would pin every slot; the server is
+        asleep), UNAVAILABLE (the engine is not serving, or was lost meanwhile).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -175,7 +175,7 @@ class AdminServicer:
     def UnloadAdapter(self, request, context):
         """Forgets a loaded adapter; later requests naming it are NOT_FOUND. Errors: NOT_FOUND (no
         adapter of this name is loaded), FAILED_PRECONDITION (requests admitted with it are still
-        in flight: retry once they end), UNAVAILABLE (the engine is not serving, or was lost
+        in flight: retry once they end; the server is asleep), UNAVAILABLE (the engine is not serving, or was lost
         meanwhile).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

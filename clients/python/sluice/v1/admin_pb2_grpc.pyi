@@ -119,13 +119,13 @@ class AdminStub:
     not a PEFT LoRA adapter of this model: missing files, target modules it does not have or
     this engine does not compute, shapes that do not fit, a rank above --max-lora-rank;
     nothing changes), ALREADY_EXISTS (an adapter of this name is loaded; unload it first),
-    FAILED_PRECONDITION (--max-loras is 0; or `pinned` would pin every slot), UNAVAILABLE (the
-    engine is not serving, or was lost meanwhile).
+    FAILED_PRECONDITION (--max-loras is 0; `pinned` would pin every slot; the server is
+    asleep), UNAVAILABLE (the engine is not serving, or was lost meanwhile).
     """
     UnloadAdapter: _grpc.UnaryUnaryMultiCallable[_admin_pb2.UnloadAdapterRequest, _admin_pb2.UnloadAdapterResponse]
     """Forgets a loaded adapter; later requests naming it are NOT_FOUND. Errors: NOT_FOUND (no
     adapter of this name is loaded), FAILED_PRECONDITION (requests admitted with it are still
-    in flight: retry once they end), UNAVAILABLE (the engine is not serving, or was lost
+    in flight: retry once they end; the server is asleep), UNAVAILABLE (the engine is not serving, or was lost
     meanwhile).
     """
 
@@ -212,13 +212,13 @@ class AdminAsyncStub(AdminStub):
     not a PEFT LoRA adapter of this model: missing files, target modules it does not have or
     this engine does not compute, shapes that do not fit, a rank above --max-lora-rank;
     nothing changes), ALREADY_EXISTS (an adapter of this name is loaded; unload it first),
-    FAILED_PRECONDITION (--max-loras is 0; or `pinned` would pin every slot), UNAVAILABLE (the
-    engine is not serving, or was lost meanwhile).
+    FAILED_PRECONDITION (--max-loras is 0; `pinned` would pin every slot; the server is
+    asleep), UNAVAILABLE (the engine is not serving, or was lost meanwhile).
     """
     UnloadAdapter: _aio.UnaryUnaryMultiCallable[_admin_pb2.UnloadAdapterRequest, _admin_pb2.UnloadAdapterResponse]  # type: ignore[assignment]
     """Forgets a loaded adapter; later requests naming it are NOT_FOUND. Errors: NOT_FOUND (no
     adapter of this name is loaded), FAILED_PRECONDITION (requests admitted with it are still
-    in flight: retry once they end), UNAVAILABLE (the engine is not serving, or was lost
+    in flight: retry once they end; the server is asleep), UNAVAILABLE (the engine is not serving, or was lost
     meanwhile).
     """
 
@@ -332,8 +332,8 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         not a PEFT LoRA adapter of this model: missing files, target modules it does not have or
         this engine does not compute, shapes that do not fit, a rank above --max-lora-rank;
         nothing changes), ALREADY_EXISTS (an adapter of this name is loaded; unload it first),
-        FAILED_PRECONDITION (--max-loras is 0; or `pinned` would pin every slot), UNAVAILABLE (the
-        engine is not serving, or was lost meanwhile).
+        FAILED_PRECONDITION (--max-loras is 0; `pinned` would pin every slot; the server is
+        asleep), UNAVAILABLE (the engine is not serving, or was lost meanwhile).
         """
 
     @_abc_1.abstractmethod
@@ -344,7 +344,7 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_admin_pb2.UnloadAdapterResponse, _abc.Awaitable[_admin_pb2.UnloadAdapterResponse]]:
         """Forgets a loaded adapter; later requests naming it are NOT_FOUND. Errors: NOT_FOUND (no
         adapter of this name is loaded), FAILED_PRECONDITION (requests admitted with it are still
-        in flight: retry once they end), UNAVAILABLE (the engine is not serving, or was lost
+        in flight: retry once they end; the server is asleep), UNAVAILABLE (the engine is not serving, or was lost
         meanwhile).
         """
 
