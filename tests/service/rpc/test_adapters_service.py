@@ -9,6 +9,7 @@ import asyncio
 import functools
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -268,10 +269,15 @@ async def test_the_cli_verbs_load_list_generate_and_unload(
     assert "UNAUTHENTICATED" in capsys.readouterr().err
 
 
-async def test_a_restarted_engine_loads_the_adapters_again(server, adapter_dirs, reference) -> None:  # type: ignore[no-untyped-def]
+async def test_a_restarted_engine_loads_the_adapters_again_but_not_a_changed_one(
+    server, adapter_dirs, reference, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
     running, target = server
     await asyncio.to_thread(_ensure_loaded, target, adapter_dirs, "a")
     before = set(await asyncio.to_thread(listed, target))
+    gone = shutil.copytree(adapter_dirs["b"], tmp_path / "gone")
+    await asyncio.to_thread(load, target, "gone", gone)
+    shutil.rmtree(gone)  # its directory vanishes: not loaded again under its name
     restarts = running.engine.restarts
     engine = running.engine.engine
     assert engine is not None
@@ -283,6 +289,20 @@ async def test_a_restarted_engine_loads_the_adapters_again(server, adapter_dirs,
     assert set(await asyncio.to_thread(listed, target)) == before
     got = await asyncio.to_thread(complete, target, "a")
     assert_same_as_peft(got, await asyncio.to_thread(reference, "a"))
+
+
+async def test_adapter_calls_while_asleep_are_failed_precondition(server, adapter_dirs) -> None:  # type: ignore[no-untyped-def]
+    _, target = server
+    await asyncio.to_thread(admin_call, target, "Sleep", apb.SleepRequest(level=1))
+    try:
+        load_got = await asyncio.to_thread(refusal, lambda: load(target, "z", adapter_dirs["b"]))
+        unload = apb.UnloadAdapterRequest(name="a")
+        unload_got = await asyncio.to_thread(
+            refusal, lambda: admin_call(target, "UnloadAdapter", unload)
+        )
+    finally:
+        await asyncio.to_thread(admin_call, target, "Wake", apb.WakeRequest())
+    assert load_got[0] == unload_got[0] == grpc.StatusCode.FAILED_PRECONDITION
 
 
 async def test_a_server_without_lora_slots_refuses_loads(tiny_llama, adapter_dirs) -> None:  # type: ignore[no-untyped-def]
