@@ -79,8 +79,11 @@ class AdapterLink:
             await asyncio.wait_for(self._ask(ListAdapters(uuid.uuid4().hex), lambda: None), timeout)
         return self.states
 
-    async def _ask(self, msg: ToEngine, on_ok: Callable[[], object]) -> AdapterOutcome:
-        assert isinstance(msg, LoadAdapter | UnloadAdapter | ListAdapters)
+    async def _ask(
+        self, msg: LoadAdapter | UnloadAdapter | ListAdapters, on_ok: Callable[[], object]
+    ) -> AdapterOutcome:
+        """Send `msg` and wait for its answer; `on_ok` runs when it succeeds, also when the
+        caller has gone by then (the answer is shielded from the caller's cancellation)."""
         self._send(msg)
         future = self._answers.add(msg.action_id)
 
