@@ -1,9 +1,11 @@
-"""The admin part of the pipe protocol: weight updates and transfers, sleep and wake.
+"""The admin part of the pipe protocol: weight updates and transfers, sleep and wake, LoRA
+adapters.
 
 Standard library only, like engine/messages.py (which re-exports every name here): both sides
-import it. Service -> engine: UpdateWeights, InitWeightTransfer, Sleep, Wake. Engine ->
-service: WeightsProgress (an update's events), WeightTransferJoined (the answer to an
-InitWeightTransfer), SleepOutcome (the one answer to a Sleep or a Wake).
+import it. Service -> engine: UpdateWeights, InitWeightTransfer, Sleep, Wake, LoadAdapter,
+UnloadAdapter, ListAdapters. Engine -> service: WeightsProgress (an update's events),
+WeightTransferJoined (the answer to an InitWeightTransfer), SleepOutcome (the one answer to a
+Sleep or a Wake), AdapterOutcome (the one answer to each adapter message).
 """
 
 from __future__ import annotations
@@ -174,6 +176,66 @@ class SleepOutcome:
     reloaded: bool = False  # Wake: the weights were read again from their origin
     policy_version: int = 0  # the served version (a sleep or wake never changes it)
     seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.error_code
+
+
+# ---- LoRA adapters (engine/lora/): service -> engine LoadAdapter, UnloadAdapter, ListAdapters;
+# engine -> service one AdapterOutcome for each ----
+
+
+@dataclass(frozen=True)
+class AdapterState:
+    """One loaded adapter, as the engine holds it now."""
+
+    name: str
+    path: str
+    rank: int
+    scaling: float
+    target_modules: tuple[str, ...]  # short names: q_proj, ..., down_proj
+    pinned: bool
+    resident: bool  # holds a slot now
+
+
+@dataclass(frozen=True)
+class LoadAdapter:
+    """Load the PEFT adapter directory `path` under `name` (LLMEngine.load_adapter)."""
+
+    action_id: str
+    name: str
+    path: str
+    pinned: bool = False
+
+
+@dataclass(frozen=True)
+class UnloadAdapter:
+    """Forget the adapter `name` (LLMEngine.unload_adapter)."""
+
+    action_id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ListAdapters:
+    """Asks for the loaded adapters (an AdapterOutcome that changes nothing)."""
+
+    action_id: str
+
+
+@dataclass(frozen=True)
+class AdapterOutcome:
+    """The one answer to a LoadAdapter, UnloadAdapter or ListAdapters (same `action_id`):
+    `adapters` loaded after it, in load order; `error_code` (a grpc.StatusCode name) and
+    `message` when it failed, and then nothing changed. INVALID_ARGUMENT: the adapter does not
+    fit the model or the engine; ALREADY_EXISTS: the name is loaded; NOT_FOUND: it is not;
+    FAILED_PRECONDITION: max_loras is 0, pinning would pin every slot, or requests run it."""
+
+    action_id: str
+    adapters: tuple[AdapterState, ...] = ()
+    error_code: str = ""
+    message: str = ""
 
     @property
     def ok(self) -> bool:

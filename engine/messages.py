@@ -4,11 +4,12 @@ Standard library only: both sides import this module, and the service never impo
 Everything here is plain data (dataclasses of builtins) so it pickles across the pipe.
 
 Service -> engine: AddRequest, AbortRequests, UpdateWeights, InitWeightTransfer, Sleep, Wake,
-CheckConstraint, GetState, Shutdown.
+CheckConstraint, GetState, Shutdown, LoadAdapter, UnloadAdapter, ListAdapters.
 Engine -> service: Ready, StepOutput (one per engine step), WeightsProgress (for an
 UpdateWeights), WeightTransferJoined (for an InitWeightTransfer), SleepOutcome (for a Sleep or a
 Wake), ConstraintChecked (for a CheckConstraint), Heartbeat (while idle, and in answer to
-GetState), EngineDead (the last message of a dying engine). The admin messages (weight updates and transfers, sleep and wake) live in
+GetState), AdapterOutcome (for each adapter message), EngineDead (the last message of a dying
+engine). The admin messages (weight updates and transfers, sleep and wake, adapters) live in
 engine/admin_messages.py, SamplingParams in engine/sampling_params.py; both are re-exported here.
 """
 
@@ -20,14 +21,19 @@ from typing import Any
 
 from engine.admin_messages import (
     SLEEP_LEVELS,
+    AdapterOutcome,
+    AdapterState,
     DistributedTensors,
     InflightPolicy,
     InitWeightTransfer,
+    ListAdapters,
+    LoadAdapter,
     Sleep,
     SleepOutcome,
     TensorRef,
     TensorSpec,
     TransferGroupSpec,
+    UnloadAdapter,
     UpdateWeights,
     Wake,
     WeightsPhase,
@@ -285,6 +291,9 @@ ToEngine = (
     | CheckConstraint
     | GetState
     | Shutdown
+    | LoadAdapter
+    | UnloadAdapter
+    | ListAdapters
 )
 FromEngine = (
     Ready
@@ -295,6 +304,7 @@ FromEngine = (
     | ConstraintChecked
     | Heartbeat
     | EngineDead
+    | AdapterOutcome
 )
 __all__ = [
     "FinishReason",
@@ -347,4 +357,10 @@ __all__ = [
     "MAX_POLICY_VERSION",
     "GREEDY_TEMPERATURE",
     "REPETITION_PENALTY_RANGE",
+    # LoRA adapters
+    "AdapterState",
+    "LoadAdapter",
+    "UnloadAdapter",
+    "ListAdapters",
+    "AdapterOutcome",
 ]

@@ -3,6 +3,7 @@
 Started by the service with the 'spawn' context as `engine_main(config, conn)`. The loop:
 1. drain the pipe (block only when idle, until a message or a compiled grammar), 2. step,
 3. publish one StepOutput per step (and the answers of constraints checked meanwhile).
+Adapter messages (LoadAdapter, UnloadAdapter, ListAdapters) are answered as they are drained.
 This module imports torch only inside `engine_main`, so the service can name it as a target.
 
 The service declares the engine hung when nothing arrives for its stall timeout while work is
@@ -32,6 +33,8 @@ from engine.config import EngineConfig
 from engine.logs import configure_logging
 from engine.messages import (
     AbortRequests,
+    AdapterOutcome,
+    AdapterState,
     AddRequest,
     CheckConstraint,
     EngineDead,
@@ -40,12 +43,15 @@ from engine.messages import (
     GetState,
     Heartbeat,
     InitWeightTransfer,
+    ListAdapters,
+    LoadAdapter,
     Ready,
     RequestOutput,
     Shutdown,
     Sleep,
     StepOutput,
     ToEngine,
+    UnloadAdapter,
     UpdateWeights,
     Wake,
 )
@@ -185,5 +191,55 @@ def _handle(engine: LLMEngine, conn: Connection, msg: ToEngine) -> None:
             conn.send(engine.join_weight_transfer(msg))
         case GetState():
             conn.send(Heartbeat(engine.stats()))
+        case LoadAdapter() | UnloadAdapter() | ListAdapters():
+            # NOTE: a load reads the adapter's file in the loop (megabytes: well within the
+            # stall timeout); running requests are not disturbed.
+            conn.send(adapter_outcome(engine, msg))
         case _:
             raise TypeError(f"unexpected message on the engine pipe: {type(msg).__name__}")
+
+
+def adapter_outcome(
+    engine: LLMEngine, msg: LoadAdapter | UnloadAdapter | ListAdapters
+) -> AdapterOutcome:
+    """Do what `msg` asks of the engine's adapters; the answer, with the adapters loaded after
+    it. A failure changes nothing and names its gRPC status here, the one place that does."""
+    from safetensors import SafetensorError  # a corrupt adapter file: the caller's mistake
+
+    error_code, message = "", ""
+    try:
+        match msg:
+            case LoadAdapter():
+                engine.load_adapter(msg.name, msg.path, msg.pinned)
+            case UnloadAdapter():
+                engine.unload_adapter(msg.name)
+    except (ValueError, OSError, SafetensorError) as exc:
+        error_code, message = _adapter_error(engine, msg), str(exc)
+    registry = engine.lora
+    adapters = tuple(
+        AdapterState(
+            a.name,
+            a.path,
+            a.rank,
+            a.scaling,
+            a.target_modules,
+            a.pinned,
+            a.key in registry.slot_of_key,
+        )
+        for a in engine.adapters()
+    )
+    return AdapterOutcome(msg.action_id, adapters, error_code, message)
+
+
+def _adapter_error(engine: LLMEngine, msg: LoadAdapter | UnloadAdapter | ListAdapters) -> str:
+    """The status of a failed adapter action, judged on the unchanged registry."""
+    registry = engine.lora
+    if isinstance(msg, UnloadAdapter):
+        return "NOT_FOUND" if msg.name not in registry.loaded else "FAILED_PRECONDITION"
+    assert isinstance(msg, LoadAdapter)
+    pinned = sum(a.pinned for a in registry.loaded.values())
+    if msg.name and msg.name in registry.loaded:
+        return "ALREADY_EXISTS"
+    if not registry.max_loras or (msg.pinned and pinned + 1 >= registry.max_loras):
+        return "FAILED_PRECONDITION"  # the engine's capacity, not the adapter
+    return "INVALID_ARGUMENT"

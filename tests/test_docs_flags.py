@@ -84,4 +84,14 @@ def test_the_scan_finds_the_flags_of_each_verb():
 def test_each_documented_flag_is_accepted_by_its_verb(doc: str, verb: str, flag: str):
     parsers = verb_parsers()
     assert verb in parsers, f"{doc}: no verb `sluice {verb}`"
-    assert flag in parsers[verb]._option_string_actions, f"{doc}: `sluice {verb}` has no {flag}"
+    assert flag in option_strings(parsers[verb]), f"{doc}: `sluice {verb}` has no {flag}"
+
+
+def option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """A verb's flags, and those of its actions (`sluice adapters load ...`) if it has any."""
+    found = set(parser._option_string_actions)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= option_strings(sub)
+    return found

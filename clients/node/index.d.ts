@@ -132,6 +132,9 @@ export interface GenerateOptions extends RoutedCallOptions, ChatOptions, Structu
   n?: number;
   minPolicyVersion?: number;
   priority?: number;
+  /** A LoRA adapter the server has loaded (loadAdapter; ServerInfo.adapters), by name; '' or
+   * unset: the base model. NOT_FOUND when none of that name is loaded. */
+  adapter?: string;
 }
 
 export type FinishReason =
@@ -300,6 +303,23 @@ export interface ServerInfo {
   };
   running: number;
   waiting: number;
+  /** The loaded LoRA adapters, in load order. */
+  adapters: AdapterInfo[];
+}
+
+/** One loaded LoRA adapter (Admin LoadAdapter). */
+export interface AdapterInfo {
+  name: string;
+  /** The adapter directory on the server's disk. */
+  path: string;
+  rank: number;
+  /** Among q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj. */
+  targetModules: string[];
+  pinned: boolean;
+  /** Holds one of the engine's --max-loras slots now. */
+  resident: boolean;
+  /** lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA. */
+  scaling: number;
 }
 
 export interface CancelResult {
@@ -405,6 +425,10 @@ export class Client {
   sleep(options?: SleepOptions): Promise<SleepResult>;
   /** Admin Wake: serves again after sleep(). */
   wake(options?: CallOptions): Promise<WakeResult>;
+  /** Admin LoadAdapter: loads a PEFT adapter directory on the server's disk as `name`. */
+  loadAdapter(name: string, path: string, options?: CallOptions & { pinned?: boolean }): Promise<AdapterInfo>;
+  /** Admin UnloadAdapter: forgets the adapter `name`. */
+  unloadAdapter(name: string, options?: CallOptions): Promise<void>;
   /** Resolves once every rank of the group has joined (the trainer joins meanwhile). */
   initWeightTransfer(request: InitWeightTransferRequest, options?: CallOptions): Promise<{ engineRanks: number }>;
 }

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.lora.adapter_file import AdapterFile, read_adapter
+from engine.lora.adapter_file import TARGETS, AdapterFile, read_adapter
 from engine.lora.lora_weights import LoraStep, ProjectionLora
 from engine.models.llama import LlamaForCausalLM, RowParallelLinear
 from engine.models.merged_linear import MergedLinear
@@ -44,6 +44,7 @@ class LoadedAdapter:
     scaling: float
     key: int  # this load's identity (never 0, the base model's)
     pinned: bool  # never evicted from its slot
+    target_modules: tuple[str, ...] = ()  # the projections it changes: q_proj, ..., down_proj
 
 
 def _write_now(work: Callable[[], None]) -> None:
@@ -121,7 +122,9 @@ class AdapterRegistry:
             )
         file = read_adapter(path, self.shapes, self.max_rank)
         key = next(self._keys)
-        loaded = LoadedAdapter(name, str(path), file.rank, file.scaling, key, pinned)
+        targets = {module.rpartition(".")[2] for module in file.weights}
+        modules = tuple(t for t in TARGETS if t in targets)
+        loaded = LoadedAdapter(name, str(path), file.rank, file.scaling, key, pinned, modules)
         self.loaded[name] = loaded
         self.files[key] = file
         self.make_resident(key, busy)

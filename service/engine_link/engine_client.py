@@ -2,11 +2,12 @@
 
 It owns the facts the rest of the service reads: the engine's state, the served policy version
 (`policy_version`, which never goes backwards), whether a weight update is in progress
-(`updating_weights`, the one update slot), the sleep level (`sleep_link`), and the last stats.
-Requests go to the engine through `submit` and come back through the RequestRouter; weight
-updates through `update_weights`; Sleep and Wake through `sleep_or_wake`. The engine process
-itself is an EngineProcess; the Supervisor replaces it when it is lost, and replays the
-ReplayLog into the new one (and puts it back to sleep if the server sleeps) before it serves.
+(`updating_weights`, the one update slot), the sleep level (`sleep_link`), the LoRA adapters
+(`adapters`), the last stats. Requests go to the engine through `submit` and come back through
+the RequestRouter; weight updates through `update_weights`; Sleep and Wake through
+`sleep_or_wake`. The engine process itself is an EngineProcess; the Supervisor replaces it when
+it is lost, and replays the ReplayLog and the adapters into the new one (and puts it back to
+sleep if the server sleeps) before it serves.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import structlog
 
 from engine.messages import (
     AbortRequests,
+    AdapterOutcome,
     AddRequest,
     CheckConstraint,
     Constraint,
@@ -49,6 +51,7 @@ from engine.messages import (
 )
 from engine.process import engine_main
 from service.config import ServiceConfig
+from service.engine_link.adapter_link import AdapterLink
 from service.engine_link.answers import Answers
 from service.engine_link.checkpoint_fingerprint import checkpoint_fingerprint
 from service.engine_link.engine_process import (
@@ -63,7 +66,7 @@ from service.engine_link.replay import replay
 from service.engine_link.replay_log import ReplayLog
 from service.engine_link.routing import Inbox, RequestRouter
 from service.engine_link.sleep_link import SleepLink
-from service.engine_link.supervisor import Supervisor
+from service.engine_link.supervisor import Supervisor, log_task_failure
 from service.engine_link.update_route import (
     UpdateInProgressError,
     UpdateRoute,
@@ -104,15 +107,14 @@ class EngineClient:
         self.router = RequestRouter(config.stream_interval)
         self.replay_log = ReplayLog()
         self.sleep_link = SleepLink()
+        self.adapters = AdapterLink(self._send)  # LoRA adapters: loads, answers, the replay
         self.engine: EngineProcess | None = None
         self._target = target
         self._start_process = start_process
         self._on_state = on_state
         self._updates = UpdateRoutes()
         # InitWeightTransfer and CheckConstraint sent, not answered yet
-        self._joins = Answers(
-            lambda i, m: WeightTransferJoined(i, error_code="UNAVAILABLE", message=m)
-        )
+        self._joins = Answers(lambda i, m: WeightTransferJoined(i, 0, "UNAVAILABLE", m))
         self._checks = Answers(lambda i, m: ConstraintChecked(i, "UNAVAILABLE", m))
         self.awaiting_weights = False  # restarted without weights it could not replay
         self._stats_waiters: list[asyncio.Future[None]] = []
@@ -126,7 +128,7 @@ class EngineClient:
         self.policy_version = info.policy_version
         self.set_state(EngineState.SERVING)
         self._supervisor = asyncio.create_task(Supervisor(self).run(), name="engine-supervisor")
-        self._supervisor.add_done_callback(_log_task_failure)
+        self._supervisor.add_done_callback(log_task_failure)
         return info
 
     async def shutdown(self, timeout: float) -> None:
@@ -154,14 +156,14 @@ class EngineClient:
 
     @property
     def busy(self) -> bool:
-        """Requests, updates, a join or a check, a Sleep or a Wake wait on the engine: it must make
-        progress."""
+        """Requests, updates, joins, checks, Sleep, Wake or adapter calls await progress."""
         return bool(
             len(self.router)
             or len(self._updates)
             or len(self._joins)
             or len(self._checks)
             or self.sleep_link.busy
+            or self.adapters.busy
         )
 
     @property
@@ -268,6 +270,7 @@ class EngineClient:
         """Re-apply the replay log to a freshly started engine (service/engine_link/replay.py);
         a server that slept when the engine was lost puts the new one back to sleep."""
         self.awaiting_weights = await replay(self, self.replay_log)
+        await self.adapters.replay()
         if level := self.sleep_link.level:
             self._send(Sleep(f"resleep-{self.restarts}", level, InflightPolicy.ABORT))
             log.info("engine.put_back_to_sleep", level=level)
@@ -386,8 +389,8 @@ class EngineClient:
         self.router.fail_all(message, self.policy_version)
         self._updates.fail_all(message)
         self.sleep_link.fail_all(message)
-        self._joins.fail_all(message)
-        self._checks.fail_all(message)
+        for answers in (self._joins, self._checks, self.adapters):
+            answers.fail_all(message)
 
     def _send(self, msg: ToEngine) -> None:
         engine = self.engine
@@ -418,6 +421,8 @@ class EngineClient:
                         log.error("engine.unknown_transfer", transfer_id=joined.transfer_id)
                 case ConstraintChecked() as checked:
                     self._checks.route(checked.check_id, checked)
+                case AdapterOutcome() as outcome:
+                    self.adapters.route(outcome)
                 case Ready(info=info):
                     self.info = info
                     if not engine.ready.done():
@@ -435,8 +440,3 @@ class EngineClient:
         self.state = state
         if self._on_state is not None:
             self._on_state(state)
-
-
-def _log_task_failure(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("engine.supervisor_failed", exc_info=task.exception())

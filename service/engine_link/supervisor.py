@@ -116,3 +116,9 @@ class Supervisor:
                 self.client.lose(engine, "the restart failed")
                 await engine.close(timeout=0)
             delay = min(max(delay * 2, 0.1), self.config.restart_backoff_max)
+
+
+def log_task_failure(task: asyncio.Task[None]) -> None:
+    """The supervisor's task's done callback: its failure is logged, never left unobserved."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("engine.supervisor_failed", exc_info=task.exception())

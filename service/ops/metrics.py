@@ -4,7 +4,8 @@ Each server owns a `CollectorRegistry` (not prometheus_client's global one), so 
 can run in one process. The service reports into it at a few points, none per token:
 - per StepOutput or Heartbeat: the engine's cumulative counters (`engine_stats`), as deltas;
 - per request: its prompt when it starts, its timings and lengths when the engine ends it, its
-  finish reason when its `finished` event is made (one per index);
+  finish reason when its `finished` event is made (one per index); with a LoRA adapter, the
+  adapter's request when it is submitted and its generated tokens when it ends;
 - per weight update, per engine restart and per gRPC call, when it ends.
 Gauges are read when the page is scraped (`watch`), so they cost nothing in between.
 
@@ -149,6 +150,20 @@ class Metrics:
             buckets=TOKEN_BUCKETS,
             registry=r,
         )
+        self.adapter_requests = Counter(
+            "sluice_adapter_requests",
+            "Requests admitted with a LoRA adapter, by adapter name (base-model requests are "
+            "not counted here).",
+            ["adapter"],
+            registry=r,
+        )
+        self.adapter_generation_tokens = Counter(
+            "sluice_adapter_generation_tokens",
+            "Tokens generated for requests with a LoRA adapter, by adapter name, counted when "
+            "each request ends.",
+            ["adapter"],
+            registry=r,
+        )
         self.weight_update_time = Histogram(
             "sluice_weight_update_duration_seconds",
             "From handing an update to the engine until it was applied or failed.",
@@ -207,6 +222,14 @@ class Metrics:
         """A `finished` event was made for one index, or its caller left (CANCELLED,
         DEADLINE_EXCEEDED)."""
         self.requests_finished.labels(reason).inc()
+
+    def adapter_request(self, adapter: str) -> None:
+        """A request naming a LoRA adapter was handed to the engine."""
+        self.adapter_requests.labels(adapter).inc()
+
+    def adapter_tokens(self, adapter: str, tokens: int) -> None:
+        """A request naming a LoRA adapter ended with `tokens` generated (all its samples)."""
+        self.adapter_generation_tokens.labels(adapter).inc(tokens)
 
     # ---- weight updates and calls ----
 

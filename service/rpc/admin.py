@@ -1,5 +1,5 @@
-"""AdminServicer: sluice.v1.Admin, live weight updates (and Sleep and Wake: sleep_wake.py) over
-the EngineClient.
+"""AdminServicer: sluice.v1.Admin, live weight updates (and Sleep and Wake: sleep_wake.py;
+LoadAdapter and UnloadAdapter: adapters.py) over the EngineClient.
 
 UpdateWeights, in order: (auth is the interceptor's) read and validate the header
 (INVALID_ARGUMENT with google.rpc.BadRequest); refuse while the engine is not serving
@@ -56,6 +56,7 @@ from service.engine_link.engine_client import (
 )
 from service.engine_link.tensor_file import ChunkError, TensorFileWriter
 from service.ops.metrics import Metrics
+from service.rpc.adapters import load_adapter, unload_adapter
 from service.rpc.refusal import Refusal, engine_status
 from service.rpc.sleep_wake import sleep_message, sleep_or_wake, sleep_response, wake_response
 from service.rpc.weight_transfer import distributed_tensors, transfer_group
@@ -169,6 +170,24 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         except Refusal as refusal:
             await context.abort_with_status(refusal.to_status())
         return wake_response(outcome)
+
+    async def LoadAdapter(
+        self, request: pb.LoadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadAdapterResponse:
+        try:
+            return await load_adapter(self.engine, request, self._draining())
+        except Refusal as refusal:
+            await context.abort_with_status(refusal.to_status())
+            raise  # not reached: abort_with_status raises
+
+    async def UnloadAdapter(
+        self, request: pb.UnloadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UnloadAdapterResponse:
+        try:
+            return await unload_adapter(self.engine, request, self._draining())
+        except Refusal as refusal:
+            await context.abort_with_status(refusal.to_status())
+            raise  # not reached: abort_with_status raises
 
     def _check_serving(self) -> None:
         """An admin action on the weights may start: not shutting down, an engine that is up

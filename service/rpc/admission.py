@@ -4,13 +4,14 @@ Every refusal before admission is a `Refusal` with one deliberate status code (t
 docs/service.md):
 UNAVAILABLE and RESOURCE_EXHAUSTED (with google.rpc.RetryInfo and the grpc-retry-pushback-ms
 trailer), DEADLINE_EXCEEDED, INVALID_ARGUMENT (with google.rpc.BadRequest naming fields),
-ALREADY_EXISTS.
+ALREADY_EXISTS, NOT_FOUND (an adapter that is not loaded, naming `adapter`).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Container
 from dataclasses import dataclass
 
 import grpc
@@ -120,6 +121,7 @@ def sampling_params(
         logprob_mode=LOGPROB_MODES.get(out.logprob_mode),
         sampling_support=out.sampling_support,
         structured=constraint(req),
+        adapter=req.adapter,
     )
 
 
@@ -204,10 +206,12 @@ async def admit(
     retry_after: float,
     max_message_bytes: int,
     chat_template: ChatTemplate | None = None,
+    adapters: Container[str] = (),
 ) -> Admission:
     """Validate and tokenize (a chat prompt rendered with `chat_template` first); raises Refusal. Queue and duplicate checks are the caller's,
     made right before submitting (no await in between). `retry_after`: the delay suggested to a
-    request refused for weights older than its `min_policy_version`."""
+    request refused for weights older than its `min_policy_version`. `adapters`: the LoRA
+    adapters loaded (one unloaded after this check is the engine's ERROR output)."""
     if deadline is not None and deadline <= time.time():
         raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline has already passed")
     if req.WhichOneof("prompt") == "chat" and chat_template is None:
@@ -215,6 +219,13 @@ async def admit(
     violations = field_violations(req, info, tokenizer)
     if violations:
         raise invalid_argument(violations)
+    if req.adapter and req.adapter not in adapters:
+        raise Refusal(
+            grpc.StatusCode.NOT_FOUND,
+            f"adapter: {req.adapter!r} is not loaded (Admin LoadAdapter; ServerInfo.adapters "
+            "lists those that are)",
+            [("adapter", "no adapter of this name is loaded")],
+        )
     if req.WhichOneof("prompt") == "text":
         prompt = await tokenizer.encode(req.text, add_special_tokens=True)
     elif req.WhichOneof("prompt") == "chat":

@@ -20,6 +20,7 @@ from service.config import MAX_SEND_MESSAGE_BYTES, ServiceConfig
 from service.engine_link.engine_client import EngineClient, EngineState, EngineUnavailableError
 from service.engine_link.routing import Inbox
 from service.ops.metrics import Metrics
+from service.rpc.adapters import adapter_info
 from service.rpc.admission import Admission, admit, text_violations
 from service.rpc.chat import render
 from service.rpc.generate_stream import Admitted, GenerateStreamCall, StreamLimits
@@ -147,6 +148,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerInfo:
         stats = await self.engine.refresh_stats(timeout=1.0)
+        adapters = (
+            await self.engine.adapters.refresh(timeout=1.0) if self.config.engine.max_loras else ()
+        )
         info = self.engine.info
         state = self.serving_state()
         name = self.config.served_model_name
@@ -170,6 +174,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             ),
             running=stats.running,
             waiting=stats.waiting,
+            adapters=[adapter_info(state) for state in adapters],
         )
 
     def serving_state(self) -> pb.ServingState.ValueType:
@@ -194,6 +199,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             retry_after=self.config.retry_after,
             max_message_bytes=MAX_SEND_MESSAGE_BYTES,
             chat_template=self.chat_template,
+            adapters=self.engine.adapters.names,
         )
         if (structured := admission.request.params.structured) is not None:
             await check_constraint(self.engine, structured)  # compiled, or refused
@@ -213,6 +219,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             inbox = self.engine.submit(admission.request)
         except EngineUnavailableError as exc:
             raise self._unavailable(str(exc)) from exc
+        if adapter := admission.request.params.adapter:
+            self.metrics.adapter_request(adapter)
         return _Submitted(admission, inbox, deadline)
 
     def _check_available(self) -> None:
@@ -290,6 +298,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             submitted.inbox.release()  # what it still holds no longer counts against a stream
             # NOTE: request_id passed explicitly: a generator closed by the garbage collector
             # runs this in whatever context is current then.
+            if adapter := request.params.adapter:
+                tokens = sum(c.completion_tokens for c in completions.values())
+                self.metrics.adapter_tokens(adapter, tokens)
             if abandoned is not None:
                 log.info("request.abandoned", request_id=rid, reason=abandoned.value)
             else:

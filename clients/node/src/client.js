@@ -178,6 +178,23 @@ export class Client {
     return this.#adminUnary('InitWeightTransfer', request, options);
   }
 
+  /**
+   * Loads the PEFT LoRA adapter directory `path` (on the server's disk) as `name`; requests
+   * select it with the `adapter` option. Options: pinned (never evicted from its slot),
+   * deadlineMs. Resolves with its AdapterInfo; rejects with a SluiceError (INVALID_ARGUMENT,
+   * ALREADY_EXISTS, FAILED_PRECONDITION, ...).
+   */
+  async loadAdapter(name, path, options = {}) {
+    const request = { name, path, pinned: options.pinned ?? false };
+    return (await this.#adminUnary('LoadAdapter', request, options)).adapter;
+  }
+
+  /** Forgets the adapter `name`: NOT_FOUND if none is loaded, FAILED_PRECONDITION while
+   * requests run it. */
+  async unloadAdapter(name, options = {}) {
+    await this.#adminUnary('UnloadAdapter', { name }, options);
+  }
+
   #adminUnary(method, request, options) {
     return new Promise((resolve, reject) => {
       this.#admin[method](request, this.#adminMetadata.clone(), this.#callOptions(options), (error, response) =>

@@ -38,7 +38,7 @@ export function buildRequest(prompt, options = {}) {
     sampling,
     stop,
     output,
-    ...pick(options, ['n', 'minPolicyVersion', 'priority']),
+    ...pick(options, ['n', 'minPolicyVersion', 'priority', 'adapter']),
   };
   const structured = structuredOutput(options);
   if (structured !== null) request.structured = structured;

@@ -103,5 +103,13 @@ export async function usage(target: string): Promise<void> {
   void [freed, reloaded];
   // @ts-expect-error: sleep drains or aborts, nothing else
   await client.sleep({ inflight: 'continue' });
+  const adapter = await client.loadAdapter('a', '/adapters/a', { pinned: true });
+  const modules: string[] = adapter.targetModules;
+  await client.unloadAdapter('a');
+  const loaded: string[] = (await client.info()).adapters.map((a) => a.name);
+  void [modules, loaded];
+  await client.complete('Hi', { adapter: 'a' });
+  // @ts-expect-error: an adapter is named by a string
+  await client.complete('Hi', { adapter: 1 });
   client.close();
 }

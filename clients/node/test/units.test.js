@@ -82,6 +82,22 @@ test('buildRequest passes the sampling surface: logitBias, allowed and bad token
   assert.deepEqual(buildRequest('Hi').sampling, {}, 'nothing set without the options');
 });
 
+test('buildRequest sets adapter, under the field name the proto gives it', () => {
+  const { requestSerialize, requestDeserialize } = sluiceServices().Generation.service.Generate;
+  const onTheWire = (options) => requestDeserialize(requestSerialize(buildRequest('Hi', options)));
+  assert.equal(buildRequest('Hi', { adapter: 'customer-a' }).adapter, 'customer-a');
+  assert.equal(onTheWire({ adapter: 'customer-a' }).adapter, 'customer-a');
+  assert.equal(onTheWire({}).adapter, '', 'the base model by default');
+  assert.equal(buildRequest('Hi').adapter, undefined, 'nothing set without the option');
+});
+
+test('the Admin service has LoadAdapter and UnloadAdapter, their fields as the proto names them', () => {
+  const { LoadAdapter, UnloadAdapter } = sluiceServices().Admin.service;
+  const load = { name: 'a', path: '/adapters/a', pinned: true };
+  assert.deepEqual(LoadAdapter.requestDeserialize(LoadAdapter.requestSerialize(load)), load);
+  assert.equal(UnloadAdapter.requestDeserialize(UnloadAdapter.requestSerialize({ name: 'a' })).name, 'a');
+});
+
 test('buildRequest sets one structured constraint, under the field names the proto gives it', () => {
   // Through the loaded proto and back: a misspelt field would be dropped by the encoder.
   const { requestSerialize, requestDeserialize } = sluiceServices().Generation.service.Generate;

@@ -1,5 +1,6 @@
 """The `sluice` command's client verbs: generate, info, health, tokenize, cancel, update-weights
-(update_weights_verb.py), sleep and wake (sleep_verbs.py) and chat (chat_verb.py).
+(update_weights_verb.py), sleep and wake (sleep_verbs.py), chat (chat_verb.py) and adapters
+(adapter_verbs.py).
 
 They need only this package (no torch). The server distribution adds `serve` to the same command
 through the `sluice.commands` entry point group: each entry point is a function that adds its
@@ -20,6 +21,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sluice_client.adapter_verbs import add_adapter_verbs
 from sluice_client.chat_verb import add_chat_verb
 from sluice_client.sleep_verbs import add_sleep_verbs
 from sluice_client.structured_flags import add_structured_flags, structured_options
@@ -99,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int_in(0, UINT64))
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--adapter", default="", help="a loaded LoRA adapter's name")
     add_affinity_flag(gen)
     add_structured_flags(gen)
     gen.set_defaults(run=run_generate)
@@ -132,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_update_weights_verb(verbs)
     add_sleep_verbs(verbs)
     add_chat_verb(verbs)
+    add_adapter_verbs(verbs)
     return parser
 
 
@@ -213,6 +217,7 @@ def run_generate(args: argparse.Namespace) -> int:
             stop=args.stop,
             ignore_eos=args.ignore_eos,
             affinity=args.affinity,
+            adapter=args.adapter,
             **structured,
         )
         for event in events:

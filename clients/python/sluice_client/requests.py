@@ -105,6 +105,7 @@ def build_request(
     regex: str | None = None,
     grammar: str | None = None,
     choice: Sequence[str] | None = None,
+    adapter: str = "",
 ) -> pb.GenerateRequest:
     """A GenerateRequest; None leaves a field unset (the server's default applies).
     `prompt`: text, token ids, or a chat: a list of messages ({"role", "content", ...}) or a
@@ -114,7 +115,8 @@ def build_request(
     `logit_bias` (token id -> bias), `allowed_token_ids`, `bad_words`, `bad_token_ids`: the
     sampling surface (SamplingParams in the proto). `json_schema` (a dict or JSON text),
     `json_object`, `regex`, `grammar` (GBNF) and `choice` (a list of strings): at most one,
-    the constraint on the completion's text (see `structured_output`)."""
+    the constraint on the completion's text (see `structured_output`). `adapter`: the name of a
+    LoRA adapter the server has loaded (Admin LoadAdapter); "" is the base model."""
     sampling = pb.SamplingParams(
         logit_bias=dict(logit_bias or {}),
         allowed_token_ids=list(allowed_token_ids),
@@ -156,7 +158,12 @@ def build_request(
     if skip_special_tokens is not None:
         output.skip_special_tokens = skip_special_tokens
     request = pb.GenerateRequest(
-        request_id=request_id, sampling=sampling, stop=stop_params, output=output, priority=priority
+        request_id=request_id,
+        sampling=sampling,
+        stop=stop_params,
+        output=output,
+        priority=priority,
+        adapter=adapter,
     )
     chat_options = {
         "tools": tools,

@@ -44,7 +44,7 @@ class Client:
 
     Keyword arguments of `generate`/`complete`/`generate_many` are those of `build_request`.
     `admin_token` is for the Admin calls (`update_weights`, `update_weights_inline`, `sleep`,
-    `wake`).
+    `wake`, `load_adapter`, `unload_adapter`).
     `tls` (a TlsConfig) connects over TLS, with a client certificate if it names one; without
     it the channel is plaintext. Tokens are sent either way.
     `retry`: gRPC retries refused Generation calls by DEFAULT_SERVICE_CONFIG (sluice_client.retry);
@@ -278,6 +278,29 @@ class Client:
             admin_pb.WakeRequest(), metadata=self.admin_metadata, timeout=timeout
         )
         return response
+
+    def load_adapter(
+        self, name: str, path: str, *, pinned: bool = False, timeout: float | None = None
+    ) -> pb.AdapterInfo:
+        """Admin LoadAdapter: load the PEFT adapter directory `path` (on the server's disk) as
+        `name`; requests select it with `adapter=name`. The loaded adapter's AdapterInfo."""
+        response: admin_pb.LoadAdapterResponse = self.admin_stub.LoadAdapter(
+            admin_pb.LoadAdapterRequest(name=name, path=path, pinned=pinned),
+            metadata=self.admin_metadata,
+            timeout=timeout,
+        )
+        return response.adapter
+
+    def unload_adapter(self, name: str, *, timeout: float | None = None) -> None:
+        """Admin UnloadAdapter: forget the adapter `name` (NOT_FOUND if it is not loaded,
+        FAILED_PRECONDITION while requests run it)."""
+        self.admin_stub.UnloadAdapter(
+            admin_pb.UnloadAdapterRequest(name=name), metadata=self.admin_metadata, timeout=timeout
+        )
+
+    def adapters(self) -> list[pb.AdapterInfo]:
+        """The loaded LoRA adapters (ServerInfo.adapters): no admin token needed."""
+        return list(self.info().adapters)
 
     def init_weight_transfer(
         self, request: admin_pb.InitWeightTransferRequest, *, timeout: float | None = None

@@ -22,47 +22,56 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from sluice.v1 import generation_pb2 as sluice_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15sluice/v1/admin.proto\x12\tsluice.v1\"~\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\r\x12+\n\x08inflight\x18\x02 \x01(\x0e\x32\x19.sluice.v1.InflightPolicy\x12\x1d\n\x10\x64rain_timeout_ms\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x13\n\x11_drain_timeout_ms\"X\n\rSleepResponse\x12\r\n\x05level\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x62orted\x18\x02 \x01(\r\x12\x16\n\x0ereleased_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"\r\n\x0bWakeRequest\"I\n\x0cWakeResponse\x12\x10\n\x08reloaded\x18\x01 \x01(\x08\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"z\n\x14UpdateWeightsRequest\x12\x30\n\x06header\x18\x01 \x01(\x0b\x32\x1e.sluice.v1.UpdateWeightsHeaderH\x00\x12(\n\x06tensor\x18\x02 \x01(\x0b\x32\x16.sluice.v1.TensorChunkH\x00\x42\x06\n\x04part\"\x81\x02\n\x13UpdateWeightsHeader\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\x18\n\x0e\x63heckpoint_dir\x18\x02 \x01(\tH\x00\x12\x18\n\x0einline_tensors\x18\x03 \x01(\x08H\x00\x12\x33\n\x0b\x64istributed\x18\x06 \x01(\x0b\x32\x1c.sluice.v1.DistributedSourceH\x00\x12+\n\x08inflight\x18\x04 \x01(\x0e\x32\x19.sluice.v1.InflightPolicy\x12\x1d\n\x10\x64rain_timeout_ms\x18\x05 \x01(\rH\x01\x88\x01\x01\x42\x08\n\x06sourceB\x13\n\x11_drain_timeout_ms\"W\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\x93\x01\n\x15UpdateWeightsProgress\x12#\n\x06paused\x18\x01 \x01(\x0b\x32\x11.sluice.v1.PausedH\x00\x12%\n\x07loading\x18\x02 \x01(\x0b\x32\x12.sluice.v1.LoadingH\x00\x12%\n\x07\x61pplied\x18\x03 \x01(\x0b\x32\x12.sluice.v1.AppliedH\x00\x42\x07\n\x05\x65vent\"\x1b\n\x06Paused\x12\x11\n\tin_flight\x18\x01 \x01(\r\"_\n\x07Loading\x12\x12\n\nbytes_done\x18\x01 \x01(\x04\x12\x13\n\x0b\x62ytes_total\x18\x02 \x01(\x04\x12\x14\n\x0ctensors_done\x18\x03 \x01(\r\x12\x15\n\rtensors_total\x18\x04 \x01(\r\"\x84\x01\n\x07\x41pplied\x12\x18\n\x10previous_version\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x0f\n\x07\x61\x62orted\x18\x03 \x01(\r\x12\x11\n\tcontinued\x18\x04 \x01(\r\x12\x12\n\nrecomputed\x18\x05 \x01(\r\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\"\xcd\x01\n\x19InitWeightTransferRequest\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x13\n\x0brank_offset\x18\x04 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x12\n\ngroup_name\x18\x06 \x01(\t\x12\x17\n\ntimeout_ms\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05\x63lose\x18\x08 \x01(\x08\x42\r\n\x0b_timeout_ms\"2\n\x1aInitWeightTransferResponse\x12\x14\n\x0c\x65ngine_ranks\x18\x01 \x01(\r\"g\n\x11\x44istributedSource\x12&\n\x07tensors\x18\x01 \x03(\x0b\x32\x15.sluice.v1.TensorSpec\x12\x19\n\x0c\x62ucket_bytes\x18\x02 \x01(\x04H\x00\x88\x01\x01\x42\x0f\n\r_bucket_bytes\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04*\xa4\x01\n\x0eInflightPolicy\x12\x1f\n\x1bINFLIGHT_POLICY_UNSPECIFIED\x10\x00\x12\x19\n\x15INFLIGHT_POLICY_DRAIN\x10\x01\x12\x19\n\x15INFLIGHT_POLICY_ABORT\x10\x02\x12\x1c\n\x18INFLIGHT_POLICY_CONTINUE\x10\x03\x12\x1d\n\x19INFLIGHT_POLICY_RECOMPUTE\x10\x04\x32\xb7\x02\n\x05\x41\x64min\x12\x61\n\x12InitWeightTransfer\x12$.sluice.v1.InitWeightTransferRequest\x1a%.sluice.v1.InitWeightTransferResponse\x12V\n\rUpdateWeights\x12\x1f.sluice.v1.UpdateWeightsRequest\x1a .sluice.v1.UpdateWeightsProgress(\x01\x30\x01\x12:\n\x05Sleep\x12\x17.sluice.v1.SleepRequest\x1a\x18.sluice.v1.SleepResponse\x12\x37\n\x04Wake\x12\x16.sluice.v1.WakeRequest\x1a\x17.sluice.v1.WakeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15sluice/v1/admin.proto\x12\tsluice.v1\x1a\x1asluice/v1/generation.proto\"~\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\r\x12+\n\x08inflight\x18\x02 \x01(\x0e\x32\x19.sluice.v1.InflightPolicy\x12\x1d\n\x10\x64rain_timeout_ms\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x13\n\x11_drain_timeout_ms\"X\n\rSleepResponse\x12\r\n\x05level\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x62orted\x18\x02 \x01(\r\x12\x16\n\x0ereleased_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"\r\n\x0bWakeRequest\"I\n\x0cWakeResponse\x12\x10\n\x08reloaded\x18\x01 \x01(\x08\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"z\n\x14UpdateWeightsRequest\x12\x30\n\x06header\x18\x01 \x01(\x0b\x32\x1e.sluice.v1.UpdateWeightsHeaderH\x00\x12(\n\x06tensor\x18\x02 \x01(\x0b\x32\x16.sluice.v1.TensorChunkH\x00\x42\x06\n\x04part\"\x81\x02\n\x13UpdateWeightsHeader\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\x18\n\x0e\x63heckpoint_dir\x18\x02 \x01(\tH\x00\x12\x18\n\x0einline_tensors\x18\x03 \x01(\x08H\x00\x12\x33\n\x0b\x64istributed\x18\x06 \x01(\x0b\x32\x1c.sluice.v1.DistributedSourceH\x00\x12+\n\x08inflight\x18\x04 \x01(\x0e\x32\x19.sluice.v1.InflightPolicy\x12\x1d\n\x10\x64rain_timeout_ms\x18\x05 \x01(\rH\x01\x88\x01\x01\x42\x08\n\x06sourceB\x13\n\x11_drain_timeout_ms\"W\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\x93\x01\n\x15UpdateWeightsProgress\x12#\n\x06paused\x18\x01 \x01(\x0b\x32\x11.sluice.v1.PausedH\x00\x12%\n\x07loading\x18\x02 \x01(\x0b\x32\x12.sluice.v1.LoadingH\x00\x12%\n\x07\x61pplied\x18\x03 \x01(\x0b\x32\x12.sluice.v1.AppliedH\x00\x42\x07\n\x05\x65vent\"\x1b\n\x06Paused\x12\x11\n\tin_flight\x18\x01 \x01(\r\"_\n\x07Loading\x12\x12\n\nbytes_done\x18\x01 \x01(\x04\x12\x13\n\x0b\x62ytes_total\x18\x02 \x01(\x04\x12\x14\n\x0ctensors_done\x18\x03 \x01(\r\x12\x15\n\rtensors_total\x18\x04 \x01(\r\"\x84\x01\n\x07\x41pplied\x12\x18\n\x10previous_version\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x0f\n\x07\x61\x62orted\x18\x03 \x01(\r\x12\x11\n\tcontinued\x18\x04 \x01(\r\x12\x12\n\nrecomputed\x18\x05 \x01(\r\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\"\xcd\x01\n\x19InitWeightTransferRequest\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x13\n\x0brank_offset\x18\x04 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x12\n\ngroup_name\x18\x06 \x01(\t\x12\x17\n\ntimeout_ms\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05\x63lose\x18\x08 \x01(\x08\x42\r\n\x0b_timeout_ms\"2\n\x1aInitWeightTransferResponse\x12\x14\n\x0c\x65ngine_ranks\x18\x01 \x01(\r\"g\n\x11\x44istributedSource\x12&\n\x07tensors\x18\x01 \x03(\x0b\x32\x15.sluice.v1.TensorSpec\x12\x19\n\x0c\x62ucket_bytes\x18\x02 \x01(\x04H\x00\x88\x01\x01\x42\x0f\n\r_bucket_bytes\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\"@\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0e\n\x06pinned\x18\x03 \x01(\x08\">\n\x13LoadAdapterResponse\x12\'\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x16.sluice.v1.AdapterInfo\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x17\n\x15UnloadAdapterResponse*\xa4\x01\n\x0eInflightPolicy\x12\x1f\n\x1bINFLIGHT_POLICY_UNSPECIFIED\x10\x00\x12\x19\n\x15INFLIGHT_POLICY_DRAIN\x10\x01\x12\x19\n\x15INFLIGHT_POLICY_ABORT\x10\x02\x12\x1c\n\x18INFLIGHT_POLICY_CONTINUE\x10\x03\x12\x1d\n\x19INFLIGHT_POLICY_RECOMPUTE\x10\x04\x32\xd9\x03\n\x05\x41\x64min\x12\x61\n\x12InitWeightTransfer\x12$.sluice.v1.InitWeightTransferRequest\x1a%.sluice.v1.InitWeightTransferResponse\x12V\n\rUpdateWeights\x12\x1f.sluice.v1.UpdateWeightsRequest\x1a .sluice.v1.UpdateWeightsProgress(\x01\x30\x01\x12:\n\x05Sleep\x12\x17.sluice.v1.SleepRequest\x1a\x18.sluice.v1.SleepResponse\x12\x37\n\x04Wake\x12\x16.sluice.v1.WakeRequest\x1a\x17.sluice.v1.WakeResponse\x12L\n\x0bLoadAdapter\x12\x1d.sluice.v1.LoadAdapterRequest\x1a\x1e.sluice.v1.LoadAdapterResponse\x12R\n\rUnloadAdapter\x12\x1f.sluice.v1.UnloadAdapterRequest\x1a .sluice.v1.UnloadAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sluice.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_INFLIGHTPOLICY']._serialized_start=1652
-  _globals['_INFLIGHTPOLICY']._serialized_end=1816
-  _globals['_SLEEPREQUEST']._serialized_start=36
-  _globals['_SLEEPREQUEST']._serialized_end=162
-  _globals['_SLEEPRESPONSE']._serialized_start=164
-  _globals['_SLEEPRESPONSE']._serialized_end=252
-  _globals['_WAKEREQUEST']._serialized_start=254
-  _globals['_WAKEREQUEST']._serialized_end=267
-  _globals['_WAKERESPONSE']._serialized_start=269
-  _globals['_WAKERESPONSE']._serialized_end=342
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=344
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=466
-  _globals['_UPDATEWEIGHTSHEADER']._serialized_start=469
-  _globals['_UPDATEWEIGHTSHEADER']._serialized_end=726
-  _globals['_TENSORCHUNK']._serialized_start=728
-  _globals['_TENSORCHUNK']._serialized_end=815
-  _globals['_UPDATEWEIGHTSPROGRESS']._serialized_start=818
-  _globals['_UPDATEWEIGHTSPROGRESS']._serialized_end=965
-  _globals['_PAUSED']._serialized_start=967
-  _globals['_PAUSED']._serialized_end=994
-  _globals['_LOADING']._serialized_start=996
-  _globals['_LOADING']._serialized_end=1091
-  _globals['_APPLIED']._serialized_start=1094
-  _globals['_APPLIED']._serialized_end=1226
-  _globals['_INITWEIGHTTRANSFERREQUEST']._serialized_start=1229
-  _globals['_INITWEIGHTTRANSFERREQUEST']._serialized_end=1434
-  _globals['_INITWEIGHTTRANSFERRESPONSE']._serialized_start=1436
-  _globals['_INITWEIGHTTRANSFERRESPONSE']._serialized_end=1486
-  _globals['_DISTRIBUTEDSOURCE']._serialized_start=1488
-  _globals['_DISTRIBUTEDSOURCE']._serialized_end=1591
-  _globals['_TENSORSPEC']._serialized_start=1593
-  _globals['_TENSORSPEC']._serialized_end=1649
-  _globals['_ADMIN']._serialized_start=1819
-  _globals['_ADMIN']._serialized_end=2130
+  _globals['_INFLIGHTPOLICY']._serialized_start=1873
+  _globals['_INFLIGHTPOLICY']._serialized_end=2037
+  _globals['_SLEEPREQUEST']._serialized_start=64
+  _globals['_SLEEPREQUEST']._serialized_end=190
+  _globals['_SLEEPRESPONSE']._serialized_start=192
+  _globals['_SLEEPRESPONSE']._serialized_end=280
+  _globals['_WAKEREQUEST']._serialized_start=282
+  _globals['_WAKEREQUEST']._serialized_end=295
+  _globals['_WAKERESPONSE']._serialized_start=297
+  _globals['_WAKERESPONSE']._serialized_end=370
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=372
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=494
+  _globals['_UPDATEWEIGHTSHEADER']._serialized_start=497
+  _globals['_UPDATEWEIGHTSHEADER']._serialized_end=754
+  _globals['_TENSORCHUNK']._serialized_start=756
+  _globals['_TENSORCHUNK']._serialized_end=843
+  _globals['_UPDATEWEIGHTSPROGRESS']._serialized_start=846
+  _globals['_UPDATEWEIGHTSPROGRESS']._serialized_end=993
+  _globals['_PAUSED']._serialized_start=995
+  _globals['_PAUSED']._serialized_end=1022
+  _globals['_LOADING']._serialized_start=1024
+  _globals['_LOADING']._serialized_end=1119
+  _globals['_APPLIED']._serialized_start=1122
+  _globals['_APPLIED']._serialized_end=1254
+  _globals['_INITWEIGHTTRANSFERREQUEST']._serialized_start=1257
+  _globals['_INITWEIGHTTRANSFERREQUEST']._serialized_end=1462
+  _globals['_INITWEIGHTTRANSFERRESPONSE']._serialized_start=1464
+  _globals['_INITWEIGHTTRANSFERRESPONSE']._serialized_end=1514
+  _globals['_DISTRIBUTEDSOURCE']._serialized_start=1516
+  _globals['_DISTRIBUTEDSOURCE']._serialized_end=1619
+  _globals['_TENSORSPEC']._serialized_start=1621
+  _globals['_TENSORSPEC']._serialized_end=1677
+  _globals['_LOADADAPTERREQUEST']._serialized_start=1679
+  _globals['_LOADADAPTERREQUEST']._serialized_end=1743
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=1745
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=1807
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1809
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1845
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1847
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1870
+  _globals['_ADMIN']._serialized_start=2040
+  _globals['_ADMIN']._serialized_end=2513
 # @@protoc_insertion_point(module_scope)

@@ -16,6 +16,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from sluice.v1 import generation_pb2 as _generation_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -633,3 +634,106 @@ class TensorSpec(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TensorSpec: _TypeAlias = TensorSpec  # noqa: Y015
+
+@_typing.final
+class LoadAdapterRequest(_message.Message):
+    """---- LoRA adapters ----
+
+    An adapter to load: a directory peft's save_pretrained wrote (adapter_config.json and
+    adapter_model.safetensors) on the server's disk.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    PINNED_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name requests select it by (GenerateRequest.adapter): not empty, at most 256
+    characters, unique among the loaded adapters.
+    """
+    path: _builtins.str
+    """The adapter directory, as the server's process sees it (absolute, or relative to its
+    working directory).
+    """
+    pinned: _builtins.bool
+    """Keep it resident: never evicted from its slot for another adapter. At most --max-loras - 1
+    adapters may be pinned (one slot is left to rotate). Default false.
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+        pinned: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path", "pinned", b"pinned"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadAdapterRequest: _TypeAlias = LoadAdapterRequest  # noqa: Y015
+
+@_typing.final
+class LoadAdapterResponse(_message.Message):
+    """The adapter is loaded."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def adapter(self) -> _generation_pb2.AdapterInfo:
+        """The loaded adapter, as ServerInfo.adapters lists it."""
+
+    def __init__(
+        self,
+        *,
+        adapter: _generation_pb2.AdapterInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadAdapterResponse: _TypeAlias = LoadAdapterResponse  # noqa: Y015
+
+@_typing.final
+class UnloadAdapterRequest(_message.Message):
+    """The adapter to forget."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """A loaded adapter's name."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadAdapterRequest: _TypeAlias = UnloadAdapterRequest  # noqa: Y015
+
+@_typing.final
+class UnloadAdapterResponse(_message.Message):
+    """The adapter is forgotten."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadAdapterResponse: _TypeAlias = UnloadAdapterResponse  # noqa: Y015

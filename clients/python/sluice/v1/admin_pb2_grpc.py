@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class AdminStub:
-    """Operator actions: live weight swaps; sleep and wake.
+    """Operator actions: live weight swaps; sleep and wake; LoRA adapters.
     """
 
     def __init__(self, channel):
@@ -55,10 +55,20 @@ class AdminStub:
                 request_serializer=sluice_dot_v1_dot_admin__pb2.WakeRequest.SerializeToString,
                 response_deserializer=sluice_dot_v1_dot_admin__pb2.WakeResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/sluice.v1.Admin/LoadAdapter',
+                request_serializer=sluice_dot_v1_dot_admin__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_admin__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/sluice.v1.Admin/UnloadAdapter',
+                request_serializer=sluice_dot_v1_dot_admin__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_admin__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
-    """Operator actions: live weight swaps; sleep and wake.
+    """Operator actions: live weight swaps; sleep and wake; LoRA adapters.
     """
 
     def InitWeightTransfer(self, request, context):
@@ -142,6 +152,36 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """LoRA adapters (below). Loads the PEFT adapter directory `path` (on the server's disk) under
+        `name`: a GenerateRequest with `adapter` = name then runs the base model with it. Any
+        number may be loaded; at most the server's --max-loras (default 0: none) are resident in
+        the engine at once, the rest wait for a slot (least recently used unpinned ones are
+        evicted; their requests wait in the queue, never fail). Answers once the adapter is read,
+        checked against the model and loaded; requests running meanwhile are not disturbed. The
+        adapter's tokens carry the base model's policy version. Loaded adapters survive an engine
+        restart (the server loads them again from their directories). Errors: INVALID_ARGUMENT
+        (with google.rpc.BadRequest naming `name` or `path`: an empty field; a directory that is
+        not a PEFT LoRA adapter of this model: missing files, target modules it does not have or
+        this engine does not compute, shapes that do not fit, a rank above --max-lora-rank;
+        nothing changes), ALREADY_EXISTS (an adapter of this name is loaded; unload it first),
+        FAILED_PRECONDITION (--max-loras is 0; `pinned` would pin every slot; the server is
+        asleep), UNAVAILABLE (the engine is not serving, or was lost meanwhile).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Forgets a loaded adapter; later requests naming it are NOT_FOUND. Errors: NOT_FOUND (no
+        adapter of this name is loaded), FAILED_PRECONDITION (requests admitted with it are still
+        in flight: retry once they end; the server is asleep), UNAVAILABLE (the engine is not serving, or was lost
+        meanwhile).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -165,6 +205,16 @@ def add_AdminServicer_to_server(servicer, server):
                     request_deserializer=sluice_dot_v1_dot_admin__pb2.WakeRequest.FromString,
                     response_serializer=sluice_dot_v1_dot_admin__pb2.WakeResponse.SerializeToString,
             ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=sluice_dot_v1_dot_admin__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_admin__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=sluice_dot_v1_dot_admin__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_admin__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'sluice.v1.Admin', rpc_method_handlers)
@@ -174,7 +224,7 @@ def add_AdminServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Admin:
-    """Operator actions: live weight swaps; sleep and wake.
+    """Operator actions: live weight swaps; sleep and wake; LoRA adapters.
     """
 
     @staticmethod
@@ -275,6 +325,60 @@ class Admin:
             '/sluice.v1.Admin/Wake',
             sluice_dot_v1_dot_admin__pb2.WakeRequest.SerializeToString,
             sluice_dot_v1_dot_admin__pb2.WakeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Admin/LoadAdapter',
+            sluice_dot_v1_dot_admin__pb2.LoadAdapterRequest.SerializeToString,
+            sluice_dot_v1_dot_admin__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Admin/UnloadAdapter',
+            sluice_dot_v1_dot_admin__pb2.UnloadAdapterRequest.SerializeToString,
+            sluice_dot_v1_dot_admin__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

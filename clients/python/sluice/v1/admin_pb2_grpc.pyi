@@ -35,7 +35,7 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class AdminStub:
-    """Operator actions: live weight swaps; sleep and wake."""
+    """Operator actions: live weight swaps; sleep and wake; LoRA adapters."""
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
@@ -106,10 +106,32 @@ class AdminStub:
     Wake or weight update is in progress), UNAVAILABLE (the engine is not serving, or was lost
     meanwhile).
     """
+    LoadAdapter: _grpc.UnaryUnaryMultiCallable[_admin_pb2.LoadAdapterRequest, _admin_pb2.LoadAdapterResponse]
+    """LoRA adapters (below). Loads the PEFT adapter directory `path` (on the server's disk) under
+    `name`: a GenerateRequest with `adapter` = name then runs the base model with it. Any
+    number may be loaded; at most the server's --max-loras (default 0: none) are resident in
+    the engine at once, the rest wait for a slot (least recently used unpinned ones are
+    evicted; their requests wait in the queue, never fail). Answers once the adapter is read,
+    checked against the model and loaded; requests running meanwhile are not disturbed. The
+    adapter's tokens carry the base model's policy version. Loaded adapters survive an engine
+    restart (the server loads them again from their directories). Errors: INVALID_ARGUMENT
+    (with google.rpc.BadRequest naming `name` or `path`: an empty field; a directory that is
+    not a PEFT LoRA adapter of this model: missing files, target modules it does not have or
+    this engine does not compute, shapes that do not fit, a rank above --max-lora-rank;
+    nothing changes), ALREADY_EXISTS (an adapter of this name is loaded; unload it first),
+    FAILED_PRECONDITION (--max-loras is 0; `pinned` would pin every slot; the server is
+    asleep), UNAVAILABLE (the engine is not serving, or was lost meanwhile).
+    """
+    UnloadAdapter: _grpc.UnaryUnaryMultiCallable[_admin_pb2.UnloadAdapterRequest, _admin_pb2.UnloadAdapterResponse]
+    """Forgets a loaded adapter; later requests naming it are NOT_FOUND. Errors: NOT_FOUND (no
+    adapter of this name is loaded), FAILED_PRECONDITION (requests admitted with it are still
+    in flight: retry once they end; the server is asleep), UNAVAILABLE (the engine is not serving, or was lost
+    meanwhile).
+    """
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
-    """Operator actions: live weight swaps; sleep and wake."""
+    """Operator actions: live weight swaps; sleep and wake; LoRA adapters."""
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     InitWeightTransfer: _aio.UnaryUnaryMultiCallable[_admin_pb2.InitWeightTransferRequest, _admin_pb2.InitWeightTransferResponse]  # type: ignore[assignment]
@@ -177,9 +199,31 @@ class AdminAsyncStub(AdminStub):
     Wake or weight update is in progress), UNAVAILABLE (the engine is not serving, or was lost
     meanwhile).
     """
+    LoadAdapter: _aio.UnaryUnaryMultiCallable[_admin_pb2.LoadAdapterRequest, _admin_pb2.LoadAdapterResponse]  # type: ignore[assignment]
+    """LoRA adapters (below). Loads the PEFT adapter directory `path` (on the server's disk) under
+    `name`: a GenerateRequest with `adapter` = name then runs the base model with it. Any
+    number may be loaded; at most the server's --max-loras (default 0: none) are resident in
+    the engine at once, the rest wait for a slot (least recently used unpinned ones are
+    evicted; their requests wait in the queue, never fail). Answers once the adapter is read,
+    checked against the model and loaded; requests running meanwhile are not disturbed. The
+    adapter's tokens carry the base model's policy version. Loaded adapters survive an engine
+    restart (the server loads them again from their directories). Errors: INVALID_ARGUMENT
+    (with google.rpc.BadRequest naming `name` or `path`: an empty field; a directory that is
+    not a PEFT LoRA adapter of this model: missing files, target modules it does not have or
+    this engine does not compute, shapes that do not fit, a rank above --max-lora-rank;
+    nothing changes), ALREADY_EXISTS (an adapter of this name is loaded; unload it first),
+    FAILED_PRECONDITION (--max-loras is 0; `pinned` would pin every slot; the server is
+    asleep), UNAVAILABLE (the engine is not serving, or was lost meanwhile).
+    """
+    UnloadAdapter: _aio.UnaryUnaryMultiCallable[_admin_pb2.UnloadAdapterRequest, _admin_pb2.UnloadAdapterResponse]  # type: ignore[assignment]
+    """Forgets a loaded adapter; later requests naming it are NOT_FOUND. Errors: NOT_FOUND (no
+    adapter of this name is loaded), FAILED_PRECONDITION (requests admitted with it are still
+    in flight: retry once they end; the server is asleep), UNAVAILABLE (the engine is not serving, or was lost
+    meanwhile).
+    """
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
-    """Operator actions: live weight swaps; sleep and wake."""
+    """Operator actions: live weight swaps; sleep and wake; LoRA adapters."""
 
     @_abc_1.abstractmethod
     def InitWeightTransfer(
@@ -267,6 +311,40 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         are gone, or the checkpoint directory changed or vanished since it was applied; apply an
         UpdateWeights with every tensor, then Wake; the server stays asleep meanwhile. Or a Sleep,
         Wake or weight update is in progress), UNAVAILABLE (the engine is not serving, or was lost
+        meanwhile).
+        """
+
+    @_abc_1.abstractmethod
+    def LoadAdapter(
+        self,
+        request: _admin_pb2.LoadAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.LoadAdapterResponse, _abc.Awaitable[_admin_pb2.LoadAdapterResponse]]:
+        """LoRA adapters (below). Loads the PEFT adapter directory `path` (on the server's disk) under
+        `name`: a GenerateRequest with `adapter` = name then runs the base model with it. Any
+        number may be loaded; at most the server's --max-loras (default 0: none) are resident in
+        the engine at once, the rest wait for a slot (least recently used unpinned ones are
+        evicted; their requests wait in the queue, never fail). Answers once the adapter is read,
+        checked against the model and loaded; requests running meanwhile are not disturbed. The
+        adapter's tokens carry the base model's policy version. Loaded adapters survive an engine
+        restart (the server loads them again from their directories). Errors: INVALID_ARGUMENT
+        (with google.rpc.BadRequest naming `name` or `path`: an empty field; a directory that is
+        not a PEFT LoRA adapter of this model: missing files, target modules it does not have or
+        this engine does not compute, shapes that do not fit, a rank above --max-lora-rank;
+        nothing changes), ALREADY_EXISTS (an adapter of this name is loaded; unload it first),
+        FAILED_PRECONDITION (--max-loras is 0; `pinned` would pin every slot; the server is
+        asleep), UNAVAILABLE (the engine is not serving, or was lost meanwhile).
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadAdapter(
+        self,
+        request: _admin_pb2.UnloadAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.UnloadAdapterResponse, _abc.Awaitable[_admin_pb2.UnloadAdapterResponse]]:
+        """Forgets a loaded adapter; later requests naming it are NOT_FOUND. Errors: NOT_FOUND (no
+        adapter of this name is loaded), FAILED_PRECONDITION (requests admitted with it are still
+        in flight: retry once they end; the server is asleep), UNAVAILABLE (the engine is not serving, or was lost
         meanwhile).
         """
 

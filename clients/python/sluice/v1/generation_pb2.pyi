@@ -180,6 +180,7 @@ class GenerateRequest(_message.Message):
     MIN_POLICY_VERSION_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     STRUCTURED_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The caller's id for this request, returned on every event; at most 256 characters.
     Default (empty): the server assigns a unique one. ALREADY_EXISTS while a request with this
@@ -204,6 +205,12 @@ class GenerateRequest(_message.Message):
     priority: _builtins.int
     """Scheduling priority: any int32, higher is admitted first; first come, first served within
     a priority. Default 0.
+    """
+    adapter: _builtins.str
+    """The LoRA adapter to run the model with, by the name Admin LoadAdapter gave it
+    (ServerInfo.adapters lists them). NOT_FOUND (naming `adapter`) when none of that name is
+    loaded. Its tokens carry the base model's policy version, and min_policy_version compares
+    with that version too. Default (empty): the base model alone.
     """
     @_builtins.property
     def token_ids(self) -> Global___TokenIds:
@@ -249,10 +256,11 @@ class GenerateRequest(_message.Message):
         min_policy_version: _builtins.int | None = ...,
         priority: _builtins.int = ...,
         structured: Global___StructuredOutput | None = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_min_policy_version", b"_min_policy_version", "_n", b"_n", "chat", b"chat", "min_policy_version", b"min_policy_version", "n", b"n", "output", b"output", "prompt", b"prompt", "sampling", b"sampling", "stop", b"stop", "structured", b"structured", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_policy_version", b"_min_policy_version", "_n", b"_n", "chat", b"chat", "min_policy_version", b"min_policy_version", "n", b"n", "output", b"output", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "stop", b"stop", "structured", b"structured", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_policy_version", b"_min_policy_version", "_n", b"_n", "adapter", b"adapter", "chat", b"chat", "min_policy_version", b"min_policy_version", "n", b"n", "output", b"output", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "stop", b"stop", "structured", b"structured", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__min_policy_version: _TypeAlias = _typing.Literal["min_policy_version"]  # noqa: Y015
     _WhichOneofArgType__min_policy_version: _TypeAlias = _typing.Literal["_min_policy_version", b"_min_policy_version"]  # noqa: Y015
@@ -1418,6 +1426,7 @@ class ServerInfo(_message.Message):
     KV_CACHE_FIELD_NUMBER: _builtins.int
     RUNNING_FIELD_NUMBER: _builtins.int
     WAITING_FIELD_NUMBER: _builtins.int
+    ADAPTERS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model's name: its checkpoint directory's name, or "demo"."""
     max_model_len: _builtins.int
@@ -1452,6 +1461,12 @@ class ServerInfo(_message.Message):
     def kv_cache(self) -> Global___KvCacheInfo:
         """The KV cache now."""
 
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdapterInfo]:
+        """The LoRA adapters loaded (Admin LoadAdapter), in the order they were loaded. Empty when
+        none is, and always with --max-loras 0.
+        """
+
     def __init__(
         self,
         *,
@@ -1466,14 +1481,68 @@ class ServerInfo(_message.Message):
         kv_cache: Global___KvCacheInfo | None = ...,
         running: _builtins.int = ...,
         waiting: _builtins.int = ...,
+        adapters: _abc.Iterable[Global___AdapterInfo] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_cache", b"kv_cache"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "kv_cache", b"kv_cache", "max_model_len", b"max_model_len", "model", b"model", "policy_version", b"policy_version", "running", b"running", "state", b"state", "vocab_size", b"vocab_size", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "kv_cache", b"kv_cache", "max_model_len", b"max_model_len", "model", b"model", "policy_version", b"policy_version", "running", b"running", "state", b"state", "vocab_size", b"vocab_size", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ServerInfo: _TypeAlias = ServerInfo  # noqa: Y015
+
+@_typing.final
+class AdapterInfo(_message.Message):
+    """One loaded LoRA adapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    TARGET_MODULES_FIELD_NUMBER: _builtins.int
+    PINNED_FIELD_NUMBER: _builtins.int
+    RESIDENT_FIELD_NUMBER: _builtins.int
+    SCALING_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name requests select it by (GenerateRequest.adapter)."""
+    path: _builtins.str
+    """The adapter directory it was loaded from."""
+    rank: _builtins.int
+    """Its LoRA rank r (at most the server's --max-lora-rank)."""
+    pinned: _builtins.bool
+    """Pinned at load: never evicted from its slot."""
+    resident: _builtins.bool
+    """Whether it holds one of the engine's --max-loras slots now. One that does not is loaded
+    all the same: its next request takes a slot (evicting the least recently used unpinned
+    adapter no running request uses) or waits in the queue for one.
+    """
+    scaling: _builtins.float
+    """The factor its update is scaled by: lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA."""
+    @_builtins.property
+    def target_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The projections it changes, by their module names: among q_proj, k_proj, v_proj, o_proj,
+        gate_proj, up_proj, down_proj.
+        """
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        target_modules: _abc.Iterable[_builtins.str] | None = ...,
+        pinned: _builtins.bool = ...,
+        resident: _builtins.bool = ...,
+        scaling: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path", "pinned", b"pinned", "rank", b"rank", "resident", b"resident", "scaling", b"scaling", "target_modules", b"target_modules"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdapterInfo: _TypeAlias = AdapterInfo  # noqa: Y015
 
 @_typing.final
 class KvCacheInfo(_message.Message):

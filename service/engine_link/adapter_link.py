@@ -1,0 +1,141 @@
+"""AdapterLink: the service's side of LoRA adapters (engine/lora/).
+
+It sends LoadAdapter, UnloadAdapter and ListAdapters and waits for each one's AdapterOutcome
+(UNAVAILABLE when the engine is lost meanwhile). It keeps what the service knows of the
+engine's adapters: their states as the last answer reported them (`states`, `names`: admission
+refuses an adapter not among them), and the loads that succeeded, to replay into a restarted
+engine (`replay`), in load order.
+
+A load is replayed by reading its directory again, so each is recorded with a fingerprint of
+what the directory held when it was sent (adapter_config.json and the safetensors files'
+names, sizes and times); an adapter whose directory changed or vanished since is not loaded
+again under its name (other weights would serve it): it is dropped, with an error log, and
+its requests become NOT_FOUND. A failed replay of one adapter never keeps the base model from
+serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+
+from engine.messages import (
+    AdapterOutcome,
+    AdapterState,
+    ListAdapters,
+    LoadAdapter,
+    ToEngine,
+    UnloadAdapter,
+)
+from service.engine_link.answers import Answers
+from service.engine_link.checkpoint_fingerprint import checkpoint_fingerprint
+from service.engine_link.engine_process import EngineUnavailableError
+
+log = structlog.get_logger("sluice.engine_client")
+
+CONFIG_FILE = "adapter_config.json"
+
+
+class AdapterLink:
+    def __init__(self, send: Callable[[ToEngine], None]) -> None:
+        self._send = send  # raises EngineUnavailableError when the engine cannot take it
+        self.states: tuple[AdapterState, ...] = ()
+        self._loads: dict[str, tuple[LoadAdapter, str | None]] = {}  # name -> (load, print)
+        self._answers = Answers(lambda i, m: AdapterOutcome(i, error_code="UNAVAILABLE", message=m))
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(state.name for state in self.states)
+
+    @property
+    def busy(self) -> bool:
+        return bool(len(self._answers))
+
+    async def load(self, name: str, path: str, pinned: bool) -> AdapterOutcome:
+        """Load `path` as `name`; the engine's answer (recorded for replay when it succeeds,
+        also if the caller has gone by then). Raises EngineUnavailableError if it cannot be
+        sent."""
+        fingerprint = await asyncio.to_thread(adapter_fingerprint, path)
+        msg = LoadAdapter(uuid.uuid4().hex, name, path, pinned)
+        return await self._ask(msg, lambda: self._loads.__setitem__(name, (msg, fingerprint)))
+
+    async def unload(self, name: str) -> AdapterOutcome:
+        """Forget `name`; the engine's answer. Raises EngineUnavailableError if it cannot be
+        sent."""
+        return await self._ask(
+            UnloadAdapter(uuid.uuid4().hex, name), lambda: self._loads.pop(name, None)
+        )
+
+    async def refresh(self, timeout: float) -> tuple[AdapterState, ...]:
+        """The engine's adapters now (which are resident changes with every request); the last
+        known ones if it does not answer within `timeout` seconds or cannot be asked."""
+        with contextlib.suppress(TimeoutError, EngineUnavailableError):
+            await asyncio.wait_for(self._ask(ListAdapters(uuid.uuid4().hex), lambda: None), timeout)
+        return self.states
+
+    async def _ask(
+        self, msg: LoadAdapter | UnloadAdapter | ListAdapters, on_ok: Callable[[], object]
+    ) -> AdapterOutcome:
+        """Send `msg` and wait for its answer; `on_ok` runs when it succeeds, also when the
+        caller has gone by then (the answer is shielded from the caller's cancellation)."""
+        self._send(msg)
+        future = self._answers.add(msg.action_id)
+
+        def settle(done: asyncio.Future[AdapterOutcome]) -> None:
+            outcome = done.result()
+            if outcome.ok:
+                on_ok()
+            if outcome.error_code != "UNAVAILABLE":  # a lost engine's answer reports nothing
+                self.states = outcome.adapters
+
+        future.add_done_callback(settle)
+        return await asyncio.shield(future)
+
+    def route(self, outcome: AdapterOutcome) -> bool:
+        """Resolve the call `outcome` answers; False if none waits."""
+        return self._answers.route(outcome.action_id, outcome)
+
+    def fail_all(self, message: str) -> None:
+        """The engine is lost: every waiting call is answered UNAVAILABLE."""
+        self._answers.fail_all(message)
+
+    async def replay(self) -> None:
+        """Load the recorded adapters into a freshly started engine, in load order."""
+        self.states = ()
+        for name, (msg, fingerprint) in list(self._loads.items()):
+            now = await asyncio.to_thread(adapter_fingerprint, msg.path)
+            if now is None or now != fingerprint:
+                self._loads.pop(name, None)
+                log.error(
+                    "engine.adapter_dropped",
+                    adapter=name,
+                    path=msg.path,
+                    reason="its directory changed or vanished since it was loaded",
+                )
+                continue
+            outcome = await self._ask(
+                LoadAdapter(uuid.uuid4().hex, name, msg.path, msg.pinned), lambda: None
+            )
+            if outcome.error_code == "UNAVAILABLE":  # lost again: the restart is retried
+                raise EngineUnavailableError(outcome.message)
+            if not outcome.ok:
+                self._loads.pop(name, None)
+                log.error("engine.adapter_dropped", adapter=name, reason=outcome.message)
+            else:
+                log.info("engine.adapter_replayed", adapter=name)
+
+
+def adapter_fingerprint(path: str) -> str | None:
+    """A digest of what the adapter directory `path` holds now; None if it cannot be read."""
+    weights = checkpoint_fingerprint(path)
+    try:
+        config = (Path(path) / CONFIG_FILE).read_bytes()
+    except OSError:
+        return None
+    return None if weights is None else hashlib.sha256(config + weights.encode()).hexdigest()

@@ -1,0 +1,107 @@
+"""Admin LoadAdapter and UnloadAdapter: validation, refusals, and the engine's answer as a
+response or a status; AdapterInfo for GetServerInfo and LoadAdapterResponse.
+
+Checked in order: the request's fields (INVALID_ARGUMENT with google.rpc.BadRequest naming
+`name` or `path`); the server shutting down or the engine not up (UNAVAILABLE); the server
+asleep (FAILED_PRECONDITION). Then the EngineClient's AdapterLink sends it and waits; the engine
+names the status of a failure (engine/process.py `adapter_outcome`): INVALID_ARGUMENT (the
+adapter does not fit: named `path`), ALREADY_EXISTS, NOT_FOUND, FAILED_PRECONDITION (max_loras
+is 0, pinning every slot, requests running it).
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+import grpc
+import structlog
+from sluice.v1 import admin_pb2 as pb
+from sluice.v1 import generation_pb2 as gen_pb
+
+from engine.messages import AdapterOutcome, AdapterState
+from service.config import MAX_REQUEST_ID_LENGTH
+from service.engine_link.engine_client import EngineClient, EngineState, EngineUnavailableError
+from service.rpc.refusal import Refusal, engine_status
+
+log = structlog.get_logger("sluice.admin")
+
+MAX_ADAPTER_NAME_LENGTH = MAX_REQUEST_ID_LENGTH  # 256: a name travels on every request
+
+
+async def load_adapter(
+    engine: EngineClient, request: pb.LoadAdapterRequest, draining: bool
+) -> pb.LoadAdapterResponse:
+    """Load the adapter; its AdapterInfo, or Refusal."""
+    _check_name(request.name)
+    if not request.path:
+        _invalid("path", "must not be empty")
+    _check_up(engine, draining)
+    log.info("adapter.load", adapter=request.name, path=request.path, pinned=request.pinned)
+    try:
+        outcome = await engine.adapters.load(request.name, request.path, request.pinned)
+    except EngineUnavailableError as exc:
+        raise Refusal(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
+    _raise_failure(outcome, "load")
+    state = next(s for s in outcome.adapters if s.name == request.name)
+    log.info("adapter.loaded", adapter=state.name, rank=state.rank, resident=state.resident)
+    return pb.LoadAdapterResponse(adapter=adapter_info(state))
+
+
+async def unload_adapter(
+    engine: EngineClient, request: pb.UnloadAdapterRequest, draining: bool
+) -> pb.UnloadAdapterResponse:
+    """Forget the adapter, or Refusal."""
+    _check_name(request.name)
+    _check_up(engine, draining)
+    try:
+        outcome = await engine.adapters.unload(request.name)
+    except EngineUnavailableError as exc:
+        raise Refusal(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
+    _raise_failure(outcome, "unload")
+    log.info("adapter.unloaded", adapter=request.name)
+    return pb.UnloadAdapterResponse()
+
+
+def adapter_info(state: AdapterState) -> gen_pb.AdapterInfo:
+    return gen_pb.AdapterInfo(
+        name=state.name,
+        path=state.path,
+        rank=state.rank,
+        target_modules=state.target_modules,
+        pinned=state.pinned,
+        resident=state.resident,
+        scaling=state.scaling,
+    )
+
+
+def _check_name(name: str) -> None:
+    if not name:
+        _invalid("name", "must not be empty (the empty adapter is the base model)")
+    if len(name) > MAX_ADAPTER_NAME_LENGTH:
+        _invalid("name", f"must be at most {MAX_ADAPTER_NAME_LENGTH} characters")
+
+
+def _check_up(engine: EngineClient, draining: bool) -> None:
+    if draining:
+        raise Refusal(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+    if engine.state is EngineState.SLEEPING:
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "the server sleeps: Wake it first")
+    if engine.state is not EngineState.SERVING:
+        raise Refusal(grpc.StatusCode.UNAVAILABLE, f"the engine is {engine.state.value}")
+
+
+def _raise_failure(outcome: AdapterOutcome, action: str) -> None:
+    if outcome.ok:
+        return
+    log.warning(f"adapter.{action}_failed", code=outcome.error_code, message=outcome.message)
+    if outcome.error_code == "INVALID_ARGUMENT":  # the directory's content: named `path`
+        _invalid("path", outcome.message)
+    raise Refusal(engine_status(outcome.error_code), outcome.message)
+
+
+def _invalid(field_name: str, description: str) -> NoReturn:
+    raise Refusal(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"invalid adapter: {field_name}: {description}",
+        [(field_name, description)],
+    )
