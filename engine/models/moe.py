@@ -171,8 +171,14 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = SharedExpert(hidden, shard.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, hidden] -> same
+    def forward(
+        self, x: torch.Tensor, routing: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:  # [tokens, hidden] -> same
+        """`routing`, when given, gains this layer's expert ids [tokens, top_k] (the routed
+        experts a request asked for: engine/execution/routed_experts.py)."""
         weights, ids = route(linear(x, self.gate.weight, None), self.moe)
+        if routing is not None:
+            routing.append(ids)
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             scale = F.sigmoid(linear(x, self.shared_expert_gate.weight, None))  # [tokens, 1]
