@@ -120,6 +120,7 @@ def sampling_params(
         logprob_mode=LOGPROB_MODES.get(out.logprob_mode),
         sampling_support=out.sampling_support,
         structured=constraint(req),
+        routed_experts=out.routed_experts,
     )
 
 
@@ -151,6 +152,8 @@ def field_violations(
     elif req.n > 1 and req.stop.HasField("max_tokens") and req.stop.max_tokens == 0:
         errors.append(("n", "must be 1 to score a prompt (max_tokens 0)"))
     errors += _stop_violations(req.stop)
+    if req.output.routed_experts and not info.moe_layers:
+        errors.append(("output.routed_experts", "the model has no mixture-of-experts layers"))
     if req.output.logprob_mode not in LOGPROB_MODES:
         errors.append(("output.logprob_mode", f"unknown mode {req.output.logprob_mode}"))
     surface = surface_violations(req.sampling)  # before the lists are copied
@@ -231,6 +234,10 @@ async def admit(
         violations := prompt_logprobs_violations(req, len(prompt), max_message_bytes)
     ):
         raise invalid_argument(violations)
+    if req.output.routed_experts and (
+        violations := routed_experts_violations(req, len(prompt), info, max_message_bytes)
+    ):
+        raise invalid_argument(violations)
     if req.HasField("min_policy_version") and req.min_policy_version > policy_version:
         # UNAVAILABLE with a retry delay, not FAILED_PRECONDITION: the weights it asks for are
         # on their way (an update in progress here, or already applied on another replica
@@ -281,6 +288,30 @@ def prompt_logprobs_violations(
             )
         )
     return errors
+
+
+def routed_experts_violations(
+    req: pb.GenerateRequest, prompt_len: int, info: ModelInfo, max_message_bytes: int
+) -> list[tuple[str, str]]:
+    """A request whose completion's routed experts could pass the largest message: every
+    token it may generate in one TokenChunk (a slow reader's chunk gathers them all)."""
+    tokens = info.max_model_len - prompt_len
+    if req.stop.HasField("max_tokens"):
+        tokens = min(tokens, req.stop.max_tokens)
+    ids = info.moe_layers * info.moe_top_k
+    id_bytes = (max(info.num_experts - 1, 1).bit_length() + 6) // 7  # a varint's bytes
+    per_token = ids * id_bytes + PROMPT_SCORE_BYTES + TOP_LOGPROB_BYTES * req.output.top_logprobs
+    if tokens * per_token <= max_message_bytes:
+        return []
+    fits = max_message_bytes // per_token
+    return [
+        (
+            "output.routed_experts",
+            f"the routed experts of {tokens} tokens ({info.moe_layers} MoE layers x "
+            f"{info.moe_top_k} experts each) could pass the largest message the server sends "
+            f"({max_message_bytes} bytes): ask for at most {fits} tokens (stop.max_tokens)",
+        )
+    ]
 
 
 def _no_room(prompt_tokens: int, info: ModelInfo) -> str:

@@ -170,6 +170,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             ),
             running=stats.running,
             waiting=stats.waiting,
+            moe_layers=info.moe_layers,
+            experts_per_token=info.moe_top_k,
         )
 
     def serving_state(self) -> pb.ServingState.ValueType:
