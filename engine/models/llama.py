@@ -245,8 +245,9 @@ class LlamaForCausalLM(nn.Module):
         tp: TensorParallel | None = None,
         triton_kernels: bool = False,
     ) -> None:
-        """`triton_kernels`: the norms and the activation run engine/layers' Triton kernels
-        (engine/layers/kernel_choice.py says when); else their torch reference code."""
+        """`triton_kernels`: the norms, the activation and the experts' grouped GEMMs run
+        engine/layers' Triton kernels (engine/layers/kernel_choice.py says when); else their
+        torch reference code."""
         super().__init__()
         self.config = cfg
         self.backend = backend
@@ -260,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
             cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling
         )
         for module in self.modules():
-            if isinstance(module, RMSNorm | SiluAndMul):
+            if isinstance(module, RMSNorm | SiluAndMul | StackedExperts):
                 module.triton = triton_kernels
 
     def forward(
