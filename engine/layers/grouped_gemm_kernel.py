@@ -10,7 +10,8 @@ so nothing waits for the per-expert counts on the host: a program finds its expe
 from `block_start` (each expert's first block, computed on the device) and returns when it has
 none. No host sync and fixed shapes for a fixed token count: CUDA-graph capturable.
 
-Accumulates in float32 and stores in the output's dtype, as a GEMM in the model's dtype does.
+Accumulates in float32 and stores in the output's dtype, as a GEMM in the model's dtype does;
+float32 inputs multiply in IEEE float32, not TF32 (torch's matmul default).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def _grouped_gemm(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     block = tl.program_id(0)
     experts = tl.arange(0, EXPERTS_POW2)
@@ -66,7 +68,7 @@ def _grouped_gemm(
             mask=(n[None, :] < N) & (k[:, None] < K),
             other=0.0,
         )  # [BLOCK_K, BLOCK_N]: weight[e].T
-        acc += tl.dot(a, w)
+        acc += tl.dot(a, w, input_precision=PRECISION)
     out = out_ptr + r.to(tl.int64)[:, None] * N + n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (n[None, :] < N))
 
@@ -109,5 +111,7 @@ def grouped_gemm(
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
+        # float32 as torch computes it (no TF32: torch's matmul default); else the default.
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
     )
     return out
