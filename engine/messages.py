@@ -169,6 +169,9 @@ class PromptLogprobs:
     start: int
     logprobs: list[float]
     top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    # routed_experts[i]: with SamplingParams.routed_experts, the expert ids each MoE layer chose
+    # at position start + i - 1 (whose logits score position start + i), flattened [layer, k]
+    routed_experts: list[list[int]] | None = None
 
 
 @dataclass

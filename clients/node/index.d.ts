@@ -169,6 +169,9 @@ export interface PromptLogprobs {
   logprobs: number[];
   /** The `topLogprobs` most likely tokens at each scored position (empty unless asked for). */
   topLogprobs: { tokenIds: number[]; logprobs: number[] }[];
+  /** With routedExperts: the experts each MoE layer chose at the position before each scored
+   * one, flattened [scored position, MoE layer, k]; else empty. */
+  routedExperts: number[];
 }
 
 export interface TokensEvent extends EventBase {

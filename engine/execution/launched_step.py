@@ -34,7 +34,7 @@ T = TypeVar("T")
 class Sampled:
     """The tokens sampled this step, one per sampling request, on the host (with what the
     rows asked for); and the prompt positions scored, per request: (request, first position,
-    one row per position)."""
+    one row per position), with their routed experts alike when recorded."""
 
     requests: list[Request]
     token_ids: list[int]
@@ -48,6 +48,8 @@ class Sampled:
     # Per row when some row asked (engine/execution/routed_experts.py): each MoE layer's expert
     # ids at the position the row sampled from, flattened [MoE layer, k]
     routed_experts: list[list[int]] | None = None
+    # The routed experts of the prompt positions scored, when recorded: as prompt_scores
+    prompt_routing: list[tuple[Request, int, list[list[int]]]] = field(default_factory=list)
 
     def rows(self, rows: list[int]) -> Sampled:
         """The sampled rows `rows` (the prompt scores all kept: ended requests skip theirs)."""
@@ -66,6 +68,7 @@ class Sampled:
             self.prompt_scores,
             pick(self.support),
             pick(self.routed_experts),
+            self.prompt_routing,
         )
 
 

@@ -39,7 +39,7 @@ from engine.execution.launched_step import (
     to_host_async,
 )
 from engine.execution.prompt_scoring import ScoredRows, follow_scored_rows, score_rows
-from engine.execution.routed_experts import host_rows, routing_record, sampled_routing
+from engine.execution.routed_experts import host_rows, routing_record, row_routing
 from engine.execution.sampling_inputs import SamplingInputs
 from engine.execution.step_inputs import StepArrays, StepInputs, forward_inputs
 from engine.execution.step_rows import PreparedStep, lm_head_rows
@@ -165,7 +165,7 @@ class ModelRunner:
             decode = False
         size = graphs.bucket(num_seqs) if graphs is not None and decode else None
         step = self._prepare(batch, width, graph_rows=size)
-        if not step.sampling:
+        if not step.sampling and not step.scoring:
             routing = None
         self._send(step, graph_size=size or 0)
         sampling = (
@@ -191,7 +191,7 @@ class ModelRunner:
             inputs = forward_inputs(self.inputs, self.arrays, *_shape(step))
             model, caches = self.model, self.kv_caches
             hidden_of = eager_hidden(model, caches, inputs, rows, pending, lora, routing)
-            num_sampled = step.num_rows
+            num_sampled, num_rows = step.num_rows, step.num_rows + step.num_scored
 
             def work() -> StepResult | None:
                 hidden = hidden_of()  # [sampled rows, then scored rows, hidden] with lm_head
@@ -203,7 +203,7 @@ class ModelRunner:
                 if scoring is not None:
                     scores = score_rows(self.model, hidden[num_sampled:], scoring)
                 if routing is not None:
-                    routed = sampled_routing(routing, rows, num_sampled)
+                    routed = row_routing(routing, rows, num_rows)
                 return to_host_async(out, scores, routed)
 
         def sampling_of(logits: torch.Tensor) -> SamplerOutput:
@@ -224,14 +224,19 @@ class ModelRunner:
         if result.ready is not None:
             result.ready.synchronize()
         sampled = sampled_on_host(launched.sampling, result.host)
-        if result.routed is not None:
-            sampled.routed_experts = host_rows(result.routed)
+        routed = None if result.routed is None else host_rows(result.routed)
+        first = len(launched.sampling)  # the scored rows' routing follows the sampled rows'
+        if routed is not None and first:
+            sampled.routed_experts = routed[:first]
         if launched.scoring is not None and result.scores is not None:
-            packed, first = result.scores.tolist(), 0
+            packed, row = result.scores.tolist(), 0
             for req, span in launched.scoring.spans:
-                rows = packed[first : first + span.count]
+                rows = packed[row : row + span.count]
                 sampled.prompt_scores.append((req, span.first, rows))
-                first += span.count
+                if routed is not None:
+                    scored = routed[first + row : first + row + span.count]
+                    sampled.prompt_routing.append((req, span.first, scored))
+                row += span.count
         return sampled
 
     def _use_slot(self, host: StepInputs, arrays: StepArrays) -> None:

@@ -328,6 +328,8 @@ def _started_event(request_id: str, outputs: list[RequestOutput]) -> pb.Generate
     if scores is not None:
         started.prompt_logprobs.start = scores.start
         started.prompt_logprobs.logprobs.extend(scores.logprobs)
+        for routed in scores.routed_experts or []:
+            started.prompt_logprobs.routed_experts.extend(routed)
         for ids, logprobs in scores.top_logprobs or []:
             started.prompt_logprobs.top_logprobs.add(token_ids=ids, logprobs=logprobs)
     return pb.GenerateResponse(request_id=request_id, started=started)

@@ -27,7 +27,8 @@ export async function usage(target: string): Promise<void> {
   await client.complete('x', { logitBias: new Map([[5, -2]]) });
   if (!Array.isArray(scored) && scored.started?.promptLogprobs) {
     const logprobs: number[] = scored.started.promptLogprobs.logprobs;
-    void [logprobs, scored.started.promptLogprobs.start];
+    const promptExperts: number[] = scored.started.promptLogprobs.routedExperts;
+    void [logprobs, scored.started.promptLogprobs.start, promptExperts];
   }
   const chat = [{ role: 'user', content: 'Hi' }, { role: 'tool', content: '{}', tool_call_id: 'abc123XYZ' }];
   const rendered = await client.renderChat(chat, { templateKwargs: { enable_thinking: false }, tools: [] });

@@ -125,3 +125,30 @@ def test_a_dense_model_refuses_routed_experts(tmp_path: Path) -> None:
     [result] = engine.generate([[0, 5, 6]], SamplingParams(max_tokens=4, routed_experts=True))
     assert result.finish_reason is FinishReason.ERROR
     assert result.error is not None and result.error.startswith("routed_experts:")
+
+
+def test_scored_prompt_positions_carry_the_routing_of_the_row_that_scores_them(
+    qwen3_moe: Path,
+) -> None:
+    """Position p's score comes from the logits of position p - 1: so do its routed experts;
+    chunked prefill (8 tokens a step) splits the scored rows over several steps."""
+    engine = make_engine(qwen3_moe, max_num_batched_tokens=8, max_num_seqs=4)
+    batch = prompts(300, count=4)[1:]  # 12, 20 and 28 tokens
+    score_only = SamplingParams(
+        max_tokens=0, prompt_logprobs=True, prompt_logprobs_start=3, routed_experts=True
+    )
+    generating = SamplingParams(
+        temperature=0.0, max_tokens=4, prompt_logprobs=True, routed_experts=True
+    )
+    results = engine.generate(batch, [score_only, generating, score_only])
+    hf = load_hf_model(qwen3_moe)
+    for prompt, result in zip(batch, results, strict=True):
+        scores = result.prompt_logprobs
+        assert scores is not None and scores.routed_experts is not None
+        expected = hf_routing(hf, prompt)[scores.start - 1 : len(prompt) - 1]
+        assert len(scores.routed_experts) == len(scores.logprobs) == len(prompt) - scores.start
+        assert torch.equal(torch.tensor(scores.routed_experts).view(expected.shape), expected)
+    assert_routing_equals_hf(hf, results[1])
+    plain = engine.generate(batch[:1], SamplingParams(max_tokens=0, prompt_logprobs=True))
+    assert plain[0].prompt_logprobs is not None
+    assert plain[0].prompt_logprobs.routed_experts is None

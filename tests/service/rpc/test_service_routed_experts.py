@@ -1,6 +1,7 @@
 """Routed experts through gRPC (OutputOptions.routed_experts): the client's TokenChunk ids,
 flattened [token, MoE layer, k], equal HF's routers at the position before each token, for
-greedy and for n > 1 sampled completions; ServerInfo says how to unflatten them; a dense model
+greedy and for n > 1 sampled completions, and the scored prompt positions' (Started.
+prompt_logprobs.routed_experts: those of the position before each); ServerInfo says how to unflatten them; a dense model
 and a request whose routed experts could pass the largest message are INVALID_ARGUMENT naming
 `output.routed_experts`."""
 
@@ -18,7 +19,11 @@ from sluice_client import AsyncClient, build_request
 from tiny_models import load_hf_model, make_checkpoint, prompts
 
 from engine.messages import ModelInfo
-from service.rpc.admission import routed_experts_violations
+from service.rpc.admission import (
+    prompt_logprobs_violations,
+    routed_bytes,
+    routed_experts_violations,
+)
 
 NEW_TOKENS = 10
 
@@ -64,6 +69,7 @@ async def test_routed_experts_through_the_service_equal_hf_routers(
         )
         assert isinstance(sampled, list)
         plain = await c.complete(batch[0], max_tokens=NEW_TOKENS, temperature=0.0)
+        scored = await c.complete(batch[1], max_tokens=0, prompt_logprobs=True, routed_experts=True)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await c.complete(batch[0], routed_experts=True)  # up to the context: too many
     assert (info.moe_layers, info.experts_per_token) == (1, 2)  # layer 1 is dense
@@ -78,6 +84,10 @@ async def test_routed_experts_through_the_service_equal_hf_routers(
         got = completion.experts_of(info.moe_layers, info.experts_per_token)
         assert torch.equal(torch.tensor(got), expected)
     assert sampled[0].token_ids != sampled[1].token_ids
+    assert scored.started is not None
+    prompt_routing = hf_routing(hf, batch[1])[: len(batch[1]) - 1]  # start 1: from position 0
+    got_prompt = torch.tensor(list(scored.started.prompt_logprobs.routed_experts))
+    assert torch.equal(got_prompt.view(prompt_routing.shape), prompt_routing)
 
 
 @pytest.mark.asyncio
@@ -105,3 +115,11 @@ def test_routed_experts_that_could_pass_the_largest_message_are_refused() -> Non
     # 256 experts: ids past 127 take two bytes each.
     wide = model_info(48, 8, 256)
     assert routed_experts_violations(fits, 10, wide, max_message_bytes=1_000_000) != []
+
+
+def test_prompt_routed_experts_count_in_the_prompt_scores_bound() -> None:
+    request = build_request([1] * 1000, prompt_logprobs=True, routed_experts=True)
+    assert prompt_logprobs_violations(request, 1000, 100_000) == []  # 16 bytes a position
+    routed = routed_bytes(model_info(48, 8, 128))  # 384 more
+    (violation,) = prompt_logprobs_violations(request, 1000, 100_000, routed)
+    assert violation[0] == "output.prompt_logprobs"

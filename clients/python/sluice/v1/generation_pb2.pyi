@@ -664,8 +664,8 @@ class OutputOptions(_message.Message):
     chose (TokenChunk.routed_experts), for replaying the same routing in a trainer's forward.
     A dense model (ServerInfo.moe_layers 0) refuses it with INVALID_ARGUMENT, as does a
     request whose routed experts could pass the largest message the server sends (fewer
-    max_tokens fits). Prompt positions are not covered: prompt logprobs come without
-    routing. Default false.
+    max_tokens fits). With prompt_logprobs, the scored prompt positions' routing comes too
+    (PromptLogprobs.routed_experts; it counts in the prompt scores' bound). Default false.
     """
     def __init__(
         self,
@@ -915,6 +915,7 @@ class PromptLogprobs(_message.Message):
     START_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    ROUTED_EXPERTS_FIELD_NUMBER: _builtins.int
     start: _builtins.int
     """The first prompt position scored (OutputOptions.prompt_logprobs_start)."""
     @_builtins.property
@@ -929,16 +930,25 @@ class PromptLogprobs(_message.Message):
         (ties by token id); empty unless top_logprobs > 0.
         """
 
+    @_builtins.property
+    def routed_experts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """With OutputOptions.routed_experts on a mixture-of-experts model: the experts each MoE
+        layer's router chose at the position whose logits score each scored position (position
+        start + i - 1 for start + i), flattened [scored position, MoE layer, k] in
+        TokenChunk.routed_experts' layout. Empty otherwise.
+        """
+
     def __init__(
         self,
         *,
         start: _builtins.int = ...,
         logprobs: _abc.Iterable[_builtins.float] | None = ...,
         top_logprobs: _abc.Iterable[Global___TopLogprobs] | None = ...,
+        routed_experts: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "start", b"start", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "routed_experts", b"routed_experts", "start", b"start", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
