@@ -137,7 +137,8 @@ class StepOutputs(Sequence[RequestOutput]):
     def for_pipe(self) -> tuple[list[RequestOutput], TokenColumns]:
         """(outputs to send as objects, the plain rows as columns): what the engine process
         sends instead of an object per row. The objects are `first`, the rows that ended and
-        the rows with logprobs; the service reads them all with StepOutput.all_outputs()."""
+        the rows with logprobs or routed experts; the service reads them all with
+        StepOutput.all_outputs()."""
         objects = list(self.first)
         plain: list[int] = []
         for row, req in enumerate(self.requests):

@@ -160,8 +160,9 @@ class ModelRunner:
         # runs LoRA adapters (the graphs hold the base model only) or records routed experts.
         routing = routing_record(self.model, batch.requests)
         decode = batch.num_tokens == num_seqs and graphs is not None and lora is None
-        scores = any([r.prompt_scores is not None for r in batch.requests])
-        if decode and (routing is not None or scores):
+        if decode and routing is not None:
+            decode = False
+        if decode and any([r.prompt_scores is not None for r in batch.requests]):
             decode = False
         size = graphs.bucket(num_seqs) if graphs is not None and decode else None
         step = self._prepare(batch, width, graph_rows=size)
