@@ -4,7 +4,8 @@ through Triton's interpreter (float32 only: the interpreter computes bfloat16 do
 
 Shapes are tiny (the interpreter is slow) but cover what the kernel's indexing must: experts
 with no pairs, experts with more pairs than one block, a hidden size that is not a multiple of
-the K block, a single token, and spare blocks past the last expert's.
+the K block, a single token, and spare blocks past the last expert's; and a whole MoE engine on the Triton
+layer kernels against its torch path.
 
 NOTE: `use_triton` (tests/triton_interpreter.py) runs at collection: it chooses the
 interpreter before anything imports triton.
@@ -12,10 +13,14 @@ interpreter before anything imports triton.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from tiny_models import make_checkpoint, prompts
 from triton_interpreter import use_triton
 
+from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.models.hf_config import MoeConfig
 from engine.models.moe import QWEN_PARTS, StackedExperts, route
 
@@ -75,3 +80,24 @@ def test_each_pair_reads_its_own_row_and_its_experts_weight() -> None:
     expert = torch.repeat_interleave(torch.arange(4), counts).to(DEVICE)
     want = torch.einsum("pk,pnk->pn", a[rows], weight[expert])
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_moe_engine_on_the_triton_layer_kernels_generates_the_torch_paths_tokens(
+    tmp_path: Path,
+) -> None:
+    """layer_kernels=triton reaches the stacked experts: the grouped GEMMs (with the norms,
+    activation and rotary kernels) give the torch path's greedy ids and routed experts."""
+    checkpoint = make_checkpoint(tmp_path / "qwen3_moe", "qwen3_moe", mlp_only_layers=[1])
+    batch = prompts(300, count=3)[1:]
+    params = SamplingParams(temperature=0.0, max_tokens=4, routed_experts=True)
+    runs = []
+    for kernels in ("torch", "triton"):
+        config = EngineConfig(
+            model=str(checkpoint), device=DEVICE, dtype="float32", layer_kernels=kernels
+        )
+        engine = LLMEngine(config)
+        experts = [m for m in engine.model.modules() if isinstance(m, StackedExperts)]
+        assert experts and all(e.triton == (kernels == "triton") for e in experts)
+        runs.append([(r.token_ids, r.routed_experts) for r in engine.generate(batch, params)])
+        engine.close()
+    assert runs[0] == runs[1]
