@@ -36,7 +36,7 @@ RECIPE_VERSION = 1  # bump when the way checkpoints are written changes
 class Shape:
     """One model shape: the transformers architecture and its config keys."""
 
-    arch: str  # llama, qwen2, qwen3
+    arch: str  # llama, qwen2, qwen3, qwen3_moe
     config: dict[str, Any] = field(default_factory=dict)
     note: str = ""
 
@@ -97,6 +97,27 @@ SHAPES: dict[str, Shape] = {
             "tie_word_embeddings": False,
         },
         "0.38M parameters: tiny's vocabulary and layers at head_dim 32, 4096 positions",
+    ),
+    # Mixture of experts at the CPU suite's scale: `small`'s attention and layers, each MLP 8
+    # experts of half `small`'s width, top-2 (the same active MLP FLOPs per token).
+    "small-moe": Shape(
+        "qwen3_moe",
+        {
+            "hidden_size": 256,
+            "intermediate_size": 688,
+            "moe_intermediate_size": 344,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "vocab_size": 2048,
+            "max_position_embeddings": 4096,
+            "tie_word_embeddings": True,
+        },
+        "Qwen3-MoE-like at small's size: 4 layers, hidden 256, 8 experts of 344, top-2",
     ),
     "llama-75m": Shape(
         "llama",
@@ -180,6 +201,29 @@ SHAPES: dict[str, Shape] = {
         },
         "Meta-Llama-3-8B",
     ),
+    # Qwen3-30B-A3B's layer (128 experts of 768, top-8, GQA 32/4, head_dim 128) with 4 of its 48
+    # layers, so a timed GPU run builds and loads it in seconds.
+    "qwen3-30b-a3b-4l": Shape(
+        "qwen3_moe",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "moe_intermediate_size": 768,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "norm_topk_prob": True,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "max_position_embeddings": 40960,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False,
+        },
+        "Qwen3-30B-A3B with 4 of its 48 layers",
+    ),
 }
 
 
@@ -231,6 +275,7 @@ def write_checkpoint(
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }
     config_class, model_class = classes[shape.arch]
     config = config_class(bos_token_id=bos, eos_token_id=eos, **shape.config)

@@ -10,8 +10,11 @@ the JSON also counts the sequences that are token for token the engine's.
 
 With `--tensor-parallel-size N` the engine also runs with one rank in the same run (each of the
 N ranks gets threads / N torch threads, so both use the same cores), and the ratio N ranks / 1
-rank is reported.
+rank is reported. With `--moe-loop` (mixture-of-experts shapes) the engine also runs with the
+per-expert loop of bench/moe_loop.py in place of its grouped experts, in the same run, and the
+ratio grouped / loop is reported.
 
+    python -m bench.offline --shape small-moe --scale 0.05 --threads 2 --moe-loop
     python -m bench.offline --shape tiny --scale 0.25 --threads 2
     python -m bench.offline --shape tiny --scale 0.25 --threads 2 --tensor-parallel-size 2 --skip-hf
     python -m bench.offline --shape tiny --scale 0.25 --threads 1 --temperature 0  # + identity
@@ -55,6 +58,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1,
         help="engine ranks; above 1 the engine also runs with one rank, for the ratio",
+    )
+    p.add_argument(
+        "--moe-loop",
+        action="store_true",
+        help="MoE: also run the engine with a per-expert loop (bench/moe_loop.py), for the ratio",
     )
     return p.parse_args(argv)
 
@@ -219,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     # slows a run down). Every run is in the JSON.
     engine_runs: list[dict[str, Any]] = []
     one_rank_runs: list[dict[str, Any]] = []  # with --tensor-parallel-size > 1
+    loop_runs: list[dict[str, Any]] = []  # with --moe-loop
     hf_by_size: dict[int, list[dict[str, Any]]] = {size: [] for size in args.hf_batch_sizes}
     engine_tokens: list[list[int]] = []  # the last run's (all runs agree when greedy)
     hf_tokens: dict[int, list[list[int]]] = {}
@@ -245,6 +254,17 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run)
             if runs is engine_runs:
                 engine_tokens = tokens
+        if args.moe_loop:
+            from bench.moe_loop import per_expert_loop
+
+            with per_expert_loop():
+                run, _ = run_engine(
+                    model_dir, workload, args.device, dtype, args.max_num_seqs,
+                    args.max_num_batched_tokens, args.kv_cache_gib,
+                    prefix_cache=not args.disable_prefix_cache, threads=threads,
+                )  # fmt: skip
+            log(f"engine, per-expert loop: {run['output_tokens_per_s']:.1f} output tokens/s")
+            loop_runs.append(run)
         for size in [] if args.skip_hf else args.hf_batch_sizes:
             run, hf_tokens[size] = run_hf(model_dir, workload, args.device, dtype, size)
             log(f"hf batch {size}: {run['output_tokens_per_s']:.1f} output tokens/s")
@@ -257,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     tp_ratio = None
     if one_rank is not None:
         tp_ratio = engine["output_tokens_per_s"] / one_rank["output_tokens_per_s"]
+    loop = _best(loop_runs) if loop_runs else None
+    loop_ratio = engine["output_tokens_per_s"] / loop["output_tokens_per_s"] if loop else None
     result = {
         "benchmark": "offline",
         "model": args.shape if args.model is None else str(args.model),
@@ -277,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         "tensor_parallel_size": args.tensor_parallel_size,
         "engine_one_rank": one_rank,  # best of `repeat`; with --tensor-parallel-size > 1
         "ratio_ranks_over_one_rank": tp_ratio,
+        "engine_per_expert_loop": loop,  # best of `repeat`; with --moe-loop
+        "ratio_grouped_over_loop": loop_ratio,
         "hf_reference": "decode loop over the forward, KV cached (bench/hf_reference.py)",
         # Greedy only: sampled runs draw from different random streams.
         "token_identity_engine_hf": {
@@ -304,6 +328,15 @@ def main(argv: list[str] | None = None) -> int:
                 one_rank["requests_per_s"],
             ]
         )
+    if loop is not None:
+        rows.append(
+            [
+                "sluice LLMEngine, per-expert loop",
+                loop["seconds"],
+                loop["output_tokens_per_s"],
+                loop["requests_per_s"],
+            ]
+        )
     rows += [
         [
             f"HF decode loop, batch {r['batch_size']}",
@@ -319,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"ratio engine/HF output tokens/s: {ratio:.2f}x")
     for size, identity in (result["token_identity_engine_hf"] or {}).items():
         log(f"token-identical with HF batch {size}: {identity['identical']}/{identity['of']}")
+    if loop_ratio is not None:
+        log(f"ratio grouped experts / per-expert loop output tokens/s: {loop_ratio:.2f}x")
     if tp_ratio is not None:
         log(f"ratio {args.tensor_parallel_size} ranks / 1 rank output tokens/s: {tp_ratio:.2f}x")
     return 0

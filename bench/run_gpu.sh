@@ -57,6 +57,7 @@ step() {  # step NAME SECONDS MODULE ARGS...: skipped when the budget cannot cov
 # the kernel count of a graphed step.
 GPU_TESTS=(tests/engine/execution/test_gpu_fast_path.py
   tests/engine/layers/test_layer_kernels.py tests/engine/layers/test_fused_layer.py
+  tests/engine/layers/test_grouped_gemm_kernel.py
   tests/bench/test_kernel_count.py
   tests/engine/attention/test_attention_triton.py tests/engine/execution/test_cuda_graph.py
   tests/engine/sampling/test_fused_sampler.py tests/engine/sampling/test_sampling.py)
@@ -102,6 +103,13 @@ step offline-qwen2.5-0.5b 200 bench.offline --shape qwen2.5-0.5b $DEV --hf-batch
 # free (needs xgrammar: scripts/device_wheels.sh fetches it).
 step structured-qwen2.5-0.5b 90 bench.structured --shape qwen2.5-0.5b $DEV --batch 32 \
   --max-tokens 128 --repeat 2
+# Mixture of experts (issue 29): Qwen3-30B-A3B's layer shape with 4 of its 48 layers (about 3B
+# parameters, 6 GB in bfloat16), the grouped-GEMM experts beside a per-expert loop and HF, one run.
+# Alone: ONLY="gpu-tests checkpoints-moe offline-qwen3-30b-a3b-4l" bash bench/run_gpu.sh
+step checkpoints-moe 90 $CK qwen3-30b-a3b-4l
+rm -f "$OUT/checkpoints-moe.json"
+step offline-qwen3-30b-a3b-4l 150 bench.offline --shape qwen3-30b-a3b-4l $DEV --scale 0.25 \
+  --hf-batch-sizes 64 --kv-cache-gib 16 --moe-loop
 # The service's ceiling in front of an instant stand-in engine (no GPU needed, the host's cores).
 CEIL="bench.service_ceiling --streams 256 --step-ms 5 2.5 --clients 8 --seconds 4"
 step service-ceiling 45 $CEIL

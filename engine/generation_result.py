@@ -42,6 +42,7 @@ class GenerationResult:
     cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # index 0, when asked for
     sampling_support: list[list[int]] | None = None  # one per token, when asked for
+    routed_experts: list[list[int]] | None = None  # one per token ([MoE layer, k]), when asked
 
     def add(self, out: RequestOutput) -> None:
         """Fold in one step's output for this completion (the last one sets finish_reason)."""
@@ -53,6 +54,8 @@ class GenerationResult:
             self.top_logprobs = (self.top_logprobs or []) + out.top_logprobs
         if out.sampling_support is not None:
             self.sampling_support = (self.sampling_support or []) + out.sampling_support
+        if out.routed_experts is not None:
+            self.routed_experts = (self.routed_experts or []) + out.routed_experts
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.prompt_tokens = out.prompt_tokens

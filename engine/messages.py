@@ -126,6 +126,12 @@ class ModelInfo:
     total_pages: int
     policy_version: int
     max_num_seqs: int  # also the largest n a request may ask for
+    # Mixture-of-experts models (0 for a dense one): the layers whose MLP is routed, the
+    # experts each token goes to in each, and the experts of each layer. They size the
+    # routed experts a request may ask for.
+    moe_layers: int = 0
+    moe_top_k: int = 0
+    num_experts: int = 0
 
 
 @dataclass(frozen=True)
@@ -169,6 +175,9 @@ class PromptLogprobs:
     start: int
     logprobs: list[float]
     top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    # routed_experts[i]: with SamplingParams.routed_experts, the expert ids each MoE layer chose
+    # at position start + i - 1 (whose logits score position start + i), flattened [layer, k]
+    routed_experts: list[list[int]] | None = None
 
 
 @dataclass
@@ -201,6 +210,10 @@ class RequestOutput:
     # sampling_support[i]: the ids new_token_ids[i] could have been drawn from, most likely
     # first; [] when nothing truncated the distribution (every token). When asked for.
     sampling_support: list[list[int]] | None = None
+    # routed_experts[i]: for new_token_ids[i], the expert ids each MoE layer's router chose at
+    # the position whose logits produced it, flattened [MoE layer, k] (highest weight first).
+    # When asked for (SamplingParams.routed_experts).
+    routed_experts: list[list[int]] | None = None
 
     @property
     def finished(self) -> bool:

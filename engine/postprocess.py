@@ -41,6 +41,9 @@ class Engine(Protocol):
 def append_sampled(engine: Engine, sampled: Sampled, first: list[RequestOutput]) -> StepOutputs:
     """Record the prompt positions scored; append each row's token, end the requests it
     stops; outputs as StepOutputs (a request's first output carries its prompt logprobs)."""
+    for req, position, routed in sampled.prompt_routing:  # before a scored request ends
+        if req.prompt_scores is not None and not req.is_finished:
+            req.prompt_scores.record_routing(position, routed)
     for req, position, rows in sampled.prompt_scores:
         if req.prompt_scores is not None and not req.is_finished:
             req.prompt_scores.record(position, rows)

@@ -39,6 +39,8 @@ def request_error(
         return f"prompt_logprobs_start: must be at most the prompt's length, {len(prompt)} tokens"
     if params.max_tokens == 0 and n > 1:
         return "n: must be 1 to score a prompt (max_tokens 0)"
+    if params.routed_experts and model.moe is None:
+        return "routed_experts: the model has no mixture-of-experts layers"
     if params.adapter and params.adapter not in adapters:
         return f"adapter: {params.adapter!r} is not loaded"
     if min_version is not None and min_version > policy_version:

@@ -124,6 +124,9 @@ class SamplingParams:
     # The resident LoRA adapter (engine/lora/) that computes this request, by its name; "" is
     # the base model. An adapter not loaded when the request starts is its ERROR output.
     adapter: str = ""
+    # Mixture-of-experts models: with each sampled token, the experts each MoE layer's router
+    # chose in the forward pass whose logits produced it (RequestOutput.routed_experts).
+    routed_experts: bool = False
 
     @property
     def has_surface(self) -> bool:

@@ -39,6 +39,7 @@ class StepOutputs(Sequence[RequestOutput]):
         self.top_ids = sampled.top_ids
         self.top_logprobs = sampled.top_logprobs
         self.support = sampled.support
+        self.routed = sampled.routed_experts
         self._list: list[RequestOutput] | None = None
 
     def build_final(self, row: int) -> None:
@@ -48,6 +49,7 @@ class StepOutputs(Sequence[RequestOutput]):
         out = request_output(req, [self.token_ids[row]], lp, top, self.policy_version)
         out.prompt_logprobs = self.prompt.get(row)
         out.sampling_support = self.row_support(req, row)
+        out.routed_experts = self.row_routed(req, row)
         self.built[row] = out
 
     def attach_prompt(self, row: int, prompt_logprobs: PromptLogprobs) -> None:
@@ -76,6 +78,7 @@ class StepOutputs(Sequence[RequestOutput]):
             self.counts[row],
             prompt_logprobs=self.prompt.get(row),
             sampling_support=self.row_support(req, row),
+            routed_experts=self.row_routed(req, row),
         )
 
     def row_logprobs(
@@ -97,10 +100,16 @@ class StepOutputs(Sequence[RequestOutput]):
             return None
         return [self.support[row] or []]  # (an overflow ends the request: Engine)
 
+    def row_routed(self, req: Request, row: int) -> list[list[int]] | None:
+        """Row `row`'s routed experts, if its request asked for them."""
+        if not req.params.routed_experts or self.routed is None:
+            return None
+        return [self.routed[row]]
+
     def outputs(self) -> list[RequestOutput]:
         """Every output as a list, built once."""
         if self._list is None:
-            if self.logprobs is None:
+            if self.logprobs is None and self.routed is None:
                 version = self.policy_version
                 rows = [
                     RequestOutput(
@@ -128,11 +137,12 @@ class StepOutputs(Sequence[RequestOutput]):
     def for_pipe(self) -> tuple[list[RequestOutput], TokenColumns]:
         """(outputs to send as objects, the plain rows as columns): what the engine process
         sends instead of an object per row. The objects are `first`, the rows that ended and
-        the rows with logprobs; the service reads them all with StepOutput.all_outputs()."""
+        the rows with logprobs or routed experts; the service reads them all with
+        StepOutput.all_outputs()."""
         objects = list(self.first)
         plain: list[int] = []
         for row, req in enumerate(self.requests):
-            if row in self.built or (self.logprobs is not None and _wants_logprobs(req)):
+            if row in self.built or self._rich(req):
                 objects.append(self.row_output(row))
             else:
                 plain.append(row)
@@ -151,6 +161,12 @@ class StepOutputs(Sequence[RequestOutput]):
             self.policy_version,
         )
         return objects, columns
+
+    def _rich(self, req: Request) -> bool:
+        """Whether `req`'s row reports more than its token: sent as an object."""
+        if self.logprobs is not None and _wants_logprobs(req):
+            return True
+        return self.routed is not None and req.params.routed_experts
 
     def __len__(self) -> int:
         return len(self.first) + len(self.requests)

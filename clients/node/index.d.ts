@@ -129,6 +129,9 @@ export interface GenerateOptions extends RoutedCallOptions, ChatOptions, Structu
   logprobMode?: 'RAW' | 'PROCESSED' | 'SAMPLED';
   /** Return, per token, the ids it could have been drawn from (needs topK with truncation). */
   samplingSupport?: boolean;
+  /** Mixture-of-experts models: return, per token, each MoE layer's routed experts
+   * (TokensEvent.routedExperts); a dense model refuses it. */
+  routedExperts?: boolean;
   n?: number;
   minPolicyVersion?: number;
   priority?: number;
@@ -169,6 +172,9 @@ export interface PromptLogprobs {
   logprobs: number[];
   /** The `topLogprobs` most likely tokens at each scored position (empty unless asked for). */
   topLogprobs: { tokenIds: number[]; logprobs: number[] }[];
+  /** With routedExperts: the experts each MoE layer chose at the position before each scored
+   * one, flattened [scored position, MoE layer, k]; else empty. */
+  routedExperts: number[];
 }
 
 export interface TokensEvent extends EventBase {
@@ -181,6 +187,10 @@ export interface TokensEvent extends EventBase {
   topLogprobs: { tokenIds: number[]; logprobs: number[] }[];
   /** samplingSupport[i]: the ids tokenIds[i] could have been drawn from ([]: every token). */
   samplingSupport: number[][];
+  /** With routedExperts: the experts each MoE layer chose per token, flattened [token, MoE
+   * layer, k] (ServerInfo.moeLayers x expertsPerToken ids per token, highest weight first);
+   * else empty. */
+  routedExperts: number[];
   /** The weights version that produced these tokens. */
   policyVersion: number;
 }
@@ -241,6 +251,8 @@ export class Completion {
   logprobs: number[];
   /** One per token, with the samplingSupport option. */
   samplingSupport: number[][];
+  /** With the routedExperts option: flattened [token, MoE layer, k]. */
+  routedExperts: number[];
   /** One per token. */
   policyVersions: number[];
   finished: FinishedEvent | null;
@@ -305,6 +317,10 @@ export interface ServerInfo {
   waiting: number;
   /** The loaded LoRA adapters, in load order. */
   adapters: AdapterInfo[];
+  /** Mixture-of-experts models: the routed layers (0 for a dense model) and the experts per
+   * token in each; they unflatten TokensEvent.routedExperts. */
+  moeLayers: number;
+  expertsPerToken: number;
 }
 
 /** One loaded LoRA adapter (Admin LoadAdapter). */

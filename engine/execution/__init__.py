@@ -3,7 +3,8 @@
 `model_runner` (packs a batch, runs the model, samples), `launched_step` (a step in flight
 between the runner's launch and collect; the CPU's device thread), `step_inputs` (the flat step
 tensors), `sampling_slots` (each running request's sampling row, written once),
-`sampling_inputs` (a step's SamplingBatch from those rows), `cuda_graph` (decode steps captured
+`sampling_inputs` (a step's SamplingBatch from those rows), `routed_experts` (the sampled
+rows' MoE routing, when asked), `cuda_graph` (decode steps captured
 and replayed) and `model_shard` (one rank's model, KV pool and runner, built the same way on
 every rank). May import `models`, `attention`, `sampling`,
 `scheduling`, `parallel` and `weights.loading`.

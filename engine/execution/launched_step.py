@@ -34,7 +34,7 @@ T = TypeVar("T")
 class Sampled:
     """The tokens sampled this step, one per sampling request, on the host (with what the
     rows asked for); and the prompt positions scored, per request: (request, first position,
-    one row per position)."""
+    one row per position), with their routed experts alike when recorded."""
 
     requests: list[Request]
     token_ids: list[int]
@@ -45,6 +45,11 @@ class Sampled:
     # Per row when asked for: the ids it could have drawn ([]: every token; None: more tie at
     # the k-th logit than the sampler returned)
     support: list[list[int] | None] | None = None
+    # Per row when some row asked (engine/execution/routed_experts.py): each MoE layer's expert
+    # ids at the position the row sampled from, flattened [MoE layer, k]
+    routed_experts: list[list[int]] | None = None
+    # The routed experts of the prompt positions scored, when recorded: as prompt_scores
+    prompt_routing: list[tuple[Request, int, list[list[int]]]] = field(default_factory=list)
 
     def rows(self, rows: list[int]) -> Sampled:
         """The sampled rows `rows` (the prompt scores all kept: ended requests skip theirs)."""
@@ -62,6 +67,8 @@ class Sampled:
             pick(self.top_logprobs),
             self.prompt_scores,
             pick(self.support),
+            pick(self.routed_experts),
+            self.prompt_routing,
         )
 
 
@@ -75,6 +82,7 @@ class StepResult:
     token_ids: torch.Tensor | None  # [rows] int64, on the device
     scores: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
+    routed: torch.Tensor | None = None  # [rows, MoE layers, top_k] int32, when recorded
 
 
 @dataclass
@@ -147,16 +155,17 @@ def eager_hidden(
     rows: torch.Tensor | None,
     pending: PendingInputs | None,
     lora: LoraPass | None = None,
+    routing: list[torch.Tensor] | None = None,
 ) -> Callable[[], torch.Tensor]:
     """The device work of an eager step on uploaded inputs (ids, positions, metadata): write
-    the pending ids, forward (with the step's LoRA adapters, if any); the hidden states of
-    `rows` (or of every token)."""
+    the pending ids, forward (with the step's LoRA adapters, if any; recording the MoE layers'
+    expert ids in `routing`, if given); the hidden states of `rows` (or of every token)."""
     ids, positions, meta = inputs
 
     def hidden() -> torch.Tensor:
         if pending is not None:
             pending.scatter(ids)
-        out = model(ids, positions, meta, kv_caches, lora)
+        out = model(ids, positions, meta, kv_caches, lora, routing)
         return out if rows is None else out[rows]
 
     return hidden
@@ -167,20 +176,52 @@ def sampled_ids(out: SamplerOutput) -> torch.Tensor:
     return out.values if out.values.dim() == 1 else out.values[:, 0].to(torch.int64)
 
 
-def to_host_async(out: SamplerOutput | None, scores: torch.Tensor | None) -> StepResult | None:
-    """Start the device-to-host copies of a step's sampled values and prompt scores (CUDA:
-    pinned memory and an event, nothing waits; CPU: they are already on the host)."""
+def to_host_async(
+    out: SamplerOutput | None, scores: torch.Tensor | None, routed: torch.Tensor | None = None
+) -> StepResult | None:
+    """Start the device-to-host copies of a step's sampled values, prompt scores and routed
+    experts (CUDA: pinned memory and an event, nothing waits; CPU: they are already on the
+    host)."""
     either = out.values if out is not None else scores
     if either is None:
         return None
     ids = None if out is None else sampled_ids(out)
     if either.device.type != "cuda":
-        return StepResult(out, ids, scores)
+        return StepResult(out, ids, scores, None, routed)
     host = None if out is None else SamplerOutput(_pinned_copy(out.values), out.num_top_logprobs)
     host_scores = None if scores is None else _pinned_copy(scores)
+    host_routed = None if routed is None else _pinned_copy(routed)
     ready = torch.cuda.Event()
     ready.record()
-    return StepResult(host, ids, host_scores, ready)
+    return StepResult(host, ids, host_scores, ready, host_routed)
+
+
+def sampled_on_host(sampling: list[Request], out: SamplerOutput | None) -> Sampled:
+    """The Sampled of a step's sampler output, once on the host."""
+    if out is None:
+        return Sampled([], [], None, None, None)
+    if out.values.dim() == 1:
+        return Sampled(sampling, out.values.tolist(), None, None, None)
+    packed = out.values.tolist()
+    token_ids = [int(row[0]) for row in packed]
+    logprobs = [row[1] for row in packed]
+    top_ids = top_lps = None
+    if k := out.num_top_logprobs:
+        top_ids = [[int(t) for t in row[2 : 2 + k]] for row in packed]
+        top_lps = [row[2 + k : 2 + 2 * k] for row in packed]
+    sampled = Sampled(sampling, token_ids, logprobs, top_ids, top_lps)
+    if width := out.support_width:
+        sampled.support = [_support(row[2 + 2 * k :], width) for row in packed]
+    return sampled
+
+
+def _support(columns: list[float], width: int) -> list[int] | None:
+    """A row's sampling support from its packed columns (size, then `width` ids): [] for every
+    token, None when more ids tie than the columns hold."""
+    size = int(columns[0])
+    if size > width:
+        return None
+    return [int(t) for t in columns[1 : 1 + size]] if size > 0 else []
 
 
 def _pinned_copy(values: torch.Tensor) -> torch.Tensor:

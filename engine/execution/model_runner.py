@@ -35,9 +35,11 @@ from engine.execution.launched_step import (
     eager_hidden,
     graph_logits,
     run_now,
+    sampled_on_host,
     to_host_async,
 )
 from engine.execution.prompt_scoring import ScoredRows, follow_scored_rows, score_rows
+from engine.execution.routed_experts import host_rows, routing_record, row_routing
 from engine.execution.sampling_inputs import SamplingInputs
 from engine.execution.step_inputs import StepArrays, StepInputs, forward_inputs
 from engine.execution.step_rows import PreparedStep, lm_head_rows
@@ -154,13 +156,18 @@ class ModelRunner:
         lora = None
         if self.adapters is not None:
             lora = self.adapters.step(batch.requests, batch.query_lens, self.device)
-        # A decode step replays a graph, unless it scores prompt positions (a 1-token chunk)
-        # or runs LoRA adapters (the graphs hold the base model only).
+        # A decode step replays a graph, unless it scores prompt positions (a 1-token chunk),
+        # runs LoRA adapters (the graphs hold the base model only) or records routed experts.
+        routing = routing_record(self.model, batch.requests)
         decode = batch.num_tokens == num_seqs and graphs is not None and lora is None
+        if decode and routing is not None:
+            decode = False
         if decode and any([r.prompt_scores is not None for r in batch.requests]):
             decode = False
         size = graphs.bucket(num_seqs) if graphs is not None and decode else None
         step = self._prepare(batch, width, graph_rows=size)
+        if not step.sampling and not step.scoring:
+            routing = None
         self._send(step, graph_size=size or 0)
         sampling = (
             self._sampling_batch(step.sampling, _block_table(batch)) if step.sampling else None
@@ -183,19 +190,22 @@ class ModelRunner:
         else:
             self._upload(step)
             inputs = forward_inputs(self.inputs, self.arrays, *_shape(step))
-            hidden_of = eager_hidden(self.model, self.kv_caches, inputs, rows, pending, lora)
-            num_sampled = step.num_rows
+            model, caches = self.model, self.kv_caches
+            hidden_of = eager_hidden(model, caches, inputs, rows, pending, lora, routing)
+            num_sampled, num_rows = step.num_rows, step.num_rows + step.num_scored
 
             def work() -> StepResult | None:
                 hidden = hidden_of()  # [sampled rows, then scored rows, hidden] with lm_head
                 if not lm_head:
                     return None
-                out = scores = None
+                out = scores = routed = None
                 if sampling is not None:
                     out = sampling_of(self.model.compute_logits(hidden[:num_sampled]))
                 if scoring is not None:
                     scores = score_rows(self.model, hidden[num_sampled:], scoring)
-                return to_host_async(out, scores)
+                if routing is not None:
+                    routed = row_routing(routing, rows, num_rows)
+                return to_host_async(out, scores, routed)
 
         def sampling_of(logits: torch.Tensor) -> SamplerOutput:
             assert sampling is not None
@@ -214,13 +224,20 @@ class ModelRunner:
             return Sampled([], [], None, None, None)
         if result.ready is not None:
             result.ready.synchronize()
-        sampled = self._to_host(launched.sampling, result.host)
+        sampled = sampled_on_host(launched.sampling, result.host)
+        routed = None if result.routed is None else host_rows(result.routed)
+        first = len(launched.sampling)  # the scored rows' routing follows the sampled rows'
+        if routed is not None and first:
+            sampled.routed_experts = routed[:first]
         if launched.scoring is not None and result.scores is not None:
-            packed, first = result.scores.tolist(), 0
+            packed, row = result.scores.tolist(), 0
             for req, span in launched.scoring.spans:
-                rows = packed[first : first + span.count]
+                rows = packed[row : row + span.count]
                 sampled.prompt_scores.append((req, span.first, rows))
-                first += span.count
+                if routed is not None:
+                    scored = routed[first + row : first + row + span.count]
+                    sampled.prompt_routing.append((req, span.first, scored))
+                row += span.count
         return sampled
 
     def _use_slot(self, host: StepInputs, arrays: StepArrays) -> None:
@@ -359,36 +376,9 @@ class ModelRunner:
         a.slot_mapping[:num_tokens] = page * size + positions % size
         a.seq_lens[:num_seqs] = starts + lens
 
-    def _to_host(self, sampling: list[Request], out: SamplerOutput | None) -> Sampled:
-        # NOTE: the step's only device-to-host copy: everything sampled is in one tensor.
-        if out is None:
-            return Sampled([], [], None, None, None)
-        if out.values.dim() == 1:
-            return Sampled(sampling, out.values.tolist(), None, None, None)
-        packed = out.values.tolist()
-        token_ids = [int(row[0]) for row in packed]
-        logprobs = [row[1] for row in packed]
-        top_ids = top_lps = None
-        if k := out.num_top_logprobs:
-            top_ids = [[int(t) for t in row[2 : 2 + k]] for row in packed]
-            top_lps = [row[2 + k : 2 + 2 * k] for row in packed]
-        sampled = Sampled(sampling, token_ids, logprobs, top_ids, top_lps)
-        if width := out.support_width:
-            sampled.support = [_support(row[2 + 2 * k :], width) for row in packed]
-        return sampled
-
     def _sampling_batch(self, reqs: list[Request], table: BlockTable) -> SamplingBatch:
         """The step's SamplingBatch, in the buffers this launch fills."""
         return self.sampling_inputs.batch(reqs, table, self.host, self.arrays, self.inputs)
-
-
-def _support(columns: list[float], width: int) -> list[int] | None:
-    """A row's sampling support from its packed columns (size, then `width` ids): [] for every
-    token, None when more ids tie than the columns hold."""
-    size = int(columns[0])
-    if size > width:
-        return None
-    return [int(t) for t in columns[1 : 1 + size]] if size > 0 else []
 
 
 def _block_table(batch: ScheduledBatch) -> BlockTable:

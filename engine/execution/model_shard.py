@@ -150,4 +150,7 @@ def model_info(
         total_pages=total_pages,
         policy_version=config.policy_version,
         max_num_seqs=config.max_num_seqs,
+        moe_layers=len(cfg.moe.sparse_layers) if cfg.moe else 0,
+        moe_top_k=cfg.moe.top_k if cfg.moe else 0,
+        num_experts=cfg.moe.num_experts if cfg.moe else 0,
     )

@@ -2,7 +2,9 @@
 
 `rms_norm.py` (RMSNorm, fused with the residual add before it), `silu_and_mul.py` (the MLP's
 activation over the gate/up projection's output) and `rotary_kv.py` (rotary on q and k, and K
-and V into the paged KV cache, in one kernel; the attention backends call it). The `*_kernel`
+and V into the paged KV cache, in one kernel; the attention backends call it);
+`grouped_gemm_kernel.py` (the MoE experts' GEMMs for pairs grouped by expert, one launch per
+projection; engine/models/moe.py holds the torch path it equals). The `*_kernel`
 / `rotary_kv` modules import triton and are imported only when a Triton path is chosen
 (`kernel_choice.py`), so the package works without triton. `linear.py` is the projections'
 GEMM: oneDNN's for float32 on the CPU, F.linear elsewhere.

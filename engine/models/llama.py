@@ -211,6 +211,7 @@ class LlamaDecoderLayer(nn.Module):
         cache: KVCache | None,
         meta: AttentionMetadata,
         lora: LoraPass | None = None,
+        routing: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), not yet summed
         # Each norm adds the sublayer output before it to the stream (one kernel on Triton);
         # layer 0 starts the stream at the embedding.
@@ -221,7 +222,7 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(h, positions, rotary, backend, cache, meta, lora)
         h, residual = self.post_attention_layernorm(h, residual)
         mlp = self.feed_forward  # an MoE block's experts take no adapter (one is refused)
-        return (mlp(h, lora) if isinstance(mlp, LlamaMLP) else mlp(h)), residual
+        return (mlp(h, lora) if isinstance(mlp, LlamaMLP) else mlp(h, routing)), residual
 
 
 class LlamaModel(nn.Module):
@@ -244,8 +245,9 @@ class LlamaForCausalLM(nn.Module):
         tp: TensorParallel | None = None,
         triton_kernels: bool = False,
     ) -> None:
-        """`triton_kernels`: the norms and the activation run engine/layers' Triton kernels
-        (engine/layers/kernel_choice.py says when); else their torch reference code."""
+        """`triton_kernels`: the norms, the activation and the experts' grouped GEMMs run
+        engine/layers' Triton kernels (engine/layers/kernel_choice.py says when); else their
+        torch reference code."""
         super().__init__()
         self.config = cfg
         self.backend = backend
@@ -259,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
             cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling
         )
         for module in self.modules():
-            if isinstance(module, RMSNorm | SiluAndMul):
+            if isinstance(module, RMSNorm | SiluAndMul | StackedExperts):
                 module.triton = triton_kernels
 
     def forward(
@@ -269,7 +271,10 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[KVCache] | None,
         lora: LoraPass | None = None,
+        routing: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [tokens, hidden], after the final norm
+        """`routing`, when given, gains each MoE layer's expert ids [tokens, top_k], in layer
+        order; None (every step that returns no routed experts) records nothing."""
         if kv_caches is not None:
             self.backend.prepare(meta)
         h = self.model.embed_tokens(input_ids)
@@ -277,7 +282,7 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             cache = kv_caches[i] if kv_caches is not None else None
             h, residual = layer(
-                h, residual, positions, self.rotary, self.backend, cache, meta, lora
+                h, residual, positions, self.rotary, self.backend, cache, meta, lora, routing
             )
         assert residual is not None, "a model has at least one layer"
         h, _ = self.model.norm(h, residual)  # with the last layer's residual add

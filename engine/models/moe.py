@@ -13,9 +13,12 @@ hidden] (each expert's gate rows, then its up rows, as MergedLinear stacks a den
 loading and weight updates write through these views.
 
 The forward groups the (token, choice) pairs by expert (one sort) and runs each expert that has
-tokens as one GEMM over all of them: a loop over the experts with tokens, never over tokens. It
-reads the per-expert token counts on the host, so it is not CUDA-graph capturable (the engine
-runs MoE models eagerly); a grouped-GEMM kernel would lift that.
+tokens as one GEMM over all of them, never a loop over tokens. The torch path (the reference,
+and the CPU's) loops over the experts with tokens and reads the per-expert counts on the host.
+The Triton path (chosen with the layer kernels: engine/layers/kernel_choice.py, CUDA only) runs
+each projection for every expert in one grouped-GEMM launch (engine/layers/grouped_gemm_kernel.py)
+whose grid depends on the token count alone: no host sync, so it can be CUDA-graph captured
+(the engine still runs MoE models eagerly).
 
 Tensor parallelism: every expert (and the shared expert) is split on its intermediate dimension
 (engine/parallel/sharding.py); each rank's partial sum of routed and shared outputs is summed by
@@ -74,6 +77,7 @@ class StackedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.act = SiluAndMul()
+        self.triton = False  # the grouped-GEMM kernel (engine/layers/grouped_gemm_kernel.py)
         for view in self.checkpoint_tensors().values():  # as nn.Linear initialises each
             nn.init.kaiming_uniform_(view, a=math.sqrt(5))
         # Per-expert views, rebuilt when the parameters' storage moves (to_empty, sleep):
@@ -103,7 +107,17 @@ class StackedExperts(nn.Module):
         flat = ids.reshape(-1)  # [tokens * top_k] (token, choice) pairs
         order = flat.argsort(stable=True)  # the pairs grouped by expert
         token_of = order // top_k  # each grouped pair's token
-        grouped = x[token_of]  # [pairs, hidden]
+        if self.triton:
+            out = self._grouped(x, flat, token_of)
+        else:
+            out = self._per_expert(x[token_of], flat)
+        # As transformers: each product in the weights' dtype (float32 for Mixtral), then cast
+        # back and summed per token in the model's dtype.
+        scaled = (out * weights.reshape(-1)[order, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, scaled)
+
+    def _per_expert(self, grouped: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """The torch path: one GEMM per expert with pairs, [pairs, hidden] in grouped order."""
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()  # host sync
         gate_up, down = self._expert_views()
         out = torch.empty_like(grouped)
@@ -115,10 +129,22 @@ class StackedExperts(nn.Module):
             g, u = linear(grouped[rows], gate_up[e], None).chunk(2, dim=-1)  # [n, 2 * inter]
             out[rows] = linear(self.act(g, u), down[e], None)
             start += n
-        # As transformers: each product in the weights' dtype (float32 for Mixtral), then cast
-        # back and summed per token in the model's dtype.
-        scaled = (out * weights.reshape(-1)[order, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of, scaled)
+        return out
+
+    def _grouped(self, x: torch.Tensor, flat: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
+        """The Triton path: each projection one grouped-GEMM launch over every expert's pairs,
+        the counts kept on the device. [pairs, hidden] in grouped order."""
+        from engine.layers.grouped_gemm_kernel import group_blocks, grouped_gemm
+
+        experts = self.gate_up_proj.shape[0]
+        # Counted by scatter_add, not bincount: CUDA's bincount reads the largest id on the host.
+        counts = torch.zeros(experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        starts = group_blocks(counts)
+        gate_up = grouped_gemm(x, token_of, self.gate_up_proj.detach(), *starts)
+        h = self.act(*gate_up.chunk(2, dim=-1))  # [pairs, inter]
+        rows = torch.arange(h.shape[0], device=x.device)
+        return grouped_gemm(h, rows, self.down_proj.detach(), *starts)
 
     def drop_views(self) -> None:
         """Forget the per-expert views and the packed CPU copies `linear` cached on them (a
@@ -171,8 +197,14 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = SharedExpert(hidden, shard.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, hidden] -> same
+    def forward(
+        self, x: torch.Tensor, routing: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:  # [tokens, hidden] -> same
+        """`routing`, when given, gains this layer's expert ids [tokens, top_k] (the routed
+        experts a request asked for: engine/execution/routed_experts.py)."""
         weights, ids = route(linear(x, self.gate.weight, None), self.moe)
+        if routing is not None:
+            routing.append(ids)
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             scale = F.sigmoid(linear(x, self.shared_expert_gate.weight, None))  # [tokens, 1]

@@ -29,13 +29,19 @@ class ScoreSpan:
 
 
 class PromptScores:
-    def __init__(self, start: int, prompt_len: int, num_top: int) -> None:
+    def __init__(
+        self, start: int, prompt_len: int, num_top: int, routed_experts: bool = False
+    ) -> None:
         self.start = start
         self.prompt_len = prompt_len
         self.num_top = num_top  # top logprobs per position (0: none)
         self.logprobs: list[float | None] = [None] * (prompt_len - start)
         self.top: list[tuple[list[int], list[float]] | None] = [None] * len(self.logprobs)
         self.missing = len(self.logprobs)
+        # Each scored position's routed experts, when asked (recorded by `record_routing`)
+        self.routed: list[list[int]] | None = None
+        if routed_experts:
+            self.routed = [[] for _ in self.logprobs]
 
     @property
     def complete(self) -> bool:
@@ -67,8 +73,14 @@ class PromptScores:
             if k:
                 self.top[i] = ([int(t) for t in row[1 : 1 + k]], row[1 + n : 1 + n + k])
 
+    def record_routing(self, first: int, rows: list[list[int]]) -> None:
+        """Store the routed experts of the rows scoring positions first, first + 1, ...
+        (each [MoE layer, k] flattened), when asked for."""
+        if self.routed is not None:
+            self.routed[first - self.start : first - self.start + len(rows)] = rows
+
     def result(self) -> PromptLogprobs:
         assert self.complete, "prompt logprobs reported before every position was scored"
         logprobs = [lp for lp in self.logprobs if lp is not None]
         top = [t for t in self.top if t is not None] if self.num_top else None
-        return PromptLogprobs(self.start, logprobs, top)
+        return PromptLogprobs(self.start, logprobs, top, self.routed)

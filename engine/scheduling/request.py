@@ -120,5 +120,6 @@ def new_sequences(
     seqs[0].pending_forks = seqs[1:]
     if params.prompt_logprobs:
         start = params.prompt_logprobs_start
-        seqs[0].prompt_scores = PromptScores(start, len(prompt), params.top_logprobs)
+        scores = PromptScores(start, len(prompt), params.top_logprobs, params.routed_experts)
+        seqs[0].prompt_scores = scores
     return seqs

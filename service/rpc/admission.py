@@ -122,6 +122,7 @@ def sampling_params(
         sampling_support=out.sampling_support,
         structured=constraint(req),
         adapter=req.adapter,
+        routed_experts=out.routed_experts,
     )
 
 
@@ -153,6 +154,8 @@ def field_violations(
     elif req.n > 1 and req.stop.HasField("max_tokens") and req.stop.max_tokens == 0:
         errors.append(("n", "must be 1 to score a prompt (max_tokens 0)"))
     errors += _stop_violations(req.stop)
+    if req.output.routed_experts and not info.moe_layers:
+        errors.append(("output.routed_experts", "the model has no mixture-of-experts layers"))
     if req.output.logprob_mode not in LOGPROB_MODES:
         errors.append(("output.logprob_mode", f"unknown mode {req.output.logprob_mode}"))
     surface = surface_violations(req.sampling)  # before the lists are copied
@@ -239,7 +242,13 @@ async def admit(
     if bad_words and (errors := params.errors(info.vocab_size)):  # what the words became
         raise invalid_argument([(FIELD_PATHS.get(f, f), d) for f, d in errors])
     if req.output.prompt_logprobs and (
-        violations := prompt_logprobs_violations(req, len(prompt), max_message_bytes)
+        violations := prompt_logprobs_violations(
+            req, len(prompt), max_message_bytes, routed_bytes(info) * req.output.routed_experts
+        )
+    ):
+        raise invalid_argument(violations)
+    if req.output.routed_experts and (
+        violations := routed_experts_violations(req, len(prompt), info, max_message_bytes)
     ):
         raise invalid_argument(violations)
     if req.HasField("min_policy_version") and req.min_policy_version > policy_version:
@@ -272,26 +281,59 @@ async def admit(
 
 
 def prompt_logprobs_violations(
-    req: pb.GenerateRequest, prompt_len: int, max_message_bytes: int
+    req: pb.GenerateRequest, prompt_len: int, max_message_bytes: int, routed: int = 0
 ) -> list[tuple[str, str]]:
-    """What only the tokenized prompt tells of a request for prompt logprobs."""
+    """What only the tokenized prompt tells of a request for prompt logprobs (`routed`: the
+    bytes of a position's routed experts, when asked for)."""
     errors = []
     start = sampling_params(req).prompt_logprobs_start
     if start > prompt_len:
         errors.append(
             ("output.prompt_logprobs_start", f"must be at most the prompt's {prompt_len} tokens")
         )
-    size = (prompt_len - start) * (PROMPT_SCORE_BYTES + TOP_LOGPROB_BYTES * req.output.top_logprobs)
+    per_position = PROMPT_SCORE_BYTES + TOP_LOGPROB_BYTES * req.output.top_logprobs + routed
+    size = (prompt_len - start) * per_position
     if size > max_message_bytes:
         errors.append(
             (
                 "output.prompt_logprobs",
                 f"the scores of {prompt_len - start} positions could pass the largest message "
                 f"the server sends ({max_message_bytes} bytes): score fewer positions "
-                "(prompt_logprobs_start) or ask for fewer top_logprobs",
+                "(prompt_logprobs_start) or ask for fewer top_logprobs (or no routed_experts)",
             )
         )
     return errors
+
+
+def routed_experts_violations(
+    req: pb.GenerateRequest, prompt_len: int, info: ModelInfo, max_message_bytes: int
+) -> list[tuple[str, str]]:
+    """A request whose completion's routed experts could pass the largest message: every
+    token it may generate in one TokenChunk (a slow reader's chunk gathers them all)."""
+    tokens = info.max_model_len - prompt_len
+    if req.stop.HasField("max_tokens"):
+        tokens = min(tokens, req.stop.max_tokens)
+    per_token = (
+        routed_bytes(info) + PROMPT_SCORE_BYTES + TOP_LOGPROB_BYTES * req.output.top_logprobs
+    )
+    if tokens * per_token <= max_message_bytes:
+        return []
+    fits = max_message_bytes // per_token
+    return [
+        (
+            "output.routed_experts",
+            f"the routed experts of {tokens} tokens ({info.moe_layers} MoE layers x "
+            f"{info.moe_top_k} experts each) could pass the largest message the server sends "
+            f"({max_message_bytes} bytes): ask for at most {fits} tokens (stop.max_tokens)",
+        )
+    ]
+
+
+def routed_bytes(info: ModelInfo) -> int:
+    """The most bytes one token's routed experts take in a message: MoE layers x top-k ids,
+    each a varint of up to the largest expert id."""
+    id_bytes = (max(info.num_experts - 1, 1).bit_length() + 6) // 7
+    return info.moe_layers * info.moe_top_k * id_bytes
 
 
 def _no_room(prompt_tokens: int, info: ModelInfo) -> str:

@@ -175,6 +175,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             running=stats.running,
             waiting=stats.waiting,
             adapters=[adapter_info(state) for state in adapters],
+            moe_layers=info.moe_layers,
+            experts_per_token=info.moe_top_k,
         )
 
     def serving_state(self) -> pb.ServingState.ValueType:
@@ -337,6 +339,8 @@ def _started_event(request_id: str, outputs: list[RequestOutput]) -> pb.Generate
     if scores is not None:
         started.prompt_logprobs.start = scores.start
         started.prompt_logprobs.logprobs.extend(scores.logprobs)
+        for routed in scores.routed_experts or []:
+            started.prompt_logprobs.routed_experts.extend(routed)
         for ids, logprobs in scores.top_logprobs or []:
             started.prompt_logprobs.top_logprobs.add(token_ids=ids, logprobs=logprobs)
     return pb.GenerateResponse(request_id=request_id, started=started)

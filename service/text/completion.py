@@ -39,6 +39,7 @@ class _Chunk:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[pb.TopLogprobs] = field(default_factory=list)
     sampling_support: list[pb.TokenIds] = field(default_factory=list)
+    routed_experts: list[int] = field(default_factory=list)  # flattened [token, layer, k]
 
 
 class Completion:
@@ -137,6 +138,9 @@ class Completion:
                 chunk.top_logprobs.append(pb.TopLogprobs(token_ids=ids, logprobs=logprobs))
         if output.sampling_support is not None:
             chunk.sampling_support += [pb.TokenIds(ids=s) for s in output.sampling_support[:count]]
+        if output.routed_experts is not None:
+            for ids in output.routed_experts[:count]:
+                chunk.routed_experts += ids
         start = self._completion_tokens
         self._completion_tokens += count
         # Plain ints; the protobuf spans are built once, at the finish.
@@ -154,6 +158,7 @@ class Completion:
             top_logprobs=chunk.top_logprobs,
             policy_version=chunk.policy_version,
             sampling_support=chunk.sampling_support,
+            routed_experts=chunk.routed_experts,
         )
         return pb.GenerateResponse(request_id=self.request_id, index=self.index, tokens=tokens)
 

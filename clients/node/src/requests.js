@@ -31,6 +31,7 @@ export function buildRequest(prompt, options = {}) {
     'promptLogprobs',
     'promptLogprobsStart',
     'samplingSupport',
+    'routedExperts',
   ]);
   if (options.logprobMode !== undefined) output.logprobMode = `LOGPROB_MODE_${String(options.logprobMode).toUpperCase()}`;
   const request = {
@@ -142,7 +143,8 @@ export function toEvent(response) {
     case 'tokens': {
       const { tokenIds, text, logprobs, topLogprobs, policyVersion } = response.tokens;
       const samplingSupport = response.tokens.samplingSupport.map((support) => support.ids);
-      return { type: 'tokens', requestId, index, tokenIds, text, logprobs, topLogprobs, samplingSupport, policyVersion };
+      const routedExperts = response.tokens.routedExperts ?? [];
+      return { type: 'tokens', requestId, index, tokenIds, text, logprobs, topLogprobs, samplingSupport, routedExperts, policyVersion };
     }
     case 'finished': {
       const { reason, matchedStop, usage, versionSpans, message } = response.finished;
@@ -176,6 +178,7 @@ export class Completion {
     this.text = '';
     this.logprobs = [];
     this.samplingSupport = []; // one per token, with the samplingSupport option
+    this.routedExperts = []; // flattened [token, MoE layer, k], with the routedExperts option
     this.policyVersions = []; // one per token
     this.finished = null;
   }
@@ -195,6 +198,7 @@ export class Completion {
         this.text += event.text;
         this.logprobs.push(...event.logprobs);
         this.samplingSupport.push(...event.samplingSupport);
+        this.routedExperts.push(...event.routedExperts);
         for (let i = 0; i < event.tokenIds.length; i++) this.policyVersions.push(event.policyVersion);
         break;
       case 'finished':

@@ -388,3 +388,11 @@ test("the README's example runs against the server", async () => {
   assert.match(stdout, /: CANCELLED, \d+ tokens$/m);
   assert.match(stdout, /^INVALID_ARGUMENT \[\{"field":"sampling.temperature","description":"must be >= 0"\}\]$/m);
 });
+
+test('routedExperts on a dense model: INVALID_ARGUMENT naming output.routed_experts; moeLayers 0', async () => {
+  assert.equal((await client.info()).moeLayers, 0);
+  await assert.rejects(
+    client.complete(PROMPTS[2], { ...GREEDY, routedExperts: true }),
+    (error) => error.code === status.INVALID_ARGUMENT && error.fieldViolations[0].field === 'output.routed_experts',
+  );
+});

@@ -9,7 +9,8 @@ export async function usage(target: string): Promise<void> {
       const ids: number[] = event.tokenIds;
       const version: number = event.policyVersion;
       const support: number[][] = event.samplingSupport;
-      void [ids, version, event.text, event.logprobs, support];
+      const experts: number[] = event.routedExperts;
+      void [ids, version, event.text, event.logprobs, support, experts];
     } else if (event.type === 'finished') {
       const reason: 'STOP' | 'STOP_STRING' | 'LENGTH' | 'CANCELLED' | 'DEADLINE_EXCEEDED' | 'ABORTED' | 'ERROR' | 'UNSPECIFIED' =
         event.reason;
@@ -18,12 +19,16 @@ export async function usage(target: string): Promise<void> {
   }
   const completion: Completion = await client.complete([0, 1, 2], { n: 1, seed: 7, logprobMode: 'SAMPLED', samplingSupport: true, topK: 5 });
   void completion.tokenIds;
+  const withExperts = await client.complete([0, 1, 2], { routedExperts: true });
+  const served = await client.info();
+  if (!Array.isArray(withExperts)) void [withExperts.routedExperts.length / (served.moeLayers * served.expertsPerToken)];
   const scored = await client.complete([0, 1, 2], { maxTokens: 0, promptLogprobs: true, promptLogprobsStart: 1 });
   await client.complete('x', { logitBias: { 5: 1 }, allowedTokenIds: [5, 6], badWords: ['no'], badTokenIds: [6] });
   await client.complete('x', { logitBias: new Map([[5, -2]]) });
   if (!Array.isArray(scored) && scored.started?.promptLogprobs) {
     const logprobs: number[] = scored.started.promptLogprobs.logprobs;
-    void [logprobs, scored.started.promptLogprobs.start];
+    const promptExperts: number[] = scored.started.promptLogprobs.routedExperts;
+    void [logprobs, scored.started.promptLogprobs.start, promptExperts];
   }
   const chat = [{ role: 'user', content: 'Hi' }, { role: 'tool', content: '{}', tool_call_id: 'abc123XYZ' }];
   const rendered = await client.renderChat(chat, { templateKwargs: { enable_thinking: false }, tools: [] });

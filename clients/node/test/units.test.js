@@ -12,10 +12,11 @@ import { promisify } from 'node:util';
 
 import { Metadata } from '@grpc/grpc-js';
 
-import { buildRequest, chatPrompt, readSafetensorsIndex } from '../index.js';
+import { Completion, buildRequest, chatPrompt, readSafetensorsIndex } from '../index.js';
 import { toSluiceError } from '../src/errors.js';
 import { rpcStatusTypes, sluiceServices } from '../src/protos.js';
 import { EventQueue } from '../src/queue.js';
+import { toEvent } from '../src/requests.js';
 import { safetensorsChunks } from '../src/safetensors.js';
 import { buildHeader } from '../src/update_weights.js';
 
@@ -263,4 +264,15 @@ test('a packed tarball carries the sluice.v1 protos and loads them from its own 
     assert.equal(root, join(dir, 'package', 'proto'));
     assert.equal(methods, 'Generate,GenerateStream,Cancel,Tokenize,GetServerInfo,RenderChat');
   });
+});
+
+test('routedExperts: asked for in OutputOptions, kept flat ([token, MoE layer, k]) by Completion', () => {
+  assert.equal(buildRequest([0, 5], { routedExperts: true }).output.routedExperts, true);
+  const tokens = { tokenIds: [7, 8], text: '', logprobs: [], topLogprobs: [], samplingSupport: [], policyVersion: 0 };
+  const chunk = (routedExperts) => toEvent({ requestId: 'r', index: 0, event: 'tokens', tokens: { ...tokens, routedExperts } });
+  const completion = new Completion('r');
+  completion.add(chunk([1, 0, 3, 2, 4, 5, 6, 7])); // 2 tokens x 2 layers x top-2
+  completion.add(chunk([2, 3, 0, 1, 5, 4, 7, 6]));
+  assert.deepEqual(completion.routedExperts, [1, 0, 3, 2, 4, 5, 6, 7, 2, 3, 0, 1, 5, 4, 7, 6]);
+  assert.deepEqual(chunk(undefined).routedExperts, []);
 });

@@ -92,6 +92,7 @@ def build_request(
     prompt_logprobs_start: int | None = None,
     logprob_mode: str | None = None,
     sampling_support: bool = False,
+    routed_experts: bool = False,
     skip_special_tokens: bool | None = None,
     n: int | None = None,
     min_policy_version: int | None = None,
@@ -150,6 +151,7 @@ def build_request(
         raw_logprobs=raw_logprobs,
         prompt_logprobs=prompt_logprobs,
         sampling_support=sampling_support,
+        routed_experts=routed_experts,
     )
     if logprob_mode is not None:
         output.logprob_mode = pb.LogprobMode.Value(f"LOGPROB_MODE_{logprob_mode.upper()}")
@@ -212,6 +214,9 @@ class Completion:
     # One per token with sampling_support=True: the ids it could have been drawn from ([]: all)
     sampling_support: list[list[int]] = field(default_factory=list)
     policy_versions: list[int] = field(default_factory=list)  # one per token
+    # With routed_experts=True (mixture-of-experts models): the chunks' routed experts as sent,
+    # flattened [token, MoE layer, k]; `experts_of` unflattens them
+    routed_experts: list[int] = field(default_factory=list)
     finished: pb.Finished | None = None
     refused: pb.Refused | None = None
 
@@ -222,6 +227,19 @@ class Completion:
         if self.started is None or not self.started.HasField("prompt_logprobs"):
             return None
         return list(self.started.prompt_logprobs.logprobs)
+
+    def experts_of(self, moe_layers: int, experts_per_token: int) -> list[list[list[int]]]:
+        """The routed experts per token: [token][MoE layer][k], highest weight first
+        (`moe_layers` and `experts_per_token` as ServerInfo gives them)."""
+        width = moe_layers * experts_per_token
+        flat = self.routed_experts
+        return [
+            [
+                flat[t + layer * experts_per_token : t + (layer + 1) * experts_per_token]
+                for layer in range(moe_layers)
+            ]
+            for t in range(0, len(flat), width)
+        ]
 
     @property
     def reason(self) -> str:
@@ -243,6 +261,7 @@ class Completion:
                 self.text += chunk.text
                 self.logprobs.extend(chunk.logprobs)
                 self.sampling_support += [list(s.ids) for s in chunk.sampling_support]
+                self.routed_experts.extend(chunk.routed_experts)
                 self.policy_versions.extend([chunk.policy_version] * len(chunk.token_ids))
             case "finished":
                 self.finished = event.finished

@@ -1,10 +1,12 @@
 """Tensor parallelism for mixture-of-experts models on the CPU (gloo, 2 ranks): each rank holds
 a slice of every expert's (and the shared expert's) intermediate dimension; greedy ids equal one
-rank's and transformers', logprobs within 1e-4, and updates naming individual experts' tensors
+rank's and transformers', logprobs within 1e-4, the routed experts one rank's (every rank
+routes whole), and updates naming individual experts' tensors
 (in-process tensors, live_weights) reach both ranks' slices."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,11 +53,13 @@ def test_two_ranks_give_one_ranks_and_hf_greedy_ids(case, tmp_path, engines) -> 
     one = make_engine(checkpoint, 1)
     engines.append(two := make_engine(checkpoint, 2))
     batch = prompts(one.info.vocab_size, count=4)
-    single, split = one.generate(batch, GREEDY), two.generate(batch, GREEDY)
+    params = dataclasses.replace(GREEDY, routed_experts=True)
+    single, split = one.generate(batch, params), two.generate(batch, params)
     hf = load_hf_model(checkpoint)
     for prompt, a, b in zip(batch, single, split, strict=True):
         expected, hf_logprobs = hf_greedy(hf, prompt, NEW_TOKENS)
         assert b.token_ids == a.token_ids == expected
+        assert b.routed_experts is not None and b.routed_experts == a.routed_experts
         chosen = hf_logprobs.gather(-1, torch.tensor(b.token_ids)[:, None]).squeeze(-1)
         torch.testing.assert_close(torch.tensor(b.logprobs), chosen, atol=1e-4, rtol=0)
 

@@ -623,6 +623,7 @@ class OutputOptions(_message.Message):
     PROMPT_LOGPROBS_START_FIELD_NUMBER: _builtins.int
     LOGPROB_MODE_FIELD_NUMBER: _builtins.int
     SAMPLING_SUPPORT_FIELD_NUMBER: _builtins.int
+    ROUTED_EXPERTS_FIELD_NUMBER: _builtins.int
     logprobs: _builtins.bool
     """Return the log-probability of each sampled token (TokenChunk.logprobs), under the
     distribution logprob_mode names (by default the log-softmax of the logits after the
@@ -666,6 +667,14 @@ class OutputOptions(_message.Message):
     then holds at most top_k ids, more only when logits tie at the top_k-th place (top-k keeps
     every tied token; more than 64 ties end the sample with ERROR). Default false.
     """
+    routed_experts: _builtins.bool
+    """Mixture-of-experts models: return, per sampled token, the experts each MoE layer's router
+    chose (TokenChunk.routed_experts), for replaying the same routing in a trainer's forward.
+    A dense model (ServerInfo.moe_layers 0) refuses it with INVALID_ARGUMENT, as does a
+    request whose routed experts could pass the largest message the server sends (fewer
+    max_tokens fits). With prompt_logprobs, the scored prompt positions' routing comes too
+    (PromptLogprobs.routed_experts; it counts in the prompt scores' bound). Default false.
+    """
     def __init__(
         self,
         *,
@@ -677,10 +686,11 @@ class OutputOptions(_message.Message):
         prompt_logprobs_start: _builtins.int | None = ...,
         logprob_mode: Global___LogprobMode.ValueType = ...,
         sampling_support: _builtins.bool = ...,
+        routed_experts: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_prompt_logprobs_start", b"_prompt_logprobs_start", "_skip_special_tokens", b"_skip_special_tokens", "prompt_logprobs_start", b"prompt_logprobs_start", "skip_special_tokens", b"skip_special_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt_logprobs_start", b"_prompt_logprobs_start", "_skip_special_tokens", b"_skip_special_tokens", "logprob_mode", b"logprob_mode", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_logprobs_start", b"prompt_logprobs_start", "raw_logprobs", b"raw_logprobs", "sampling_support", b"sampling_support", "skip_special_tokens", b"skip_special_tokens", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt_logprobs_start", b"_prompt_logprobs_start", "_skip_special_tokens", b"_skip_special_tokens", "logprob_mode", b"logprob_mode", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_logprobs_start", b"prompt_logprobs_start", "raw_logprobs", b"raw_logprobs", "routed_experts", b"routed_experts", "sampling_support", b"sampling_support", "skip_special_tokens", b"skip_special_tokens", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__prompt_logprobs_start: _TypeAlias = _typing.Literal["prompt_logprobs_start"]  # noqa: Y015
     _WhichOneofArgType__prompt_logprobs_start: _TypeAlias = _typing.Literal["_prompt_logprobs_start", b"_prompt_logprobs_start"]  # noqa: Y015
@@ -913,6 +923,7 @@ class PromptLogprobs(_message.Message):
     START_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    ROUTED_EXPERTS_FIELD_NUMBER: _builtins.int
     start: _builtins.int
     """The first prompt position scored (OutputOptions.prompt_logprobs_start)."""
     @_builtins.property
@@ -927,16 +938,25 @@ class PromptLogprobs(_message.Message):
         (ties by token id); empty unless top_logprobs > 0.
         """
 
+    @_builtins.property
+    def routed_experts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """With OutputOptions.routed_experts on a mixture-of-experts model: the experts each MoE
+        layer's router chose at the position whose logits score each scored position (position
+        start + i - 1 for start + i), flattened [scored position, MoE layer, k] in
+        TokenChunk.routed_experts' layout. Empty otherwise.
+        """
+
     def __init__(
         self,
         *,
         start: _builtins.int = ...,
         logprobs: _abc.Iterable[_builtins.float] | None = ...,
         top_logprobs: _abc.Iterable[Global___TopLogprobs] | None = ...,
+        routed_experts: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "start", b"start", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "routed_experts", b"routed_experts", "start", b"start", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -956,6 +976,7 @@ class TokenChunk(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     SAMPLING_SUPPORT_FIELD_NUMBER: _builtins.int
+    ROUTED_EXPERTS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """The text these tokens complete; may be empty while a multi-byte character is incomplete.
     The chunk texts of a sample, concatenated, are its detokenized completion (cut at a stop
@@ -985,6 +1006,17 @@ class TokenChunk(_message.Message):
         OutputOptions.sampling_support.
         """
 
+    @_builtins.property
+    def routed_experts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The routed experts of every token of token_ids, flattened [token, MoE layer, k]: token i's
+        ids are routed_experts[i * L * K : (i + 1) * L * K], with L the model's MoE layers (in
+        layer order, dense layers skipped) and K its experts per token (num_experts_per_tok);
+        each layer's K ids in the router's order, highest routing weight first. They are the
+        routing of the forward pass whose logits produced the token (the one its logprob comes
+        from): for token i, that of the sequence position before it. Empty unless
+        OutputOptions.routed_experts.
+        """
+
     def __init__(
         self,
         *,
@@ -994,10 +1026,11 @@ class TokenChunk(_message.Message):
         top_logprobs: _abc.Iterable[Global___TopLogprobs] | None = ...,
         policy_version: _builtins.int = ...,
         sampling_support: _abc.Iterable[Global___TokenIds] | None = ...,
+        routed_experts: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "policy_version", b"policy_version", "sampling_support", b"sampling_support", "text", b"text", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "policy_version", b"policy_version", "routed_experts", b"routed_experts", "sampling_support", b"sampling_support", "text", b"text", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1427,6 +1460,8 @@ class ServerInfo(_message.Message):
     RUNNING_FIELD_NUMBER: _builtins.int
     WAITING_FIELD_NUMBER: _builtins.int
     ADAPTERS_FIELD_NUMBER: _builtins.int
+    MOE_LAYERS_FIELD_NUMBER: _builtins.int
+    EXPERTS_PER_TOKEN_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model's name: its checkpoint directory's name, or "demo"."""
     max_model_len: _builtins.int
@@ -1452,6 +1487,14 @@ class ServerInfo(_message.Message):
     waiting: _builtins.int
     """Requests queued in the engine, not started yet. New requests are refused
     RESOURCE_EXHAUSTED while the server's --max-waiting (default 1024) admitted requests wait.
+    """
+    moe_layers: _builtins.int
+    """Mixture-of-experts models: the layers whose MLP is routed (0 for a dense model) and the
+    experts each token goes to in each; they unflatten TokenChunk.routed_experts.
+    """
+    experts_per_token: _builtins.int
+    """The experts per token of each MoE layer (the checkpoint's num_experts_per_tok); 0 when
+    dense.
     """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -1482,10 +1525,12 @@ class ServerInfo(_message.Message):
         running: _builtins.int = ...,
         waiting: _builtins.int = ...,
         adapters: _abc.Iterable[Global___AdapterInfo] | None = ...,
+        moe_layers: _builtins.int = ...,
+        experts_per_token: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_cache", b"kv_cache"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "kv_cache", b"kv_cache", "max_model_len", b"max_model_len", "model", b"model", "policy_version", b"policy_version", "running", b"running", "state", b"state", "vocab_size", b"vocab_size", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "experts_per_token", b"experts_per_token", "kv_cache", b"kv_cache", "max_model_len", b"max_model_len", "model", b"model", "moe_layers", b"moe_layers", "policy_version", b"policy_version", "running", b"running", "state", b"state", "vocab_size", b"vocab_size", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,39 @@
+"""The routed experts of a step's LM-head rows (SamplingParams.routed_experts).
+
+"The experts of a generated token" are those of the forward pass whose logits produced it: the
+routing of the position its row samples from (for token i, the sequence position before it);
+a scored prompt position's, likewise, are those of the row whose logits score it. The forward
+records every MoE layer's expert ids for every token only when a request of the step asks
+(`routing_record`): a step that returns none records nothing. The LM-head rows' ids (sampled,
+then scored) are gathered on the device and come to the host with the sampled tokens
+(engine/execution/launched_step.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.models.llama import LlamaForCausalLM
+from engine.scheduling.request import Request
+
+
+def routing_record(model: LlamaForCausalLM, requests: list[Request]) -> list[torch.Tensor] | None:
+    """A list for the forward to append each MoE layer's expert ids to, when one of
+    `requests` asks for its routed experts (a dense model has none to give); else None."""
+    if model.config.moe is None or not any([r.params.routed_experts for r in requests]):
+        return None
+    return []
+
+
+def row_routing(routing: list[torch.Tensor], rows: torch.Tensor | None, count: int) -> torch.Tensor:
+    """[LM-head rows, MoE layers, top_k] int32 expert ids of the first `count` LM-head rows,
+    from what the forward recorded ([tokens, top_k] per MoE layer); `rows`: the token of each
+    LM-head row (None: row i is token i)."""
+    ids = torch.stack(routing, dim=1)  # [tokens, MoE layers, top_k]
+    picked = ids[:count] if rows is None else ids[rows[:count]]
+    return picked.to(torch.int32)
+
+
+def host_rows(routed: torch.Tensor) -> list[list[int]]:
+    """Each sampled row's expert ids, flattened [MoE layer, k], from the host copy."""
+    return routed.reshape(routed.shape[0], -1).tolist()
