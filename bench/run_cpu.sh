@@ -65,6 +65,8 @@ if [[ $MODE == smoke ]]; then
     --threads 1
   # A batch under a JSON schema beside the same batch free (about 5 s: xgrammar's import).
   run structured bench.structured --shape tiny --batch 8 --max-tokens 16 --repeat 1 --threads 1
+  # A batch over 1, 4 and 8 LoRA adapters beside the base model (about 6 s: peft's import).
+  run lora bench.lora --shape tiny --batch 8 --prompt-len 16 --max-tokens 8 --repeat 1 --threads 1
 else
   # --repeat: engine and HF runs alternate and each side's best counts; likewise the serving
   # benchmark's offline reference runs and its rate-inf phases (a busy machine only slows runs).
@@ -80,6 +82,8 @@ else
   run detokenize bench.detokenize
   run rl_outputs bench.rl_outputs --shape tiny --scale 0.5 --repeat 2 --threads "$THREADS"
   run structured bench.structured --shape tiny --batch 32 --max-tokens 256 --repeat 3 \
+    --threads "$THREADS"
+  run lora bench.lora --shape tiny --batch 32 --prompt-len 64 --max-tokens 128 --repeat 3 \
     --threads "$THREADS"
 fi
 
