@@ -39,6 +39,7 @@ from engine.execution.model_shard import (
     resolve_model_path,
 )
 from engine.generation_result import GenerationResult, generate
+from engine.layers.kernel_choice import use_triton_kernels
 from engine.lora.registry import AdapterRegistry, LoadedAdapter
 from engine.messages import (
     EngineStats,
@@ -97,7 +98,11 @@ class LLMEngine:
         if self.workers is not None:
             self.workers.attach(self.runner.open_channel(), self.lock)
         self.lora = self.runner.adapters = AdapterRegistry(
-            self.model, config.max_loras, config.max_lora_rank, self.runner.run_on_device
+            self.model,
+            config.max_loras,
+            config.max_lora_rank,
+            self.runner.run_on_device,
+            triton=use_triton_kernels(config.layer_kernels, self.device),
         )
         self.cache = PrefixCache(self.pool, config.enable_prefix_cache)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)

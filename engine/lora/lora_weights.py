@@ -13,10 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from engine.lora.lora_kernel import Segments
 
 
 class ProjectionLora:
@@ -44,6 +49,8 @@ class ProjectionLora:
         ]
         # Per slot, the parts its adapter targets: (part, rank, scaling).
         self.active: list[list[tuple[int, int, float]]] = [[] for _ in range(slots)]
+        # The same scalings on the device for the Triton path (0: a part the slot skips).
+        self.scaling = torch.zeros(slots, len(parts), device=device, dtype=torch.float32)
 
     def write(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
         """Install one part's A [r, in] and B [out_part, r] in `slot`."""
@@ -51,12 +58,14 @@ class ProjectionLora:
         self.a[slot, first : first + rank].copy_(a)
         self.b[part][slot, :, :rank].copy_(b)
         self.active[slot].append((part, rank, scaling))
+        self.scaling[slot, part] = scaling
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         for b in self.b:
             b[slot].zero_()
         self.active[slot] = []
+        self.scaling[slot].zero_()
 
     def add(self, x: torch.Tensor, y: torch.Tensor, slot: int, rows: torch.Tensor) -> None:
         """y[rows] += this slot's delta of x[rows], in place (x [tokens, in], y [tokens, out])."""
@@ -76,15 +85,30 @@ class ProjectionLora:
 class LoraStep:
     """A step's LoRA pass: each adapter slot present with its token rows (device int64), and
     every projection's stacked weights. Only built when some request of the step has an
-    adapter: the base model's steps never see one."""
+    adapter: the base model's steps never see one. `triton`: the segmented Triton kernel
+    (engine/lora/lora_kernel.py, two or more launches a projection) instead of the loop."""
 
     groups: list[tuple[int, torch.Tensor]]
     weights: Mapping[nn.Module, ProjectionLora]
+    triton: bool = False
+
+    @cached_property
+    def segments(self) -> Segments:
+        """The rows grouped by slot, for the kernel: built once a step, at its first use."""
+        from engine.lora.lora_kernel import segments
+
+        slots = next(iter(self.weights.values())).a.shape[0]
+        return segments(self.groups, slots)
 
     def add(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add to `module`'s output `y` (for input `x`) the deltas of every adapter present."""
         lora = self.weights.get(module)
         if lora is None:
+            return
+        if self.triton:
+            from engine.lora.lora_kernel import add_lora
+
+            add_lora(x, y, lora.a, lora.b, lora.scaling, lora.columns, self.segments)
             return
         for slot, rows in self.groups:
             lora.add(x, y, slot, rows)

@@ -58,8 +58,10 @@ class AdapterRegistry:
         max_loras: int,
         max_rank: int,
         run_on_device: Callable[[Callable[[], None]], None] = _write_now,
+        triton: bool = False,
     ) -> None:
         self.max_loras = max_loras
+        self.triton = triton  # steps run the segmented Triton kernel (engine/lora/lora_kernel.py)
         self.max_rank = max_rank
         self.run_on_device = run_on_device
         self.loaded: dict[str, LoadedAdapter] = {}
@@ -207,4 +209,4 @@ class AdapterRegistry:
         for slot in sorted(set(slots) - {-1}):
             rows = torch.from_numpy(np.flatnonzero(token_slots == slot))
             groups.append((slot, rows.to(device, non_blocking=True)))
-        return LoraStep(groups, self.weights)
+        return LoraStep(groups, self.weights, self.triton)
