@@ -97,7 +97,7 @@ class LLMEngine:
         if self.workers is not None:
             self.workers.attach(self.runner.open_channel(), self.lock)
         self.lora = self.runner.adapters = AdapterRegistry(
-            self.model, config.max_loras, config.max_lora_rank, self.runner.run_on_device
+            self.model, config.max_loras, config.max_lora_rank, self.runner
         )
         self.cache = PrefixCache(self.pool, config.enable_prefix_cache)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)

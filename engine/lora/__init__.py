@@ -2,9 +2,11 @@
 per-module weights, and added to the projections of the tokens that select them.
 
 adapter_file.py (a PEFT directory read and checked against the model), lora_weights.py (one
-projection's stacked adapter weights and a step's LoRA pass over them), registry.py
-(AdapterRegistry: which adapter is resident in which slot).
+projection's stacked adapter weights and a step's LoRA pass over them), adapter_slots.py
+(AdapterSlots: one tensor-parallel rank's slices of every projection's slots, and how rank 0's
+slot writes and a step's slots reach the other ranks), registry.py (AdapterRegistry: which
+adapter is resident in which slot).
 
-May import `engine.models` (the projections the weights attach to) and `engine.scheduling`
-(a step's requests).
+May import `engine.models` (the projections the weights attach to), `engine.scheduling`
+(a step's requests) and `engine.parallel.step_channel` (what rank 0 tells the other ranks).
 """
