@@ -157,8 +157,6 @@ class EngineConfig:
             raise ValueError("max_loras: must be at least 0")
         if self.max_lora_rank < 1:
             raise ValueError("max_lora_rank: must be at least 1")
-        if self.max_loras and self.tensor_parallel_size > 1:
-            raise ValueError("max_loras: LoRA with tensor parallelism is not built yet")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization: must be in (0, 1]")
         if not 0 <= self.policy_version <= MAX_POLICY_VERSION:

@@ -101,7 +101,7 @@ class LLMEngine:
             self.model,
             config.max_loras,
             config.max_lora_rank,
-            self.runner.run_on_device,
+            self.runner,
             triton=use_triton_kernels(config.layer_kernels, self.device),
         )
         self.cache = PrefixCache(self.pool, config.enable_prefix_cache)

@@ -43,6 +43,9 @@ from engine.execution.routed_experts import host_rows, routing_record, row_routi
 from engine.execution.sampling_inputs import SamplingInputs
 from engine.execution.step_inputs import StepArrays, StepInputs, forward_inputs
 from engine.execution.step_rows import PreparedStep, lm_head_rows
+from engine.lora.adapter_file import AdapterFile
+from engine.lora.adapter_slots import share_slot
+from engine.lora.lora_weights import LoraStep
 from engine.lora.registry import AdapterRegistry
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.step_channel import Op, StepChannel, StepHeader
@@ -134,6 +137,11 @@ class ModelRunner:
         else:
             self.device_thread.submit(work).result()
 
+    def share_slot(self, slot: int, file: AdapterFile | None) -> None:
+        """Tensor parallel: every other rank writes `file` into LoRA slot `slot` too."""
+        if self.channel is not None:
+            share_slot(self.channel, slot, file)
+
     def close(self) -> None:
         if self.device_thread is not None:
             self.device_thread.close()
@@ -168,7 +176,7 @@ class ModelRunner:
         step = self._prepare(batch, width, graph_rows=size)
         if not step.sampling and not step.scoring:
             routing = None
-        self._send(step, graph_size=size or 0)
+        self._send(step, size or 0, None if lora is None else batch.requests)
         sampling = (
             self._sampling_batch(step.sampling, _block_table(batch)) if step.sampling else None
         )
@@ -244,9 +252,11 @@ class ModelRunner:
         self.host = self.inputs = host  # the CPU's step tensors are the host buffers
         self.arrays = arrays
 
-    def _send(self, step: PreparedStep, graph_size: int) -> None:
+    def _send(self, step: PreparedStep, graph_size: int, lora: list[Request] | None) -> None:
         if self.channel is None:
             return
+        # `lora`: the step's requests when some run an adapter: their slots go too.
+        slots = self.adapters.request_slots(lora) if lora and self.adapters else None
         header = StepHeader(
             Op.STEP,
             step.num_tokens,
@@ -259,13 +269,16 @@ class ModelRunner:
         header.num_scored = step.num_scored
         copies = self.pool.copy_log or []
         header.num_copies = len(copies)
-        self.channel.send(header, copies)
+        header.lora = slots is not None
+        self.channel.send(header, copies, slots)
         copies.clear()
 
     @torch.inference_mode()
-    def follow(self, header: StepHeader, copies: list[tuple[int, int]]) -> None:
-        """A worker rank: run the step rank 0 described (its inputs are in the host buffers),
-        joining every collective rank 0's `run` makes."""
+    def follow(
+        self, header: StepHeader, copies: list[tuple[int, int]], lora: LoraStep | None = None
+    ) -> None:
+        """A worker rank: run the step rank 0 described (its inputs are in the host buffers;
+        `lora`, its adapters), joining every collective rank 0's `run` makes."""
         if self._uploaded is not None:
             self._uploaded.synchronize()
         for src, dst in copies:
@@ -285,7 +298,7 @@ class ModelRunner:
             [],
             header.num_scored,
         )
-        hidden = self._forward(step)
+        hidden = self._forward(step, lora)
         if step.num_rows + step.num_scored:
             if not step.rows_are_tokens:
                 hidden = hidden[self._sample_rows(step)]
@@ -304,11 +317,11 @@ class ModelRunner:
             self.inputs.sample_rows[:rows].copy_(self.host.sample_rows[:rows], non_blocking=True)
         return self.inputs.sample_rows[:rows]
 
-    def _forward(self, step: PreparedStep) -> torch.Tensor:
+    def _forward(self, step: PreparedStep, lora: LoraStep | None = None) -> torch.Tensor:
         """The eager forward of any step: [tokens, hidden]."""
         self._upload(step)
         ids, positions, meta = forward_inputs(self.inputs, self.arrays, *_shape(step))
-        return self.model(ids, positions, meta, self.kv_caches)
+        return self.model(ids, positions, meta, self.kv_caches, lora)
 
     def _upload(self, step: PreparedStep) -> None:
         num_seqs, width = step.num_seqs, step.width

@@ -12,8 +12,10 @@ adapters keep their slots and may not fill them all (one is always left to rotat
 Every load gets a new `key`: a request holds its adapter's key (the prefix cache folds it into
 its hashes, so KV computed under one adapter is never reused under another, nor under a later
 adapter of the same name), and a step looks up each key's slot. Slot writes go through
-`run_on_device`, ordered after the steps already launched (an overlapped step in flight reads
-the slot's old weights, never half-written ones).
+the writer's `run_on_device`, ordered after the steps already launched (an overlapped step in
+flight reads the slot's old weights, never half-written ones), and its `share_slot`, which
+makes every other tensor-parallel rank write the same slot (engine/lora/adapter_slots.py:
+each rank holds its slice).
 """
 
 from __future__ import annotations
@@ -23,16 +25,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
-from torch import nn
 
 from engine.lora.adapter_file import TARGETS, AdapterFile, read_adapter
-from engine.lora.lora_weights import LoraStep, ProjectionLora
-from engine.models.llama import LlamaForCausalLM, RowParallelLinear
-from engine.models.merged_linear import MergedLinear
-from engine.models.moe import SparseMoeBlock
+from engine.lora.adapter_slots import AdapterSlots
+from engine.lora.lora_weights import LoraStep
+from engine.models.llama import LlamaForCausalLM
 from engine.scheduling.request import Request
 
 
@@ -47,8 +48,22 @@ class LoadedAdapter:
     target_modules: tuple[str, ...] = ()  # the projections it changes: q_proj, ..., down_proj
 
 
-def _write_now(work: Callable[[], None]) -> None:
-    work()
+class SlotWriter(Protocol):
+    """Where a slot's writes run: `run_on_device` orders a write after the steps already
+    launched; `share_slot` tells the other tensor-parallel ranks to write the same adapter
+    (None: clear) into the same slot (nothing with one rank)."""
+
+    def run_on_device(self, work: Callable[[], None]) -> None: ...
+
+    def share_slot(self, slot: int, file: AdapterFile | None) -> None: ...
+
+
+class _WriteNow:
+    def run_on_device(self, work: Callable[[], None]) -> None:
+        work()
+
+    def share_slot(self, slot: int, file: AdapterFile | None) -> None:
+        pass
 
 
 class AdapterRegistry:
@@ -57,48 +72,20 @@ class AdapterRegistry:
         model: LlamaForCausalLM,
         max_loras: int,
         max_rank: int,
-        run_on_device: Callable[[Callable[[], None]], None] = _write_now,
+        writer: SlotWriter | None = None,
         triton: bool = False,
     ) -> None:
         self.max_loras = max_loras
         self.triton = triton  # steps run the segmented Triton kernel (engine/lora/lora_kernel.py)
         self.max_rank = max_rank
-        self.run_on_device = run_on_device
+        self.writer = writer or _WriteNow()
         self.loaded: dict[str, LoadedAdapter] = {}
         self.files: dict[int, AdapterFile] = {}  # each loaded key's weights, on the host
         self.slot_of_key: dict[int, int] = {}  # the resident ones
         self.lru: OrderedDict[int, None] = OrderedDict()  # resident keys, least recent first
         self.evictions = 0
-        self.weights: dict[nn.Module, ProjectionLora] = {}
-        # Each target by its checkpoint module name -> (its projection's weights, part index).
-        self.targets: dict[str, tuple[ProjectionLora, int]] = {}
-        self.shapes: dict[str, tuple[int, int]] = {}  # the same names -> (out, in)
+        self.slots = AdapterSlots(model, max_loras, max_rank)  # this rank's (rank 0's) weights
         self._keys = itertools.count(1)
-        if max_loras:
-            self._allocate(model)
-
-    def _allocate(self, model: LlamaForCausalLM) -> None:
-        param = model.model.embed_tokens.weight
-        # An MoE block's projections (its shared expert's) take no adapter: not targets.
-        moe = tuple(f"{p}." for p, m in model.named_modules() if isinstance(m, SparseMoeBlock))
-        for prefix, module in model.named_modules():
-            parent, _, own = prefix.rpartition(".")
-            if moe and prefix.startswith(moe):
-                continue
-            if isinstance(module, MergedLinear):
-                parts = module.parts
-            elif isinstance(module, RowParallelLinear):
-                parts = {own: module.weight.shape[0]}
-            else:
-                continue
-            in_features = module.weight.shape[1]
-            lora = ProjectionLora(
-                parts, in_features, self.max_loras, self.max_rank, param.device, param.dtype
-            )
-            self.weights[module] = lora
-            for part, (name, out) in enumerate(parts.items()):
-                self.targets[f"{parent}.{name}"] = (lora, part)
-                self.shapes[f"{parent}.{name}"] = (out, in_features)
 
     @property
     def resident(self) -> list[str]:
@@ -122,7 +109,7 @@ class AdapterRegistry:
                 f"adapter {name!r}: pinned, it would leave none of max_loras={self.max_loras} "
                 "slots for the others"
             )
-        file = read_adapter(path, self.shapes, self.max_rank)
+        file = read_adapter(path, self.slots.shapes, self.max_rank)
         key = next(self._keys)
         targets = {module.rpartition(".")[2] for module in file.weights}
         modules = tuple(t for t in TARGETS if t in targets)
@@ -166,23 +153,12 @@ class AdapterRegistry:
         return self.slot_of_key.pop(key)
 
     def _write(self, slot: int, file: AdapterFile) -> None:
-        def write() -> None:
-            with torch.no_grad():
-                for lora in self.weights.values():
-                    lora.clear(slot)
-                for module, (a, b) in file.weights.items():
-                    lora, part = self.targets[module]
-                    lora.write(slot, part, a, b, file.scaling)
-
-        self.run_on_device(write)
+        self.writer.run_on_device(lambda: self.slots.write(slot, file))
+        self.writer.share_slot(slot, file)
 
     def _clear(self, slot: int) -> None:
-        def clear() -> None:
-            with torch.no_grad():
-                for lora in self.weights.values():
-                    lora.clear(slot)
-
-        self.run_on_device(clear)
+        self.writer.run_on_device(lambda: self.slots.clear(slot))
+        self.writer.share_slot(slot, None)
 
     def key_of(self, name: str) -> int | None:
         """The key of the resident adapter `name`; 0 for "" (the base model); None if absent."""
@@ -197,16 +173,16 @@ class AdapterRegistry:
         """The LoRA pass of a step feeding `query_lens` tokens of each request (packed in
         order), or None when no request has an adapter. Every request's adapter is resident
         (the scheduler admitted it so, and running requests' adapters are not evicted)."""
-        if not self.slot_of_key:
-            return None
-        slots = [self.slot_of_key[r.adapter_key] if r.adapter_key else -1 for r in requests]
-        if max(slots) < 0:
+        slots = self.request_slots(requests)
+        if slots is None:
             return None
         for key in {r.adapter_key for r in requests} - {0}:
             self.lru.move_to_end(key)
-        token_slots = np.repeat(np.asarray(slots), np.asarray(query_lens))  # [tokens]
-        groups = []
-        for slot in sorted(set(slots) - {-1}):
-            rows = torch.from_numpy(np.flatnonzero(token_slots == slot))
-            groups.append((slot, rows.to(device, non_blocking=True)))
-        return LoraStep(groups, self.weights, self.triton)
+        return self.slots.step(slots, query_lens, device, self.triton)
+
+    def request_slots(self, requests: Sequence[Request]) -> np.ndarray | None:
+        """Each request's adapter slot (-1: the base model); None when no request has one."""
+        if not self.slot_of_key:
+            return None
+        slots = [self.slot_of_key[r.adapter_key] if r.adapter_key else -1 for r in requests]
+        return np.asarray(slots, dtype=np.int64) if max(slots) >= 0 else None

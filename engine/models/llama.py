@@ -17,7 +17,8 @@ down_proj); the embedding runs one, and the LM head one all-gather of the vocabu
 With one rank these collectives are the identity and every module is whole.
 
 LoRA: a step whose requests select adapters passes a LoraPass (engine/lora/) that adds each
-adapter's delta to the projections' outputs of its tokens; the base model's steps pass None.
+adapter's delta to the projections' outputs of its tokens (o_proj, down_proj: to each rank's
+partial output, before their all-reduce); the base model's steps pass None.
 """
 
 from __future__ import annotations
@@ -93,10 +94,19 @@ class RowParallelLinear(nn.Module):
             bound = 1 / math.sqrt(in_local)
             nn.init.uniform_(self.bias, -bound, bound)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraPass | None = None) -> torch.Tensor:
+        """`lora`: the step's adapters, whose deltas are added to this rank's partial output
+        before the all-reduce (each rank's A holds its slice of the input columns, so the
+        all-reduce sums their partial deltas into the whole one: no collective of its own)."""
         if not self.tp.enabled:
-            return linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(linear(x, self.weight, None))
+            y = linear(x, self.weight, self.bias)
+            if lora is not None:
+                lora.add(self, x, y)
+            return y
+        y = linear(x, self.weight, None)
+        if lora is not None:
+            lora.add(self, x, y)
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 
@@ -156,10 +166,7 @@ class LlamaAttention(nn.Module):
         # Rotary on q and k, k and v into the cache, then attention.
         out = backend.forward(q, k, v, positions, rotary, cache, meta)  # [tokens, heads, head_dim]
         attended = out.reshape(tokens, -1)
-        y = self.o_proj(attended)
-        if lora is not None:
-            lora.add(self.o_proj, attended, y)
-        return y
+        return self.o_proj(attended, lora)
 
 
 class LlamaMLP(nn.Module):
@@ -178,10 +185,7 @@ class LlamaMLP(nn.Module):
             lora.add(self.gate_up_proj, x, gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         h = self.act(gate, up)
-        y = self.down_proj(h)
-        if lora is not None:
-            lora.add(self.down_proj, h, y)
-        return y
+        return self.down_proj(h, lora)
 
 
 class LlamaDecoderLayer(nn.Module):

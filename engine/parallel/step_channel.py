@@ -1,12 +1,14 @@
 """StepChannel: what rank 0 tells the other tensor-parallel ranks, and how they hear it.
 
-Every message starts with one broadcast of a fixed 9-int header (an Op and a step's sizes). A
+Every message starts with one broadcast of a fixed 10-int header (an Op and a step's sizes). A
 STEP is followed by one more broadcast: the used prefixes of the step's int buffers (token ids,
 positions, KV slots, sequence lengths, query starts, the block table, the sampled and
-prompt-scored rows) and the KV page copies made since the last step (the partial prompt page an
+prompt-scored rows; with LoRA adapters in the step, each sequence's adapter slot) and the KV
+page copies made since the last step (the partial prompt page an
 n > 1 sibling forks), packed into one int64 tensor. So a step costs two small broadcasts on the control group, sized
 by the step's tokens and pages, never by the model. Rank 0's page tables are the only ones:
-workers see page ids, never requests.
+workers see page ids, never requests. A LORA message (a slot written or cleared) is followed
+by the adapter itself, broadcast as an object (engine/execution/model_runner.py `share_slot`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from engine.execution.step_inputs import StepArrays
 from engine.parallel.tensor_parallel import TensorParallel
 
-HEADER_SIZE = 9
+HEADER_SIZE = 10
 
 
 class Op(IntEnum):
@@ -31,6 +33,7 @@ class Op(IntEnum):
     PING = 4  # nothing: keeps idle workers inside the collective timeout
     STOP = 5  # leave the group and exit
     JOIN = 6  # join (or leave) a trainer's weight-transfer group (engine/weights/transfer_group.py)
+    LORA = 7  # write a LoRA adapter slot (engine/lora/adapter_slots.py), then its contents
 
 
 @dataclass
@@ -44,6 +47,7 @@ class StepHeader:
     rows_are_tokens: bool = False  # row i samples token i (no sample_rows sent)
     num_copies: int = 0  # (src, dst) KV page copies to make before the forward
     num_scored: int = 0  # prompt-scored rows, after the sampled ones (never in a graphed step)
+    lora: bool = False  # each sequence's LoRA adapter slot follows (-1: the base model)
 
     @property
     def table_entries(self) -> int:
@@ -57,12 +61,20 @@ class StepChannel:
         self.tp = tp
         self.arrays = arrays
         self.header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
-        capacity = sum(a.size for a in _int_arrays(arrays)) + 2 * max_copies
+        seqs = arrays.seq_lens.size
+        capacity = sum(a.size for a in _int_arrays(arrays)) + seqs + 2 * max_copies
+        self.lora_slots = np.zeros(seqs, dtype=np.int64)  # a worker's: the last STEP's
         self.payload = torch.zeros(capacity, dtype=torch.int64)
         self._payload = self.payload.numpy()
         self.last_send = time.monotonic()  # rank 0: when it last told the workers anything
 
-    def send(self, header: StepHeader, copies: list[tuple[int, int]] | None = None) -> None:
+    def send(
+        self,
+        header: StepHeader,
+        copies: list[tuple[int, int]] | None = None,
+        lora_slots: np.ndarray | None = None,
+    ) -> None:
+        """`lora_slots`: with `header.lora`, each sequence's adapter slot."""
         self.last_send = time.monotonic()
         self.header.numpy()[:] = [
             header.op,
@@ -74,11 +86,15 @@ class StepChannel:
             header.rows_are_tokens,
             header.num_copies,
             header.num_scored,
+            header.lora,
         ]
         self.tp.broadcast(self.header)
         if header.op is not Op.STEP:
             return
         parts = self._parts(header)
+        if header.lora:
+            assert lora_slots is not None and lora_slots.size == header.num_seqs
+            parts.append(lora_slots)
         if copies:
             parts.append(np.asarray(copies, dtype=np.int64).reshape(-1))
         total = sum(p.size for p in parts)
@@ -86,17 +102,20 @@ class StepChannel:
         self.tp.broadcast(self.payload[:total])
 
     def receive(self) -> tuple[StepHeader, list[tuple[int, int]]]:
-        """The next message's header; a STEP's inputs are then in the arrays, and the page
-        copies to make first are returned."""
+        """The next message's header; a STEP's inputs are then in the arrays (its LoRA
+        slots in `lora_slots`), and the page copies to make first are returned."""
         self.tp.broadcast(self.header)
         values = self.header.tolist()
-        op, tokens, seqs, width, graph_size, rows, rows_are_tokens, copies, scored = values
+        op, tokens, seqs, width, graph_size, rows, rows_are_tokens, copies, scored, lora = values
         header = StepHeader(
             Op(op), tokens, seqs, width, graph_size, rows, bool(rows_are_tokens), copies, scored
         )
+        header.lora = bool(lora)
         if header.op is not Op.STEP:
             return header, []
         parts = self._parts(header)
+        if header.lora:
+            parts.append(self.lora_slots[:seqs])
         total = sum(p.size for p in parts) + 2 * header.num_copies
         self.tp.broadcast(self.payload[:total])
         offset = 0

@@ -2,8 +2,8 @@
 
 Started by rank 0 (engine/parallel/worker_group.py) with the 'spawn' context. It loads its shard
 of the model the same way rank 0 does (engine/execution/model_shard.py), then follows rank 0's
-messages on the StepChannel until STOP: a step's forward on its shard, a weight update's staging
-and swap, a gather of its parameters, joining a trainer's weight-transfer group. It has no scheduler, no sampler and no pipe: rank 0 owns
+messages on the StepChannel until STOP: a step's forward on its shard (with its LoRA adapters), a
+LoRA adapter slot's write (its slices), a weight update's staging and swap, a gather of its parameters, joining a trainer's weight-transfer group. It has no scheduler, no sampler and no pipe: rank 0 owns
 the page tables and the requests. Any failure ends the process (exit status 1), which rank 0's
 watcher turns into the end of the whole engine.
 """
@@ -44,6 +44,7 @@ def _run(config: EngineConfig, path: Path, rank: int, port: int) -> None:
     import torch
 
     from engine.execution.model_shard import load_shard, resolve_device, resolve_dtype
+    from engine.lora.adapter_slots import AdapterSlots, follow_slot, followed_step
     from engine.models.hf_config import load_model_config
     from engine.parallel.step_channel import Op
     from engine.parallel.tensor_parallel import join_group, leave_group
@@ -59,6 +60,7 @@ def _run(config: EngineConfig, path: Path, rank: int, port: int) -> None:
     cfg = load_model_config(path, config.max_model_len)
     shard = load_shard(config, cfg, path, tp, device, dtype)
     channel = shard.runner.open_channel()
+    adapters = AdapterSlots(shard.model, config.max_loras, config.max_lora_rank)  # rank 0 fills
     transfer = TransferGroup()  # this rank's membership of a trainer's group, if any
     log.info(
         "engine.worker_loaded",
@@ -70,7 +72,14 @@ def _run(config: EngineConfig, path: Path, rank: int, port: int) -> None:
         header, copies = channel.receive()
         match header.op:
             case Op.STEP:
-                shard.runner.follow(header, copies)
+                lora = (
+                    followed_step(channel, adapters, header.num_seqs, device)
+                    if header.lora
+                    else None
+                )
+                shard.runner.follow(header, copies, lora)
+            case Op.LORA:
+                follow_slot(channel, adapters)
             case Op.STAGE:
                 follow_stage(shard.model, transfer)
             case Op.JOIN:

@@ -156,7 +156,7 @@ def test_a_reloaded_adapter_computes_as_the_first_load(tiny_llama: Path, adapter
 
 def test_without_adapters_the_base_model_runs_no_lora_pass(tiny_llama: Path) -> None:
     off = make_engine(tiny_llama, max_loras=0)
-    assert off.lora.weights == {}
+    assert off.lora.slots.weights == {}
     with pytest.raises(ValueError, match="max_loras is 0"):
         off.load_adapter("a", Path("."))
     engine = make_engine(tiny_llama)
@@ -170,7 +170,7 @@ def test_an_moe_models_experts_are_no_targets_its_dense_layers_are(tmp_path: Pat
     block's projections (the shared expert's) are not targets, so an adapter naming them is
     refused rather than loaded and silently unused."""
     checkpoint = make_checkpoint(tmp_path / "moe", "qwen2_moe", mlp_only_layers=[0])
-    targets = set(make_engine(checkpoint).lora.shapes)
+    targets = set(make_engine(checkpoint).lora.slots.shapes)
     assert "model.layers.0.mlp.gate_proj" in targets
     assert "model.layers.1.self_attn.q_proj" in targets
     assert not [t for t in targets if "layers.1.mlp" in t]

@@ -3,7 +3,6 @@ columns only, at the adapter's own rank (the padding never enters the arithmetic
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -46,6 +45,6 @@ def test_a_cleared_slot_adds_nothing() -> None:
     assert lora.active[0] == [] and not y.any() and not lora.a.any()
 
 
-def test_lora_with_tensor_parallelism_is_refused_in_the_config() -> None:
-    with pytest.raises(ValueError, match="max_loras: LoRA with tensor parallelism"):
-        EngineConfig(max_loras=2, tensor_parallel_size=2)
+def test_lora_with_tensor_parallelism_is_accepted_in_the_config() -> None:
+    config = EngineConfig(max_loras=2, tensor_parallel_size=2)
+    assert (config.max_loras, config.tensor_parallel_size) == (2, 2)
