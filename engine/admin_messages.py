@@ -197,16 +197,22 @@ class AdapterState:
     target_modules: tuple[str, ...]  # short names: q_proj, ..., down_proj
     pinned: bool
     resident: bool  # holds a slot now
+    policy_version: int = 1  # the version its requests' tokens report
 
 
 @dataclass(frozen=True)
 class LoadAdapter:
-    """Load the PEFT adapter directory `path` under `name` (LLMEngine.load_adapter)."""
+    """Load the PEFT adapter directory `path` under `name` (LLMEngine.load_adapter), or with
+    `replace` update the loaded `name` in place (engine/lora/adapter_update.py: `inflight` says
+    what its running requests do; `pinned` is then ignored)."""
 
     action_id: str
     name: str
     path: str
     pinned: bool = False
+    replace: bool = False
+    policy_version: int = 0  # the adapter's version after it; 0: 1 (a load), current + 1
+    inflight: InflightPolicy = InflightPolicy.DRAIN
 
 
 @dataclass(frozen=True)
@@ -230,7 +236,8 @@ class AdapterOutcome:
     `adapters` loaded after it, in load order; `error_code` (a grpc.StatusCode name) and
     `message` when it failed, and then nothing changed. INVALID_ARGUMENT: the adapter does not
     fit the model or the engine; ALREADY_EXISTS: the name is loaded; NOT_FOUND: it is not;
-    FAILED_PRECONDITION: max_loras is 0, pinning would pin every slot, or requests run it."""
+    FAILED_PRECONDITION: max_loras is 0, pinning would pin every slot, requests run it, or a
+    replace's version does not exceed the adapter's; OUT_OF_RANGE: the version is too big."""
 
     action_id: str
     adapters: tuple[AdapterState, ...] = ()

@@ -127,8 +127,7 @@ class LLMEngine:
         self.info = model_info(config, cfg, path, self.device, self.dtype, self.pool.num_pages)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do with one rank). The engine is
-        unusable afterwards."""
+        """Stop the tensor-parallel workers (none with one rank); the engine is unusable after."""
         if self.overlap is not None:
             self.overlap.drain()
         self.runner.close()
@@ -338,13 +337,14 @@ class LLMEngine:
 
     # ---- LoRA adapters (engine/lora/registry.py) ----
 
-    def load_adapter(self, name: str, path: str | Path, pinned: bool = False) -> LoadedAdapter:
-        """Load the PEFT adapter directory at `path` as `name`, for requests whose
-        `SamplingParams.adapter` names it (resident now, or when a slot frees; a pinned one
-        keeps its slot). ValueError, with nothing changed, when it does not fit the model or
-        the engine (shapes, target modules, rank, pinning every slot)."""
+    def load_adapter(
+        self, name: str, path: str | Path, pinned: bool = False, version: int = 1
+    ) -> LoadedAdapter:
+        """Load the PEFT adapter directory `path` as `name` at policy `version` for requests that
+        name it (resident now or when a slot frees; a pinned one keeps its slot). ValueError,
+        nothing changed, when it does not fit (shapes, target modules, rank, pinning)."""
         with self.lock:
-            return self.lora.load(name, path, pinned, self._adapters_running())
+            return self.lora.load(name, path, pinned, self._adapters_running(), version)
 
     def unload_adapter(self, name: str) -> None:
         """ValueError when `name` is not loaded or a request in flight runs it."""

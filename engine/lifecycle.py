@@ -72,7 +72,8 @@ def add_request(
     min_policy_version: int | None,
 ) -> None:
     """LLMEngine.add_request, past the duplicate check."""
-    limits = (engine.model_config, engine.config.max_num_seqs, engine.policy_version)
+    version = engine.lora.version_of(params.adapter) if params.adapter else None
+    limits = (engine.model_config, engine.config.max_num_seqs, version or engine.policy_version)
     error = request_error(prompt, params, n, min_policy_version, *limits, engine.lora.loaded)
     refused = error or engine.sleeper.refusing
     if refused is not None:
@@ -106,7 +107,7 @@ def start(
     if grammar is not None and (failed := grammar_error(grammar)) is not None:
         refuse(engine, request_id, n, len(prompt), failed[1], FinishReason.ERROR)
         return
-    adapter = engine.lora.key_of(params.adapter)
+    adapter, version = engine.lora.key_of(params.adapter), engine.lora.version_of(params.adapter)
     if adapter is None:  # unloaded while its grammar compiled
         message = f"adapter: {params.adapter!r} is not loaded"
         refuse(engine, request_id, n, len(prompt), message, FinishReason.ERROR)
@@ -121,7 +122,7 @@ def start(
     when = (priority, deadline)
     seqs = new_sequences(request_id, prompt, params, max_tokens, seeds, engine._arrivals, *when)
     for seq in seqs:
-        seq.adapter_key = adapter
+        seq.adapter_key, seq.adapter_version = adapter, version or 0
         if grammar is not None:
             seq.grammar = RequestGrammar(grammar.result())
     leader = seqs[0]

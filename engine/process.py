@@ -206,13 +206,19 @@ def adapter_outcome(
     it. A failure changes nothing and names its gRPC status here, the one place that does."""
     from safetensors import SafetensorError  # a corrupt adapter file: the caller's mistake
 
+    from engine.lora.adapter_update import AdapterUpdateError, replace_adapter
+
     error_code, message = "", ""
     try:
         match msg:
+            case LoadAdapter(replace=True):
+                replace_adapter(engine, msg.name, msg.path, msg.policy_version, msg.inflight)
             case LoadAdapter():
-                engine.load_adapter(msg.name, msg.path, msg.pinned)
+                engine.load_adapter(msg.name, msg.path, msg.pinned, msg.policy_version or 1)
             case UnloadAdapter():
                 engine.unload_adapter(msg.name)
+    except AdapterUpdateError as exc:
+        error_code, message = exc.code, str(exc)
     except (ValueError, OSError, SafetensorError) as exc:
         error_code, message = _adapter_error(engine, msg), str(exc)
     registry = engine.lora
@@ -225,6 +231,7 @@ def adapter_outcome(
             a.target_modules,
             a.pinned,
             a.key in registry.slot_of_key,
+            a.version,
         )
         for a in engine.adapters()
     )
@@ -238,7 +245,7 @@ def _adapter_error(engine: LLMEngine, msg: LoadAdapter | UnloadAdapter | ListAda
         return "NOT_FOUND" if msg.name not in registry.loaded else "FAILED_PRECONDITION"
     assert isinstance(msg, LoadAdapter)
     pinned = sum(a.pinned for a in registry.loaded.values())
-    if msg.name and msg.name in registry.loaded:
+    if msg.name and msg.name in registry.loaded and not msg.replace:
         return "ALREADY_EXISTS"
     if not registry.max_loras or (msg.pinned and pinned + 1 >= registry.max_loras):
         return "FAILED_PRECONDITION"  # the engine's capacity, not the adapter

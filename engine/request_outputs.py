@@ -1,7 +1,8 @@
 """What a request reports after a step: its RequestOutput, and whether its last token ended it.
 
 Plain functions over a Request (engine/scheduling/request.py) for LLMEngine, which owns the
-requests; the served policy version is the caller's to pass.
+requests; the served policy version is the caller's to pass (a request running an adapter
+reports its adapter's version instead).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ def request_output(
     top: list[tuple[list[int], list[float]]] | None,
     policy_version: int,
 ) -> RequestOutput:
-    """The output of `req` for this step: its new tokens, and its end and timings if it ended."""
+    """The output of `req` for this step: its new tokens, and its end and timings if it ended;
+    its version is its adapter's when it runs one (`policy_version`: the served one's)."""
     metrics = None
     if req.is_finished and req.finish_time is not None:
         first_token = req.first_token_time or req.finish_time
@@ -32,7 +34,7 @@ def request_output(
         request_id=req.request_id,
         index=req.index,
         new_token_ids=tokens,
-        policy_version=policy_version,
+        policy_version=req.adapter_version or policy_version,
         logprobs=logprobs,
         top_logprobs=top,
         finish_reason=req.finish_reason,

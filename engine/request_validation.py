@@ -21,7 +21,8 @@ def request_error(
     policy_version: int,
     adapters: Container[str] = (),
 ) -> str | None:
-    """What is wrong with this request, as `field: why` (several joined by '; '), or None."""
+    """What is wrong with this request, as `field: why` (several joined by '; '), or None.
+    `policy_version`: the version it would run, its adapter's when it names one."""
     vocab, max_len = model.vocab_size, model.max_model_len
     if not prompt:
         return "prompt: is empty"
@@ -44,5 +45,8 @@ def request_error(
     if params.adapter and params.adapter not in adapters:
         return f"adapter: {params.adapter!r} is not loaded"
     if min_version is not None and min_version > policy_version:
+        if params.adapter:
+            adapter = f"version {policy_version} of adapter {params.adapter!r}"
+            return f"min_policy_version: {min_version} > {adapter}"
         return f"min_policy_version: {min_version} > served version {policy_version}"
     return None

@@ -8,7 +8,10 @@ is built at once: its values are final.
 
 What a lazily built output holds is the step's, not the read's: the output count and policy
 version are recorded at the step, and the rest (ids, prompt length, cached tokens) never
-change over a request's life. Pickling sends the built list.
+change over a request's life. Pickling sends the built list. NOTE: a row whose request runs
+a LoRA adapter reports its adapter's version when the output is built, and a CONTINUE replace
+of the adapter (engine/lora/adapter_update.py) changes it: read a step's outputs before one
+(the process loop publishes them within the step).
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ class StepOutputs(Sequence[RequestOutput]):
             req.request_id,
             req.index,
             [self.token_ids[row]],
-            self.policy_version,
+            req.adapter_version or self.policy_version,
             lp,
             top,
             None,
@@ -116,7 +119,7 @@ class StepOutputs(Sequence[RequestOutput]):
                         r.request_id,
                         r.index,
                         [t],
-                        version,
+                        r.adapter_version or version,
                         None,
                         None,
                         None,
@@ -163,7 +166,10 @@ class StepOutputs(Sequence[RequestOutput]):
         return objects, columns
 
     def _rich(self, req: Request) -> bool:
-        """Whether `req`'s row reports more than its token: sent as an object."""
+        """Whether `req`'s row reports more than its token, or its adapter's version (the
+        columns carry one version for all): sent as an object."""
+        if req.adapter_version:
+            return True
         if self.logprobs is not None and _wants_logprobs(req):
             return True
         return self.routed is not None and req.params.routed_experts

@@ -5,8 +5,9 @@ adapter_file.py (a PEFT directory read and checked against the model), lora_weig
 projection's stacked adapter weights and a step's LoRA pass over them), adapter_slots.py
 (AdapterSlots: one tensor-parallel rank's slices of every projection's slots, and how rank 0's
 slot writes and a step's slots reach the other ranks), registry.py (AdapterRegistry: which
-adapter is resident in which slot), lora_kernel.py (the step's segmented LoRA matmul on Triton,
-CUDA only).
+adapter is resident in which slot), adapter_update.py (an adapter updated in place under a new
+policy version, and what its requests do then), lora_kernel.py (the step's segmented LoRA
+matmul on Triton, CUDA only).
 
 May import `engine.models` (the projections the weights attach to), `engine.scheduling`
 (a step's requests), `engine.parallel.step_channel` (what rank 0 tells the other ranks) and

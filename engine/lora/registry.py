@@ -11,7 +11,10 @@ adapters keep their slots and may not fill them all (one is always left to rotat
 
 Every load gets a new `key`: a request holds its adapter's key (the prefix cache folds it into
 its hashes, so KV computed under one adapter is never reused under another, nor under a later
-adapter of the same name), and a step looks up each key's slot. Slot writes go through
+adapter of the same name), and a step looks up each key's slot. A `replace` (an adapter updated
+in place under a new version: engine/lora/adapter_update.py) is a new load too, with a new key;
+the old key is `retired`: its weights stay for the requests that still hold it until `sweep`
+finds none does. Slot writes go through
 the writer's `run_on_device`, ordered after the steps already launched (an overlapped step in
 flight reads the slot's old weights, never half-written ones), and its `share_slot`, which
 makes every other tensor-parallel rank write the same slot (engine/lora/adapter_slots.py:
@@ -46,6 +49,7 @@ class LoadedAdapter:
     key: int  # this load's identity (never 0, the base model's)
     pinned: bool  # never evicted from its slot
     target_modules: tuple[str, ...] = ()  # the projections it changes: q_proj, ..., down_proj
+    version: int = 1  # its policy version: its first load's, raised by each replace
 
 
 class SlotWriter(Protocol):
@@ -83,6 +87,7 @@ class AdapterRegistry:
         self.files: dict[int, AdapterFile] = {}  # each loaded key's weights, on the host
         self.slot_of_key: dict[int, int] = {}  # the resident ones
         self.lru: OrderedDict[int, None] = OrderedDict()  # resident keys, least recent first
+        self.retired: set[int] = set()  # keys of replaced loads, kept while requests hold them
         self.evictions = 0
         self.slots = AdapterSlots(model, max_loras, max_rank)  # this rank's (rank 0's) weights
         self._keys = itertools.count(1)
@@ -93,11 +98,17 @@ class AdapterRegistry:
         return [a.name for a in self.loaded.values() if a.key in self.slot_of_key]
 
     def load(
-        self, name: str, path: str | Path, pinned: bool = False, busy: Collection[int] = ()
+        self,
+        name: str,
+        path: str | Path,
+        pinned: bool = False,
+        busy: Collection[int] = (),
+        version: int = 1,
     ) -> LoadedAdapter:
-        """Load the adapter at `path` as `name`, resident at once if a slot is free or can be
-        freed (`busy`: the keys running requests use). ValueError (nothing changed) when the
-        name is taken or empty, pinning it would pin every slot, or the adapter does not fit."""
+        """Load the adapter at `path` as `name` at policy `version`, resident at once if a slot
+        is free or can be freed (`busy`: the keys running requests use). ValueError (nothing
+        changed) when the name is taken or empty, pinning it would pin every slot, or the
+        adapter does not fit."""
         if not name:
             raise ValueError("adapter name: must not be empty (the base model's)")
         if name in self.loaded:
@@ -110,14 +121,56 @@ class AdapterRegistry:
                 "slots for the others"
             )
         file = read_adapter(path, self.slots.shapes, self.max_rank)
+        loaded = self._add(name, path, file, pinned, version)
+        self.make_resident(loaded.key, busy)
+        return loaded
+
+    def replace(
+        self, name: str, path: str | Path, version: int
+    ) -> tuple[LoadedAdapter, LoadedAdapter]:
+        """Load `path` as a new version of the loaded adapter `name` (it keeps its pinning)
+        under a new key; the old key is retired (its weights and slot stay until `sweep` or
+        `hand_over`). (old, new). ValueError, nothing changed, when `name` is not loaded or the
+        new adapter does not fit; the version is the caller's to check."""
+        old = self.loaded.get(name)
+        if old is None:
+            raise ValueError(f"adapter {name!r}: not loaded")
+        file = read_adapter(path, self.slots.shapes, self.max_rank)
+        self.retired.add(old.key)
+        return old, self._add(name, path, file, old.pinned, version)
+
+    def _add(
+        self, name: str, path: str | Path, file: AdapterFile, pinned: bool, version: int
+    ) -> LoadedAdapter:
         key = next(self._keys)
         targets = {module.rpartition(".")[2] for module in file.weights}
         modules = tuple(t for t in TARGETS if t in targets)
-        loaded = LoadedAdapter(name, str(path), file.rank, file.scaling, key, pinned, modules)
+        loaded = LoadedAdapter(
+            name, str(path), file.rank, file.scaling, key, pinned, modules, version
+        )
         self.loaded[name] = loaded
         self.files[key] = file
-        self.make_resident(key, busy)
         return loaded
+
+    def hand_over(self, old: int, new: int) -> None:
+        """The retired key `old`'s slot, if it holds one, now serves `new` (its weights written
+        there, ordered after the steps launched): no request may hold `old` any more."""
+        self.retired.discard(old)
+        del self.files[old]
+        if old not in self.slot_of_key:
+            return
+        slot = self._take_slot(old)
+        self._write(slot, self.files[new])
+        self.slot_of_key[new] = slot
+        self.lru[new] = None
+
+    def sweep(self, in_use: Collection[int]) -> None:
+        """Forget the retired keys no request holds (`in_use`: those requests hold)."""
+        for key in self.retired - set(in_use):
+            self.retired.discard(key)
+            del self.files[key]
+            if key in self.slot_of_key:
+                self._clear(self._take_slot(key))
 
     def unload(self, name: str) -> None:
         """Forget `name` (its slot, if it holds one, is cleared). ValueError when it is not
@@ -159,6 +212,11 @@ class AdapterRegistry:
     def _clear(self, slot: int) -> None:
         self.writer.run_on_device(lambda: self.slots.clear(slot))
         self.writer.share_slot(slot, None)
+
+    def version_of(self, name: str) -> int | None:
+        """The policy version of the adapter `name`; None if it is not loaded."""
+        loaded = self.loaded.get(name)
+        return None if loaded is None else loaded.version
 
     def key_of(self, name: str) -> int | None:
         """The key of the resident adapter `name`; 0 for "" (the base model); None if absent."""

@@ -43,6 +43,7 @@ class Request:
     priority: int = 0
     deadline: float | None = None  # absolute time.time()
     adapter_key: int = 0  # its resident LoRA adapter's key (engine/lora/registry.py); 0: none
+    adapter_version: int = 0  # that adapter's policy version, its tokens' (0: the served one)
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     pages: list[int] = field(default_factory=list)
