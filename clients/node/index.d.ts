@@ -336,6 +336,19 @@ export interface AdapterInfo {
   resident: boolean;
   /** lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA. */
   scaling: number;
+  /** Its policy version: its requests' tokens carry it; their minPolicyVersion compares with it. */
+  policyVersion: number;
+}
+
+export interface LoadAdapterOptions extends CallOptions {
+  /** Never evicted from its slot (ignored with replace). */
+  pinned?: boolean;
+  /** Update the adapter loaded under this name in place, all or nothing. */
+  replace?: boolean;
+  /** The adapter's version after it: 0 = 1, or with replace its version + 1. */
+  policyVersion?: number;
+  /** With replace: what requests running the adapter do. Default drain. */
+  inflight?: InflightPolicy;
 }
 
 export interface CancelResult {
@@ -442,7 +455,7 @@ export class Client {
   /** Admin Wake: serves again after sleep(). */
   wake(options?: CallOptions): Promise<WakeResult>;
   /** Admin LoadAdapter: loads a PEFT adapter directory on the server's disk as `name`. */
-  loadAdapter(name: string, path: string, options?: CallOptions & { pinned?: boolean }): Promise<AdapterInfo>;
+  loadAdapter(name: string, path: string, options?: LoadAdapterOptions): Promise<AdapterInfo>;
   /** Admin UnloadAdapter: forgets the adapter `name`. */
   unloadAdapter(name: string, options?: CallOptions): Promise<void>;
   /** Resolves once every rank of the group has joined (the trainer joins meanwhile). */

@@ -3,8 +3,10 @@
 It sends LoadAdapter, UnloadAdapter and ListAdapters and waits for each one's AdapterOutcome
 (UNAVAILABLE when the engine is lost meanwhile). It keeps what the service knows of the
 engine's adapters: their states as the last answer reported them (`states`, `names`: admission
-refuses an adapter not among them), and the loads that succeeded, to replay into a restarted
-engine (`replay`), in load order.
+refuses an adapter not among them; `versions`: their policy versions, which a request's
+min_policy_version compares with), and the loads that succeeded, to replay into a restarted
+engine (`replay`), in load order. An adapter replaced in place is replayed as one load of its
+latest directory at its latest version.
 
 A load is replayed by reading its directory again, so each is recorded with a fingerprint of
 what the directory held when it was sent (adapter_config.json and the safetensors files'
@@ -21,6 +23,7 @@ import contextlib
 import hashlib
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import structlog
@@ -54,33 +57,48 @@ class AdapterLink:
         return frozenset(state.name for state in self.states)
 
     @property
+    def versions(self) -> dict[str, int]:
+        """Each loaded adapter's policy version, by name."""
+        return {state.name: state.policy_version for state in self.states}
+
+    @property
     def busy(self) -> bool:
         return bool(len(self._answers))
 
-    async def load(self, name: str, path: str, pinned: bool) -> AdapterOutcome:
-        """Load `path` as `name`; the engine's answer (recorded for replay when it succeeds,
-        also if the caller has gone by then). Raises EngineUnavailableError if it cannot be
-        sent."""
-        fingerprint = await asyncio.to_thread(adapter_fingerprint, path)
-        msg = LoadAdapter(uuid.uuid4().hex, name, path, pinned)
-        return await self._ask(msg, lambda: self._loads.__setitem__(name, (msg, fingerprint)))
+    async def load(self, msg: LoadAdapter) -> AdapterOutcome:
+        """Load (or with `replace` update in place) the adapter `msg` names; the engine's
+        answer (recorded for replay when it succeeds, also if the caller has gone by then: a
+        plain load of the path, at the version it reached). Raises EngineUnavailableError if it
+        cannot be sent."""
+        fingerprint = await asyncio.to_thread(adapter_fingerprint, msg.path)
+
+        def record(outcome: AdapterOutcome) -> None:
+            state = next(s for s in outcome.adapters if s.name == msg.name)
+            load = LoadAdapter("", msg.name, msg.path, state.pinned, False, state.policy_version)
+            self._loads[msg.name] = (load, fingerprint)  # a replace keeps the first's place
+
+        return await self._ask(msg, record)
 
     async def unload(self, name: str) -> AdapterOutcome:
         """Forget `name`; the engine's answer. Raises EngineUnavailableError if it cannot be
         sent."""
         return await self._ask(
-            UnloadAdapter(uuid.uuid4().hex, name), lambda: self._loads.pop(name, None)
+            UnloadAdapter(uuid.uuid4().hex, name), lambda _: self._loads.pop(name, None)
         )
 
     async def refresh(self, timeout: float) -> tuple[AdapterState, ...]:
         """The engine's adapters now (which are resident changes with every request); the last
         known ones if it does not answer within `timeout` seconds or cannot be asked."""
         with contextlib.suppress(TimeoutError, EngineUnavailableError):
-            await asyncio.wait_for(self._ask(ListAdapters(uuid.uuid4().hex), lambda: None), timeout)
+            await asyncio.wait_for(
+                self._ask(ListAdapters(uuid.uuid4().hex), lambda _: None), timeout
+            )
         return self.states
 
     async def _ask(
-        self, msg: LoadAdapter | UnloadAdapter | ListAdapters, on_ok: Callable[[], object]
+        self,
+        msg: LoadAdapter | UnloadAdapter | ListAdapters,
+        on_ok: Callable[[AdapterOutcome], object],
     ) -> AdapterOutcome:
         """Send `msg` and wait for its answer; `on_ok` runs when it succeeds, also when the
         caller has gone by then (the answer is shielded from the caller's cancellation)."""
@@ -90,7 +108,7 @@ class AdapterLink:
         def settle(done: asyncio.Future[AdapterOutcome]) -> None:
             outcome = done.result()
             if outcome.ok:
-                on_ok()
+                on_ok(outcome)
             if outcome.error_code != "UNAVAILABLE":  # a lost engine's answer reports nothing
                 self.states = outcome.adapters
 
@@ -119,9 +137,7 @@ class AdapterLink:
                     reason="its directory changed or vanished since it was loaded",
                 )
                 continue
-            outcome = await self._ask(
-                LoadAdapter(uuid.uuid4().hex, name, msg.path, msg.pinned), lambda: None
-            )
+            outcome = await self._ask(replace(msg, action_id=uuid.uuid4().hex), lambda _: None)
             if outcome.error_code == "UNAVAILABLE":  # lost again: the restart is retried
                 raise EngineUnavailableError(outcome.message)
             if not outcome.ok:

@@ -6,11 +6,14 @@ Checked in order: the request's fields (INVALID_ARGUMENT with google.rpc.BadRequ
 asleep (FAILED_PRECONDITION). Then the EngineClient's AdapterLink sends it and waits; the engine
 names the status of a failure (engine/process.py `adapter_outcome`): INVALID_ARGUMENT (the
 adapter does not fit: named `path`), ALREADY_EXISTS, NOT_FOUND, FAILED_PRECONDITION (max_loras
-is 0, pinning every slot, requests running it).
+is 0, pinning every slot, requests running it, a replace's version not newer), OUT_OF_RANGE.
+A `replace` updates the adapter in place (engine/lora/adapter_update.py), `inflight` mapped as
+UpdateWeights maps it.
 """
 
 from __future__ import annotations
 
+import uuid
 from typing import NoReturn
 
 import grpc
@@ -18,7 +21,7 @@ import structlog
 from sluice.v1 import admin_pb2 as pb
 from sluice.v1 import generation_pb2 as gen_pb
 
-from engine.messages import AdapterOutcome, AdapterState
+from engine.messages import AdapterOutcome, AdapterState, InflightPolicy, LoadAdapter
 from service.config import MAX_REQUEST_ID_LENGTH
 from service.engine_link.engine_client import EngineClient, EngineState, EngineUnavailableError
 from service.rpc.refusal import Refusal, engine_status
@@ -26,6 +29,15 @@ from service.rpc.refusal import Refusal, engine_status
 log = structlog.get_logger("sluice.admin")
 
 MAX_ADAPTER_NAME_LENGTH = MAX_REQUEST_ID_LENGTH  # 256: a name travels on every request
+
+# The in-flight policies of UpdateWeights (admin.py) and of a LoadAdapter with `replace`.
+INFLIGHT_POLICIES = {
+    pb.INFLIGHT_POLICY_UNSPECIFIED: InflightPolicy.DRAIN,
+    pb.INFLIGHT_POLICY_DRAIN: InflightPolicy.DRAIN,
+    pb.INFLIGHT_POLICY_ABORT: InflightPolicy.ABORT,
+    pb.INFLIGHT_POLICY_CONTINUE: InflightPolicy.CONTINUE,
+    pb.INFLIGHT_POLICY_RECOMPUTE: InflightPolicy.RECOMPUTE,
+}
 
 
 async def load_adapter(
@@ -36,14 +48,40 @@ async def load_adapter(
     if not request.path:
         _invalid("path", "must not be empty")
     _check_up(engine, draining)
-    log.info("adapter.load", adapter=request.name, path=request.path, pinned=request.pinned)
+    if request.inflight not in INFLIGHT_POLICIES:
+        _invalid("inflight", f"unknown in-flight policy {request.inflight}")
+    inflight = INFLIGHT_POLICIES[request.inflight]
+    log.info(
+        "adapter.load",
+        adapter=request.name,
+        path=request.path,
+        pinned=request.pinned,
+        replace=request.replace,
+        policy_version=request.policy_version,
+        inflight=inflight.value,
+    )
+    msg = LoadAdapter(
+        uuid.uuid4().hex,
+        request.name,
+        request.path,
+        request.pinned,
+        request.replace,
+        request.policy_version,
+        inflight,
+    )
     try:
-        outcome = await engine.adapters.load(request.name, request.path, request.pinned)
+        outcome = await engine.adapters.load(msg)
     except EngineUnavailableError as exc:
         raise Refusal(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
     _raise_failure(outcome, "load")
     state = next(s for s in outcome.adapters if s.name == request.name)
-    log.info("adapter.loaded", adapter=state.name, rank=state.rank, resident=state.resident)
+    log.info(
+        "adapter.loaded",
+        adapter=state.name,
+        rank=state.rank,
+        resident=state.resident,
+        policy_version=state.policy_version,
+    )
     return pb.LoadAdapterResponse(adapter=adapter_info(state))
 
 
@@ -71,6 +109,7 @@ def adapter_info(state: AdapterState) -> gen_pb.AdapterInfo:
         pinned=state.pinned,
         resident=state.resident,
         scaling=state.scaling,
+        policy_version=state.policy_version,
     )
 
 

@@ -40,7 +40,6 @@ from sluice.v1 import admin_pb2_grpc
 
 from engine.messages import (
     MAX_POLICY_VERSION,
-    InflightPolicy,
     TensorRef,
     UpdateWeights,
     Wake,
@@ -56,20 +55,12 @@ from service.engine_link.engine_client import (
 )
 from service.engine_link.tensor_file import ChunkError, TensorFileWriter
 from service.ops.metrics import Metrics
-from service.rpc.adapters import load_adapter, unload_adapter
+from service.rpc.adapters import INFLIGHT_POLICIES, load_adapter, unload_adapter
 from service.rpc.refusal import Refusal, engine_status
 from service.rpc.sleep_wake import sleep_message, sleep_or_wake, sleep_response, wake_response
 from service.rpc.weight_transfer import distributed_tensors, transfer_group
 
 log = structlog.get_logger("sluice.admin")
-
-INFLIGHT_POLICIES = {
-    pb.INFLIGHT_POLICY_UNSPECIFIED: InflightPolicy.DRAIN,
-    pb.INFLIGHT_POLICY_DRAIN: InflightPolicy.DRAIN,
-    pb.INFLIGHT_POLICY_ABORT: InflightPolicy.ABORT,
-    pb.INFLIGHT_POLICY_CONTINUE: InflightPolicy.CONTINUE,
-    pb.INFLIGHT_POLICY_RECOMPUTE: InflightPolicy.RECOMPUTE,
-}
 
 # The tensor file cannot grow to hold the update: disk full, quota, or past the largest file the
 # file system (or RLIMIT_FSIZE) allows; ext4's is 16 TiB, the most an update may declare.

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Container
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import grpc
 from sluice.v1 import generation_pb2 as pb
@@ -209,12 +210,13 @@ async def admit(
     retry_after: float,
     max_message_bytes: int,
     chat_template: ChatTemplate | None = None,
-    adapters: Container[str] = (),
+    adapters: Mapping[str, int] = MappingProxyType({}),
 ) -> Admission:
     """Validate and tokenize (a chat prompt rendered with `chat_template` first); raises Refusal. Queue and duplicate checks are the caller's,
     made right before submitting (no await in between). `retry_after`: the delay suggested to a
     request refused for weights older than its `min_policy_version`. `adapters`: the LoRA
-    adapters loaded (one unloaded after this check is the engine's ERROR output)."""
+    adapters loaded, with their policy versions (one unloaded after this check is the engine's
+    ERROR output); a request that names one compares its `min_policy_version` with that."""
     if deadline is not None and deadline <= time.time():
         raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline has already passed")
     if req.WhichOneof("prompt") == "chat" and chat_template is None:
@@ -251,14 +253,16 @@ async def admit(
         violations := routed_experts_violations(req, len(prompt), info, max_message_bytes)
     ):
         raise invalid_argument(violations)
-    if req.HasField("min_policy_version") and req.min_policy_version > policy_version:
+    served = adapters[req.adapter] if req.adapter else policy_version
+    if req.HasField("min_policy_version") and req.min_policy_version > served:
         # UNAVAILABLE with a retry delay, not FAILED_PRECONDITION: the weights it asks for are
         # on their way (an update in progress here, or already applied on another replica
         # behind the same balancer), so the clients' retry policy tries again by itself.
+        whose = f"of adapter {req.adapter!r}" if req.adapter else "served"
         raise Refusal(
             grpc.StatusCode.UNAVAILABLE,
-            f"min_policy_version {req.min_policy_version} is newer than the served "
-            f"policy version {policy_version}",
+            f"min_policy_version {req.min_policy_version} is newer than the policy version "
+            f"{served} {whose}",
             retry_after=retry_after,
         )
     request = AddRequest(

@@ -201,7 +201,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             retry_after=self.config.retry_after,
             max_message_bytes=MAX_SEND_MESSAGE_BYTES,
             chat_template=self.chat_template,
-            adapters=self.engine.adapters.names,
+            adapters=self.engine.adapters.versions,
         )
         if (structured := admission.request.params.structured) is not None:
             await check_constraint(self.engine, structured)  # compiled, or refused

@@ -181,11 +181,21 @@ export class Client {
   /**
    * Loads the PEFT LoRA adapter directory `path` (on the server's disk) as `name`; requests
    * select it with the `adapter` option. Options: pinned (never evicted from its slot),
-   * deadlineMs. Resolves with its AdapterInfo; rejects with a SluiceError (INVALID_ARGUMENT,
-   * ALREADY_EXISTS, FAILED_PRECONDITION, ...).
+   * replace (update the loaded `name` in place), policyVersion (its version after it; 0 = 1,
+   * or with replace its version + 1), inflight (with replace: drain | abort | continue |
+   * recompute, what requests running it do), deadlineMs. Resolves with its AdapterInfo;
+   * rejects with a SluiceError (INVALID_ARGUMENT, ALREADY_EXISTS, NOT_FOUND,
+   * FAILED_PRECONDITION, ...).
    */
   async loadAdapter(name, path, options = {}) {
-    const request = { name, path, pinned: options.pinned ?? false };
+    const request = {
+      name,
+      path,
+      pinned: options.pinned ?? false,
+      replace: options.replace ?? false,
+      policyVersion: options.policyVersion ?? 0,
+      inflight: `INFLIGHT_POLICY_${String(options.inflight ?? 'drain').toUpperCase()}`,
+    };
     return (await this.#adminUnary('LoadAdapter', request, options)).adapter;
   }
 

@@ -110,6 +110,9 @@ export async function usage(target: string): Promise<void> {
   await client.sleep({ inflight: 'continue' });
   const adapter = await client.loadAdapter('a', '/adapters/a', { pinned: true });
   const modules: string[] = adapter.targetModules;
+  const replaced = await client.loadAdapter('a', '/adapters/a2', { replace: true, inflight: 'abort' });
+  const adapterVersion: number = replaced.policyVersion;
+  void adapterVersion;
   await client.unloadAdapter('a');
   const loaded: string[] = (await client.info()).adapters.map((a) => a.name);
   void [modules, loaded];

@@ -94,7 +94,14 @@ test('buildRequest sets adapter, under the field name the proto gives it', () =>
 
 test('the Admin service has LoadAdapter and UnloadAdapter, their fields as the proto names them', () => {
   const { LoadAdapter, UnloadAdapter } = sluiceServices().Admin.service;
-  const load = { name: 'a', path: '/adapters/a', pinned: true };
+  const load = {
+    name: 'a',
+    path: '/adapters/a',
+    pinned: true,
+    replace: true,
+    policyVersion: 3,
+    inflight: 'INFLIGHT_POLICY_CONTINUE',
+  };
   assert.deepEqual(LoadAdapter.requestDeserialize(LoadAdapter.requestSerialize(load)), load);
   assert.equal(UnloadAdapter.requestDeserialize(UnloadAdapter.requestSerialize({ name: 'a' })).name, 'a');
 });

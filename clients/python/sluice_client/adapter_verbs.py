@@ -1,4 +1,5 @@
-"""The `sluice adapters` verb: `load NAME PATH [--pinned]`, `unload NAME` and `list`, the LoRA
+"""The `sluice adapters` verb: `load NAME PATH [--pinned] [--replace] [--policy-version V]
+[--inflight POLICY]`, `unload NAME` and `list`, the LoRA
 adapters of one server (Admin LoadAdapter and UnloadAdapter; ServerInfo.adapters). `load` and
 `list` print JSON; `generate --adapter NAME` selects one."""
 
@@ -20,6 +21,21 @@ def add_adapter_verbs(verbs: Any) -> None:
     load.add_argument("name", help="the name requests select it by (generate --adapter)")
     load.add_argument("path", help="the adapter directory, as the server sees it")
     load.add_argument("--pinned", action="store_true", help="never evicted from its slot")
+    load.add_argument(
+        "--replace", action="store_true", help="update the loaded NAME in place, to a new version"
+    )
+    load.add_argument(
+        "--policy-version",
+        type=int,
+        default=0,
+        help="the adapter's version after it (default: 1; with --replace: its version + 1)",
+    )
+    load.add_argument(
+        "--inflight",
+        choices=["drain", "abort", "continue", "recompute"],
+        default="drain",
+        help="with --replace: what requests running the adapter do",
+    )
     load.set_defaults(run=run_load)
     unload = actions.add_parser("unload", help="forget a loaded adapter")
     unload.add_argument("name")
@@ -34,7 +50,14 @@ def add_adapter_verbs(verbs: Any) -> None:
 
 def run_load(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        adapter = client.load_adapter(args.name, args.path, pinned=args.pinned)
+        adapter = client.load_adapter(
+            args.name,
+            args.path,
+            pinned=args.pinned,
+            replace=args.replace,
+            policy_version=args.policy_version,
+            inflight=args.inflight,
+        )
     print(json.dumps(_fields(adapter), indent=2))
     return 0
 

@@ -280,12 +280,31 @@ class Client:
         return response
 
     def load_adapter(
-        self, name: str, path: str, *, pinned: bool = False, timeout: float | None = None
+        self,
+        name: str,
+        path: str,
+        *,
+        pinned: bool = False,
+        replace: bool = False,
+        policy_version: int = 0,
+        inflight: str = "drain",
+        timeout: float | None = None,
     ) -> pb.AdapterInfo:
         """Admin LoadAdapter: load the PEFT adapter directory `path` (on the server's disk) as
-        `name`; requests select it with `adapter=name`. The loaded adapter's AdapterInfo."""
+        `name` at `policy_version` (0: 1); requests select it with `adapter=name`. `replace`:
+        update the loaded `name` in place (policy_version 0 = its version + 1; `inflight`:
+        drain | abort | continue | recompute, what its running requests do). The loaded
+        adapter's AdapterInfo."""
+        request = admin_pb.LoadAdapterRequest(
+            name=name,
+            path=path,
+            pinned=pinned,
+            replace=replace,
+            policy_version=policy_version,
+            inflight=inflight_policy(inflight),
+        )
         response: admin_pb.LoadAdapterResponse = self.admin_stub.LoadAdapter(
-            admin_pb.LoadAdapterRequest(name=name, path=path, pinned=pinned),
+            request,
             metadata=self.admin_metadata,
             timeout=timeout,
         )

@@ -648,6 +648,9 @@ class LoadAdapterRequest(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     PATH_FIELD_NUMBER: _builtins.int
     PINNED_FIELD_NUMBER: _builtins.int
+    REPLACE_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    INFLIGHT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The name requests select it by (GenerateRequest.adapter): not empty, at most 256
     characters, unique among the loaded adapters.
@@ -658,7 +661,30 @@ class LoadAdapterRequest(_message.Message):
     """
     pinned: _builtins.bool
     """Keep it resident: never evicted from its slot for another adapter. At most --max-loras - 1
-    adapters may be pinned (one slot is left to rotate). Default false.
+    adapters may be pinned (one slot is left to rotate). Default false. Ignored with
+    `replace`: the adapter keeps its pinning.
+    """
+    replace: _builtins.bool
+    """Update the adapter already loaded under `name` in place, to the adapter at `path` under a
+    new policy version. The new adapter is read and checked before anything changes: one that
+    does not fit (or a version that is not newer) leaves the old one serving, unchanged.
+    Requests admitted after it run the new version; the prefix cache never reuses KV computed
+    under an older version. Default false: a new adapter (ALREADY_EXISTS if the name is loaded).
+    """
+    policy_version: _builtins.int
+    """The adapter's policy version after this call: the version its requests' tokens report
+    (TokenChunk.policy_version) and that their min_policy_version compares with. A load: any
+    version, 0 = 1. With `replace`: must exceed the adapter's current version
+    (FAILED_PRECONDITION otherwise), 0 = current + 1.
+    """
+    inflight: Global___InflightPolicy.ValueType
+    """With `replace`: what happens to requests running the adapter (admitted ones, also those
+    waiting in the queue). DRAIN (the default): they finish on the old version (its tokens carry
+    the old version; both versions are resident meanwhile, each in a slot); this call does
+    not wait for them. ABORT: they end ABORTED (partial output returned). CONTINUE: they go on
+    with the new weights on their existing KV; their later tokens carry the new version.
+    RECOMPUTE: as CONTINUE, but their KV is first recomputed under the new weights. Ignored
+    without `replace`.
     """
     def __init__(
         self,
@@ -666,10 +692,13 @@ class LoadAdapterRequest(_message.Message):
         name: _builtins.str = ...,
         path: _builtins.str = ...,
         pinned: _builtins.bool = ...,
+        replace: _builtins.bool = ...,
+        policy_version: _builtins.int = ...,
+        inflight: Global___InflightPolicy.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path", "pinned", b"pinned"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inflight", b"inflight", "name", b"name", "path", b"path", "pinned", b"pinned", "policy_version", b"policy_version", "replace", b"replace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

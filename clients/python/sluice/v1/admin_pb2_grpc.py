@@ -158,15 +158,20 @@ class AdminServicer:
         number may be loaded; at most the server's --max-loras (default 0: none) are resident in
         the engine at once, the rest wait for a slot (least recently used unpinned ones are
         evicted; their requests wait in the queue, never fail). Answers once the adapter is read,
-        checked against the model and loaded; requests running meanwhile are not disturbed. The
-        adapter's tokens carry the base model's policy version. Loaded adapters survive an engine
-        restart (the server loads them again from their directories). Errors: INVALID_ARGUMENT
+        checked against the model and loaded; requests running meanwhile are not disturbed. Each
+        adapter has its own policy version (AdapterInfo.policy_version: `policy_version`, or 1),
+        which its requests' tokens carry. With `replace` it updates a loaded adapter in place under
+        a new version: all or nothing (a new adapter that does not fit changes nothing), and
+        `inflight` says what requests running the adapter do (requests of other adapters and of the
+        base model are never disturbed). Loaded adapters survive an engine restart (the server
+        loads them again from their directories, at their versions). Errors: INVALID_ARGUMENT
         (with google.rpc.BadRequest naming `name` or `path`: an empty field; a directory that is
         not a PEFT LoRA adapter of this model: missing files, target modules it does not have or
         this engine does not compute, shapes that do not fit, a rank above --max-lora-rank;
-        nothing changes), ALREADY_EXISTS (an adapter of this name is loaded; unload it first),
-        FAILED_PRECONDITION (--max-loras is 0; `pinned` would pin every slot; the server is
-        asleep), UNAVAILABLE (the engine is not serving, or was lost meanwhile).
+        nothing changes), ALREADY_EXISTS (an adapter of this name is loaded and `replace` is not
+        set), NOT_FOUND (`replace` names no loaded adapter), FAILED_PRECONDITION (--max-loras is 0;
+        `pinned` would pin every slot; the server is asleep; a `replace` whose policy_version does
+        not exceed the adapter's), UNAVAILABLE (the engine is not serving, or was lost meanwhile).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

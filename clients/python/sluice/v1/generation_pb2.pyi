@@ -200,7 +200,9 @@ class GenerateRequest(_message.Message):
     """The oldest weights the request accepts: refused UNAVAILABLE, with a retry delay
     (google.rpc.RetryInfo and grpc-retry-pushback-ms), while the served policy version
     (ServerInfo.policy_version) is older, so that a retrying client converges on updated
-    weights, here or on another replica behind a load balancer. Default: any version.
+    weights, here or on another replica behind a load balancer. A request that names an
+    `adapter` compares with that adapter's version (AdapterInfo.policy_version) instead.
+    Default: any version.
     """
     priority: _builtins.int
     """Scheduling priority: any int32, higher is admitted first; first come, first served within
@@ -209,8 +211,9 @@ class GenerateRequest(_message.Message):
     adapter: _builtins.str
     """The LoRA adapter to run the model with, by the name Admin LoadAdapter gave it
     (ServerInfo.adapters lists them). NOT_FOUND (naming `adapter`) when none of that name is
-    loaded. Its tokens carry the base model's policy version, and min_policy_version compares
-    with that version too. Default (empty): the base model alone.
+    loaded. Its tokens carry the adapter's policy version (AdapterInfo.policy_version, raised
+    by Admin LoadAdapter with `replace`), not the base model's, and min_policy_version compares
+    with the adapter's version. Default (empty): the base model alone.
     """
     @_builtins.property
     def token_ids(self) -> Global___TokenIds:
@@ -983,7 +986,9 @@ class TokenChunk(_message.Message):
     string).
     """
     policy_version: _builtins.int
-    """The policy version of the weights that produced every token of this chunk."""
+    """The policy version of the weights that produced every token of this chunk; with an
+    adapter, the adapter's version (AdapterInfo.policy_version).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The sampled token ids, in order; never empty unless the chunk only flushes `text`."""
@@ -1549,6 +1554,7 @@ class AdapterInfo(_message.Message):
     PINNED_FIELD_NUMBER: _builtins.int
     RESIDENT_FIELD_NUMBER: _builtins.int
     SCALING_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The name requests select it by (GenerateRequest.adapter)."""
     path: _builtins.str
@@ -1564,6 +1570,11 @@ class AdapterInfo(_message.Message):
     """
     scaling: _builtins.float
     """The factor its update is scaled by: lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA."""
+    policy_version: _builtins.int
+    """Its policy version: its requests' tokens carry it, and their min_policy_version compares
+    with it. Set at load (LoadAdapterRequest.policy_version, default 1), raised by each
+    LoadAdapter with `replace`.
+    """
     @_builtins.property
     def target_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The projections it changes, by their module names: among q_proj, k_proj, v_proj, o_proj,
@@ -1580,10 +1591,11 @@ class AdapterInfo(_message.Message):
         pinned: _builtins.bool = ...,
         resident: _builtins.bool = ...,
         scaling: _builtins.float = ...,
+        policy_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path", "pinned", b"pinned", "rank", b"rank", "resident", b"resident", "scaling", b"scaling", "target_modules", b"target_modules"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path", "pinned", b"pinned", "policy_version", b"policy_version", "rank", b"rank", "resident", b"resident", "scaling", b"scaling", "target_modules", b"target_modules"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
