@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from service_harness import running_server
 from sluice.v1 import admin_pb2 as apb
 from sluice.v1 import admin_pb2_grpc, generation_pb2_grpc
 from sluice.v1 import generation_pb2 as gpb
-from sluice_client import Client, build_request
+from sluice_client import Client, build_request, cli
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -166,3 +167,17 @@ async def test_continue_switches_a_running_requests_version_at_the_swap(server, 
                 finished = event.finished
     assert finished is not None and finished.reason == gpb.FINISH_REASON_LENGTH
     assert versions[0] == 1 and versions[-1] == 2 and versions == sorted(versions)
+
+
+async def test_the_cli_replaces_an_adapter_under_a_version(server, dirs, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    _, target = server
+    token = tmp_path / "admin-token"
+    token.write_text(ADMIN_TOKEN)
+    flags = ["--target", target, "--admin-token-file", str(token)]
+    assert await asyncio.to_thread(cli.main, ["adapters", "load", "k", str(dirs["a"]), *flags]) == 0
+    assert json.loads(capsys.readouterr().out)["policyVersion"] == "1"
+    argv = ["adapters", "load", "k", str(dirs["b"]), "--replace", "--policy-version", "9"]
+    argv += ["--inflight", "continue", *flags]
+    assert await asyncio.to_thread(cli.main, argv) == 0
+    assert json.loads(capsys.readouterr().out)["policyVersion"] == "9"
+    assert (await asyncio.to_thread(listed_versions, target))["k"] == 9
