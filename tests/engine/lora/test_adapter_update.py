@@ -74,8 +74,12 @@ def tokens(outs: list[RequestOutput]) -> list[tuple[int, int]]:
 
 
 def started(engine: LLMEngine, prompt: list[int]) -> list[RequestOutput]:
+    """Request "r"'s outputs once it has BEFORE_SWAP tokens (with overlapped steps, the next
+    step is launched by then: the replace must undo it)."""
     engine.add_request("r", prompt, greedy())
-    outs = run(engine, BEFORE_SWAP)["r"]
+    outs: list[RequestOutput] = []
+    while len(tokens(outs)) < BEFORE_SWAP:
+        outs += [out for out in engine.step() if out.request_id == "r"]
     assert len(tokens(outs)) == BEFORE_SWAP
     return outs
 
@@ -86,6 +90,7 @@ def test_drain_lets_running_requests_finish_on_the_old_version(
     engine = make_engine(tiny_llama, versions[1])
     prompt = prompts(engine.info.vocab_size, 2)[1]
     before = started(engine, prompt)
+    first = engine.lora.key_of("x")
     new = replace_adapter(engine, "x", versions[2], 0, InflightPolicy.DRAIN)
     assert new.version == 2 and engine.lora.version_of("x") == 2
     engine.add_request("after", prompt, greedy())
@@ -97,6 +102,8 @@ def test_drain_lets_running_requests_finish_on_the_old_version(
     assert [t for t, _ in after] == reference(2, tuple(prompt))
     assert {v for _, v in after} == {2}
     assert seen["after"][0].cached_tokens == 0  # version 1's prompt KV is not reused
+    replace_adapter(engine, "x", versions[1])  # sweeps version 1: no request holds it now
+    assert first not in engine.lora.files and first not in engine.lora.slot_of_key
 
 
 def test_abort_ends_running_requests_and_the_new_version_equals_peft(
@@ -113,10 +120,11 @@ def test_abort_ends_running_requests_and_the_new_version_equals_peft(
     assert engine.lora.slot_of_key.keys() == {engine.lora.key_of("x")}  # the old one's freed
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
 def test_continue_keeps_the_kv_and_the_versions_switch_at_the_swap(
-    tiny_llama: Path, versions: dict[int, Path], reference: Any
+    tiny_llama: Path, versions: dict[int, Path], reference: Any, overlap: bool
 ) -> None:
-    engine = make_engine(tiny_llama, versions[1], max_loras=1)
+    engine = make_engine(tiny_llama, versions[1], max_loras=1, overlap_steps=overlap)
     prompt = prompts(engine.info.vocab_size, 2)[1]
     before = started(engine, prompt)
     replace_adapter(engine, "x", versions[2], 0, InflightPolicy.CONTINUE)
@@ -128,10 +136,11 @@ def test_continue_keeps_the_kv_and_the_versions_switch_at_the_swap(
     assert fresh.cached_tokens == 0  # the continued request's mixed KV was never published
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
 def test_recompute_continues_as_the_new_version_would_from_the_same_tokens(
-    tiny_llama: Path, versions: dict[int, Path], reference: Any
+    tiny_llama: Path, versions: dict[int, Path], reference: Any, overlap: bool
 ) -> None:
-    engine = make_engine(tiny_llama, versions[1])
+    engine = make_engine(tiny_llama, versions[1], overlap_steps=overlap)
     prompt = prompts(engine.info.vocab_size, 2)[1]
     before = tokens(started(engine, prompt))
     replace_adapter(engine, "x", versions[2], 0, InflightPolicy.RECOMPUTE)
