@@ -705,6 +705,74 @@ class LoadAdapterRequest(_message.Message):
 Global___LoadAdapterRequest: _TypeAlias = LoadAdapterRequest  # noqa: Y015
 
 @_typing.final
+class LoadAdapterChunk(_message.Message):
+    """One message of a LoadAdapterStream call: the header first, then tensor chunks."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    TENSOR_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def header(self) -> Global___LoadAdapterStreamHeader:
+        """The first message, and only the first (INVALID_ARGUMENT, field `header`, otherwise)."""
+
+    @_builtins.property
+    def tensor(self) -> Global___TensorChunk:
+        """After the header: one chunk of one of the adapter's tensors (UpdateWeights' rules: a
+        tensor may span chunks in any order, each byte sent once; dtype F32, F16 or BF16).
+        Names are peft's (`base_model.model.<module>.lora_A.weight`); at least one tensor.
+        """
+
+    def __init__(
+        self,
+        *,
+        header: Global___LoadAdapterStreamHeader | None = ...,
+        tensor: Global___TensorChunk | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "part", b"part", "tensor", b"tensor"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "part", b"part", "tensor", b"tensor"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["header", "tensor"]  # noqa: Y015
+    _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
+
+Global___LoadAdapterChunk: _TypeAlias = LoadAdapterChunk  # noqa: Y015
+
+@_typing.final
+class LoadAdapterStreamHeader(_message.Message):
+    """What a streamed adapter is loaded as, and its configuration."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_FIELD_NUMBER: _builtins.int
+    ADAPTER_CONFIG_FIELD_NUMBER: _builtins.int
+    adapter_config: _builtins.str
+    """The adapter_config.json peft's save_pretrained writes, as UTF-8 JSON text: a JSON object,
+    not empty, at most 65536 bytes (INVALID_ARGUMENT, field `header.adapter_config`). The
+    engine checks its content as it checks a directory's.
+    """
+    @_builtins.property
+    def request(self) -> Global___LoadAdapterRequest:
+        """name, pinned, replace, policy_version and inflight as for LoadAdapter; `path` must be
+        empty (INVALID_ARGUMENT, field `header.request.path`): the server chooses the spool.
+        """
+
+    def __init__(
+        self,
+        *,
+        request: Global___LoadAdapterRequest | None = ...,
+        adapter_config: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_config", b"adapter_config", "request", b"request"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadAdapterStreamHeader: _TypeAlias = LoadAdapterStreamHeader  # noqa: Y015
+
+@_typing.final
 class LoadAdapterResponse(_message.Message):
     """The adapter is loaded."""
 

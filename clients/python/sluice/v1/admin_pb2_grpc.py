@@ -60,6 +60,11 @@ class AdminStub:
                 request_serializer=sluice_dot_v1_dot_admin__pb2.LoadAdapterRequest.SerializeToString,
                 response_deserializer=sluice_dot_v1_dot_admin__pb2.LoadAdapterResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapterStream = channel.stream_unary(
+                '/sluice.v1.Admin/LoadAdapterStream',
+                request_serializer=sluice_dot_v1_dot_admin__pb2.LoadAdapterChunk.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_admin__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
         self.UnloadAdapter = channel.unary_unary(
                 '/sluice.v1.Admin/UnloadAdapter',
                 request_serializer=sluice_dot_v1_dot_admin__pb2.UnloadAdapterRequest.SerializeToString,
@@ -177,6 +182,27 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapterStream(self, request_iterator, context):
+        """LoadAdapter with the adapter streamed instead of read from the server's disk, the way
+        UpdateWeights streams inline tensors. The client sends one `header` first (the
+        LoadAdapterRequest's fields, `path` left empty, and the adapter_config.json text), then
+        the adapter's tensors as TensorChunk messages (peft's names and bytes, as in
+        adapter_model.safetensors), then closes its side. The server spools them into a private
+        PEFT directory under its --weights-dir and loads it as LoadAdapter loads `path`; the answer,
+        the semantics and the errors are LoadAdapter's, plus: INVALID_ARGUMENT (with
+        google.rpc.BadRequest naming the field: `header` missing or repeated, `header.request.path`
+        set, `header.adapter_config` empty, not a JSON object or above 65536 bytes, `tensor.*` as
+        for UpdateWeights' chunks, tensors above 8 GiB in all, refused before more is spooled),
+        ABORTED (the caller sent nothing for --update-idle-timeout), RESOURCE_EXHAUSTED (the disk
+        of --weights-dir is full). Nothing changes on a refusal. The spool is kept while the
+        adapter (that version of it) stays loaded, so that an engine restart loads it again; it is
+        deleted when the adapter is unloaded or replaced, and at once when the load fails.
+        AdapterInfo.path names the spool.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def UnloadAdapter(self, request, context):
         """Forgets a loaded adapter; later requests naming it are NOT_FOUND. Errors: NOT_FOUND (no
         adapter of this name is loaded), FAILED_PRECONDITION (requests admitted with it are still
@@ -213,6 +239,11 @@ def add_AdminServicer_to_server(servicer, server):
             'LoadAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadAdapter,
                     request_deserializer=sluice_dot_v1_dot_admin__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_admin__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'LoadAdapterStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.LoadAdapterStream,
+                    request_deserializer=sluice_dot_v1_dot_admin__pb2.LoadAdapterChunk.FromString,
                     response_serializer=sluice_dot_v1_dot_admin__pb2.LoadAdapterResponse.SerializeToString,
             ),
             'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
@@ -356,6 +387,33 @@ class Admin:
             target,
             '/sluice.v1.Admin/LoadAdapter',
             sluice_dot_v1_dot_admin__pb2.LoadAdapterRequest.SerializeToString,
+            sluice_dot_v1_dot_admin__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapterStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/sluice.v1.Admin/LoadAdapterStream',
+            sluice_dot_v1_dot_admin__pb2.LoadAdapterChunk.SerializeToString,
             sluice_dot_v1_dot_admin__pb2.LoadAdapterResponse.FromString,
             options,
             channel_credentials,

@@ -127,6 +127,23 @@ class AdminStub:
     `pinned` would pin every slot; the server is asleep; a `replace` whose policy_version does
     not exceed the adapter's), UNAVAILABLE (the engine is not serving, or was lost meanwhile).
     """
+    LoadAdapterStream: _grpc.StreamUnaryMultiCallable[_admin_pb2.LoadAdapterChunk, _admin_pb2.LoadAdapterResponse]
+    """LoadAdapter with the adapter streamed instead of read from the server's disk, the way
+    UpdateWeights streams inline tensors. The client sends one `header` first (the
+    LoadAdapterRequest's fields, `path` left empty, and the adapter_config.json text), then
+    the adapter's tensors as TensorChunk messages (peft's names and bytes, as in
+    adapter_model.safetensors), then closes its side. The server spools them into a private
+    PEFT directory under its --weights-dir and loads it as LoadAdapter loads `path`; the answer,
+    the semantics and the errors are LoadAdapter's, plus: INVALID_ARGUMENT (with
+    google.rpc.BadRequest naming the field: `header` missing or repeated, `header.request.path`
+    set, `header.adapter_config` empty, not a JSON object or above 65536 bytes, `tensor.*` as
+    for UpdateWeights' chunks, tensors above 8 GiB in all, refused before more is spooled),
+    ABORTED (the caller sent nothing for --update-idle-timeout), RESOURCE_EXHAUSTED (the disk
+    of --weights-dir is full). Nothing changes on a refusal. The spool is kept while the
+    adapter (that version of it) stays loaded, so that an engine restart loads it again; it is
+    deleted when the adapter is unloaded or replaced, and at once when the load fails.
+    AdapterInfo.path names the spool.
+    """
     UnloadAdapter: _grpc.UnaryUnaryMultiCallable[_admin_pb2.UnloadAdapterRequest, _admin_pb2.UnloadAdapterResponse]
     """Forgets a loaded adapter; later requests naming it are NOT_FOUND. Errors: NOT_FOUND (no
     adapter of this name is loaded), FAILED_PRECONDITION (requests admitted with it are still
@@ -224,6 +241,23 @@ class AdminAsyncStub(AdminStub):
     set), NOT_FOUND (`replace` names no loaded adapter), FAILED_PRECONDITION (--max-loras is 0;
     `pinned` would pin every slot; the server is asleep; a `replace` whose policy_version does
     not exceed the adapter's), UNAVAILABLE (the engine is not serving, or was lost meanwhile).
+    """
+    LoadAdapterStream: _aio.StreamUnaryMultiCallable[_admin_pb2.LoadAdapterChunk, _admin_pb2.LoadAdapterResponse]  # type: ignore[assignment]
+    """LoadAdapter with the adapter streamed instead of read from the server's disk, the way
+    UpdateWeights streams inline tensors. The client sends one `header` first (the
+    LoadAdapterRequest's fields, `path` left empty, and the adapter_config.json text), then
+    the adapter's tensors as TensorChunk messages (peft's names and bytes, as in
+    adapter_model.safetensors), then closes its side. The server spools them into a private
+    PEFT directory under its --weights-dir and loads it as LoadAdapter loads `path`; the answer,
+    the semantics and the errors are LoadAdapter's, plus: INVALID_ARGUMENT (with
+    google.rpc.BadRequest naming the field: `header` missing or repeated, `header.request.path`
+    set, `header.adapter_config` empty, not a JSON object or above 65536 bytes, `tensor.*` as
+    for UpdateWeights' chunks, tensors above 8 GiB in all, refused before more is spooled),
+    ABORTED (the caller sent nothing for --update-idle-timeout), RESOURCE_EXHAUSTED (the disk
+    of --weights-dir is full). Nothing changes on a refusal. The spool is kept while the
+    adapter (that version of it) stays loaded, so that an engine restart loads it again; it is
+    deleted when the adapter is unloaded or replaced, and at once when the load fails.
+    AdapterInfo.path names the spool.
     """
     UnloadAdapter: _aio.UnaryUnaryMultiCallable[_admin_pb2.UnloadAdapterRequest, _admin_pb2.UnloadAdapterResponse]  # type: ignore[assignment]
     """Forgets a loaded adapter; later requests naming it are NOT_FOUND. Errors: NOT_FOUND (no
@@ -349,6 +383,29 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         set), NOT_FOUND (`replace` names no loaded adapter), FAILED_PRECONDITION (--max-loras is 0;
         `pinned` would pin every slot; the server is asleep; a `replace` whose policy_version does
         not exceed the adapter's), UNAVAILABLE (the engine is not serving, or was lost meanwhile).
+        """
+
+    @_abc_1.abstractmethod
+    def LoadAdapterStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_admin_pb2.LoadAdapterChunk],
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.LoadAdapterResponse, _abc.Awaitable[_admin_pb2.LoadAdapterResponse]]:
+        """LoadAdapter with the adapter streamed instead of read from the server's disk, the way
+        UpdateWeights streams inline tensors. The client sends one `header` first (the
+        LoadAdapterRequest's fields, `path` left empty, and the adapter_config.json text), then
+        the adapter's tensors as TensorChunk messages (peft's names and bytes, as in
+        adapter_model.safetensors), then closes its side. The server spools them into a private
+        PEFT directory under its --weights-dir and loads it as LoadAdapter loads `path`; the answer,
+        the semantics and the errors are LoadAdapter's, plus: INVALID_ARGUMENT (with
+        google.rpc.BadRequest naming the field: `header` missing or repeated, `header.request.path`
+        set, `header.adapter_config` empty, not a JSON object or above 65536 bytes, `tensor.*` as
+        for UpdateWeights' chunks, tensors above 8 GiB in all, refused before more is spooled),
+        ABORTED (the caller sent nothing for --update-idle-timeout), RESOURCE_EXHAUSTED (the disk
+        of --weights-dir is full). Nothing changes on a refusal. The spool is kept while the
+        adapter (that version of it) stays loaded, so that an engine restart loads it again; it is
+        deleted when the adapter is unloaded or replaced, and at once when the load fails.
+        AdapterInfo.path names the spool.
         """
 
     @_abc_1.abstractmethod
