@@ -14,6 +14,11 @@ names, sizes and times); an adapter whose directory changed or vanished since is
 again under its name (other weights would serve it): it is dropped, with an error log, and
 its requests become NOT_FOUND. A failed replay of one adapter never keeps the base model from
 serving.
+
+A streamed adapter's directory (LoadAdapterStream: service/engine_link/adapter_spool.py) is
+handed to the link with `owned=True`: it deletes it when the load fails, when the adapter is
+unloaded, replaced by another directory or dropped from the replay, and at `delete_spools`
+(the server's shutdown); until then the directory serves the replay.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import shutil
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
@@ -50,6 +56,7 @@ class AdapterLink:
         self._send = send  # raises EngineUnavailableError when the engine cannot take it
         self.states: tuple[AdapterState, ...] = ()
         self._loads: dict[str, tuple[LoadAdapter, str | None]] = {}  # name -> (load, print)
+        self._spools: set[str] = set()  # the owned directories: deleted once no load needs them
         self._answers = Answers(lambda i, m: AdapterOutcome(i, error_code="UNAVAILABLE", message=m))
 
     @property
@@ -65,26 +72,52 @@ class AdapterLink:
     def busy(self) -> bool:
         return bool(len(self._answers))
 
-    async def load(self, msg: LoadAdapter) -> AdapterOutcome:
+    async def load(self, msg: LoadAdapter, owned: bool = False) -> AdapterOutcome:
         """Load (or with `replace` update in place) the adapter `msg` names; the engine's
         answer (recorded for replay when it succeeds, also if the caller has gone by then: a
-        plain load of the path, at the version it reached). Raises EngineUnavailableError if it
-        cannot be sent."""
-        fingerprint = await asyncio.to_thread(adapter_fingerprint, msg.path)
+        plain load of the path, at the version it reached). `owned`: msg.path is a spool the
+        link deletes once no load needs it (at once if this one fails). Raises
+        EngineUnavailableError if it cannot be sent."""
+        if owned:
+            self._spools.add(msg.path)
+        try:
+            fingerprint = await asyncio.to_thread(adapter_fingerprint, msg.path)
 
-        def record(outcome: AdapterOutcome) -> None:
-            state = next(s for s in outcome.adapters if s.name == msg.name)
-            load = LoadAdapter("", msg.name, msg.path, state.pinned, False, state.policy_version)
-            self._loads[msg.name] = (load, fingerprint)  # a replace keeps the first's place
+            def record(outcome: AdapterOutcome) -> None:
+                state = next(s for s in outcome.adapters if s.name == msg.name)
+                load = LoadAdapter(
+                    "", msg.name, msg.path, state.pinned, False, state.policy_version
+                )
+                before = self._loads.get(msg.name)
+                self._loads[msg.name] = (load, fingerprint)  # a replace keeps the first's place
+                if before is not None and before[0].path != msg.path:
+                    self._forget_spool(before[0].path)
 
-        return await self._ask(msg, record)
+            outcome = await self._ask(msg, record, on_failure=lambda: self._forget_spool(msg.path))
+        except EngineUnavailableError:
+            self._forget_spool(msg.path)
+            raise
+        return outcome
 
     async def unload(self, name: str) -> AdapterOutcome:
         """Forget `name`; the engine's answer. Raises EngineUnavailableError if it cannot be
         sent."""
-        return await self._ask(
-            UnloadAdapter(uuid.uuid4().hex, name), lambda _: self._loads.pop(name, None)
-        )
+        return await self._ask(UnloadAdapter(uuid.uuid4().hex, name), lambda _: self._drop(name))
+
+    def delete_spools(self) -> None:
+        """Delete every owned directory (the server stops: nothing will replay them)."""
+        for path in list(self._spools):
+            self._forget_spool(path)
+
+    def _drop(self, name: str) -> None:
+        load = self._loads.pop(name, None)
+        if load is not None:
+            self._forget_spool(load[0].path)
+
+    def _forget_spool(self, path: str) -> None:
+        if path in self._spools:
+            self._spools.discard(path)
+            shutil.rmtree(path, ignore_errors=True)
 
     async def refresh(self, timeout: float) -> tuple[AdapterState, ...]:
         """The engine's adapters now (which are resident changes with every request); the last
@@ -99,9 +132,11 @@ class AdapterLink:
         self,
         msg: LoadAdapter | UnloadAdapter | ListAdapters,
         on_ok: Callable[[AdapterOutcome], object],
+        on_failure: Callable[[], object] = lambda: None,
     ) -> AdapterOutcome:
-        """Send `msg` and wait for its answer; `on_ok` runs when it succeeds, also when the
-        caller has gone by then (the answer is shielded from the caller's cancellation)."""
+        """Send `msg` and wait for its answer; `on_ok` (or `on_failure`) runs when it succeeds
+        (or fails), also when the caller has gone by then (the answer is shielded from the
+        caller's cancellation)."""
         self._send(msg)
         future = self._answers.add(msg.action_id)
 
@@ -109,6 +144,8 @@ class AdapterLink:
             outcome = done.result()
             if outcome.ok:
                 on_ok(outcome)
+            else:
+                on_failure()
             if outcome.error_code != "UNAVAILABLE":  # a lost engine's answer reports nothing
                 self.states = outcome.adapters
 
@@ -129,7 +166,7 @@ class AdapterLink:
         for name, (msg, fingerprint) in list(self._loads.items()):
             now = await asyncio.to_thread(adapter_fingerprint, msg.path)
             if now is None or now != fingerprint:
-                self._loads.pop(name, None)
+                self._drop(name)
                 log.error(
                     "engine.adapter_dropped",
                     adapter=name,
@@ -141,7 +178,7 @@ class AdapterLink:
             if outcome.error_code == "UNAVAILABLE":  # lost again: the restart is retried
                 raise EngineUnavailableError(outcome.message)
             if not outcome.ok:
-                self._loads.pop(name, None)
+                self._drop(name)
                 log.error("engine.adapter_dropped", adapter=name, reason=outcome.message)
             else:
                 log.info("engine.adapter_replayed", adapter=name)

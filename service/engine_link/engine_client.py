@@ -133,7 +133,7 @@ class EngineClient:
 
     async def shutdown(self, timeout: float) -> None:
         """Ask the engine to abort what is left (ABORTED outputs reach the handlers) and exit;
-        kill it if it has not exited after `timeout` seconds. Deletes the replay log's files."""
+        kill it after `timeout` seconds. Deletes the replay log's files and adapter spools."""
         self.set_state(EngineState.STOPPING)
         if self._supervisor is not None:
             self._supervisor.cancel()
@@ -148,6 +148,7 @@ class EngineClient:
             self.lose(engine, "the server is shutting down")
             await engine.close(timeout=0)
         self.replay_log.clear()
+        self.adapters.delete_spools()
         self.set_state(EngineState.STOPPED)
 
     @property
@@ -233,9 +234,8 @@ class EngineClient:
         return await self._joins.add(transfer_id)
 
     async def check_constraint(self, constraint: Constraint) -> ConstraintChecked:
-        """Have the engine compile a structured-output constraint (it keeps it cached for the
-        request that follows); its answer, UNAVAILABLE if the engine is lost meanwhile. Raises
-        EngineUnavailableError if it cannot be sent."""
+        """Have the engine compile a structured-output constraint (cached for the request that
+        follows); its answer (UNAVAILABLE: lost meanwhile), or EngineUnavailableError."""
         check_id = uuid.uuid4().hex
         self._send(CheckConstraint(check_id, constraint))
         return await self._checks.add(check_id)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import errno
 import math
 import os
 import tempfile
@@ -29,6 +30,9 @@ ALIGNMENT = 64  # each tensor starts on a 64-byte boundary: memory-mapped views 
 # below 16 TiB; weights have few dimensions.
 MAX_UPDATE_BYTES = 2**44
 MAX_DIMS = 8
+# The file cannot grow to hold the tensors: disk full, quota, or past the largest file the file
+# system (or RLIMIT_FSIZE) allows; ext4's is 16 TiB, the most an update may declare.
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 class ChunkError(ValueError):
@@ -63,7 +67,10 @@ class TensorFileWriter:
     """Receives chunks (`add`), then `finish()` checks that every tensor is complete and
     returns the TensorRefs. The file is the caller's to delete (`delete`), also on errors."""
 
-    def __init__(self, directory: str | None = None) -> None:
+    def __init__(self, directory: str | None = None, max_bytes: int = MAX_UPDATE_BYTES) -> None:
+        """`max_bytes`: the most the tensors may hold in all (their aligned regions); a tensor
+        declared past it is refused on its first chunk, before any of its bytes are written."""
+        self.max_bytes = max_bytes
         fd, self.path = tempfile.mkstemp(prefix="sluice-weights-", suffix=".bin", dir=directory)
         self._fd: int | None = fd
         self._tensors: dict[str, _Tensor] = {}
@@ -112,11 +119,11 @@ class TensorFileWriter:
                 "dimensions, each >= 1 (required on a tensor's first chunk)",
             )
         nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
-        if nbytes > MAX_UPDATE_BYTES - self._end:
+        if nbytes > self.max_bytes - self._end:
             raise ChunkError(
                 "tensor.shape",
-                f"tensor {name!r}: shape {shape} is {nbytes} bytes; an update holds at most "
-                f"{MAX_UPDATE_BYTES} bytes ({self._end} taken)",
+                f"tensor {name!r}: shape {shape} is {nbytes} bytes; the tensors hold at most "
+                f"{self.max_bytes} bytes in all ({self._end} taken)",
             )
         ref = TensorRef(name, dtype, tuple(shape), self._end, nbytes)
         self._end += -(-nbytes // ALIGNMENT) * ALIGNMENT

@@ -2,7 +2,7 @@
 response or a status; AdapterInfo for GetServerInfo and LoadAdapterResponse.
 
 Checked in order: the request's fields (INVALID_ARGUMENT with google.rpc.BadRequest naming
-`name` or `path`); the server shutting down or the engine not up (UNAVAILABLE); the server
+`name` or `path`; `header.request.*` for LoadAdapterStream, service/rpc/adapter_stream.py); the server shutting down or the engine not up (UNAVAILABLE); the server
 asleep (FAILED_PRECONDITION). Then the EngineClient's AdapterLink sends it and waits; the engine
 names the status of a failure (engine/process.py `adapter_outcome`): INVALID_ARGUMENT (the
 adapter does not fit: named `path`), ALREADY_EXISTS, NOT_FOUND, FAILED_PRECONDITION (max_loras
@@ -14,6 +14,7 @@ UpdateWeights maps it.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import NoReturn
 
 import grpc
@@ -44,17 +45,41 @@ async def load_adapter(
     engine: EngineClient, request: pb.LoadAdapterRequest, draining: bool
 ) -> pb.LoadAdapterResponse:
     """Load the adapter; its AdapterInfo, or Refusal."""
-    _check_name(request.name)
-    if not request.path:
-        _invalid("path", "must not be empty")
+    check_load(engine, request, draining, path_field="path")
+    return await send_load(engine, request, request.path)
+
+
+def check_load(
+    engine: EngineClient, request: pb.LoadAdapterRequest, draining: bool, path_field: str
+) -> None:
+    """Refusal unless the request's fields are valid (BadRequest names them with the prefix of
+    `path_field`: "path" or "header.request.path") and the engine can load an adapter now.
+    An empty `path` is refused for a directory load; a non-empty one for a streamed one."""
+    prefix = path_field.removesuffix("path")
+    _check_name(request.name, prefix)
+    if prefix and request.path:
+        _invalid(path_field, "must be empty: the server spools a streamed adapter itself")
+    if not prefix and not request.path:
+        _invalid(path_field, "must not be empty")
     _check_up(engine, draining)
     if request.inflight not in INFLIGHT_POLICIES:
-        _invalid("inflight", f"unknown in-flight policy {request.inflight}")
+        _invalid(f"{prefix}inflight", f"unknown in-flight policy {request.inflight}")
+
+
+async def send_load(
+    engine: EngineClient,
+    request: pb.LoadAdapterRequest,
+    path: str,
+    content_field: Callable[[str], str] = lambda _: "path",
+) -> pb.LoadAdapterResponse:
+    """Have the engine load (or replace) the adapter at `path`; its AdapterInfo, or Refusal
+    (`content_field` names the field an INVALID_ARGUMENT of the engine's message blames). A
+    path that is not `request.path` is a spool the engine client owns from here on."""
     inflight = INFLIGHT_POLICIES[request.inflight]
     log.info(
         "adapter.load",
         adapter=request.name,
-        path=request.path,
+        path=path,
         pinned=request.pinned,
         replace=request.replace,
         policy_version=request.policy_version,
@@ -63,17 +88,17 @@ async def load_adapter(
     msg = LoadAdapter(
         uuid.uuid4().hex,
         request.name,
-        request.path,
+        path,
         request.pinned,
         request.replace,
         request.policy_version,
         inflight,
     )
     try:
-        outcome = await engine.adapters.load(msg)
+        outcome = await engine.adapters.load(msg, owned=path != request.path)
     except EngineUnavailableError as exc:
         raise Refusal(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
-    _raise_failure(outcome, "load")
+    _raise_failure(outcome, "load", content_field)
     state = next(s for s in outcome.adapters if s.name == request.name)
     log.info(
         "adapter.loaded",
@@ -113,11 +138,11 @@ def adapter_info(state: AdapterState) -> gen_pb.AdapterInfo:
     )
 
 
-def _check_name(name: str) -> None:
+def _check_name(name: str, prefix: str = "") -> None:
     if not name:
-        _invalid("name", "must not be empty (the empty adapter is the base model)")
+        _invalid(f"{prefix}name", "must not be empty (the empty adapter is the base model)")
     if len(name) > MAX_ADAPTER_NAME_LENGTH:
-        _invalid("name", f"must be at most {MAX_ADAPTER_NAME_LENGTH} characters")
+        _invalid(f"{prefix}name", f"must be at most {MAX_ADAPTER_NAME_LENGTH} characters")
 
 
 def _check_up(engine: EngineClient, draining: bool) -> None:
@@ -129,12 +154,14 @@ def _check_up(engine: EngineClient, draining: bool) -> None:
         raise Refusal(grpc.StatusCode.UNAVAILABLE, f"the engine is {engine.state.value}")
 
 
-def _raise_failure(outcome: AdapterOutcome, action: str) -> None:
+def _raise_failure(
+    outcome: AdapterOutcome, action: str, content_field: Callable[[str], str] = lambda _: "path"
+) -> None:
     if outcome.ok:
         return
     log.warning(f"adapter.{action}_failed", code=outcome.error_code, message=outcome.message)
-    if outcome.error_code == "INVALID_ARGUMENT":  # the directory's content: named `path`
-        _invalid("path", outcome.message)
+    if outcome.error_code == "INVALID_ARGUMENT":  # the adapter's content: `path`, or streamed
+        _invalid(content_field(outcome.message), outcome.message)
     raise Refusal(engine_status(outcome.error_code), outcome.message)
 
 

@@ -26,7 +26,6 @@ a join and an update never overlap (service/rpc/weight_transfer.py validates its
 from __future__ import annotations
 
 import asyncio
-import errno
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -53,18 +52,16 @@ from service.engine_link.engine_client import (
     EngineUnavailableError,
     UpdateInProgressError,
 )
-from service.engine_link.tensor_file import ChunkError, TensorFileWriter
+from service.engine_link.tensor_file import NO_ROOM, ChunkError, TensorFileWriter
 from service.ops.metrics import Metrics
+from service.rpc.adapter_stream import load_adapter_stream
 from service.rpc.adapters import INFLIGHT_POLICIES, load_adapter, unload_adapter
+from service.rpc.arriving import arriving_within
 from service.rpc.refusal import Refusal, engine_status
 from service.rpc.sleep_wake import sleep_message, sleep_or_wake, sleep_response, wake_response
 from service.rpc.weight_transfer import distributed_tensors, transfer_group
 
 log = structlog.get_logger("sluice.admin")
-
-# The tensor file cannot grow to hold the update: disk full, quota, or past the largest file the
-# file system (or RLIMIT_FSIZE) allows; ext4's is 16 TiB, the most an update may declare.
-NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
@@ -111,7 +108,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         request_iterator: AsyncIterator[pb.UpdateWeightsRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.UpdateWeightsProgress]:
-        messages = _arriving_within(request_iterator, self.config.update_idle_timeout)
+        messages = arriving_within(request_iterator, self.config.update_idle_timeout)
         update_id = uuid.uuid4().hex
         try:
             header = _validated_header(await anext(messages, None))
@@ -167,6 +164,18 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     ) -> pb.LoadAdapterResponse:
         try:
             return await load_adapter(self.engine, request, self._draining())
+        except Refusal as refusal:
+            await context.abort_with_status(refusal.to_status())
+            raise  # not reached: abort_with_status raises
+
+    async def LoadAdapterStream(
+        self,
+        request_iterator: AsyncIterator[pb.LoadAdapterChunk],
+        context: grpc.aio.ServicerContext,
+    ) -> pb.LoadAdapterResponse:
+        messages = arriving_within(request_iterator, self.config.update_idle_timeout, "load")
+        try:
+            return await load_adapter_stream(self.engine, self.config, messages, self._draining())
         except Refusal as refusal:
             await context.abort_with_status(refusal.to_status())
             raise  # not reached: abort_with_status raises
@@ -339,26 +348,6 @@ async def _receive(
         return writer.finish()
     except ChunkError as exc:
         _invalid(exc.field, exc.message)
-
-
-async def _arriving_within(
-    messages: AsyncIterator[pb.UpdateWeightsRequest], timeout: float
-) -> AsyncIterator[pb.UpdateWeightsRequest]:
-    """`messages`, as long as each (or the end of the stream) arrives within `timeout` seconds
-    of the one before; then Refusal ABORTED. A stalled caller must not hold the update slot."""
-    iterator = aiter(messages)
-    while True:
-        try:
-            message = await asyncio.wait_for(anext(iterator), timeout)
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
-            raise Refusal(
-                grpc.StatusCode.ABORTED,
-                f"the update was abandoned: no message from the caller for {timeout:g} s "
-                "(--update-idle-timeout)",
-            ) from None
-        yield message
 
 
 def _invalid(field_name: str, description: str) -> NoReturn:
