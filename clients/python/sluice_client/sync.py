@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import queue
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal, overload
 
 import grpc
@@ -17,6 +18,7 @@ from sluice.v1 import admin_pb2 as admin_pb
 from sluice.v1 import admin_pb2_grpc, generation_pb2_grpc
 from sluice.v1 import generation_pb2 as pb
 
+from sluice_client.adapter_stream import adapter_chunks
 from sluice_client.affinity import with_affinity
 from sluice_client.channels import TlsConfig, secure_or_insecure
 from sluice_client.requests import (
@@ -308,6 +310,21 @@ class Client:
             metadata=self.admin_metadata,
             timeout=timeout,
         )
+        return response.adapter
+
+    def load_adapter_tensors(
+        self,
+        name: str,
+        config: Mapping[str, Any] | str,
+        tensors: Mapping[str, Any] | str | Path,
+        *,
+        timeout: float | None = None,
+        **options: Any,
+    ) -> pb.AdapterInfo:
+        """Admin LoadAdapterStream: load_adapter with the adapter's config and tensors sent, not
+        read from the server's disk (sluice_client.adapter_stream.adapter_chunks: `options`)."""
+        chunks, metadata = adapter_chunks(name, config, tensors, **options), self.admin_metadata
+        response = self.admin_stub.LoadAdapterStream(chunks, metadata=metadata, timeout=timeout)
         return response.adapter
 
     def unload_adapter(self, name: str, *, timeout: float | None = None) -> None:
