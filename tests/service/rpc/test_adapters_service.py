@@ -18,19 +18,24 @@ from typing import Any
 import grpc
 import pytest
 import pytest_asyncio
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
+from adapter_calls import (
+    ADMIN_TOKEN,
+    NEW_TOKENS,
+    PROMPT,
+    admin_call,
+    assert_same_as_peft,
+    complete,
+    listed,
+    refusal,
+)
 from lora_adapters import make_adapter, peft_greedy, peft_model
 from service_harness import running_server
 from sluice.v1 import admin_pb2 as apb
-from sluice.v1 import admin_pb2_grpc, generation_pb2_grpc
+from sluice.v1 import generation_pb2_grpc
 from sluice_client import Client, build_request, cli
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-ADMIN_TOKEN = "adm1n-s3cret"
-PROMPT = [0, 17, 42, 99, 123, 7, 88, 5]
-NEW_TOKENS = 12
 SPECS: dict[str, dict[str, Any]] = {
     "a": {"r": 8, "alpha": 16},
     "b": {"r": 4, "alpha": 8, "use_rslora": True, "targets": ("q_proj", "v_proj", "down_proj")},
@@ -72,54 +77,9 @@ async def server(tiny_llama: Path):  # type: ignore[no-untyped-def]
         yield running
 
 
-def complete(target: str, adapter: str) -> tuple[list[int], list[float]]:
-    with Client(target, retry=False) as client:
-        done = client.complete(
-            PROMPT,
-            max_tokens=NEW_TOKENS,
-            temperature=0.0,
-            ignore_eos=True,
-            logprobs=True,
-            adapter=adapter,
-        )
-    assert done.reason == "LENGTH", done.finished
-    return list(done.token_ids), list(done.logprobs)
-
-
-def admin_call(target: str, method: str, request: object, token: str | None = ADMIN_TOKEN):  # type: ignore[no-untyped-def]
-    metadata = () if token is None else (("authorization", f"Bearer {token}"),)
-    with grpc.insecure_channel(target) as channel:
-        return getattr(admin_pb2_grpc.AdminStub(channel), method)(
-            request, metadata=metadata, timeout=60
-        )
-
-
-def refusal(call) -> tuple[grpc.StatusCode, list[str]]:  # type: ignore[no-untyped-def]
-    """(status code, BadRequest fields) of a failed call."""
-    with pytest.raises(grpc.RpcError) as failed:
-        call()
-    fields = []
-    status = rpc_status.from_call(failed.value)
-    for detail in status.details if status else []:
-        bad = error_details_pb2.BadRequest()
-        if detail.Unpack(bad):
-            fields += [v.field for v in bad.field_violations]
-    return failed.value.code(), fields
-
-
 def load(target: str, name: str, path: Path, pinned: bool = False) -> apb.LoadAdapterResponse:
     request = apb.LoadAdapterRequest(name=name, path=str(path), pinned=pinned)
     return admin_call(target, "LoadAdapter", request)
-
-
-def listed(target: str) -> dict[str, Any]:
-    with Client(target) as client:
-        return {a.name: a for a in client.info().adapters}
-
-
-def assert_same_as_peft(got: tuple[list[int], list[float]], want: tuple[list[int], list[float]]):  # type: ignore[no-untyped-def]
-    assert got[0] == want[0]
-    assert max(abs(g - w) for g, w in zip(got[1], want[1], strict=True)) < 1e-4
 
 
 async def test_generate_with_a_loaded_adapter_gives_peft_tokens(
