@@ -37,7 +37,7 @@ def adapter_chunks(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> Iterator[admin_pb.LoadAdapterChunk]:
     """The messages of a LoadAdapterStream call. `config`: adapter_config.json's content (a
-    mapping, or its JSON text); `tensors`: peft's tensor names (as in
+    mapping, e.g. peft's `LoraConfig.to_dict()`, or its JSON text); `tensors`: peft's tensor names (as in
     adapter_model.safetensors) to torch tensors or `(dtype, shape, bytes)`, or the path of an
     adapter_model.safetensors file. The other arguments are LoadAdapter's."""
     request = admin_pb.LoadAdapterRequest(
@@ -47,12 +47,19 @@ def adapter_chunks(
         policy_version=policy_version,
         inflight=inflight_policy(inflight),
     )
-    text = config if isinstance(config, str) else json.dumps(dict(config))
+    text = config if isinstance(config, str) else json.dumps(dict(config), default=_listed)
     header = admin_pb.LoadAdapterStreamHeader(request=request, adapter_config=text)
     yield admin_pb.LoadAdapterChunk(header=header)
     raw = read_safetensors(tensors) if isinstance(tensors, str | Path) else _raw(tensors)
     for message in tensor_chunks(raw, chunk_bytes):
         yield admin_pb.LoadAdapterChunk(tensor=message.tensor)
+
+
+def _listed(value: object) -> list[Any]:
+    """JSON for what peft's LoraConfig.to_dict() holds as a set (target_modules)."""
+    if isinstance(value, set | frozenset):
+        return sorted(value)
+    raise TypeError(f"adapter config: {type(value).__name__} {value!r} is not JSON")
 
 
 def _raw(tensors: Mapping[str, Any]) -> Tensors:

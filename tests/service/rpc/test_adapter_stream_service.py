@@ -155,6 +155,25 @@ async def test_an_adapter_streamed_from_its_safetensors_file_in_small_chunks(
     assert spools(weights_dir) == []
 
 
+async def test_an_adapter_streamed_from_a_peft_model_in_memory(
+    server, tiny_llama, adapter_dirs, reference
+) -> None:  # type: ignore[no-untyped-def]
+    """What a trainer sends: peft's state dict and config, no files (docs/clients.md)."""
+    from peft import get_peft_model_state_dict
+
+    _, target = server
+    model = await asyncio.to_thread(peft_model, tiny_llama, adapter_dirs["b"])
+    config = model.peft_config["default"].to_dict()  # target_modules is a set
+    with Client(target, admin_token=ADMIN_TOKEN) as client:
+        info = await asyncio.to_thread(
+            client.load_adapter_tensors, "memory", config, get_peft_model_state_dict(model)
+        )
+    assert info.rank == 4
+    got = await asyncio.to_thread(complete, target, "memory")
+    assert_same_as_peft(got, await asyncio.to_thread(reference, "b"))
+    await asyncio.to_thread(unload, target, "memory")
+
+
 def _chunk(name: str, dtype: str, shape: list[int], offset: int, data: bytes) -> Any:
     tensor = apb.TensorChunk(name=name, dtype=dtype, shape=shape, offset=offset, data=data)
     return apb.LoadAdapterChunk(tensor=tensor)
