@@ -33,7 +33,7 @@ from service.rpc.refusal import Refusal
 async def load_adapter_stream(
     engine: EngineClient,
     config: ServiceConfig,
-    messages: AsyncIterator[pb.LoadAdapterChunk],
+    messages: AsyncIterator[pb.LoadAdapterStreamRequest],
     draining: bool,
 ) -> pb.LoadAdapterResponse:
     """Spool the streamed adapter and load it; its AdapterInfo, or Refusal."""
@@ -55,7 +55,7 @@ async def load_adapter_stream(
     return await send_load(engine, header.request, spool.path, _content_field)
 
 
-def _validated_header(first: pb.LoadAdapterChunk | None) -> pb.LoadAdapterStreamHeader:
+def _validated_header(first: pb.LoadAdapterStreamRequest | None) -> pb.LoadAdapterStreamHeader:
     if first is None or first.WhichOneof("part") != "header":
         _invalid("header", "the first message must be the header")
     text = first.header.adapter_config
@@ -72,7 +72,9 @@ def _validated_header(first: pb.LoadAdapterChunk | None) -> pb.LoadAdapterStream
     return first.header
 
 
-async def _receive(spool: AdapterSpool, messages: AsyncIterator[pb.LoadAdapterChunk]) -> None:
+async def _receive(
+    spool: AdapterSpool, messages: AsyncIterator[pb.LoadAdapterStreamRequest]
+) -> None:
     """Every TensorChunk until the caller closes its side, then the PEFT directory written."""
     try:
         async for message in messages:

@@ -170,7 +170,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     async def LoadAdapterStream(
         self,
-        request_iterator: AsyncIterator[pb.LoadAdapterChunk],
+        request_iterator: AsyncIterator[pb.LoadAdapterStreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> pb.LoadAdapterResponse:
         messages = arriving_within(request_iterator, self.config.update_idle_timeout, "load")

@@ -35,7 +35,7 @@ def adapter_chunks(
     policy_version: int = 0,
     inflight: str = "drain",
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> Iterator[admin_pb.LoadAdapterChunk]:
+) -> Iterator[admin_pb.LoadAdapterStreamRequest]:
     """The messages of a LoadAdapterStream call. `config`: adapter_config.json's content (a
     mapping, e.g. peft's `LoraConfig.to_dict()`, or its JSON text); `tensors`: peft's tensor names (as in
     adapter_model.safetensors) to torch tensors or `(dtype, shape, bytes)`, or the path of an
@@ -49,10 +49,10 @@ def adapter_chunks(
     )
     text = config if isinstance(config, str) else json.dumps(dict(config), default=_listed)
     header = admin_pb.LoadAdapterStreamHeader(request=request, adapter_config=text)
-    yield admin_pb.LoadAdapterChunk(header=header)
+    yield admin_pb.LoadAdapterStreamRequest(header=header)
     raw = read_safetensors(tensors) if isinstance(tensors, str | Path) else _raw(tensors)
     for message in tensor_chunks(raw, chunk_bytes):
-        yield admin_pb.LoadAdapterChunk(tensor=message.tensor)
+        yield admin_pb.LoadAdapterStreamRequest(tensor=message.tensor)
 
 
 def _listed(value: object) -> list[Any]:

@@ -92,7 +92,7 @@ def stream(target: str, name: str, directory: Path, **options: Any) -> apb.Adapt
         )
 
 
-def send(target: str, messages: list[apb.LoadAdapterChunk]) -> apb.LoadAdapterResponse:
+def send(target: str, messages: list[apb.LoadAdapterStreamRequest]) -> apb.LoadAdapterResponse:
     return admin_call(target, "LoadAdapterStream", iter(messages))
 
 
@@ -106,7 +106,7 @@ def spools(weights_dir: Path) -> list[str]:
     return sorted(p.name for p in weights_dir.iterdir())
 
 
-def good_chunks(directory: Path, name: str = "bad") -> list[apb.LoadAdapterChunk]:
+def good_chunks(directory: Path, name: str = "bad") -> list[apb.LoadAdapterStreamRequest]:
     return list(adapter_chunks(name, config_of(directory), torch_tensors(directory)))
 
 
@@ -176,12 +176,12 @@ async def test_an_adapter_streamed_from_a_peft_model_in_memory(
 
 def _chunk(name: str, dtype: str, shape: list[int], offset: int, data: bytes) -> Any:
     tensor = apb.TensorChunk(name=name, dtype=dtype, shape=shape, offset=offset, data=data)
-    return apb.LoadAdapterChunk(tensor=tensor)
+    return apb.LoadAdapterStreamRequest(tensor=tensor)
 
 
 def _header(name: str = "bad", config: str = '{"r": 8}', path: str = "") -> Any:
     request = apb.LoadAdapterRequest(name=name, path=path)
-    return apb.LoadAdapterChunk(
+    return apb.LoadAdapterStreamRequest(
         header=apb.LoadAdapterStreamHeader(request=request, adapter_config=config)
     )
 

@@ -705,7 +705,7 @@ class LoadAdapterRequest(_message.Message):
 Global___LoadAdapterRequest: _TypeAlias = LoadAdapterRequest  # noqa: Y015
 
 @_typing.final
-class LoadAdapterChunk(_message.Message):
+class LoadAdapterStreamRequest(_message.Message):
     """One message of a LoadAdapterStream call: the header first, then tensor chunks."""
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -737,7 +737,7 @@ class LoadAdapterChunk(_message.Message):
     _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
 
-Global___LoadAdapterChunk: _TypeAlias = LoadAdapterChunk  # noqa: Y015
+Global___LoadAdapterStreamRequest: _TypeAlias = LoadAdapterStreamRequest  # noqa: Y015
 
 @_typing.final
 class LoadAdapterStreamHeader(_message.Message):

@@ -62,7 +62,7 @@ class AdminStub:
                 _registered_method=True)
         self.LoadAdapterStream = channel.stream_unary(
                 '/sluice.v1.Admin/LoadAdapterStream',
-                request_serializer=sluice_dot_v1_dot_admin__pb2.LoadAdapterChunk.SerializeToString,
+                request_serializer=sluice_dot_v1_dot_admin__pb2.LoadAdapterStreamRequest.SerializeToString,
                 response_deserializer=sluice_dot_v1_dot_admin__pb2.LoadAdapterResponse.FromString,
                 _registered_method=True)
         self.UnloadAdapter = channel.unary_unary(
@@ -177,6 +177,7 @@ class AdminServicer:
         set), NOT_FOUND (`replace` names no loaded adapter), FAILED_PRECONDITION (--max-loras is 0;
         `pinned` would pin every slot; the server is asleep; a `replace` whose policy_version does
         not exceed the adapter's), UNAVAILABLE (the engine is not serving, or was lost meanwhile).
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -198,6 +199,8 @@ class AdminServicer:
         adapter (that version of it) stays loaded, so that an engine restart loads it again; it is
         deleted when the adapter is unloaded or replaced, and at once when the load fails.
         AdapterInfo.path names the spool.
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -243,7 +246,7 @@ def add_AdminServicer_to_server(servicer, server):
             ),
             'LoadAdapterStream': grpc.stream_unary_rpc_method_handler(
                     servicer.LoadAdapterStream,
-                    request_deserializer=sluice_dot_v1_dot_admin__pb2.LoadAdapterChunk.FromString,
+                    request_deserializer=sluice_dot_v1_dot_admin__pb2.LoadAdapterStreamRequest.FromString,
                     response_serializer=sluice_dot_v1_dot_admin__pb2.LoadAdapterResponse.SerializeToString,
             ),
             'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
@@ -413,7 +416,7 @@ class Admin:
             request_iterator,
             target,
             '/sluice.v1.Admin/LoadAdapterStream',
-            sluice_dot_v1_dot_admin__pb2.LoadAdapterChunk.SerializeToString,
+            sluice_dot_v1_dot_admin__pb2.LoadAdapterStreamRequest.SerializeToString,
             sluice_dot_v1_dot_admin__pb2.LoadAdapterResponse.FromString,
             options,
             channel_credentials,

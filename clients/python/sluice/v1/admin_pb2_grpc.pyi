@@ -126,8 +126,9 @@ class AdminStub:
     set), NOT_FOUND (`replace` names no loaded adapter), FAILED_PRECONDITION (--max-loras is 0;
     `pinned` would pin every slot; the server is asleep; a `replace` whose policy_version does
     not exceed the adapter's), UNAVAILABLE (the engine is not serving, or was lost meanwhile).
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
     """
-    LoadAdapterStream: _grpc.StreamUnaryMultiCallable[_admin_pb2.LoadAdapterChunk, _admin_pb2.LoadAdapterResponse]
+    LoadAdapterStream: _grpc.StreamUnaryMultiCallable[_admin_pb2.LoadAdapterStreamRequest, _admin_pb2.LoadAdapterResponse]
     """LoadAdapter with the adapter streamed instead of read from the server's disk, the way
     UpdateWeights streams inline tensors. The client sends one `header` first (the
     LoadAdapterRequest's fields, `path` left empty, and the adapter_config.json text), then
@@ -143,6 +144,8 @@ class AdminStub:
     adapter (that version of it) stays loaded, so that an engine restart loads it again; it is
     deleted when the adapter is unloaded or replaced, and at once when the load fails.
     AdapterInfo.path names the spool.
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+    buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
     """
     UnloadAdapter: _grpc.UnaryUnaryMultiCallable[_admin_pb2.UnloadAdapterRequest, _admin_pb2.UnloadAdapterResponse]
     """Forgets a loaded adapter; later requests naming it are NOT_FOUND. Errors: NOT_FOUND (no
@@ -241,8 +244,9 @@ class AdminAsyncStub(AdminStub):
     set), NOT_FOUND (`replace` names no loaded adapter), FAILED_PRECONDITION (--max-loras is 0;
     `pinned` would pin every slot; the server is asleep; a `replace` whose policy_version does
     not exceed the adapter's), UNAVAILABLE (the engine is not serving, or was lost meanwhile).
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
     """
-    LoadAdapterStream: _aio.StreamUnaryMultiCallable[_admin_pb2.LoadAdapterChunk, _admin_pb2.LoadAdapterResponse]  # type: ignore[assignment]
+    LoadAdapterStream: _aio.StreamUnaryMultiCallable[_admin_pb2.LoadAdapterStreamRequest, _admin_pb2.LoadAdapterResponse]  # type: ignore[assignment]
     """LoadAdapter with the adapter streamed instead of read from the server's disk, the way
     UpdateWeights streams inline tensors. The client sends one `header` first (the
     LoadAdapterRequest's fields, `path` left empty, and the adapter_config.json text), then
@@ -258,6 +262,8 @@ class AdminAsyncStub(AdminStub):
     adapter (that version of it) stays loaded, so that an engine restart loads it again; it is
     deleted when the adapter is unloaded or replaced, and at once when the load fails.
     AdapterInfo.path names the spool.
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+    buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
     """
     UnloadAdapter: _aio.UnaryUnaryMultiCallable[_admin_pb2.UnloadAdapterRequest, _admin_pb2.UnloadAdapterResponse]  # type: ignore[assignment]
     """Forgets a loaded adapter; later requests naming it are NOT_FOUND. Errors: NOT_FOUND (no
@@ -383,12 +389,13 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         set), NOT_FOUND (`replace` names no loaded adapter), FAILED_PRECONDITION (--max-loras is 0;
         `pinned` would pin every slot; the server is asleep; a `replace` whose policy_version does
         not exceed the adapter's), UNAVAILABLE (the engine is not serving, or was lost meanwhile).
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         """
 
     @_abc_1.abstractmethod
     def LoadAdapterStream(
         self,
-        request_iterator: _MaybeAsyncIterator[_admin_pb2.LoadAdapterChunk],
+        request_iterator: _MaybeAsyncIterator[_admin_pb2.LoadAdapterStreamRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.LoadAdapterResponse, _abc.Awaitable[_admin_pb2.LoadAdapterResponse]]:
         """LoadAdapter with the adapter streamed instead of read from the server's disk, the way
@@ -406,6 +413,8 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         adapter (that version of it) stays loaded, so that an engine restart loads it again; it is
         deleted when the adapter is unloaded or replaced, and at once when the load fails.
         AdapterInfo.path names the spool.
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
         """
 
     @_abc_1.abstractmethod
