@@ -1,7 +1,8 @@
 """The gRPC surface: the Generation and Admin servicers and what runs around every call.
 
 `servicer`, `generate_stream` (bidi multiplexing), `admin` (with `weight_transfer`, its
-process-group fields), `admission` (request -> AddRequest
+process-group fields, `adapters` and `adapter_stream` for LoRA loads, `arriving` for client
+streams that must keep sending), `admission` (request -> AddRequest
 or a refusal with its status code), and the interceptors: `auth`, `call_limit`, `call_metrics`,
 `decoding` (`handlers` rewraps a handler for them). Protobuf stops here. May import
 `service.text`, `service.engine_link`, `service.ops`, `service.config` and `engine.messages`.

@@ -1,5 +1,6 @@
 """AdminServicer: sluice.v1.Admin, live weight updates (and Sleep and Wake: sleep_wake.py;
-LoadAdapter and UnloadAdapter: adapters.py) over the EngineClient.
+LoadAdapter and UnloadAdapter: adapters.py; LoadAdapterStream: adapter_stream.py) over the
+EngineClient.
 
 UpdateWeights, in order: (auth is the interceptor's) read and validate the header
 (INVALID_ARGUMENT with google.rpc.BadRequest); refuse while the engine is not serving
