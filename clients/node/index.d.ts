@@ -351,6 +351,11 @@ export interface LoadAdapterOptions extends CallOptions {
   inflight?: InflightPolicy;
 }
 
+export interface LoadAdapterTensorsOptions extends LoadAdapterOptions {
+  /** Bytes per TensorChunk; default 4 MiB. */
+  chunkBytes?: number;
+}
+
 export interface CancelResult {
   cancelled: string[];
   notFound: string[];
@@ -456,6 +461,14 @@ export class Client {
   wake(options?: CallOptions): Promise<WakeResult>;
   /** Admin LoadAdapter: loads a PEFT adapter directory on the server's disk as `name`. */
   loadAdapter(name: string, path: string, options?: LoadAdapterOptions): Promise<AdapterInfo>;
+  /** Admin LoadAdapterStream: loads an adapter sent from here: its adapter_config.json (an
+   * object or JSON text) and its tensors by peft's names (a .safetensors path, or in memory). */
+  loadAdapterTensors(
+    name: string,
+    config: Record<string, unknown> | string,
+    tensors: string | Record<string, InlineTensor>,
+    options?: LoadAdapterTensorsOptions,
+  ): Promise<AdapterInfo>;
   /** Admin UnloadAdapter: forgets the adapter `name`. */
   unloadAdapter(name: string, options?: CallOptions): Promise<void>;
   /** Resolves once every rank of the group has joined (the trainer joins meanwhile). */

@@ -4,6 +4,7 @@ import { readFileSync } from 'node:fs';
 
 import * as grpc from '@grpc/grpc-js';
 
+import { runAdapterStream } from './adapter_stream.js';
 import { toSluiceError } from './errors.js';
 import { sluiceServices } from './protos.js';
 import { EventQueue } from './queue.js';
@@ -197,6 +198,19 @@ export class Client {
       inflight: `INFLIGHT_POLICY_${String(options.inflight ?? 'drain').toUpperCase()}`,
     };
     return (await this.#adminUnary('LoadAdapter', request, options)).adapter;
+  }
+
+  /**
+   * Loads a LoRA adapter sent from here (Admin LoadAdapterStream) as `name`: `config` is its
+   * adapter_config.json (an object or JSON text), `tensors` a .safetensors path or
+   * {name: {dtype, shape, data}} with peft's tensor names, sent as updateWeights sends them.
+   * Options: those of loadAdapter, and chunkBytes (default 4 MiB). Resolves with its
+   * AdapterInfo; rejects with a SluiceError.
+   */
+  async loadAdapterTensors(name, config, tensors, options = {}) {
+    const start = (callback) =>
+      this.#admin.LoadAdapterStream(this.#adminMetadata.clone(), this.#callOptions(options), callback);
+    return runAdapterStream(start, name, config, tensors, options);
   }
 
   /** Forgets the adapter `name`: NOT_FOUND if none is loaded, FAILED_PRECONDITION while

@@ -40,7 +40,7 @@ function distributedSource({ tensors, bucketBytes } = {}) {
 }
 
 /** The TensorChunk messages of an inline source: a .safetensors path, or tensors in memory. */
-function tensorMessages(tensors, chunkBytes) {
+export function tensorMessages(tensors, chunkBytes) {
   if (!(Number.isInteger(chunkBytes) && chunkBytes >= 1)) throw new RangeError('chunkBytes: an integer >= 1');
   return typeof tensors === 'string' ? safetensorsChunks(tensors, chunkBytes) : memoryChunks(tensors, chunkBytes);
 }

@@ -113,6 +113,14 @@ export async function usage(target: string): Promise<void> {
   const replaced = await client.loadAdapter('a', '/adapters/a2', { replace: true, inflight: 'abort' });
   const adapterVersion: number = replaced.policyVersion;
   void adapterVersion;
+  const streamed = await client.loadAdapterTensors(
+    'b',
+    { r: 8, lora_alpha: 16, target_modules: ['q_proj'] },
+    { 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight': { dtype: 'F32', shape: [8, 64], data: new Float32Array(512) } },
+    { chunkBytes: 1024, policyVersion: 3 },
+  );
+  const streamedRank: number = streamed.rank;
+  void streamedRank;
   await client.unloadAdapter('a');
   const loaded: string[] = (await client.info()).adapters.map((a) => a.name);
   void [modules, loaded];

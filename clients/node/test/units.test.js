@@ -18,6 +18,7 @@ import { rpcStatusTypes, sluiceServices } from '../src/protos.js';
 import { EventQueue } from '../src/queue.js';
 import { toEvent } from '../src/requests.js';
 import { safetensorsChunks } from '../src/safetensors.js';
+import { runAdapterStream } from '../src/adapter_stream.js';
 import { buildHeader } from '../src/update_weights.js';
 
 const PACKAGE_ROOT = dirname(dirname(fileURLToPath(import.meta.url)));
@@ -282,4 +283,63 @@ test('routedExperts: asked for in OutputOptions, kept flat ([token, MoE layer, k
   completion.add(chunk([2, 3, 0, 1, 5, 4, 7, 6]));
   assert.deepEqual(completion.routedExperts, [1, 0, 3, 2, 4, 5, 6, 7, 2, 3, 0, 1, 5, 4, 7, 6]);
   assert.deepEqual(chunk(undefined).routedExperts, []);
+});
+
+test('loadAdapterTensors sends the header, then every tensor chunk, through the proto', async () => {
+  const { LoadAdapterStream } = sluiceServices().Admin.service;
+  const written = [];
+  let respond;
+  const call = {
+    write: (message) => {
+      // Through the loaded proto and back: a misspelt field would be dropped by the encoder.
+      written.push(LoadAdapterStream.requestDeserialize(LoadAdapterStream.requestSerialize(message)));
+      return true;
+    },
+    end: () => respond(null, { adapter: { name: 'b', rank: 2 } }),
+    cancel: () => {},
+  };
+  const start = (callback) => {
+    respond = callback;
+    return call;
+  };
+  const data = new Float32Array([1, 2, 3, 4, 5, 6]);
+  const tensors = { 'base_model.model.x.lora_A.weight': { dtype: 'F32', shape: [2, 3], data } };
+  const config = { r: 2, lora_alpha: 4, target_modules: ['q_proj'] };
+  const adapter = await runAdapterStream(start, 'b', config, tensors, { chunkBytes: 16, policyVersion: 3 });
+  assert.deepEqual(adapter, { name: 'b', rank: 2 });
+  assert.equal(written[0].header.request.name, 'b');
+  assert.equal(written[0].header.request.policyVersion, 3);
+  assert.deepEqual(JSON.parse(written[0].header.adapterConfig), config);
+  const chunks = written.slice(1).map((m) => m.tensor);
+  assert.equal(chunks.length, 2); // 24 bytes in chunks of 16
+  assert.deepEqual(chunks[0].shape, [2, 3]);
+  assert.deepEqual(Buffer.concat(chunks.map((c) => c.data)), Buffer.from(data.buffer));
+});
+
+test('a refused loadAdapterTensors rejects with the status and stops sending', async () => {
+  const written = [];
+  let respond;
+  const call = {
+    write: (message) => {
+      written.push(message);
+      if (written.length === 1) {
+        const details = 'header.adapter_config: not JSON';
+        respond(Object.assign(new Error(details), { code: 3, details, metadata: new Metadata() }));
+      }
+      return true;
+    },
+    end: () => {},
+    cancel: () => {},
+  };
+  const start = (callback) => {
+    respond = callback;
+    return call;
+  };
+  const data = new Float32Array(64);
+  const tensors = { 'base_model.model.x.lora_A.weight': { dtype: 'F32', shape: [8, 8], data } };
+  await assert.rejects(runAdapterStream(start, 'b', '{', tensors, { chunkBytes: 16 }), {
+    name: 'SluiceError',
+    codeName: 'INVALID_ARGUMENT',
+  });
+  assert.ok(written.length <= 2, `${written.length} messages sent after the refusal`);
 });
