@@ -2,10 +2,8 @@
 // adapter's config), then the tensors' chunks as UpdateWeights sends them, then a half-close;
 // the response is the loaded adapter's AdapterInfo.
 
-import { once } from 'node:events';
-
 import { toSluiceError } from './errors.js';
-import { DEFAULT_CHUNK_BYTES, tensorMessages } from './update_weights.js';
+import { DEFAULT_CHUNK_BYTES, sendAll, tensorMessages } from './update_weights.js';
 
 /**
  * The LoadAdapterStreamHeader: the adapter's name and options, and its adapter_config.json
@@ -43,17 +41,6 @@ export async function runAdapterStream(start, name, config, tensors, options = {
     () => {},
     () => {},
   );
-  try {
-    call.write({ header });
-    for await (const message of messages) {
-      if (settled) break; // the server refused the stream early: stop reading the tensors
-      if (!call.write(message)) await Promise.race([once(call, 'drain'), stopped]);
-    }
-  } catch (error) {
-    call.cancel(); // an unreadable file: nothing sensible was sent
-    await stopped;
-    throw error;
-  }
-  if (!settled) call.end();
+  await sendAll(call, { header }, messages, () => settled, stopped);
   return outcome;
 }

@@ -79,11 +79,20 @@ export async function runUpdate(call, source, options = {}) {
     () => {},
   );
 
+  await sendAll(call, { header }, messages, () => settled, stopped);
+  return outcome;
+}
+
+/**
+ * Writes `first`, then every message of `messages` (waiting for 'drain' when the call's buffer
+ * is full), then half-closes; stops early once `isSettled()` (the server ended the call: it
+ * refused). An unreadable source cancels the call and rethrows, once `stopped` has passed.
+ */
+export async function sendAll(call, first, messages, isSettled, stopped) {
   try {
-    call.write({ header });
+    call.write(first);
     for await (const message of messages) {
-      // The server ends the call early when it refuses the update: stop reading the file.
-      if (settled) break;
+      if (isSettled()) break; // stop reading the file: the server will not take it
       if (!call.write(message)) await Promise.race([once(call, 'drain'), stopped]);
     }
   } catch (error) {
@@ -91,6 +100,5 @@ export async function runUpdate(call, source, options = {}) {
     await stopped;
     throw error;
   }
-  if (!settled) call.end();
-  return outcome;
+  if (!isSettled()) call.end();
 }
