@@ -57,8 +57,8 @@ step() {  # step NAME SECONDS MODULE ARGS...: skipped when the budget cannot cov
 # the kernel count of a graphed step.
 GPU_TESTS=(tests/engine/execution/test_gpu_fast_path.py
   tests/engine/layers/test_layer_kernels.py tests/engine/layers/test_fused_layer.py
-  tests/engine/layers/test_grouped_gemm_kernel.py
-  tests/bench/test_kernel_count.py
+  tests/engine/layers/test_grouped_gemm_kernel.py tests/engine/execution/test_moe_graph_step.py
+  tests/engine/lora/test_lora_kernel.py tests/bench/test_kernel_count.py
   tests/engine/attention/test_attention_triton.py tests/engine/execution/test_cuda_graph.py
   tests/engine/sampling/test_fused_sampler.py tests/engine/sampling/test_sampling.py)
 if chosen gpu-tests; then

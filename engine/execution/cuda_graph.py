@@ -7,6 +7,11 @@ dropped. Graphs are captured at start, largest first, into one memory pool. The 
 function (embed -> layers -> norm -> LM head) reads only the static buffers in `inputs`, whose
 block tables are padded to the widest sequence the model allows, so shapes never change.
 
+Mixture-of-experts models are captured with their experts' grouped-GEMM kernel (the torch path
+reads per-expert counts on the host: engine/models/moe.py), and their graphs always record every
+row's routed experts as a second output, so a step whose requests ask for them
+(engine/execution/routed_experts.py) replays a graph too.
+
 With `capture=False` the same padded step runs eagerly: on the CPU that checks the padding
 and the capture-safe forward; with `compile=True` the step is `torch.compile`d either way.
 """
@@ -20,11 +25,16 @@ import numpy as np
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.execution.routed_experts import stack_routing
 from engine.execution.step_inputs import StepArrays, StepInputs
 from engine.models.llama import KVCache, LlamaForCausalLM
 from engine.scheduling.page_pool import PagePool
 
 MAX_GRAPH_BATCH = 512  # decode batches above this run eagerly
+
+# A step's logits [rows, vocab] float32 and, for an MoE model, its routed experts [rows, MoE
+# layers, top_k] int32 (None for a dense model).
+GraphOutput = tuple[torch.Tensor, torch.Tensor | None]
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -73,12 +83,13 @@ class CUDAGraphRunner:
         largest = self.batch_sizes[-1]
         self.inputs = StepInputs.allocate(largest, largest, max_pages, 0, device)
         self._pad_all()
-        self.forward: Callable[[int], torch.Tensor] = self._forward
+        self.records_routing = model.config.moe is not None
+        self.forward: Callable[[int], GraphOutput] = self._forward
         if compile:
             _allow_recompiles(len(self.batch_sizes))
             self.forward = torch.compile(self._forward, dynamic=False)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # logits [size, vocab] each graph writes
+        self.outputs: dict[int, GraphOutput] = {}  # what each graph writes
 
     @property
     def max_batch(self) -> int:
@@ -114,10 +125,10 @@ class CUDAGraphRunner:
         num_seqs: int,
         width: int,
         patch: Callable[[StepInputs], None] | None = None,
-    ) -> torch.Tensor:
-        """Logits [num_seqs, vocab] of a decode step whose rows the caller filled in `host`,
-        with a page-major block table `width` pages wide for `bucket(num_seqs)` rows. Valid
-        until the next run. `patch` edits the static inputs after the upload (an overlapped
+    ) -> GraphOutput:
+        """Logits [num_seqs, vocab] (and routed experts) of a decode step whose rows the caller
+        filled in `host`, with a page-major block table `width` pages wide for
+        `bucket(num_seqs)` rows. Valid until the next run. `patch` edits the static inputs after the upload (an overlapped
         step writes the previous step's samples into its input ids there)."""
         size = self.bucket(num_seqs)
         assert size is not None, f"a decode step of {num_seqs} is above the largest graph"
@@ -129,12 +140,14 @@ class CUDAGraphRunner:
             patch(self.inputs)
         graph = self.graphs.get(size)
         if graph is None:
-            return self.forward(size)[:num_seqs]
-        # NOTE: graphs share one pool: an output is only valid until another graph replays.
-        graph.replay()
-        return self.outputs[size][:num_seqs]
+            logits, routed = self.forward(size)
+        else:
+            # NOTE: graphs share one pool: an output is only valid until another graph replays.
+            graph.replay()
+            logits, routed = self.outputs[size]
+        return logits[:num_seqs], None if routed is None else routed[:num_seqs]
 
-    def _forward(self, size: int) -> torch.Tensor:  # logits [size, vocab] float32
+    def _forward(self, size: int) -> GraphOutput:
         """The captured step: reads only `inputs`; every shape is a function of `size`."""
         inp = self.inputs
         meta = AttentionMetadata(
@@ -148,8 +161,11 @@ class CUDAGraphRunner:
             max_context_len=self.max_pages * self.pool.page_size,
             decode_only=True,
         )
-        hidden = self.model(inp.input_ids[:size], inp.positions[:size], meta, self.kv_caches)
-        return self.model.compute_logits(hidden)
+        routing: list[torch.Tensor] | None = [] if self.records_routing else None
+        ids, positions = inp.input_ids[:size], inp.positions[:size]
+        hidden = self.model(ids, positions, meta, self.kv_caches, None, routing)
+        logits = self.model.compute_logits(hidden)
+        return logits, None if routing is None else stack_routing(routing)
 
     @property
     def _scratch(self) -> tuple[int, int]:

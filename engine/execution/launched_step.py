@@ -20,7 +20,7 @@ from typing import TypeVar
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.execution.cuda_graph import CUDAGraphRunner
+from engine.execution.cuda_graph import CUDAGraphRunner, GraphOutput
 from engine.execution.prompt_scoring import ScoredRows
 from engine.execution.step_inputs import StepArrays, StepInputs
 from engine.models.llama import KVCache, LlamaForCausalLM, LoraPass
@@ -123,7 +123,7 @@ class PendingInputs:
         input_ids.index_copy_(0, positions, result.token_ids.index_select(0, rows))
 
 
-def graph_logits(
+def graph_outputs(
     graphs: CUDAGraphRunner,
     host: StepInputs,
     arrays: StepArrays,
@@ -132,20 +132,22 @@ def graph_logits(
     rows: torch.Tensor | None,
     pending: PendingInputs | None,
     after_upload: Callable[[], None],
-) -> Callable[[], torch.Tensor]:
+) -> Callable[[], GraphOutput]:
     """The device work of a graphed decode step: upload, write the pending ids into the static
-    inputs, replay. Its logits: every row's, or those of `rows`."""
+    inputs, replay. Its logits and routed experts: every row's, or those of `rows`."""
 
     def patch(inputs: StepInputs) -> None:
         if pending is not None:
             pending.scatter(inputs.input_ids)
 
-    def logits() -> torch.Tensor:
-        out = graphs.run(host, arrays, num_seqs, width, patch if pending else None)
+    def outputs() -> GraphOutput:
+        logits, routed = graphs.run(host, arrays, num_seqs, width, patch if pending else None)
         after_upload()
-        return out if rows is None else out[rows]
+        if rows is None:
+            return logits, routed
+        return logits[rows], None if routed is None else routed[rows]
 
-    return logits
+    return outputs
 
 
 def eager_hidden(

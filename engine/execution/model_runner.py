@@ -33,7 +33,7 @@ from engine.execution.launched_step import (
     Sampled,
     StepResult,
     eager_hidden,
-    graph_logits,
+    graph_outputs,
     run_now,
     sampled_on_host,
     to_host_async,
@@ -164,12 +164,10 @@ class ModelRunner:
         lora = None
         if self.adapters is not None:
             lora = self.adapters.step(batch.requests, batch.query_lens, self.device)
-        # A decode step replays a graph, unless it scores prompt positions (a 1-token chunk),
-        # runs LoRA adapters (the graphs hold the base model only) or records routed experts.
+        # A decode step replays a graph, unless it scores prompt positions (a 1-token chunk)
+        # or runs LoRA adapters (the graphs hold the base model only).
         routing = routing_record(self.model, batch.requests)
         decode = batch.num_tokens == num_seqs and graphs is not None and lora is None
-        if decode and routing is not None:
-            decode = False
         if decode and any([r.prompt_scores is not None for r in batch.requests]):
             decode = False
         size = graphs.bucket(num_seqs) if graphs is not None and decode else None
@@ -189,11 +187,14 @@ class ModelRunner:
         # buffers: it reads only what is bound here, never self.host or self.arrays.
         if graphs is not None and size is not None:  # a decode step with a graph to replay
             args = (self.host, self.arrays, num_seqs, width, rows, pending, self._record_upload)
-            logits_of = graph_logits(graphs, *args)
+            outputs_of = graph_outputs(graphs, *args)
 
             def work() -> StepResult | None:
-                logits = logits_of()
-                return None if sampling is None else to_host_async(sampling_of(logits), None)
+                logits, routed = outputs_of()  # routed: an MoE model's, always recorded
+                if sampling is None:
+                    return None
+                routed = None if routing is None else routed  # copied to the host when asked
+                return to_host_async(sampling_of(logits), None, routed)
 
         else:
             self._upload(step)

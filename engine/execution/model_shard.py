@@ -65,9 +65,10 @@ def load_shard(
         config.max_num_batched_tokens,
         make_sampler(config.sampler, device),
     )
-    # NOTE: MoE models run eagerly: the torch MoE layer reads its per-expert token counts on
-    # the host (engine/models/moe.py), which a CUDA graph cannot capture.
-    if device.type == "cuda" and not config.enforce_eager and cfg.moe is None:
+    # NOTE: an MoE model is captured only with its grouped-GEMM kernel: the torch MoE layer
+    # reads its per-expert token counts on the host (engine/models/moe.py).
+    capturable = cfg.moe is None or triton_kernels
+    if device.type == "cuda" and not config.enforce_eager and capturable:
         runner.attach_graphs(capture=True, compile=config.compile)
     elif config.compile:
         runner.attach_graphs(capture=False, compile=True)

@@ -29,9 +29,13 @@ def row_routing(routing: list[torch.Tensor], rows: torch.Tensor | None, count: i
     """[LM-head rows, MoE layers, top_k] int32 expert ids of the first `count` LM-head rows,
     from what the forward recorded ([tokens, top_k] per MoE layer); `rows`: the token of each
     LM-head row (None: row i is token i)."""
-    ids = torch.stack(routing, dim=1)  # [tokens, MoE layers, top_k]
-    picked = ids[:count] if rows is None else ids[rows[:count]]
-    return picked.to(torch.int32)
+    ids = stack_routing(routing)
+    return ids[:count] if rows is None else ids[rows[:count]]
+
+
+def stack_routing(routing: list[torch.Tensor]) -> torch.Tensor:
+    """[tokens, MoE layers, top_k] int32 from each MoE layer's expert ids [tokens, top_k]."""
+    return torch.stack(routing, dim=1).to(torch.int32)
 
 
 def host_rows(routed: torch.Tensor) -> list[list[int]]:

@@ -17,8 +17,8 @@ tokens as one GEMM over all of them, never a loop over tokens. The torch path (t
 and the CPU's) loops over the experts with tokens and reads the per-expert counts on the host.
 The Triton path (chosen with the layer kernels: engine/layers/kernel_choice.py, CUDA only) runs
 each projection for every expert in one grouped-GEMM launch (engine/layers/grouped_gemm_kernel.py)
-whose grid depends on the token count alone: no host sync, so it can be CUDA-graph captured
-(the engine still runs MoE models eagerly).
+whose grid depends on the token count alone: no host sync, so decode steps of MoE models are
+CUDA-graph captured with it (engine/execution/cuda_graph.py).
 
 Tensor parallelism: every expert (and the shared expert) is split on its intermediate dimension
 (engine/parallel/sharding.py); each rank's partial sum of routed and shared outputs is summed by

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from overlap_runs import Request, assert_all_pages_returned, both, make_engine, run
 
 from engine import FinishReason, SamplingParams
+from engine.execution.cuda_graph import GraphOutput
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 SEEDED = SamplingParams(
@@ -153,7 +153,7 @@ def test_graphed_decode_steps_read_pending_tokens_into_the_static_inputs(tiny_ll
         graphs = engine.runner.graphs
         assert graphs is not None
 
-        def counted(*args: Any, run_graph: Any = graphs.run) -> torch.Tensor:
+        def counted(*args: Any, run_graph: Any = graphs.run) -> GraphOutput:
             patched.append(len(args) == 5 and args[4] is not None)
             return run_graph(*args)
 

@@ -16,6 +16,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.execution.cuda_graph import (
     MAX_GRAPH_BATCH,
     CUDAGraphRunner,
+    GraphOutput,
     graph_batch_sizes,
     pad_decode_rows,
 )
@@ -44,16 +45,16 @@ def with_padded_decode(engine: LLMEngine, max_batch: int | None = None) -> list[
 
     def counted(
         host: StepInputs, arrays: object, num_seqs: int, width: int, patch: object = None
-    ) -> torch.Tensor:
+    ) -> GraphOutput:
         sizes.append(num_seqs)
-        logits = run(host, arrays, num_seqs, width, patch)  # type: ignore[arg-type]
+        out = run(host, arrays, num_seqs, width, patch)  # type: ignore[arg-type]
         size = graphs.bucket(num_seqs)
         inputs, pool = graphs.inputs, engine.pool
         assert (inputs.slot_mapping[num_seqs:size] == pool.scratch_slot).all()
         assert (inputs.seq_lens[num_seqs:size] == 1).all()
         table = inputs.block_table(size, graphs.max_pages, page_major=True)
         assert (table[num_seqs:, 0] == pool.scratch_page).all()
-        return logits
+        return out
 
     graphs.run = counted  # type: ignore[method-assign]
     return sizes
