@@ -177,37 +177,40 @@ static inline __attribute__((always_inline)) void rotate_heads(
     }
 }
 
-static inline __attribute__((always_inline)) void rotary_store_rows(
+/* One token t: q and k rotated, k and v into the cache at the token's slot. */
+static inline __attribute__((always_inline)) void rotary_store_token(
     int dtype, const char *q, int64_t q_stride, const char *k, int64_t k_stride, const char *v,
     int64_t v_stride, const int64_t *positions, const float *cos, const float *sin, char *q_out,
-    char *k_out, char *k_cache, char *v_cache, const int64_t *slots, int64_t tokens,
-    int64_t heads, int64_t kv_heads, int64_t d, int threads) {
+    char *k_out, char *k_cache, char *v_cache, const int64_t *slots, int64_t t, int64_t heads,
+    int64_t kv_heads, int64_t d) {
     const int64_t esize = dtype == F32 ? 4 : 2, kv_row = kv_heads * d * esize;
-#pragma omp parallel for num_threads(threads) schedule(static) if (tokens > 1)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *c = cos + positions[t] * d, *s = sin + positions[t] * d;
-        char *q_row = q_out + t * heads * d * esize;
-        rotate_heads(dtype, q + t * q_stride * esize, heads, d, c, s, q_row, NULL);
-        rotate_heads(dtype, k + t * k_stride * esize, kv_heads, d, c, s, k_out + t * kv_row,
-                     k_cache + slots[t] * kv_row);
-        memcpy(v_cache + slots[t] * kv_row, v + t * v_stride * esize, (size_t)kv_row);
-    }
+    const float *c = cos + positions[t] * d, *s = sin + positions[t] * d;
+    rotate_heads(dtype, q + t * q_stride * esize, heads, d, c, s, q_out + t * heads * d * esize,
+                 NULL);
+    rotate_heads(dtype, k + t * k_stride * esize, kv_heads, d, c, s, k_out + t * kv_row,
+                 k_cache + slots[t] * kv_row);
+    memcpy(v_cache + slots[t] * kv_row, v + t * v_stride * esize, (size_t)kv_row);
 }
 
+/* NOTE: the dtype and head_dim reach each token as literals from inside the parallel loop:
+ * GCC outlines an OpenMP region before it inlines, so a region inside an always_inline
+ * function would see them as variables (engine/layers/cpu_ops.c's rms_norm says more). */
 void rotary_store(int dtype, const void *q, int64_t q_stride, const void *k, int64_t k_stride,
                   const void *v, int64_t v_stride, const int64_t *positions, const float *cos,
                   const float *sin, void *q_out, void *k_out, void *k_cache, void *v_cache,
                   const int64_t *slots, int64_t tokens, int64_t heads, int64_t kv_heads,
                   int64_t head_dim, int threads) {
 #define ROTATE(DTYPE, D)                                                                     \
-    rotary_store_rows(DTYPE, q, q_stride, k, k_stride, v, v_stride, positions, cos, sin,     \
-                      q_out, k_out, k_cache, v_cache, slots, tokens, heads, kv_heads, D,     \
-                      threads)
-    if (dtype == F32 && head_dim == 64) ROTATE(F32, 64);
-    else if (dtype == F32 && head_dim == 128) ROTATE(F32, 128);
-    else if (dtype == F32) ROTATE(F32, head_dim);
-    else if (head_dim == 64) ROTATE(BF16, 64);
-    else if (head_dim == 128) ROTATE(BF16, 128);
-    else ROTATE(BF16, head_dim);
+    rotary_store_token(DTYPE, q, q_stride, k, k_stride, v, v_stride, positions, cos, sin,    \
+                       q_out, k_out, k_cache, v_cache, slots, t, heads, kv_heads, D)
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens > 1)
+    for (int64_t t = 0; t < tokens; t++) {
+        if (dtype == F32 && head_dim == 64) ROTATE(F32, 64);
+        else if (dtype == F32 && head_dim == 128) ROTATE(F32, 128);
+        else if (dtype == F32) ROTATE(F32, head_dim);
+        else if (head_dim == 64) ROTATE(BF16, 64);
+        else if (head_dim == 128) ROTATE(BF16, 128);
+        else ROTATE(BF16, head_dim);
+    }
 #undef ROTATE
 }
