@@ -141,13 +141,14 @@ class Sampler:
         if batch.has_surface:
             logits = apply_surface(logits, *batch.surface())
         logits = self._processed(logits, batch)
-        greedy = logits.argmax(dim=-1)  # the lowest id among equal maxima
+        native = cpu_race.usable(logits)  # the same numbers, from one C pass each
+        # The lowest id among equal maxima.
+        greedy = cpu_race.argmax(logits) if native else logits.argmax(dim=-1)
         kept = None
         if batch.all_greedy:
             token_ids = greedy
         else:
-            native = cpu_race.usable(logits)  # the same numbers, from one C pass each
-            row_max = logits.max(dim=-1, keepdim=True).values
+            row_max = logits.amax(dim=-1, keepdim=True)
             if native:
                 weights = cpu_race.exp_weights(logits, row_max[:, 0])
             else:

@@ -1,6 +1,6 @@
 """The CPU sampler's C passes (engine/sampling/cpu_race.c) against the torch arithmetic they
-replace, bit for bit: the exp weights, the race's tokens, and a whole Sampler call with and
-without them."""
+replace, bit for bit: the exp weights, the race's tokens, the greedy argmax, and a whole
+Sampler call with and without them."""
 
 from __future__ import annotations
 
@@ -35,6 +35,21 @@ def test_exp_weights_equal_the_torch_polynomial_bit_for_bit(scale: float) -> Non
     expected = exp_weights(x - row_max)
     got = cpu_race.exp_weights(x, row_max[:, 0])
     assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 16, 33, VOCAB])
+def test_the_argmax_is_torchs_lowest_id_among_equal_maxima(vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randint(-3, 3, (40, vocab), generator=gen).float()  # many ties
+    x[0] = float("-inf")  # all equal: id 0
+    x[1, -1] = 100.0  # in the tail past the vector lanes
+    x[2, 0] = 100.0
+    x[3, vocab // 2] = float("nan")  # NaN is the largest (torch: the first NaN)
+    x[4, vocab - 1] = float("nan")
+    x[4, vocab // 3] = float("nan")
+    x[5, :] = float("nan")
+    x[6] = torch.randn(vocab, generator=gen)  # no ties
+    assert torch.equal(cpu_race.argmax(x), x.argmax(dim=-1))
 
 
 def test_the_noise_equals_the_torch_noise_bit_for_bit() -> None:
