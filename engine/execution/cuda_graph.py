@@ -128,8 +128,9 @@ class CUDAGraphRunner:
     ) -> GraphOutput:
         """Logits [num_seqs, vocab] (and routed experts) of a decode step whose rows the caller
         filled in `host`, with a page-major block table `width` pages wide for
-        `bucket(num_seqs)` rows. Valid until the next run. `patch` edits the static inputs after the upload (an overlapped
-        step writes the previous step's samples into its input ids there)."""
+        `bucket(num_seqs)` rows. Valid until the next run. `patch` edits the static inputs
+        after the upload (an overlapped step writes the previous step's samples into its input
+        ids there)."""
         size = self.bucket(num_seqs)
         assert size is not None, f"a decode step of {num_seqs} is above the largest graph"
         assert width <= self.max_pages

@@ -1,9 +1,9 @@
-/* The sampler's exp weights, exponential race and greedy argmax on the CPU, each one pass over
- * [rows, vocab] with no temporaries: the arithmetic of engine/sampling/sampling_math.py (exp_weights,
- * uniform, neg_log) and Sampler._race, operation for operation in float32 and uint32, so the
- * results equal the torch reference bit for bit. Built WITHOUT -ffast-math and with
- * -ffp-contract=off (engine/layers/native.py's exact flags): no reassociation, no fused
- * multiply-add. Wrapped by engine/sampling/cpu_race.py.
+/* The sampler's exp weights, exponential race and greedy argmax on the CPU, each one pass
+ * over [rows, vocab] with no temporaries: the arithmetic of engine/sampling/sampling_math.py
+ * (exp_weights, uniform, neg_log), Sampler._race and torch.argmax, operation for operation in
+ * float32 and uint32, so the results equal the torch reference bit for bit. Built WITHOUT
+ * -ffast-math and with -ffp-contract=off (engine/layers/native.py's exact flags): no
+ * reassociation, no fused multiply-add. Wrapped by engine/sampling/cpu_race.py.
  */
 #include <math.h>
 #include <stdint.h>
