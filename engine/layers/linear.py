@@ -1,4 +1,5 @@
-"""`linear`: F.linear, except for inference on the CPU, which runs oneDNN's GEMM on packed weights.
+"""`linear`: F.linear, except for inference on the CPU, which runs oneDNN's GEMM on packed weights
+(and, for bfloat16 decode steps on CPUs with AMX, cpu_gemm.py's kernel).
 
 On the CPU, F.linear in float32 calls MKL's sgemm; oneDNN's linear (`mkldnn._linear_pointwise`,
 the op Inductor's CPU freezing emits) is 1.1-2.1x faster at the Llama projection shapes
@@ -26,6 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.layers import cpu_gemm
+
 _ONEDNN = torch.backends.mkldnn.is_available()
 # Whether oneDNN computes in bfloat16 on this CPU; else bfloat16 linears run in float32.
 NATIVE_BF16 = _ONEDNN and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -35,30 +38,49 @@ NATIVE_BF16 = _ONEDNN and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 ONEDNN_MIN_WEIGHT = 1 << 18
 
 
-def _cpu_weight(weight: torch.Tensor, dtype: torch.dtype, packed: bool) -> torch.Tensor:
-    """The weight in `dtype`, in oneDNN's blocked layout if `packed` (chosen for 64 rows; any
-    row count runs on it); cached on the weight until its version counter moves."""
-    entry = getattr(weight, "_cpu_copy", None)
-    if entry is None or entry[0] != weight._version:
+def _cpu_weight(weight: torch.Tensor, layout: str, dtype: torch.dtype) -> torch.Tensor:
+    """The weight in `dtype` and `layout`: "plain", "onednn" (oneDNN's blocked layout, chosen
+    for 64 rows; any row count runs on it) or "amx" (cpu_gemm.pack). Cached on the weight, one
+    copy per layout a call has asked for, until its version counter moves."""
+    copies: tuple[int, dict[str, torch.Tensor]] | None = getattr(weight, "_cpu_copy", None)
+    if copies is None or copies[0] != weight._version:
+        copies = (weight._version, {})
+        weight._cpu_copy = copies  # type: ignore[attr-defined]
+    if layout not in copies[1]:
         copy = weight.to(dtype)
-        if packed:
+        if layout == "onednn":
             copy = torch.ops.mkldnn._reorder_linear_weight(copy, 64)
-        entry = (weight._version, copy)
-        weight._cpu_copy = entry  # type: ignore[attr-defined]
-    return entry[1]
+        elif layout == "amx":
+            copy = cpu_gemm.pack(copy)
+        copies[1][layout] = copy
+    return copies[1][layout]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_float32: bool = False
+) -> torch.Tensor:
+    """F.linear(x, weight, bias); `out_float32`: as float32 (its values rounded to x's dtype, as
+    `.float()` of the result gives them: the logits), which the AMX path writes directly."""
+    out = _linear(x, weight, bias, out_float32)
+    return out.float() if out_float32 else out
+
+
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_float32: bool
+) -> torch.Tensor:
     cpu_inference = x.device.type == "cpu" and not torch.is_grad_enabled()
     if not (_ONEDNN and cpu_inference and x.dtype in (torch.float32, torch.bfloat16)):
         return F.linear(x, weight, bias)
     packed = weight.numel() >= ONEDNN_MIN_WEIGHT
+    if packed and cpu_gemm.usable(x, weight, bias):
+        w = _cpu_weight(weight, "amx", x.dtype)
+        return cpu_gemm.linear(x, w, weight.shape[0], bias, out_float32)
     widen = x.dtype == torch.bfloat16 and not NATIVE_BF16  # see the module's docstring
     if not packed and not widen:
         return F.linear(x, weight, bias)
     if widen:
         x, bias = x.float(), None if bias is None else bias.float()
-    w = _cpu_weight(weight, x.dtype, packed)
+    w = _cpu_weight(weight, "onednn" if packed else "plain", x.dtype)
     if packed:
         out = torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
     else:

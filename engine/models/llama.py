@@ -313,7 +313,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.tp.gather_vocab(linear(hidden, weight, None)).float()
+        # float32 straight from the GEMM where it can (the AMX path writes it in its one pass);
+        # ranks gather their slices in the model's dtype, half the bytes.
+        logits = linear(hidden, weight, None, out_float32=not self.tp.enabled)
+        return self.tp.gather_vocab(logits).float()
 
     def dense_forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits [batch, seq, vocab] for whole sequences from position 0, without a KV cache.
