@@ -8,7 +8,6 @@ instead of the server's status (grpc/grpc#36066); the sync client reports it fai
 from __future__ import annotations
 
 import itertools
-import queue
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -21,6 +20,7 @@ from sluice.v1 import generation_pb2 as pb
 from sluice_client.adapter_stream import adapter_chunks
 from sluice_client.affinity import with_affinity
 from sluice_client.channels import TlsConfig, secure_or_insecure
+from sluice_client.generate_stream import GenerateStream
 from sluice_client.requests import (
     Collector,
     Completion,
@@ -373,35 +373,3 @@ class Client:
 
 def _bearer(token: str | None) -> tuple[tuple[str, str], ...]:
     return () if token is None else (("authorization", f"Bearer {token}"),)
-
-
-class GenerateStream:
-    """One GenerateStream call. `start`/`cancel` send (from any thread); iterate to read."""
-
-    def __init__(
-        self,
-        stub: generation_pb2_grpc.GenerationStub,
-        metadata: Sequence[tuple[str, str]],
-        timeout: float | None,
-    ) -> None:
-        self._outgoing: queue.Queue[pb.GenerateStreamRequest | None] = queue.Queue()
-        self.call = stub.GenerateStream(self._requests(), metadata=metadata, timeout=timeout)
-
-    def _requests(self) -> Iterator[pb.GenerateStreamRequest]:
-        while (message := self._outgoing.get()) is not None:
-            yield message
-
-    def start(self, prompt: Prompt | pb.GenerateRequest, **params: Any) -> None:
-        request = (
-            prompt if isinstance(prompt, pb.GenerateRequest) else build_request(prompt, **params)
-        )
-        self._outgoing.put(pb.GenerateStreamRequest(start=request))
-
-    def cancel(self, request_id: str) -> None:
-        self._outgoing.put(pb.GenerateStreamRequest(cancel_request_id=request_id))
-
-    def done_sending(self) -> None:
-        self._outgoing.put(None)
-
-    def __iter__(self) -> Iterator[pb.GenerateResponse]:
-        return iter(self.call)
