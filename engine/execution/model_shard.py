@@ -17,6 +17,7 @@ from engine.attention import make_backend
 from engine.config import EngineConfig
 from engine.execution.model_runner import ModelRunner
 from engine.layers.kernel_choice import use_triton_kernels
+from engine.layers.linear import prepack
 from engine.messages import ModelInfo
 from engine.models.hf_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
@@ -49,6 +50,8 @@ def load_shard(
     backend = make_backend(config.attention_backend, device, scale, config.page_size, dtype)
     triton_kernels = use_triton_kernels(config.layer_kernels, device)
     model = build_model(cfg, path, backend, device, dtype, tp, triton_kernels)
+    for weight in model.linear_weights():
+        prepack(weight)  # the CPU's packed copies, made at load rather than by the first steps
     kv_heads = model.sharding.num_kv_heads
     pages = kv_pages(config, cfg, kv_heads, dtype, device)
     if tp.enabled:

@@ -15,8 +15,9 @@
  *
  * Tiles: 2 x 2 blocking. Per 32 columns (two blocks, split over the threads) and 32 rows, the
  * four float32 accumulators are tiles 0-3, the rows' 32 K values tiles 4-5 and the two
- * blocks' weights tiles 6-7: each tile loaded is used twice. x is first copied into a
- * zero-padded buffer of whole tiles (16 rows, 32 K values), so no tile reads past it.
+ * blocks' weights tiles 6-7: each tile loaded is used twice (a last 16 rows run alone,
+ * 1 x 2). x is first copied into a zero-padded buffer of whole tiles (16 rows, 32 K values),
+ * so no tile reads past it.
  * Rounding: float32 sums of bfloat16 products, the bias added in float32, then one rounding
  * to bfloat16 (to nearest even): what a bfloat16 GEMM with float32 accumulation computes.
  */
@@ -80,7 +81,7 @@ static void store_block(const float (*acc)[16], int64_t m0, int64_t m_end, int64
 void amx_linear(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, const uint16_t *wp,
                 int64_t N, const uint16_t *bias, void *y, int64_t y_stride, int out_f32,
                 int threads) {
-    const int64_t KC = (K + 31) / 32, NB = (N + 31) / 32 * 2, MP = (M + 31) / 32 * 32;
+    const int64_t KC = (K + 31) / 32, NB = (N + 31) / 32 * 2, MP = (M + 15) / 16 * 16;
     const int64_t kpad = KC * 32; /* x's padded row length, elements */
     uint16_t *xp = aligned_alloc(64, (size_t)(MP * kpad * 2));
     if (xp == NULL) abort();
@@ -99,19 +100,22 @@ void amx_linear(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, const
             const uint16_t *w0 = wp + nb * KC * 512, *w1 = w0 + KC * 512;
             for (int64_t m0 = 0; m0 < MP; m0 += 32) {
                 const uint16_t *a = xp + m0 * kpad;
+                const int pair = m0 + 16 < MP; /* else one row tile: tiles 1, 3 and 5 idle */
                 _tile_zero(0);
                 _tile_zero(1);
                 _tile_zero(2);
                 _tile_zero(3);
                 for (int64_t kc = 0; kc < KC; kc++) {
                     _tile_loadd(4, a + kc * 32, kpad * 2);
-                    _tile_loadd(5, a + 16 * kpad + kc * 32, kpad * 2);
                     _tile_loadd(6, w0 + kc * 512, 64);
                     _tile_loadd(7, w1 + kc * 512, 64);
                     _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 5, 6);
                     _tile_dpbf16ps(2, 4, 7);
-                    _tile_dpbf16ps(3, 5, 7);
+                    if (pair) {
+                        _tile_loadd(5, a + 16 * kpad + kc * 32, kpad * 2);
+                        _tile_dpbf16ps(1, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
                 }
                 _tile_stored(0, acc[0], 64);
                 _tile_stored(1, acc[1], 64);

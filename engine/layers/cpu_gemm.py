@@ -37,6 +37,11 @@ def _lib() -> ctypes.CDLL | None:
     return lib
 
 
+def runs(dtype: torch.dtype) -> bool:
+    """Whether this machine runs `dtype`'s GEMMs here (for some row counts)."""
+    return dtype == torch.bfloat16 and _lib() is not None
+
+
 def usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether `linear` runs this product: bfloat16 on the CPU, at most MAX_ROWS rows, AMX."""
     return (

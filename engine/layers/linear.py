@@ -56,6 +56,21 @@ def _cpu_weight(weight: torch.Tensor, layout: str, dtype: torch.dtype) -> torch.
     return copies[1][layout]
 
 
+def prepack(weight: torch.Tensor) -> None:
+    """Make now the CPU copies of `weight` that `linear` would make at its first call needing
+    each (oneDNN's, and cpu_gemm's where AMX runs the dtype), so that their cost (seconds for a
+    large model in float32) is paid at load, not by the first requests. Nothing elsewhere."""
+    if not (_ONEDNN and weight.device.type == "cpu" and weight.numel() >= ONEDNN_MIN_WEIGHT):
+        return
+    if weight.dtype not in (torch.float32, torch.bfloat16):
+        return
+    with torch.no_grad():
+        if cpu_gemm.runs(weight.dtype):
+            _cpu_weight(weight, "amx", weight.dtype)
+        widen = weight.dtype == torch.bfloat16 and not NATIVE_BF16
+        _cpu_weight(weight, "onednn", torch.float32 if widen else weight.dtype)
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_float32: bool = False
 ) -> torch.Tensor:

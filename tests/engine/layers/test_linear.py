@@ -89,3 +89,24 @@ def test_small_weights_run_f_linear_itself() -> None:
     with torch.inference_mode():
         assert torch.equal(linear(x, weight, None), F.linear(x, weight))  # bit for bit
     assert not hasattr(weight, "_cpu_copy")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepack_makes_at_load_the_copies_the_first_calls_would(dtype: torch.dtype) -> None:
+    from engine.layers import cpu_gemm
+
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(512, linear_module.ONEDNN_MIN_WEIGHT // 512, generator=gen).to(dtype)
+    linear_module.prepack(weight)
+    made = set(weight._cpu_copy[1])  # type: ignore[attr-defined]
+    assert made == ({"onednn", "amx"} if cpu_gemm.runs(dtype) else {"onednn"})
+    with torch.inference_mode():
+        for rows in (1, 300):  # a decode step's rows and a prefill's
+            x = torch.randn(rows, weight.shape[1], generator=gen).to(dtype)
+            tol = 1e-4 if dtype == torch.float32 else 6e-2
+            got = linear(x, weight, None)
+            torch.testing.assert_close(got, F.linear(x, weight), rtol=tol, atol=tol)
+    assert set(weight._cpu_copy[1]) == made  # type: ignore[attr-defined]
+    small = torch.randn(8, 8, generator=gen)
+    linear_module.prepack(small)
+    assert not hasattr(small, "_cpu_copy")
