@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from engine.attention import make_backend
 from engine.config import EngineConfig
+from engine.execution.host_malloc import keep_freed_memory
 from engine.execution.model_runner import ModelRunner
 from engine.layers.kernel_choice import use_triton_kernels
 from engine.layers.linear import prepack
@@ -46,6 +47,8 @@ def load_shard(
 ) -> ModelShard:
     """Load this rank's weights, size its KV pool (every rank gets the smallest count any
     rank can hold: page ids are rank 0's) and build its runner, CUDA graphs captured."""
+    if device.type == "cpu":
+        keep_freed_memory()  # each step's buffers reused, not mapped anew (host_malloc.py)
     scale = cfg.head_dim**-0.5
     backend = make_backend(config.attention_backend, device, scale, config.page_size, dtype)
     triton_kernels = use_triton_kernels(config.layer_kernels, device)

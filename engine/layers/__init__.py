@@ -7,7 +7,8 @@ and V into the paged KV cache, in one kernel; the attention backends call it);
 projection; engine/models/moe.py holds the torch path it equals). The `*_kernel`
 / `rotary_kv` modules import triton and are imported only when a Triton path is chosen
 (`kernel_choice.py`), so the package works without triton. `linear.py` is the projections'
-GEMM: oneDNN's for float32 on the CPU, F.linear elsewhere.
+GEMM: oneDNN's on the CPU (bfloat16 decode steps on AMX CPUs: `cpu_gemm.py`'s C kernel),
+F.linear elsewhere; `native.py` builds the CPU's C kernels (`cpu_gemm.c`, `cpu_ops.c`).
 
 A folder below both `models` and `attention`: the model's modules use the norm and activation,
 the Triton attention backend uses the rotary kernel. It imports torch and triton only, no
