@@ -59,7 +59,8 @@ def _cpu_weight(weight: torch.Tensor, layout: str, dtype: torch.dtype) -> torch.
 def prepack(weight: torch.Tensor) -> None:
     """Make now the CPU copies of `weight` that `linear` would make at its first call needing
     each (oneDNN's, and cpu_gemm's where AMX runs the dtype), so that their cost (seconds for a
-    large model in float32) is paid at load, not by the first requests. Nothing elsewhere."""
+    large model in float32) is paid at load, not by the first requests. Nothing off the CPU,
+    nor for weights that `linear` leaves to F.linear."""
     if not (_ONEDNN and weight.device.type == "cpu" and weight.numel() >= ONEDNN_MIN_WEIGHT):
         return
     if weight.dtype not in (torch.float32, torch.bfloat16):

@@ -311,17 +311,21 @@ class LlamaForCausalLM(nn.Module):
             tensors |= {f"{prefix}.{name}".lstrip("."): t for name, t in local.items()}
         return tensors
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight: its own, or the embedding's when they are tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def linear_weights(self) -> list[torch.Tensor]:
         """The weights the forward passes to `linear` whole: the attention and dense MLP
         projections' and the LM head's (an MoE block's experts and router are not among them)."""
-        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         projections = [
             m.weight for m in self.modules() if isinstance(m, MergedLinear | RowParallelLinear)
         ]
-        return [*projections, head]
+        return [*projections, self.head_weight]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.head_weight
         # float32 straight from the GEMM where it can (the AMX path writes it in its one pass);
         # ranks gather their slices in the model's dtype, half the bytes.
         logits = linear(hidden, weight, None, out_float32=not self.tp.enabled)
