@@ -1,10 +1,10 @@
 /* y = x W^T (+ bias) in bfloat16 on Intel AMX, for the few rows of a decode step.
  *
  * A decode step's linear layers are bound by reading their weights: a step has 1-100 rows,
- * and each weight is read from memory once per step. On a 2-core AMX Xeon whose two threads
- * stream 24-29 GB/s, oneDNN's bfloat16 GEMM on its packed weights read llama-75m's 150 MB in
- * 8.0-9.1 ms at 8-32 rows and 12.5 ms at 64; this kernel in 6.8-7.9 and 10-11 ms
- * (engine/layers/cpu_gemm.py says where it runs).
+ * and each weight is read from memory once per step. On a 2-core AMX Xeon, oneDNN's bfloat16
+ * GEMM on its packed weights read llama-75m's 150 MB in 7.6-9.3 ms at 1-32 rows and 11.4 ms at
+ * 64; this kernel in 5.9-7.2 and 9.5 ms (bench/cpu_linear.py, docs/benchmarks.md;
+ * engine/layers/cpu_gemm.py says where it runs).
  *
  * Layouts. x: [M, K] bfloat16, rows `x_stride` elements apart. The weight is packed once
  * (cpu_gemm.py's `pack`) into AMX's pair-interleaved tiles, zero-padded to whole tiles:
@@ -68,10 +68,12 @@ static void store_block(const float (*acc)[16], int64_t m0, int64_t m_end, int64
         b = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
     }
     for (int64_t m = m0; m < m_end; m++) {
-        const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(acc[m - m0]), b));
+        const __m512 sum = _mm512_add_ps(_mm512_load_ps(acc[m - m0]), b);
+        const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(sum);
         if (out_f32) {
             const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16);
-            _mm512_mask_storeu_ps((float *)y + m * y_stride + n0, keep, _mm512_castsi512_ps(wide));
+            float *row = (float *)y + m * y_stride + n0;
+            _mm512_mask_storeu_ps(row, keep, _mm512_castsi512_ps(wide));
         } else {
             _mm256_mask_storeu_epi16((uint16_t *)y + m * y_stride + n0, keep, rounded);
         }

@@ -2,9 +2,9 @@
 
 A decode step multiplies a few rows by every weight, so its GEMMs are bound by reading the
 weights. On weights packed once into AMX tiles, cpu_gemm.c runs llama-75m's linear layers
-1.07-1.15x as fast as oneDNN's bfloat16 GEMM on its own packed weights from 1 to 96 rows
-(docs/benchmarks.md); from 128 rows on (prefill) oneDNN is the faster, and `usable` leaves
-those to it.
+1.0-1.3x as fast as oneDNN's bfloat16 GEMM on its own packed weights from 1 to 96 rows
+(bench/cpu_linear.py, docs/benchmarks.md); from about 128 rows on (prefill) oneDNN is as fast
+or faster, and `usable` leaves those to it.
 
 It runs where the CPU has AMX-BF16 (and the kernel library built with it: engine/layers/native.py
 compiles for this CPU) and the process was granted AMX's tile state; elsewhere `usable` is
@@ -22,7 +22,7 @@ import torch
 from engine.layers import native
 
 SOURCE = Path(__file__).with_name("cpu_gemm.c")
-MAX_ROWS = 96  # above it oneDNN is faster (128 rows: 0.96x, 256: 0.72x)
+MAX_ROWS = 96  # above it oneDNN is as fast or faster (128 rows: 0.96-1.03x, 256: 0.70-0.74x)
 
 
 @functools.cache
