@@ -98,6 +98,12 @@ class EngineConfig:
         "scheduling); same tokens as without it; off with --tensor-parallel-size above 1",
         group=EXECUTION,
     )
+    warmup: bool = setting(
+        True,
+        "run one full step of throwaway requests before serving, so that the first requests "
+        "do not pay the first-use costs (heap growth, kernel choice and compilation)",
+        group=EXECUTION,
+    )
     # NOTE: torch's default is one thread per core; on a small machine its pool slows down
     # 10-100x whenever another process (the server, a client) is busy on the same cores.
     cpu_threads: int | None = setting(

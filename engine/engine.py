@@ -70,6 +70,7 @@ from engine.sleep.sleeper import Sleeper
 from engine.step_outputs import StepOutputs
 from engine.structured.grammars import Grammars
 from engine.structured.structured_outputs import StructuredOutputs
+from engine.warmup import warm_up
 from engine.weights.weight_updater import WeightUpdater
 from engine.weights.weights_origin import WeightsOrigin
 
@@ -125,6 +126,7 @@ class LLMEngine:
         self.structured = StructuredOutputs(Grammars(path, cfg.vocab_size, cfg.eos_token_ids))
         self.overlap = OverlappedSteps(self) if overlap_enabled(config) else None
         self.info = model_info(config, cfg, path, self.device, self.dtype, self.pool.num_pages)
+        self.warmup = warm_up(self) if config.warmup else None
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (none with one rank); the engine is unusable after."""

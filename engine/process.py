@@ -95,6 +95,7 @@ def engine_main(config: EngineConfig, conn: Connection) -> None:
             total_pages=info.total_pages,
             cpu_threads=torch.get_num_threads(),
             seconds=round(time.monotonic() - started, 3),
+            warmup_seconds=None if engine.warmup is None else round(engine.warmup["seconds"], 3),
         )
         conn.send(Ready(info))
         try:

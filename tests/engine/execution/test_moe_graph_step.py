@@ -47,6 +47,7 @@ def make_engine(checkpoint: Path, graphs: bool, **overrides: object) -> LLMEngin
         "max_num_seqs": MAX_SEQS,
         "num_kv_pages": 256,
         "enforce_eager": not graphs,
+        "warmup": False,  # a full step under the interpreter takes minutes
         **overrides,
     }
     engine = LLMEngine(EngineConfig(**config))  # type: ignore[arg-type]

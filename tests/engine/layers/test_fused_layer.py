@@ -41,6 +41,7 @@ def greedy(checkpoint: Path, kernels: str) -> list[list[int]]:
         layer_kernels=kernels,
         page_size=16,
         enforce_eager=True,
+        warmup=False,  # a full step under the interpreter takes minutes
     )
     engine = LLMEngine(config)
     norms = [m for m in engine.model.modules() if type(m).__name__ == "RMSNorm"]

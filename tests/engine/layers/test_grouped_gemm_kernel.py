@@ -93,7 +93,11 @@ def test_an_moe_engine_on_the_triton_layer_kernels_generates_the_torch_paths_tok
     runs = []
     for kernels in ("torch", "triton"):
         config = EngineConfig(
-            model=str(checkpoint), device=DEVICE, dtype="float32", layer_kernels=kernels
+            model=str(checkpoint),
+            device=DEVICE,
+            dtype="float32",
+            layer_kernels=kernels,
+            warmup=False,  # a full step under the interpreter takes minutes
         )
         engine = LLMEngine(config)
         experts = [m for m in engine.model.modules() if isinstance(m, StackedExperts)]

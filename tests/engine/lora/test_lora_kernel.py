@@ -115,6 +115,7 @@ def test_an_engine_on_the_triton_layer_kernels_generates_the_torch_paths_tokens(
             layer_kernels=kernels,
             max_loras=2,
             max_lora_rank=8,
+            warmup=False,  # a full step under the interpreter takes minutes
         )
         engine = LLMEngine(config)
         assert engine.lora.triton == (kernels == "triton")

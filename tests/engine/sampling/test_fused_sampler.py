@@ -235,7 +235,8 @@ def test_an_engine_with_the_fused_sampler_generates_the_torch_engines_tokens(
     alone = replace(rl, seed=6, allowed_token_ids=tuple(range(2, 60)), **surface)
     results = {}
     for name in ("torch", "triton"):
-        config = EngineConfig(model=str(tiny_llama), device=DEVICE, sampler=name)
+        # No warm-up: a full step under the interpreter takes minutes.
+        config = EngineConfig(model=str(tiny_llama), device=DEVICE, sampler=name, warmup=False)
         engine = LLMEngine(config)
         chosen = engine.runner.sampler
         assert isinstance(chosen, sampler_choice.FusedOrTorch) == (name == "triton")
