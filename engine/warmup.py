@@ -3,8 +3,8 @@
 A new engine's first steps pay for what later steps reuse: the allocator grows its heap to the
 largest step's activations, and kernels are chosen, packed or compiled for their shapes on
 first use (oneDNN primitives, Triton's JIT, cuBLAS heuristics). On a CPU the heap's growth is
-page faults, which a virtual machine whose host backs guest memory lazily makes 10-30x dearer.
-Without a warm-up the first requests served pay all of it (docs/benchmarks.md has the
+page faults, which a virtual machine whose host backs guest memory lazily makes up to 30x
+dearer. Without a warm-up the first requests served pay all of it (docs/benchmarks.md has the
 measurement); like vLLM's dummy run at start-up, `warm_up` pays it before the engine reports
 ready.
 
@@ -51,7 +51,7 @@ class Engine(Protocol):
 
 def warm_up(engine: Engine) -> dict[str, float]:
     """Run the throwaway requests to completion on an engine with nothing in flight, then
-    reset what they touched. Returns the prompt tokens and seconds it took."""
+    reset what they touched. Returns how many prompts, their tokens and the seconds it took."""
     prompts = warmup_prompts(engine)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
