@@ -225,3 +225,22 @@ async def test_max_chat_messages_bounds_a_chat(tmp_path):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert violated_fields(err.value) == ["chat.messages"]
     assert "3 messages: at most 2" in err.value.details()
+
+
+async def test_a_chat_template_flag_with_generation_tags_serves(tmp_path):
+    # TRL's training templates mark assistant turns with {% generation %}; the server used to
+    # stop at start on the tag ("unknown tag"). transformers renders the tag's body.
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    override = Path(__file__).resolve().parents[2] / "chat_templates/trl/qwen2_5_training.jinja"
+    directory = chat_model(tmp_path, "qwen2_5", max_model_len=1024)
+    messages = [*CHAT, {"role": "assistant", "content": "A fox."}]
+    served = running_server(directory, chat_template=str(override))
+    async with served as (_, target), AsyncClient(target) as client:
+        rendered = await client.render_chat(messages, add_generation_prompt=False)
+    expected = AutoTokenizer.from_pretrained(directory).apply_chat_template(
+        messages, chat_template=override.read_text(), tokenize=False
+    )
+    assert rendered.text == expected
