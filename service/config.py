@@ -18,6 +18,9 @@ from engine.settings import (
 )
 
 MAX_REQUEST_ID_LENGTH = 256
+# OpenAI's bound on a chat's messages (its API refuses a longer `messages` array); a service
+# flag, for agent traces of more turns.
+DEFAULT_MAX_CHAT_MESSAGES = 2048
 MIN_MESSAGE_BYTES = 64 * 1024  # below this even ordinary requests and weight chunks break
 # The largest message the server sends: a chunk of many tokens with top logprobs, or a Started
 # with prompt logprobs (requests whose scores could pass it are refused). The clients accept it.
@@ -48,6 +51,14 @@ class ServiceConfig:
         None,
         "a Jinja chat template file for `chat` prompts and RenderChat, in place of the "
         "checkpoint's (chat_template.jinja or tokenizer_config.json's chat_template)",
+        group=MODEL,
+    )
+    # Checked before any work per message: the byte bound (--max-message-bytes) alone lets
+    # through millions of empty turns, each of them a Python dict for the template to loop over.
+    max_chat_messages: int = setting(
+        DEFAULT_MAX_CHAT_MESSAGES,
+        "most messages in one `chat` prompt or RenderChat; more are INVALID_ARGUMENT "
+        "(`chat.messages`) before any is read",
         group=MODEL,
     )
     # Off by default: with the engine's torch threads on every core (the CPU default) a service
@@ -280,6 +291,8 @@ class ServiceConfig:
             raise ValueError("max_concurrent_streams: must be at least 1 when set")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError("max_connections: must be at least 1 when set")
+        if self.max_chat_messages < 1:
+            raise ValueError("max_chat_messages: must be at least 1")
         if self.chat_template == "":
             raise ValueError("chat_template: must not be empty when set")
         if self.served_model_name == "":

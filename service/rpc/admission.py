@@ -19,7 +19,7 @@ import grpc
 from sluice.v1 import generation_pb2 as pb
 
 from engine.messages import AddRequest, LogprobMode, ModelInfo, SamplingParams
-from service.config import MAX_REQUEST_ID_LENGTH
+from service.config import DEFAULT_MAX_CHAT_MESSAGES, MAX_REQUEST_ID_LENGTH
 from service.rpc.chat import chat_violations, no_template, render
 from service.rpc.refusal import Refusal, invalid_argument
 from service.rpc.sampling_surface import bad_word_ids, surface_violations
@@ -128,7 +128,10 @@ def sampling_params(
 
 
 def field_violations(
-    req: pb.GenerateRequest, info: ModelInfo, tokenizer: Tokenizer
+    req: pb.GenerateRequest,
+    info: ModelInfo,
+    tokenizer: Tokenizer,
+    max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES,
 ) -> list[tuple[str, str]]:
     """Every invalid field of a request that can be judged without tokenizing. Each check
     costs little next to receiving the request: a prompt that cannot fit is refused here."""
@@ -139,7 +142,7 @@ def field_violations(
         case None:
             errors.append(("prompt", "set text, token_ids or chat"))
         case "chat":
-            errors += chat_violations(req.chat, info, tokenizer)
+            errors += chat_violations(req.chat, info, tokenizer, max_chat_messages)
         case "text" if not req.text:
             errors.append(("text", "must not be empty"))
         case "text":
@@ -210,6 +213,7 @@ async def admit(
     retry_after: float,
     max_message_bytes: int,
     chat_template: ChatTemplate | None = None,
+    max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES,
     adapters: Mapping[str, int] = MappingProxyType({}),
 ) -> Admission:
     """Validate and tokenize (a chat prompt rendered with `chat_template` first); raises Refusal. Queue and duplicate checks are the caller's,
@@ -221,7 +225,7 @@ async def admit(
         raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline has already passed")
     if req.WhichOneof("prompt") == "chat" and chat_template is None:
         raise no_template()
-    violations = field_violations(req, info, tokenizer)
+    violations = field_violations(req, info, tokenizer, max_chat_messages)
     if violations:
         raise invalid_argument(violations)
     if req.adapter and req.adapter not in adapters:
@@ -234,7 +238,9 @@ async def admit(
     if req.WhichOneof("prompt") == "text":
         prompt = await tokenizer.encode(req.text, add_special_tokens=True)
     elif req.WhichOneof("prompt") == "chat":
-        _, prompt = await render(req.chat, chat_template, info, tokenizer, checked=True)
+        _, prompt = await render(
+            req.chat, chat_template, info, tokenizer, max_chat_messages, checked=True
+        )
     else:
         prompt = list(req.token_ids.ids)
     if len(prompt) >= info.max_model_len:  # the message of a token ids prompt too long

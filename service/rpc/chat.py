@@ -16,7 +16,13 @@ from sluice.v1 import generation_pb2 as pb
 
 from engine.messages import ModelInfo
 from service.rpc.refusal import Refusal, invalid_argument
-from service.text.chat_template import Chat, ChatTemplate, ChatTemplateError, RenderTooLong
+from service.text.chat_template import (
+    RESERVED_VARIABLES,
+    Chat,
+    ChatTemplate,
+    ChatTemplateError,
+    RenderTooLong,
+)
 from service.text.tokenizer import Tokenizer
 
 
@@ -29,47 +35,92 @@ def no_template() -> Refusal:
 
 
 def chat_violations(
-    prompt: pb.ChatPrompt, info: ModelInfo, tokenizer: Tokenizer, field: str = "chat"
+    prompt: pb.ChatPrompt,
+    info: ModelInfo,
+    tokenizer: Tokenizer,
+    max_messages: int,
+    field: str = "chat",
 ) -> list[tuple[str, str]]:
-    """What can be judged without rendering: empty parts, bad JSON, and the input's size."""
-    errors: list[tuple[str, str]] = []
-    if not prompt.messages:
-        errors.append((f"{field}.messages", "must not be empty"))
-    for i, message in enumerate(prompt.messages):
-        if not message.role:
-            errors.append((f"{field}.messages[{i}].role", "must not be empty"))
-        if message.extra_json and not isinstance(_json(message.extra_json), dict):
-            errors.append((f"{field}.messages[{i}].extra_json", "must be a JSON object"))
-    if prompt.tools_json and not isinstance(_json(prompt.tools_json), list):
-        errors.append((f"{field}.tools_json", "must be a JSON array"))
-    if prompt.template_kwargs_json and not isinstance(_json(prompt.template_kwargs_json), dict):
-        errors.append((f"{field}.template_kwargs_json", "must be a JSON object"))
+    """What can be judged without rendering: the number of messages and their size first (no
+    work per message before both pass: a hostile prompt of millions of empty turns is refused
+    in constant time), then empty parts and bad JSON."""
+    count = len(prompt.messages)
+    if count == 0:
+        return [(f"{field}.messages", "must not be empty")]
+    if count > max_messages:
+        return [
+            (
+                f"{field}.messages",
+                f"{count} messages: at most {max_messages} (the server's --max-chat-messages)",
+            )
+        ]
     limit = tokenizer.max_text_bytes(info.max_model_len)
     size = sum(len(m.content.encode()) + len(m.extra_json.encode()) for m in prompt.messages)
     size += len(prompt.tools_json.encode()) + len(prompt.template_kwargs_json.encode())
     if size > limit:
-        errors.append(
+        return [
             (
                 field,
                 f"{size} bytes of messages, tools and arguments cannot fit in the context of "
                 f"{info.max_model_len} tokens (at most {limit} bytes for this tokenizer)",
             )
+        ]
+    errors: list[tuple[str, str]] = []
+    for i, message in enumerate(prompt.messages):
+        if not message.role:
+            errors.append((f"{field}.messages[{i}].role", "must not be empty"))
+        if message.extra_json:
+            errors += _extra_violations(message, f"{field}.messages[{i}].extra_json")
+    if prompt.tools_json and not isinstance(_json(prompt.tools_json), list):
+        errors.append((f"{field}.tools_json", "must be a JSON array"))
+    kwargs = _json(prompt.template_kwargs_json) if prompt.template_kwargs_json else {}
+    if not isinstance(kwargs, dict):
+        errors.append((f"{field}.template_kwargs_json", "must be a JSON object"))
+    elif reserved := sorted(RESERVED_VARIABLES.intersection(kwargs)):
+        errors.append(
+            (
+                f"{field}.template_kwargs_json",
+                f"must not set {', '.join(reserved)} (set by the chat)",
+            )
+        )
+    if prompt.continue_final_message and prompt.add_generation_prompt:
+        errors.append(
+            (f"{field}.add_generation_prompt", "must be false with continue_final_message")
         )
     return errors
 
 
+def _extra_violations(message: pb.ChatMessage, field: str) -> list[tuple[str, str]]:
+    extra = _json(message.extra_json)
+    if not isinstance(extra, dict):
+        return [(field, "must be a JSON object")]
+    if "role" in extra:
+        return [(field, "must not hold `role` (the message's role field)")]
+    if "content" in extra and message.content:
+        return [(field, "must not hold `content` when the message's content field is set")]
+    return []
+
+
 def to_chat(prompt: pb.ChatPrompt) -> Chat:
-    """The plain data a template sees; the prompt has passed chat_violations."""
+    """The plain data a template sees; the prompt has passed chat_violations. As transformers,
+    a message has no None-valued keys: extra_json's `"content": null` leaves it no content
+    (and its `content`, e.g. a list of text blocks, takes the content field's place)."""
     messages = []
     for m in prompt.messages:
-        extra = _json(m.extra_json) if m.extra_json else {}
-        messages.append({**extra, "role": m.role, "content": m.content})
+        message = {"role": m.role, "content": m.content}
+        if m.extra_json:
+            message.update(_json(m.extra_json))
+        messages.append({k: v for k, v in message.items() if v is not None})
+    # continue_final_message leaves the final message open, so no generation prompt by default.
+    add_generation_prompt = (
+        prompt.add_generation_prompt
+        if prompt.HasField("add_generation_prompt")
+        else not prompt.continue_final_message
+    )
     return Chat(
         messages=messages,
         tools=_json(prompt.tools_json) if prompt.tools_json else None,
-        add_generation_prompt=(
-            prompt.add_generation_prompt if prompt.HasField("add_generation_prompt") else True
-        ),
+        add_generation_prompt=add_generation_prompt,
         continue_final_message=prompt.continue_final_message,
         kwargs=_json(prompt.template_kwargs_json) if prompt.template_kwargs_json else None,
     )
@@ -80,20 +131,26 @@ async def render(
     template: ChatTemplate | None,
     info: ModelInfo,
     tokenizer: Tokenizer,
+    max_messages: int,
     field: str = "chat",
     checked: bool = False,
 ) -> tuple[str, list[int]]:
     """The rendered text and its token ids, or a Refusal (also for ids that leave no room in
-    the context). `checked`: the prompt has passed chat_violations already. Rendering runs in
-    a worker thread: a template is a program, and a long conversation takes a while."""
+    the context). `checked`: the prompt has passed chat_violations already. The conversion
+    and the rendering run in a worker thread: a template is a program, and a long
+    conversation takes a while."""
     if template is None:
         raise no_template()
-    violations = [] if checked else chat_violations(prompt, info, tokenizer, field)
+    violations = [] if checked else chat_violations(prompt, info, tokenizer, max_messages, field)
     if violations:
         raise invalid_argument(violations)
     limit = tokenizer.max_text_bytes(info.max_model_len)
+
+    def convert_and_render() -> str:
+        return template.render(to_chat(prompt), limit)
+
     try:
-        text = await asyncio.to_thread(template.render, to_chat(prompt), limit)
+        text = await asyncio.to_thread(convert_and_render)
     except RenderTooLong as exc:
         raise invalid_argument([(field, f"{exc}: it cannot fit in the context")]) from exc
     except ChatTemplateError as exc:

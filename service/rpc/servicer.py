@@ -137,7 +137,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         assert self.tokenizer is not None and self.engine.info is not None
         try:
             text, ids = await render(
-                request.chat, self.chat_template, self.engine.info, self.tokenizer
+                request.chat,
+                self.chat_template,
+                self.engine.info,
+                self.tokenizer,
+                self.config.max_chat_messages,
             )
         except Refusal as refusal:
             await context.abort_with_status(refusal.to_status())
@@ -201,6 +205,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             retry_after=self.config.retry_after,
             max_message_bytes=MAX_SEND_MESSAGE_BYTES,
             chat_template=self.chat_template,
+            max_chat_messages=self.config.max_chat_messages,
             adapters=self.engine.adapters.versions,
         )
         if (structured := admission.request.params.structured) is not None:

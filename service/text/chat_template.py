@@ -1,13 +1,12 @@
 """ChatTemplate: a checkpoint's Jinja chat template, rendered as transformers renders it.
 
-The environment mirrors transformers' `apply_chat_template` (utils/chat_template_utils.py):
-an ImmutableSandboxedEnvironment with trim_blocks and lstrip_blocks, the loop controls
-extension, a `tojson` filter that does not escape HTML (json.dumps, ensure_ascii False), and
-the globals `raise_exception`, `strftime_now`, `dict` and `namespace`; the template sees
-`messages`, `tools`, `documents`, `add_generation_prompt`, the tokenizer's special tokens
-(`bos_token`, `eos_token`, ...) and the caller's keyword arguments. The rendered text is
-tokenized without special tokens (the template writes BOS itself), so the ids equal
-transformers' `apply_chat_template(..., tokenize=True)` for the same checkpoint.
+What the template sees is what transformers' `apply_chat_template` gives it: the messages
+without their None-valued keys (clients send `tool_calls: None`; templates test for a missing
+key), `reasoning_content` aliased from older names, `messages`, `tools`, `documents`,
+`add_generation_prompt`, the tokenizer's special tokens (`bos_token`, `eos_token`, ...) and the
+caller's keyword arguments, in transformers' environment (service/text/chat_environment.py).
+The rendered text is tokenized without special tokens (the template writes BOS itself), so the
+ids equal transformers' `apply_chat_template(..., tokenize=True)` for the same checkpoint.
 """
 
 from __future__ import annotations
@@ -15,14 +14,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from service.text.chat_environment import chat_environment
 
 # The special tokens transformers passes to every template (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = (
@@ -36,6 +33,9 @@ SPECIAL_TOKEN_NAMES = (
 )
 # transformers marks the end of the final message with this tag to cut the render there.
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+# What transformers passes the template itself: keyword arguments cannot set them (transformers
+# fails with a TypeError on a second value of an argument).
+RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 
 class ChatTemplateError(ValueError):
@@ -58,20 +58,25 @@ class Chat:
 
 
 class ChatTemplate:
-    """A compiled chat template and the special tokens its checkpoint defines."""
+    """A checkpoint's compiled chat template (or its named templates) and special tokens."""
 
-    def __init__(self, source: str, special_tokens: Mapping[str, str]) -> None:
-        self.source = source
+    def __init__(self, source: str | Mapping[str, str], special_tokens: Mapping[str, str]) -> None:
+        """`source`: one template, or named ones (tokenizer_config.json's list): "tool_use"
+        renders a chat with tools when there is one, "default" the others, as transformers
+        picks them."""
+        env = chat_environment()
+        named = {"default": source} if isinstance(source, str) else dict(source)
+        self.sources = named
         self.special_tokens = dict(special_tokens)
-        self._template = _environment().from_string(source)
+        self._templates = {name: env.from_string(text) for name, text in named.items()}
 
     @classmethod
     def load(
         cls, checkpoint_dir: str | Path, override: str | Path | None = None
     ) -> ChatTemplate | None:
         """The checkpoint's template: `override` (a file) if given, else chat_template.jinja,
-        else tokenizer_config.json's `chat_template` (a string, or a list of named templates:
-        the one named "default"). None when the checkpoint has none."""
+        else tokenizer_config.json's `chat_template` (a string, or a list of named templates).
+        None when the checkpoint has none."""
         directory = Path(checkpoint_dir)
         config_path = directory / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
@@ -90,28 +95,39 @@ class ChatTemplate:
             origin = config_path
             source = config.get("chat_template")
             if isinstance(source, list):
-                named = {t.get("name"): t.get("template") for t in source}
-                source = named.get("default")
+                source = {t["name"]: t["template"] for t in source if t.get("template")}
         if not source:
             return None
         try:
-            return cls(str(source), special)
+            return cls(source if isinstance(source, dict) else str(source), special)
         except jinja2.TemplateSyntaxError as exc:
             raise ValueError(f"the chat template of {origin} does not parse: {exc}") from exc
 
     def render(self, chat: Chat, max_chars: int) -> str:
-        """The prompt text of `chat`; raises ChatTemplateError, or RenderTooLong past
-        `max_chars` characters (rendering stops there: a template cannot grow without end)."""
-        messages = [_alias_reasoning(dict(m)) for m in chat.messages]
+        """The prompt text of `chat`; raises ChatTemplateError where transformers'
+        apply_chat_template raises, or RenderTooLong past `max_chars` characters (rendering
+        stops there: a template cannot grow without end)."""
+        name = "tool_use" if chat.tools is not None and "tool_use" in self.sources else "default"
+        if name not in self._templates:
+            raise ChatTemplateError(
+                f"the model's chat templates are {sorted(self.sources)}, with no default"
+            )
+        kwargs = dict(chat.kwargs or {})
+        if reserved := sorted(RESERVED_VARIABLES.intersection(kwargs)):
+            raise ChatTemplateError(f"template arguments may not set {', '.join(reserved)}")
+        messages = [_alias_reasoning(_without_none(m)) for m in chat.messages]
         final = ""
         if chat.continue_final_message:
-            final = str(messages[-1].get("content", ""))
-            if not isinstance(messages[-1].get("content"), str):
-                raise ChatTemplateError("continue_final_message: the final message has no content")
-            messages[-1]["content"] = final + CONTINUE_TAG
+            if chat.add_generation_prompt:
+                raise ChatTemplateError(
+                    "continue_final_message and add_generation_prompt cannot both be set"
+                )
+            if "content" not in self.sources[name]:
+                raise ChatTemplateError("continue_final_message: the template reads no content")
+            final = _open_final_message(messages[-1])
         context = {
             **self.special_tokens,
-            **(chat.kwargs or {}),
+            **kwargs,
             "messages": messages,
             "tools": chat.tools,
             "documents": None,
@@ -120,7 +136,7 @@ class ChatTemplate:
         pieces: list[str] = []
         size = 0
         try:
-            for piece in self._template.generate(context):
+            for piece in self._templates[name].generate(context):
                 size += len(piece)
                 if size > max_chars:
                     raise RenderTooLong(f"the rendered prompt passes {max_chars} characters")
@@ -137,6 +153,26 @@ class ChatTemplate:
         return text
 
 
+def _open_final_message(message: dict[str, Any]) -> str:
+    """Mark the end of `message`'s text (its content, or the last text block of a list
+    content) with CONTINUE_TAG, as transformers does; the text it had."""
+    content = message.get("content")
+    if content is None:
+        raise ChatTemplateError("continue_final_message: the final message has no content")
+    if isinstance(content, str):
+        message["content"] = content + CONTINUE_TAG
+        return content
+    if isinstance(content, list):
+        blocks = [dict(b) if isinstance(b, dict) else b for b in content]  # the caller's stay
+        for block in reversed(blocks):
+            if isinstance(block, dict) and isinstance(block.get("text"), str):
+                text = str(block["text"])
+                block["text"] = text + CONTINUE_TAG
+                message["content"] = blocks
+                return text
+    raise ChatTemplateError("continue_final_message: the final message has no text to continue")
+
+
 def _cut_at_tag(text: str, final: str) -> str:
     """transformers' continue_final_message: end the text where the final message ends."""
     if final.strip() not in text or CONTINUE_TAG.strip() not in text:
@@ -147,6 +183,12 @@ def _cut_at_tag(text: str, final: str) -> str:
     if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG:
         return text[:at]
     return text[:at].rstrip()  # the template trimmed the message's trailing space
+
+
+def _without_none(message: Mapping[str, Any]) -> dict[str, Any]:
+    """transformers drops a message's None-valued keys: APIs send `content=None` or
+    `tool_calls=None`, and templates test whether a key is there, not whether it is None."""
+    return {k: v for k, v in message.items() if v is not None}
 
 
 def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
@@ -161,68 +203,3 @@ def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
 def _token_text(value: Any) -> str:
     """A special token in tokenizer_config.json: its text, or an AddedToken's `content`."""
     return str(value["content"]) if isinstance(value, dict) else str(value)
-
-
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _Namespace
-    return env
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # NOTE: not Jinja's own tojson, which escapes HTML characters: templates expect json.dumps.
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
-
-
-class _TemplateDict:
-    """`dict(...)` for templates, without exposing the dict type itself."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _Namespace(jinja2.utils.Namespace):
-    """Jinja's namespace, refusing underscore names (no reach into CPython internals)."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:
-        self, rest = args[0], args[1:]
-        attrs = dict(*rest, **kwargs)
-        for name in attrs:
-            _Namespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _Namespace._check_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(
-                f"chat templates cannot store underscore-prefixed attributes: {name!r}"
-            )

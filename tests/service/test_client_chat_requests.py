@@ -19,8 +19,25 @@ def test_a_list_of_messages_is_a_chat_prompt_with_extra_keys_as_json():
     first, second = request.chat.messages
     assert (first.role, first.content, first.extra_json) == ("user", "Weather in Paris?", "")
     assert (second.role, second.content) == ("assistant", "")
-    assert json.loads(second.extra_json) == {"tool_calls": [{"function": {"name": "f"}}]}
+    # content None: the template sees no content key, as transformers drops None-valued keys.
+    assert json.loads(second.extra_json) == {
+        "tool_calls": [{"function": {"name": "f"}}],
+        "content": None,
+    }
     assert not request.chat.HasField("add_generation_prompt")  # the server's default: true
+
+
+def test_none_valued_keys_are_dropped_and_non_text_content_travels_as_json():
+    blocks = [{"type": "text", "text": "Hi"}]
+    prompt = chat_prompt(
+        [
+            {"role": "user", "content": "Hi", "tool_calls": None, "name": None},
+            {"role": "user", "content": blocks},
+        ]
+    )
+    plain, listed = prompt.messages
+    assert (plain.content, plain.extra_json) == ("Hi", "")
+    assert (listed.content, json.loads(listed.extra_json)) == ("", {"content": blocks})
 
 
 def test_chat_extras_travel_as_json_and_explicit_flags():

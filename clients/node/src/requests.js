@@ -55,6 +55,18 @@ export function buildRequest(prompt, options = {}) {
   return request;
 }
 
+/** One ChatMessage: text content in `content`, any other content and extra keys in extraJson. */
+function chatMessage({ role, content, ...rest }) {
+  const extra = Object.fromEntries(Object.entries(rest).filter(([, v]) => v !== null && v !== undefined));
+  const text = typeof content === 'string';
+  if (!text) extra.content = content ?? null;
+  return {
+    role: role ?? '',
+    content: text ? content : '',
+    extraJson: Object.keys(extra).length > 0 ? JSON.stringify(extra) : '',
+  };
+}
+
 /** A chat prompt: a non-empty array of message objects ({role, content, ...}). */
 function isChat(prompt) {
   return Array.isArray(prompt) && prompt.length > 0 && prompt.every((m) => m !== null && typeof m === 'object');
@@ -63,18 +75,14 @@ function isChat(prompt) {
 /**
  * A ChatPrompt from messages as transformers takes them: {role, content} objects; any other
  * key (toolCalls as `tool_calls`, `tool_call_id`, `reasoning_content`...) goes to the template
- * as part of the message (extraJson). Options: tools (JSON-able), addGenerationPrompt
- * (default: the server's, true), continueFinalMessage, templateKwargs (an object of template
- * variables, e.g. {enable_thinking: false}).
+ * as part of the message (extraJson). As transformers drops None-valued keys, null and
+ * undefined keys are dropped: a message without text content sends `"content": null` (or its
+ * list of content blocks) in extraJson, which the server reads as no content key. Options:
+ * tools (JSON-able), addGenerationPrompt (default: the server's, true), continueFinalMessage,
+ * templateKwargs (an object of template variables, e.g. {enable_thinking: false}).
  */
 export function chatPrompt(messages, options = {}) {
-  const chat = {
-    messages: messages.map(({ role, content, ...extra }) => ({
-      role: role ?? '',
-      content: content ?? '',
-      extraJson: Object.keys(extra).length > 0 ? JSON.stringify(extra) : '',
-    })),
-  };
+  const chat = { messages: messages.map(chatMessage) };
   if (options.tools !== undefined && options.tools !== null) chat.toolsJson = JSON.stringify(options.tools);
   if (options.addGenerationPrompt !== undefined && options.addGenerationPrompt !== null) {
     chat.addGenerationPrompt = options.addGenerationPrompt;

@@ -76,6 +76,19 @@ test('buildRequest makes a chat prompt of messages: extra keys as JSON, extras w
   assert.deepEqual(chatPrompt(messages, { continueFinalMessage: true }).continueFinalMessage, true);
 });
 
+test('chatPrompt drops null keys as transformers drops None ones; other content goes as JSON', () => {
+  const blocks = [{ type: 'text', text: 'Hi' }];
+  const chat = chatPrompt([
+    { role: 'user', content: 'Hi', tool_calls: null, name: undefined },
+    { role: 'assistant', content: null, tool_calls: [{ id: 'x' }] },
+    { role: 'user', content: blocks },
+  ]);
+  assert.deepEqual(chat.messages[0], { role: 'user', content: 'Hi', extraJson: '' });
+  assert.deepEqual(JSON.parse(chat.messages[1].extraJson), { tool_calls: [{ id: 'x' }], content: null });
+  assert.equal(chat.messages[1].content, '');
+  assert.deepEqual(JSON.parse(chat.messages[2].extraJson), { content: blocks });
+});
+
 test('buildRequest passes the sampling surface: logitBias, allowed and bad token ids, bad words', () => {
   const surface = { allowedTokenIds: [1, 2], badWords: ['no'], badTokenIds: [9] };
   const request = buildRequest('Hi', { logitBias: { 3: -1.5 }, ...surface });

@@ -25,7 +25,8 @@ def chat_prompt(
 ) -> pb.ChatPrompt:
     """A ChatPrompt from messages as transformers takes them: dicts with `role` and `content`;
     any other key (`tool_calls`, `tool_call_id`, `reasoning_content`...) goes to the template
-    as part of the message (ChatMessage.extra_json). `tools`: JSON-able tool definitions;
+    as part of the message (ChatMessage.extra_json); None-valued keys are dropped, as
+    transformers drops them (see chat_message). `tools`: JSON-able tool definitions;
     `template_kwargs`: extra template variables (e.g. {"enable_thinking": False}).
     None leaves add_generation_prompt unset (the server's default: true)."""
     if isinstance(messages, pb.ChatPrompt):
@@ -34,12 +35,7 @@ def chat_prompt(
     else:
         prompt = pb.ChatPrompt()
         for message in messages:
-            extra = {k: v for k, v in message.items() if k not in ("role", "content")}
-            prompt.messages.add(
-                role=message.get("role", ""),
-                content=message.get("content") or "",
-                extra_json=json.dumps(extra) if extra else "",
-            )
+            prompt.messages.append(chat_message(message))
     if tools is not None:
         prompt.tools_json = json.dumps(list(tools))
     if add_generation_prompt is not None:
@@ -49,6 +45,23 @@ def chat_prompt(
     if template_kwargs is not None:
         prompt.template_kwargs_json = json.dumps(dict(template_kwargs))
     return prompt
+
+
+def chat_message(message: Mapping[str, Any]) -> pb.ChatMessage:
+    """A ChatMessage the template sees as transformers would see `message`: without its
+    None-valued keys (`content=None`, `tool_calls=None`, as OpenAI-style clients send them).
+    Text content travels in `content`; any other (a list of content blocks), or none at all,
+    in extra_json (`"content": null` there: the template sees no content key)."""
+    kept = {k: v for k, v in message.items() if v is not None}
+    content = kept.pop("content", None)
+    extra = {k: v for k, v in kept.items() if k != "role"}
+    if not isinstance(content, str):
+        extra["content"] = content
+    return pb.ChatMessage(
+        role=str(kept.get("role", "")),
+        content=content if isinstance(content, str) else "",
+        extra_json=json.dumps(extra) if extra else "",
+    )
 
 
 def is_chat(prompt: object) -> bool:

@@ -102,6 +102,39 @@ async def test_generate_stream_accepts_a_chat_start(client):
             "chat.template_kwargs_json",
         ),
         (
+            "a role in extra_json",
+            pb.ChatPrompt(messages=[pb.ChatMessage(role="user", extra_json='{"role": "x"}')]),
+            "chat.messages[0].extra_json",
+        ),
+        (
+            "content both in the field and in extra_json",
+            pb.ChatPrompt(
+                messages=[pb.ChatMessage(role="user", content="a", extra_json='{"content": "b"}')]
+            ),
+            "chat.messages[0].extra_json",
+        ),
+        (
+            "template arguments that set the messages",
+            pb.ChatPrompt(
+                messages=[pb.ChatMessage(role="user")], template_kwargs_json='{"messages": []}'
+            ),
+            "chat.template_kwargs_json",
+        ),
+        (
+            "continue_final_message with a generation prompt",
+            pb.ChatPrompt(
+                messages=[pb.ChatMessage(role="user", content="a")],
+                continue_final_message=True,
+                add_generation_prompt=True,
+            ),
+            "chat.add_generation_prompt",
+        ),
+        (
+            "more messages than --max-chat-messages",
+            pb.ChatPrompt(messages=[pb.ChatMessage(role="user")] * 2049),
+            "chat.messages",
+        ),
+        (
             "more bytes than the context could hold",
             pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="a" * 100_000)]),
             "chat",
@@ -157,3 +190,57 @@ async def test_chat_template_flag_overrides_the_checkpoints(tmp_path):
     async with served as (_, target), AsyncClient(target) as client:
         rendered = await client.render_chat(CHAT)
     assert rendered.text == "[system] You are terse.\n[user] The quick brown fox?\n"
+
+
+async def test_none_fields_render_as_transformers_renders_them(tmp_path):
+    # transformers drops None-valued keys, as OpenAI-style clients send them; Llama 3.2's
+    # template failed on `tool_calls: None` (NoneType has no len()).
+    from transformers import AutoTokenizer
+
+    call = {"type": "function", "function": {"name": "f", "arguments": {"city": "Paris"}}}
+    messages = [
+        {"role": "user", "content": "Weather?", "tool_calls": None, "name": None},
+        {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": None},
+        {"role": "tool", "content": "21 C", "tool_call_id": None},
+        {"role": "assistant", "content": "21 C.", "tool_calls": None},
+    ]
+    date = {"date_string": "26 Jul 2024"}
+    directory = chat_model(tmp_path, "llama3", max_model_len=1024)
+    async with running_server(directory) as (_, target), AsyncClient(target) as client:
+        rendered = await client.render_chat(messages, template_kwargs=date)
+    reference = AutoTokenizer.from_pretrained(directory)
+    expected = reference.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **date
+    )
+    assert rendered.text == expected
+    assert "None" not in rendered.text
+
+
+async def test_max_chat_messages_bounds_a_chat(tmp_path):
+    served = running_server(chat_model(tmp_path), max_chat_messages=2)
+    async with served as (_, target), AsyncClient(target) as client:
+        assert (await client.render_chat(CHAT)).text
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.render_chat([*CHAT, CHAT[1]])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert violated_fields(err.value) == ["chat.messages"]
+    assert "3 messages: at most 2" in err.value.details()
+
+
+async def test_a_chat_template_flag_with_generation_tags_serves(tmp_path):
+    # TRL's training templates mark assistant turns with {% generation %}; the server used to
+    # stop at start on the tag ("unknown tag"). transformers renders the tag's body.
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    override = Path(__file__).resolve().parents[2] / "chat_templates/trl/qwen2_5_training.jinja"
+    directory = chat_model(tmp_path, "qwen2_5", max_model_len=1024)
+    messages = [*CHAT, {"role": "assistant", "content": "A fox."}]
+    served = running_server(directory, chat_template=str(override))
+    async with served as (_, target), AsyncClient(target) as client:
+        rendered = await client.render_chat(messages, add_generation_prompt=False)
+    expected = AutoTokenizer.from_pretrained(directory).apply_chat_template(
+        messages, chat_template=override.read_text(), tokenize=False
+    )
+    assert rendered.text == expected

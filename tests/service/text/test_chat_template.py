@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 from tiny_models import CHAT_FAMILIES, make_tokenizer, write_chat_tokenizer
@@ -192,3 +193,48 @@ def test_a_template_that_does_not_parse_names_its_file(tmp_path):
     broken.write_text("{% for %}")
     with pytest.raises(ValueError, match=r"broken\.jinja does not parse"):
         ChatTemplate.load(directory, broken)
+
+
+def test_a_template_with_generation_tags_loads_and_renders_as_transformers(tmp_path):
+    # TRL's training templates (and LFM2.5's own) mark assistant turns with {% generation %}.
+    directory = write_chat_tokenizer(tmp_path, "llama3")
+    override = Path(__file__).resolve().parents[2] / "chat_templates/trl/llama3_training.jinja"
+    template = ChatTemplate.load(directory, override)
+    assert template is not None
+    chat = Chat(MULTI_TURN, kwargs={"date_string": "26 Jul 2024"})
+    from transformers import AutoTokenizer
+
+    expected = AutoTokenizer.from_pretrained(directory).apply_chat_template(
+        MULTI_TURN,
+        chat_template=override.read_text(),
+        tokenize=False,
+        add_generation_prompt=True,
+        date_string="26 Jul 2024",
+    )
+    assert template.render(chat, 10**6) == expected
+
+
+def test_a_chat_with_tools_uses_the_tool_use_template_as_transformers(tmp_path):
+    directory = write_chat_tokenizer(tmp_path, "qwen2_5")
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "default", "template": "D{{ messages[0].content }}"},
+        {"name": "tool_use", "template": "T{{ tools | length }}"},
+    ]
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    template = ChatTemplate.load(directory)
+    assert template is not None
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(directory)
+    for tools in (None, [WEATHER_TOOL]):
+        expected = reference.apply_chat_template(MULTI_TURN, tools=tools, tokenize=False)
+        rendered = template.render(Chat(MULTI_TURN, tools=tools, add_generation_prompt=False), 100)
+        assert rendered == expected
+
+
+def test_template_arguments_cannot_set_what_the_chat_sets():
+    # transformers fails too (a second value for a keyword argument of render).
+    template = ChatTemplate("{{ messages | length }}", {})
+    with pytest.raises(ChatTemplateError, match="messages"):
+        template.render(Chat(MULTI_TURN, kwargs={"messages": []}), 100)
