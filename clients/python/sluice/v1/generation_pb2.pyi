@@ -1267,12 +1267,13 @@ class ChatPrompt(_message.Message):
     TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _builtins.int
     add_generation_prompt: _builtins.bool
     """End the prompt with the header of an assistant turn, for the model to write it. Default
-    true.
+    true, or false with continue_final_message (true with it: INVALID_ARGUMENT, field
+    `chat.add_generation_prompt`, as transformers refuses both).
     """
     continue_final_message: _builtins.bool
     """Leave the final message open (no end-of-turn marker after it) so that the model continues
-    it, as transformers' continue_final_message; the final message must have content. Use
-    with add_generation_prompt false. Default false.
+    it, as transformers' continue_final_message; the final message must have content (text,
+    or a list of blocks with a text one). Default false.
     """
     tools_json: _builtins.str
     """Tool definitions for templates that take them (`tools`): a JSON array, usually of
@@ -1281,11 +1282,14 @@ class ChatPrompt(_message.Message):
     template_kwargs_json: _builtins.str
     """Extra template variables: a JSON object whose keys become variables of the template, e.g.
     {"enable_thinking": false} for Qwen3 or {"date_string": "26 Jul 2024"} for Llama 3. They
-    override the special tokens of the same name. Default (empty): none.
+    override the special tokens of the same name, and may not be `messages`, `tools`,
+    `documents` or `add_generation_prompt` (INVALID_ARGUMENT). Default (empty): none.
     """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
-        """The turns, in order; not empty (INVALID_ARGUMENT, field `chat.messages`)."""
+        """The turns, in order; not empty, and at most the server's --max-chat-messages (default
+        2048), judged by their count before any is read (INVALID_ARGUMENT, field `chat.messages`).
+        """
 
     def __init__(
         self,
@@ -1324,7 +1328,10 @@ class ChatMessage(_message.Message):
     extra_json: _builtins.str
     """More fields of the message for the template, as a JSON object merged into it, e.g.
     {"tool_calls": [...]} on an assistant turn, {"tool_call_id": "..."} on a tool turn,
-    {"reasoning_content": "..."} for Qwen3. Default (empty): none.
+    {"reasoning_content": "..."} for Qwen3. A key whose value is null is dropped, as
+    transformers drops a message's None-valued keys; "content" here takes the place of an
+    empty `content` ({"content": null}: the message has no content key; a list of text
+    blocks). Not "role" (INVALID_ARGUMENT). Default (empty): none.
     """
     def __init__(
         self,
