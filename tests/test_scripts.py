@@ -1,7 +1,9 @@
-"""scripts/setup.sh: a run that finds .venv set up calls no pip (a second demo works offline).
+"""scripts/setup.sh and scripts/test.sh, as a new user meets them.
 
-Runs the real script in a copy of the files it reads, with a .venv whose `python` and `pip` are
-stand-ins that record each call: what is under test is which installs the script decides on.
+setup.sh: a run that finds .venv set up calls no pip (a second demo works offline). test.sh:
+it ends with the skipped tests' reasons and its duration. Each runs the real script in a copy of
+the files it reads, with a .venv whose tools are stand-ins that record each call: what is under
+test is what the script decides to run.
 """
 
 from __future__ import annotations
@@ -56,3 +58,23 @@ def test_dev_extras_or_a_changed_pyproject_install_again(tmp_path: Path) -> None
         handle.write("\n# a new dependency\n")
     again, _ = setup(root)
     assert any("-e ./clients/python -e ." in call for call in again)
+
+
+def test_the_test_script_prints_skip_reasons_and_its_duration(tmp_path: Path) -> None:
+    root = make_checkout(tmp_path)
+    shutil.copy(REPO / "scripts/test.sh", root / "scripts/test.sh")
+    for stand_in in ("scripts/setup.sh", "scripts/gen_protos.sh"):
+        (root / stand_in).write_text("exit 0\n")
+    for tool in ("ruff", "mypy"):
+        path = root / ".venv/bin" / tool
+        path.write_text(STAND_IN)
+        path.chmod(0o755)
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True, timeout=30)
+    run = subprocess.run(
+        ["bash", "scripts/test.sh", "-k", "x"], cwd=root, capture_output=True, text=True, timeout=30
+    )
+    assert run.returncode == 0, run.stderr
+    calls = (root / ".venv/calls").read_text().splitlines()
+    assert "python -m pytest -q -rs -k x" in calls
+    assert run.stdout.splitlines()[-1].startswith("== scripts/test.sh: ")
+    assert run.stdout.splitlines()[-1].endswith(" s in all")
