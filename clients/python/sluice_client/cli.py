@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from sluice_client.adapter_verbs import add_adapter_verbs
 from sluice_client.chat_verb import add_chat_verb
-from sluice_client.remedies import explain, no_server
+from sluice_client.remedies import NoServerError, explain, no_server
 from sluice_client.server_wait import DEFAULT_WAIT_S, reachable, until_started
 from sluice_client.sleep_verbs import add_sleep_verbs
 from sluice_client.structured_flags import add_structured_flags, structured_options
@@ -204,10 +204,21 @@ def add_tls_flags(p: argparse.ArgumentParser) -> None:
 
 
 def connect(args: argparse.Namespace) -> Client:
-    """A Client from the flags of `add_client_flags`."""
+    """A Client from the flags of `add_client_flags`; NoServerError where none answers."""
     from sluice_client import Client
 
-    return Client(args.target, api_token=read_token(args.api_token_file), tls=client_tls(args))
+    tls = reachable_tls(args)
+    return Client(args.target, api_token=read_token(args.api_token_file), tls=tls)
+
+
+def reachable_tls(args: argparse.Namespace) -> TlsConfig | None:
+    """The TLS flags' TlsConfig, once a connection to `--target` has been made with it: where
+    none can be, NoServerError says so at once, with what to do, rather than the call failing
+    after the channel's retries (`health` does not call this: it reports in its own words)."""
+    tls = client_tls(args)
+    if not reachable(args.target, tls):
+        raise NoServerError(no_server(args.target, tls is not None))
+    return tls
 
 
 def client_tls(args: argparse.Namespace) -> TlsConfig | None:
@@ -332,13 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     target = getattr(args, "target", None)
     try:
-        # `health --wait` waits for a server that is not there yet; every other verb says at
-        # once that none is.
-        waits = args.verb == "health" and args.wait > 0
-        if target is not None and not waits and not reachable(target, client_tls(args)):
-            print(no_server(target, "cannot connect"), file=sys.stderr)
-            return 1
         return int(args.run(args))
+    except NoServerError as exc:
+        print(exc, file=sys.stderr)
+        return 1
     except grpc.RpcError as exc:
         print(explain(exc.code(), exc.details() or "", target or "the target"), file=sys.stderr)
         return 1

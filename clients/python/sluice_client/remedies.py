@@ -8,14 +8,30 @@ status is printed as the server sent it.
 
 from __future__ import annotations
 
-import grpc
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # NOTE: the CLI module imports this one before gRPC may load (quiet_grpc_core)
+    import grpc
 
 START_A_SERVER = "start one with `sluice serve --model demo --port 50051`, or point --target at one"
 
 
-def no_server(target: str, why: str) -> str:
-    """The line for a target where nothing answers (refused, unresolvable, or a TLS mismatch)."""
-    return f"UNAVAILABLE: no server at {target} ({why}): {START_A_SERVER}"
+class NoServerError(Exception):
+    """No connection could be made to the target; the message says what to do."""
+
+
+def no_server(target: str, tls: bool) -> str:
+    """The line for a target where no connection could be made: nothing listens, the name does
+    not resolve, or the two ends disagree about TLS."""
+    if tls:
+        return (
+            f"UNAVAILABLE: cannot connect to {target} over TLS: no server there ({START_A_SERVER}), "
+            "or one whose TLS refuses these --tls flags"
+        )
+    return (
+        f"UNAVAILABLE: no server at {target} ({START_A_SERVER}), or one that wants TLS "
+        "(--tls, --tls-ca-file)"
+    )
 
 
 def explain(code: grpc.StatusCode, details: str, target: str) -> str:
@@ -26,8 +42,8 @@ def explain(code: grpc.StatusCode, details: str, target: str) -> str:
 
 
 def _remedy(code: grpc.StatusCode, details: str, target: str) -> str | None:
-    if code is grpc.StatusCode.UNAVAILABLE and _is_connection_failure(details):
-        return f"no server at {target}: {START_A_SERVER}"
+    if code.name == "UNAVAILABLE" and _is_connection_failure(details):
+        return f"no server at {target}? {START_A_SERVER}"
     if "the engine is sleeping" in details or "the server sleeps" in details:
         return f"wake it with `sluice wake --target {target} --admin-token-file FILE`"
     if "max_loras is 0" in details:

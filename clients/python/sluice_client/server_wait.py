@@ -17,11 +17,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-import grpc
-
-from sluice_client.channels import TlsConfig, secure_or_insecure
+if TYPE_CHECKING:  # NOTE: the CLI module imports this one before gRPC may load (quiet_grpc_core)
+    from sluice_client.channels import TlsConfig
 
 T = TypeVar("T")
 
@@ -35,6 +34,10 @@ def reachable(target: str, tls: TlsConfig | None, timeout: float = CONNECT_TIMEO
     """False when a connection to `target` fails (refused, unresolvable, a TLS handshake that
     fails); True when one is made, or when neither happens within `timeout` (the call that
     follows then reports what it meets)."""
+    import grpc
+
+    from sluice_client.channels import secure_or_insecure
+
     settled = threading.Event()
     failed: list[bool] = []
 
@@ -59,6 +62,8 @@ def until_started(call: Callable[[], T], target: str, wait_s: float) -> T:
     """`call()`, retried while the server refuses it because its engine is starting; the refusal
     itself once `wait_s` seconds have passed. `call` must have no effect when refused (it is
     the opening of a call: nothing printed, nothing admitted)."""
+    import grpc
+
     deadline = time.monotonic() + wait_s
     announced = False
     while True:
@@ -78,7 +83,9 @@ def until_started(call: Callable[[], T], target: str, wait_s: float) -> T:
         time.sleep(min(RETRY_EVERY_S, max(0.0, deadline - time.monotonic())))
 
 
-def _is_starting(exc: grpc.RpcError) -> bool:
-    code = exc.code() if callable(getattr(exc, "code", None)) else None
-    details = exc.details() if callable(getattr(exc, "details", None)) else ""
-    return code is grpc.StatusCode.UNAVAILABLE and (details or "").startswith(STARTING)
+def _is_starting(exc: Exception) -> bool:
+    """An RpcError (a call's, which has `code()` and `details()`) refusing as starting."""
+    code, details = getattr(exc, "code", None), getattr(exc, "details", None)
+    if not callable(code) or not callable(details):
+        return False
+    return getattr(code(), "name", None) == "UNAVAILABLE" and (details() or "").startswith(STARTING)
