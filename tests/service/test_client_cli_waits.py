@@ -73,4 +73,5 @@ async def test_no_server_at_the_target_is_said_at_once_with_how_to_start_one(cap
     out, err = capsys.readouterr()
     assert code == 1 and out == ""
     assert err.startswith("UNAVAILABLE: no server at 127.0.0.1:1 (start one with `sluice serve")
+    assert "`sluice serve --model demo --port 1`" in err
     assert elapsed < 2.0  # not the channel's ~5 s of silent retries

@@ -13,7 +13,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # NOTE: the CLI module imports this one before gRPC may load (quiet_grpc_core)
     import grpc
 
-START_A_SERVER = "start one with `sluice serve --model demo --port 50051`, or point --target at one"
+
+def _start_a_server(target: str) -> str:
+    port = target.rsplit(":", 1)[-1] if ":" in target else "50051"
+    port = port if port.isdigit() else "50051"
+    return f"start one with `sluice serve --model demo --port {port}`, or point --target at one"
 
 
 class NoServerError(Exception):
@@ -25,11 +29,11 @@ def no_server(target: str, tls: bool) -> str:
     not resolve, or the two ends disagree about TLS."""
     if tls:
         return (
-            f"UNAVAILABLE: cannot connect to {target} over TLS: no server there ({START_A_SERVER}), "
-            "or one whose TLS refuses these --tls flags"
+            f"UNAVAILABLE: cannot connect to {target} over TLS: no server there "
+            f"({_start_a_server(target)}), or one whose TLS refuses these --tls flags"
         )
     return (
-        f"UNAVAILABLE: no server at {target} ({START_A_SERVER}), or one that wants TLS "
+        f"UNAVAILABLE: no server at {target} ({_start_a_server(target)}), or one that wants TLS "
         "(--tls, --tls-ca-file)"
     )
 
@@ -43,11 +47,16 @@ def explain(code: grpc.StatusCode, details: str, target: str) -> str:
 
 def _remedy(code: grpc.StatusCode, details: str, target: str) -> str | None:
     if code.name == "UNAVAILABLE" and _is_connection_failure(details):
-        return f"no server at {target}? {START_A_SERVER}"
+        return f"no server at {target}? {_start_a_server(target)}"
     if "the engine is sleeping" in details or "the server sleeps" in details:
         return f"wake it with `sluice wake --target {target} --admin-token-file FILE`"
     if "max_loras is 0" in details:
         return "restart the server with `--max-loras N` (N adapters resident at once)"
+    if "the Admin service is disabled" in details:
+        return (
+            "start the server with `--admin-token-file FILE` and give this verb the same "
+            "--admin-token-file FILE"
+        )
     if "admin token" in details:
         # Both ends name the file the same way: the server reads its token from one, the
         # verbs send the one they are given.
