@@ -11,8 +11,8 @@ it) makes `sluice chat` work against it: each turn a "Role: text" paragraph.
 
 The build is deterministic (fixed seed, fixed step count) and takes about 80 s on two idle CPU
 cores, far longer when other processes keep them busy (docs/architecture.md, "The demo model").
-The directory name carries a hash of the recipe, the corpus and the chat template, so a changed recipe builds anew
-beside the old one instead of reusing stale weights.
+The directory name carries a hash of the recipe, the corpus and the chat template, so a changed
+recipe builds anew beside the old one instead of reusing stale weights.
 """
 
 from __future__ import annotations
