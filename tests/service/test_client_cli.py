@@ -186,9 +186,7 @@ async def test_chat_with_a_model_without_a_template_says_to_start_with_chat_temp
     assert "start the server with --chat-template FILE" in err
 
 
-async def test_an_admin_verb_against_a_server_without_admin_says_how_to_enable_it(
-    target, capsys
-):
+async def test_an_admin_verb_against_a_server_without_admin_says_how_to_enable_it(target, capsys):
     code, _, err = await run(capsys, "sleep", "--target", target)
     assert code == 1 and err.startswith("PERMISSION_DENIED: the Admin service is disabled")
     assert "start the server with `--admin-token-file FILE`" in err
