@@ -16,8 +16,8 @@ from engine.demo.checkpoint import cached_demo_checkpoint, ensure_demo_checkpoin
 def main() -> int:
     if cached_demo_checkpoint() is None:
         print(
-            "Training the demo model (about a minute on two idle CPU cores, once; "
-            "cached in ~/.cache/sluice)...",
+            "Training the demo model (once, cached in ~/.cache/sluice: about a minute on two "
+            "idle CPU cores, several on a busy machine)...",
             file=sys.stderr,
             flush=True,
         )
