@@ -13,7 +13,7 @@ ATTENTION_BACKENDS = ("auto", "torch_ref", "triton", "cpu")
 SAMPLERS = ("auto", "torch", "triton")
 LAYER_KERNELS = ("auto", "torch", "triton")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-LOG_FORMATS = ("json", "console")
+LOG_FORMATS = ("auto", "json", "console")
 
 
 @dataclass(frozen=True)
@@ -124,8 +124,9 @@ class EngineConfig:
     # The engine process logs as the service does (engine/logs.py): same level, same format.
     log_level: str = setting("info", "both processes", group=OBSERVABILITY, choices=LOG_LEVELS)
     log_format: str = setting(
-        "json",
-        "json: one object per line; console: for a person at a terminal",
+        "auto",
+        "json: one object per line; console: for a person at a terminal; auto: console when "
+        "stderr is a terminal, else json",
         group=OBSERVABILITY,
         choices=LOG_FORMATS,
     )

@@ -27,11 +27,21 @@ from engine.config import LOG_FORMATS, LOG_LEVELS
 LEADING_FIELDS = ("timestamp", "level", "event")
 
 
+def resolved_log_format(fmt: str) -> str:
+    """`fmt`, with "auto" made "console" when stderr is a terminal (a person reads it) and
+    "json" otherwise (a file, a pipe, a log collector). Both processes share one stderr, so
+    each resolving it alone comes to the same answer."""
+    if fmt != "auto":
+        return fmt
+    return "console" if sys.stderr.isatty() else "json"
+
+
 def configure_logging(level: str = "info", fmt: str = "json", process: str = "service") -> None:
     """Send every log of this process to stderr, one event per line; call once at start.
 
-    `level` is one of LOG_LEVELS; `fmt` is "json" (one object per line, for machines) or
-    "console" (structlog's renderer, for a person at a terminal). `process` names the process
+    `level` is one of LOG_LEVELS; `fmt` is "json" (one object per line, for machines),
+    "console" (structlog's renderer, for a person at a terminal) or "auto" (either, by
+    `resolved_log_format`). `process` names the process
     in each line's `process` field ("service" or "engine"). Code logs with
     `structlog.get_logger(name)` or `logging.getLogger(name)`; both end up here.
     """
@@ -39,6 +49,7 @@ def configure_logging(level: str = "info", fmt: str = "json", process: str = "se
         raise ValueError(f"log level: expected one of {LOG_LEVELS}, got {level!r}")
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format: expected one of {LOG_FORMATS}, got {fmt!r}")
+    fmt = resolved_log_format(fmt)
     numeric = logging.getLevelNamesMapping()[level.upper()]
     # Run on every event: structlog's own, and (as `foreign_pre_chain`) stdlib records.
     shared: list[Processor] = [

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The README's test command: set up .venv with the dev tools, check lint, types and the
-# generated stubs, then run the whole test suite. Extra arguments go to pytest.
+# generated stubs, then run the whole test suite. Extra arguments go to pytest. At the end it
+# prints why each skipped test skipped (pytest -rs) and how long the whole run took.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+started=$SECONDS
+trap 'echo "== scripts/test.sh: $((SECONDS - started)) s in all"' EXIT
 bash scripts/setup.sh dev
 echo "== ruff" && .venv/bin/ruff check . && .venv/bin/ruff format --check .
 echo "== mypy" && .venv/bin/mypy
 echo "== stubs" && bash scripts/gen_protos.sh && git diff --exit-code -- clients/python/sluice/
-echo "== pytest" && .venv/bin/python -m pytest -q "$@"
+echo "== pytest" && .venv/bin/python -m pytest -q -rs "$@"

@@ -5,7 +5,8 @@ Spawnable as `fake_engine_main(config, conn)`. It "generates" by echoing the pro
 `<config.model>/fake.json`: step_delay (seconds per step), die_on_token (a prompt containing
 this id kills the engine), hold_token (a prompt containing this id stays queued, producing
 nothing, until aborted), max_model_len, vocab_size, update_delay (seconds between the progress
-messages of a weight update). Like the real engine, it
+messages of a weight update), start_when (a path: the engine stays starting, its Ready unsent,
+until that file exists). Like the real engine, it
 sends a message at least every PROGRESS_S while it has work, even if nothing advanced.
 
 Weight updates: PAUSED, two LOADING, APPLIED, like the real engine; ABORT ends running requests
@@ -118,6 +119,9 @@ class _FakeEngine:
         )
 
     def run(self) -> None:
+        if (release := self.knobs.get("start_when")) is not None:
+            while not Path(release).exists():  # a test creates it once its client saw "starting"
+                time.sleep(0.05)
         self.conn.send(Ready(self.info()))
         while True:
             idle_wait = 0.0 if self.requests else 0.2

@@ -6,10 +6,13 @@ Independence, Lincoln, Aesop, Alice, Grimm, poems and novel openings) and writes
 Hugging Face checkpoint into the cache; every later call returns that directory at once. The
 server then loads it through exactly the same code as any downloaded checkpoint.
 
+Its chat template (`chat_template.jinja`, written beside the tokenizer as transformers writes
+it) makes `sluice chat` work against it: each turn a "Role: text" paragraph.
+
 The build is deterministic (fixed seed, fixed step count) and takes about 80 s on two idle CPU
 cores, far longer when other processes keep them busy (docs/architecture.md, "The demo model").
-The directory name carries a hash of the recipe and the corpus, so a changed recipe builds anew
-beside the old one instead of reusing stale weights.
+The directory name carries a hash of the recipe, the corpus and the chat template, so a changed
+recipe builds anew beside the old one instead of reusing stale weights.
 """
 
 from __future__ import annotations
@@ -76,9 +79,10 @@ class DemoRecipe:
         assert self.hidden_size % self.num_heads == 0, "hidden_size must divide into heads"
         assert self.steps > 0 and self.batch_size > 0 and self.context > 1
 
-    def fingerprint(self, corpus: str) -> str:
+    def fingerprint(self, corpus: str, chat_template: str) -> str:
         digest = hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode())
         digest.update(corpus.encode())
+        digest.update(chat_template.encode())
         return digest.hexdigest()[:16]
 
 
@@ -105,8 +109,10 @@ def cached_demo_checkpoint(cache_root: Path | None = None) -> Path | None:
 
 
 def _final_dir(recipe: DemoRecipe, cache_root: Path | None, corpus: str) -> Path:
+    """Named by everything the build writes: a changed template builds anew, as a changed
+    recipe does (a cache built before the template existed is not reused)."""
     root = Path(cache_root) if cache_root is not None else Path.home() / ".cache" / "sluice"
-    return root / f"demo-{recipe.fingerprint(corpus)}"
+    return root / f"demo-{recipe.fingerprint(corpus, load_chat_template())}"
 
 
 def _ensure(recipe: DemoRecipe, cache_root: Path | None) -> Path:
@@ -149,6 +155,10 @@ def load_corpus() -> str:
     return resources.files("engine.demo").joinpath("demo_corpus.txt").read_text(encoding="utf-8")
 
 
+def load_chat_template() -> str:
+    return resources.files("engine.demo").joinpath("chat_template.jinja").read_text("utf-8")
+
+
 def build_demo_checkpoint(recipe: DemoRecipe, corpus: str, out: Path) -> None:
     """Train the tokenizer and the model and write a Hugging Face checkpoint into `out`."""
     started = time.monotonic()
@@ -175,6 +185,7 @@ def build_demo_checkpoint(recipe: DemoRecipe, corpus: str, out: Path) -> None:
     state = {name: t.clone() for name, t in model.checkpoint_tensors().items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save(str(out / "tokenizer.json"))
+    (out / "chat_template.jinja").write_text(load_chat_template(), encoding="utf-8")
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": eos})
     _write_json(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -182,3 +183,39 @@ def test_an_enum_field_is_written_as_its_value(fmt):
 def test_engine_config_refuses_an_unknown_log_setting(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(model="m", **{field: value})
+
+
+def test_auto_format_is_json_on_a_file_and_console_on_a_terminal(tmp_path):
+    body = "import structlog; structlog.get_logger('sluice.x').info('hello', step=4)"
+    code, stderr = run_logged(body, fmt="auto")  # stderr is a pipe here
+    assert code == 0 and [e["event"] for e in events(stderr)] == ["hello"]
+
+    import pty
+
+    script = (
+        "from engine.logs import configure_logging\n"
+        "configure_logging('info', 'auto', process='engine')\n" + body
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
+    primary, secondary = pty.openpty()  # a terminal, as a person's shell gives
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", script], env=env, stderr=secondary, timeout=20, check=False
+        )
+        os.close(secondary)
+        written = b""
+        while chunk := _read_pty(primary):
+            written += chunk
+    finally:
+        os.close(primary)
+    line = re.sub(r"\x1b\[[0-9;]*m", "", written.decode()).strip()  # colours: a terminal
+    assert run.returncode == 0 and not line.startswith("{"), line
+    assert "hello" in line and "step=" in line and "process=" in line
+
+
+def _read_pty(fd: int) -> bytes:
+    """What is left to read of a terminal whose other end has closed (Linux ends it with EIO)."""
+    try:
+        return os.read(fd, 4096)
+    except OSError:
+        return b""

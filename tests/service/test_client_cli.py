@@ -10,7 +10,7 @@ import pytest
 import pytest_asyncio
 from service_harness import make_fake_model, running_server
 from sluice_client import AsyncClient, cli, pb
-from tiny_models import write_chat_tokenizer
+from tiny_models import make_tokenizer, write_chat_tokenizer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 HOLD = 300  # a prompt holding this token stays queued until cancelled
@@ -68,6 +68,28 @@ async def test_generate_info_and_health_verbs(target, capsys):
     assert info["policyVersion"] == "0"  # a field at 0 is shown too (uint64: a JSON string)
     code, out, _ = await run(capsys, "health", "--target", target)
     assert code == 0 and out.endswith("SERVING\n")
+
+
+async def test_generate_prints_its_request_id_and_sluice_cancel_stops_it_by_that_id(target, capsys):
+    held_text = make_tokenizer().decode([HOLD])  # a text prompt that holds its request
+    argv = ["generate", "--target", target, "--request-id", "cli-held", held_text]
+    generating = asyncio.ensure_future(asyncio.to_thread(cli.main, argv))
+    async with AsyncClient(target) as client:
+        for _ in range(200):  # until the server has admitted it (each try is one RPC)
+            if list((await client.cancel(["cli-held"])).cancelled) == ["cli-held"]:
+                break
+            await asyncio.sleep(0.05)
+    code = await asyncio.wait_for(generating, 30)
+    _, err = capsys.readouterr()
+    assert code == 0 and "[request cli-held: `sluice cancel" in err
+    assert "[FINISH_REASON_CANCELLED" in err
+
+
+async def test_generate_prints_the_id_the_server_gave_a_request_without_one(target, capsys):
+    code, out, err = await run(capsys, "generate", "--target", target, "abc", "--max-tokens", "2")
+    request_id = err.split("[request ", 1)[1].split(":", 1)[0]
+    assert code == 0 and out.startswith("abc") and request_id
+    assert f"sluice cancel --target {target} {request_id}" in err
 
 
 async def test_a_failed_call_is_one_line_and_exit_1(target, capsys):
@@ -151,3 +173,20 @@ async def test_chat_without_a_file_keeps_the_conversation_read_from_stdin(
         turns += [{"role": "assistant", "content": first}, {"role": "user", "content": "second"}]
         assert (await client.complete(turns, max_tokens=3)).text == second
     assert code == 0
+
+
+async def test_chat_with_a_model_without_a_template_says_to_start_with_chat_template(
+    target, capsys, tmp_path
+):
+    conversation = tmp_path / "conversation.json"
+    conversation.write_text(json.dumps([{"role": "user", "content": "hi"}]))
+    code, out, err = await run(capsys, "chat", "--target", target, "--file", str(conversation))
+    assert code == 1 and out == ""
+    assert err.startswith("FAILED_PRECONDITION: the served model has no chat template")
+    assert "start the server with --chat-template FILE" in err
+
+
+async def test_an_admin_verb_against_a_server_without_admin_says_how_to_enable_it(target, capsys):
+    code, _, err = await run(capsys, "sleep", "--target", target)
+    assert code == 1 and err.startswith("PERMISSION_DENIED: the Admin service is disabled")
+    assert "start the server with `--admin-token-file FILE`" in err

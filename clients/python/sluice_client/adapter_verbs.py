@@ -77,9 +77,10 @@ def run_list(args: argparse.Namespace) -> int:
 
 def _client(args: argparse.Namespace) -> Any:
     from sluice_client import Client
-    from sluice_client.cli import client_tls, read_token
+    from sluice_client.cli import reachable_tls, read_token
 
-    return Client(args.target, admin_token=read_token(args.admin_token_file), tls=client_tls(args))
+    tls = reachable_tls(args)
+    return Client(args.target, admin_token=read_token(args.admin_token_file), tls=tls)
 
 
 def _fields(message: Any) -> dict[str, object]:

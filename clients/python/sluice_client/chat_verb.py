@@ -11,6 +11,7 @@ structured-output flags (structured_flags.py) constrain every reply.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -19,7 +20,14 @@ from typing import Any
 
 def add_chat_verb(verbs: Any) -> None:
     """Add `chat` to the `sluice` command's subparsers."""
-    from sluice_client.cli import UINT32, UINT64, add_affinity_flag, add_client_flags, int_in
+    from sluice_client.cli import (
+        UINT32,
+        UINT64,
+        add_affinity_flag,
+        add_client_flags,
+        add_wait_flag,
+        int_in,
+    )
     from sluice_client.structured_flags import add_structured_flags
 
     chat = verbs.add_parser("chat", help="talk to the model through its chat template")
@@ -45,6 +53,7 @@ def add_chat_verb(verbs: Any) -> None:
     chat.add_argument("--temperature", type=float)
     chat.add_argument("--seed", type=int_in(0, UINT64))
     add_affinity_flag(chat)
+    add_wait_flag(chat)
     add_structured_flags(chat)
     chat.set_defaults(run=run_chat)
 
@@ -96,17 +105,22 @@ def _reply(
     """Stream the model's reply to stdout; its text, or None if it ended in an error.
     `options`: build_request's keyword arguments (chat extras, a structured constraint)."""
     from sluice_client import pb
+    from sluice_client.server_wait import until_started
 
-    events = client.generate(
-        messages,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        seed=args.seed,
-        affinity=args.affinity,
-        **options,
-    )
+    def opening() -> tuple[Any, Any]:
+        events = client.generate(
+            messages,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            affinity=args.affinity,
+            **options,
+        )
+        return next(events), events  # a refusal raises here, before anything is printed
+
+    first, rest = until_started(opening, args.target, args.wait_timeout)
     pieces: list[str] = []
-    for event in events:
+    for event in itertools.chain([first], rest):
         match event.WhichOneof("event"):
             case "tokens":
                 pieces.append(event.tokens.text)

@@ -10,6 +10,7 @@ verbs to the subparsers it is given, with `set_defaults(run=...)`.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -23,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from sluice_client.adapter_verbs import add_adapter_verbs
 from sluice_client.chat_verb import add_chat_verb
+from sluice_client.remedies import NoServerError, explain, no_server
+from sluice_client.server_wait import DEFAULT_WAIT_S, reachable, until_started
 from sluice_client.sleep_verbs import add_sleep_verbs
 from sluice_client.structured_flags import add_structured_flags, structured_options
 from sluice_client.update_weights_verb import add_update_weights_verb
@@ -102,7 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--adapter", default="", help="a loaded LoRA adapter's name")
+    gen.add_argument(
+        "--request-id",
+        default="",
+        help="the request's id, for `sluice cancel` (default: the server makes one); either way "
+        "it is printed on stderr when the request starts",
+    )
     add_affinity_flag(gen)
+    add_wait_flag(gen)
     add_structured_flags(gen)
     gen.set_defaults(run=run_generate)
 
@@ -160,6 +170,17 @@ def add_client_flags(p: argparse.ArgumentParser) -> None:
     add_tls_flags(p)
 
 
+def add_wait_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--wait-timeout",
+        type=float,
+        default=DEFAULT_WAIT_S,
+        metavar="SECONDS",
+        help="while the server's engine is starting, keep trying this long (default: "
+        f"{DEFAULT_WAIT_S:g}; 0: fail at once)",
+    )
+
+
 def add_affinity_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--affinity",
@@ -183,10 +204,21 @@ def add_tls_flags(p: argparse.ArgumentParser) -> None:
 
 
 def connect(args: argparse.Namespace) -> Client:
-    """A Client from the flags of `add_client_flags`."""
+    """A Client from the flags of `add_client_flags`; NoServerError where none answers."""
     from sluice_client import Client
 
-    return Client(args.target, api_token=read_token(args.api_token_file), tls=client_tls(args))
+    tls = reachable_tls(args)
+    return Client(args.target, api_token=read_token(args.api_token_file), tls=tls)
+
+
+def reachable_tls(args: argparse.Namespace) -> TlsConfig | None:
+    """The TLS flags' TlsConfig, once a connection to `--target` has been made with it: where
+    none can be, NoServerError says so at once, with what to do, rather than the call failing
+    after the channel's retries (`health` does not call this: it reports in its own words)."""
+    tls = client_tls(args)
+    if not reachable(args.target, tls):
+        raise NoServerError(no_server(args.target, tls is not None))
+    return tls
 
 
 def client_tls(args: argparse.Namespace) -> TlsConfig | None:
@@ -207,22 +239,34 @@ def run_generate(args: argparse.Namespace) -> int:
 
     structured = structured_options(args)  # NOTE: before connecting: a bad file makes no RPC
     with connect(args) as client:
-        events = client.generate(
-            args.prompt,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            stop=args.stop,
-            ignore_eos=args.ignore_eos,
-            affinity=args.affinity,
-            adapter=args.adapter,
-            **structured,
-        )
-        for event in events:
+
+        def opening() -> tuple[Any, Any]:
+            events = client.generate(
+                args.prompt,
+                request_id=args.request_id,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                seed=args.seed,
+                stop=args.stop,
+                ignore_eos=args.ignore_eos,
+                affinity=args.affinity,
+                adapter=args.adapter,
+                **structured,
+            )
+            return next(events), events  # a refusal raises here, before anything is printed
+
+        first, rest = until_started(opening, args.target, args.wait_timeout)
+        for event in itertools.chain([first], rest):
             match event.WhichOneof("event"):
                 case "started":  # the call was accepted: only now is the prompt echoed
+                    print(
+                        f"[request {event.request_id}: `sluice cancel --target {args.target} "
+                        f"{event.request_id}` stops it]",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     sys.stdout.write(args.prompt)
                     sys.stdout.flush()
                 case "tokens":
@@ -297,10 +341,14 @@ def main(argv: list[str] | None = None) -> int:
     import grpc
 
     args = build_parser().parse_args(argv)
+    target = getattr(args, "target", None)
     try:
         return int(args.run(args))
+    except NoServerError as exc:
+        print(exc, file=sys.stderr)
+        return 1
     except grpc.RpcError as exc:
-        print(f"{exc.code().name}: {exc.details()}", file=sys.stderr)
+        print(explain(exc.code(), exc.details() or "", target or "the target"), file=sys.stderr)
         return 1
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -34,6 +34,7 @@ HF_FILES = (
     "model.safetensors",
     "tokenizer.json",
     "tokenizer_config.json",
+    "chat_template.jinja",
 )
 
 
@@ -115,10 +116,34 @@ def test_same_recipe_builds_identical_bytes(demo_dir: Path, tmp_path: Path) -> N
 
 
 def test_changed_recipe_gets_another_directory() -> None:
-    corpus = demo.load_corpus()
-    fingerprint = demo.RECIPE.fingerprint(corpus)
-    assert dataclasses.replace(demo.RECIPE, steps=STEPS).fingerprint(corpus) != fingerprint
-    assert demo.RECIPE.fingerprint(corpus + " ") != fingerprint
+    corpus, template = demo.load_corpus(), demo.load_chat_template()
+    fingerprint = demo.RECIPE.fingerprint(corpus, template)
+    changed = dataclasses.replace(demo.RECIPE, steps=STEPS)
+    assert changed.fingerprint(corpus, template) != fingerprint
+    assert demo.RECIPE.fingerprint(corpus + " ", template) != fingerprint
+    # A cache built before (or with another) template is not taken for this one.
+    assert demo.RECIPE.fingerprint(corpus, template + " ") != fingerprint
+
+
+def test_transformers_renders_the_demo_chat_template_as_the_server_does(demo_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from service.text.chat_template import Chat, ChatTemplate
+
+    messages = [
+        {"role": "system", "content": "You answer in one sentence."},
+        {"role": "user", "content": "Who was Ishmael?"},
+        {"role": "assistant", "content": "A sailor."},
+        {"role": "user", "content": "And Ahab? "},
+    ]
+    theirs = AutoTokenizer.from_pretrained(demo_dir).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    template = ChatTemplate.load(demo_dir)
+    assert template is not None
+    assert template.render(Chat(messages=messages), max_chars=10_000) == theirs
+    assert theirs.startswith("<s>System: You answer in one sentence.\n\nUser: Who was Ishmael?")
+    assert theirs.endswith("User: And Ahab?\n\nAssistant:")
 
 
 def test_concurrent_callers_share_one_build(

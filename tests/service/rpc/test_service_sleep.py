@@ -143,6 +143,29 @@ async def test_the_cli_verbs_sleep_and_wake_print_the_responses(server, tmp_path
     assert "UNAUTHENTICATED" in capsys.readouterr().err
 
 
+async def test_the_cli_names_the_remedy_for_sleep_a_missing_token_and_no_lora_slots(
+    server, tmp_path, capsys
+) -> None:  # type: ignore[no-untyped-def]
+    _, target = server
+    token = tmp_path / "admin-token"
+    token.write_text(ADMIN_TOKEN)
+    admin = ["--target", target, "--admin-token-file", str(token)]
+    assert await asyncio.to_thread(cli.main, ["sleep", "--target", target]) == 1
+    err = capsys.readouterr().err
+    assert "missing or invalid admin token" in err and "--admin-token-file FILE" in err
+    assert await asyncio.to_thread(cli.main, ["adapters", "load", "a", str(tmp_path), *admin]) == 1
+    err = capsys.readouterr().err
+    assert "max_loras is 0" in err and "restart the server with `--max-loras N`" in err
+    assert await asyncio.to_thread(cli.main, ["sleep", *admin]) == 0
+    try:
+        argv = ["generate", "--target", target, "--max-tokens", "2", "hi"]
+        assert await asyncio.to_thread(cli.main, argv) == 1
+        err = capsys.readouterr().err
+        assert "the engine is sleeping" in err and f"`sluice wake --target {target}" in err
+    finally:
+        assert await asyncio.to_thread(cli.main, ["wake", *admin]) == 0
+
+
 async def test_a_restarted_engine_comes_back_asleep_and_wakes_with_the_same_weights(server) -> None:  # type: ignore[no-untyped-def]
     running, target = server
     before = await asyncio.to_thread(greedy_ids, target)
