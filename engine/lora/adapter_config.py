@@ -118,7 +118,9 @@ def check_config(config: dict[str, object], max_rank: int) -> tuple[int, float]:
         raise ValueError(f"lora_alpha: {_short(alpha)} is not a number")
     assert isinstance(alpha, int | float)
     if abs(alpha) > MAX_LORA_ALPHA:
-        raise ValueError(f"lora_alpha: {alpha!r} is out of range (|lora_alpha| <= {MAX_LORA_ALPHA:g})")
+        raise ValueError(
+            f"lora_alpha: {alpha!r} is out of range (|lora_alpha| <= {MAX_LORA_ALPHA:g})"
+        )
     scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
     if abs(scaling) > MAX_SCALING:
         raise ValueError(
@@ -145,7 +147,11 @@ def _refuse_out_of_range(config: dict[str, object]) -> None:
     while stack:
         where, value = stack.pop()
         if isinstance(value, _OutOfRange):
-            text = value.text if len(value.text) <= 24 else f"{value.text[:20]}... ({len(value.text)} digits)"
+            text = (
+                value.text
+                if len(value.text) <= 24
+                else f"{value.text[:20]}... ({len(value.text)} characters)"
+            )
             raise ValueError(
                 f"{where or CONFIG_FILE}: {text} is out of range (numbers must be finite, "
                 f"integers at most {MAX_INT_DIGITS} digits)"

@@ -212,6 +212,5 @@ class AdapterLink:
         log.error(
             "engine.adapter_quarantined",
             adapter=name,
-            reason=f"the engine was lost while replaying its load ({reason}): never replayed "
-            "again",
+            reason=f"the engine was lost while replaying its load ({reason}): never replayed again",
         )

@@ -185,4 +185,3 @@ async def test_adapter_file_work_never_waits_on_the_pool_that_tokenizes(
         await held
         loop.set_default_executor(ThreadPoolExecutor())
         pool.shutdown()
-
