@@ -46,8 +46,19 @@ def read_adapter(
     weights_path = path / WEIGHTS_FILE
     if not weights_path.is_file():
         raise ValueError(f"adapter {path}: no {WEIGHTS_FILE}")
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
+    # NOTE: counted from the header before any tensor is read: the engine reads an adapter in
+    # its loop, and a file of 100,000 tiny tensors would stall every request meanwhile.
+    with safe_open(str(weights_path), "pt") as header:
+        count, limit = len(header.keys()), 2 * len(shapes)
+    if count > limit:
+        raise ValueError(
+            f"tensor count: {WEIGHTS_FILE} holds {count} tensors, more than the {limit} "
+            f"(lora_A and lora_B of each of the model's {len(shapes)} projections) an adapter "
+            "of this model can have"
+        )
     pairs: dict[str, list[torch.Tensor | None]] = {}
     for key, tensor in load_file(str(weights_path)).items():
         module, which = _module_of(key)

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from lora_adapters import make_adapter
 from safetensors.torch import load_file, save_file
 from tiny_models import make_checkpoint
@@ -192,3 +193,19 @@ def test_a_lora_alpha_out_of_range_is_refused_and_the_engine_serves_on(
     assert json.loads(config.read_text())  # Python's json reads it: the engine must not
     refused(engine, bad, "lora_alpha")
     assert engine.generate([[0, 5, 6, 7]], params("a"))[0].token_ids == expected
+
+
+def test_more_tensors_than_the_model_has_projections_for_are_refused_before_reading_them(
+    tiny_llama: Path, adapter: Path, tmp_path: Path
+) -> None:
+    engine = make_engine(tiny_llama)
+    many = copy_with(adapter, tmp_path / "many")
+    tensors = load_file(str(many / "adapter_model.safetensors"))
+    limit = 2 * len(engine.lora.slots.shapes)
+    extra = {f"base_model.model.x{i}.lora_A.weight": torch.zeros(1) for i in range(limit)}
+    save_file(tensors | extra, str(many / "adapter_model.safetensors"))
+    refused(
+        engine,
+        many,
+        f"tensor count: .* holds {len(tensors) + limit} tensors, more than the {limit}",
+    )
