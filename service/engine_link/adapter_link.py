@@ -123,7 +123,8 @@ class AdapterLink:
         return await self._ask(UnloadAdapter(uuid.uuid4().hex, name), lambda _: self._drop(name))
 
     def delete_spools(self) -> None:
-        """Delete every owned directory (the server stops: nothing will replay them)."""
+        """Delete every owned directory (the server stops: nothing will replay them); the
+        adapters' file pool takes no more work."""
         self.files.close()
         for path in list(self._spools):
             self._forget_spool(path)
