@@ -14,6 +14,10 @@ ABORTED. A version not above the served one is FAILED (FAILED_PRECONDITION). A c
 named `fail-<CODE>` fails with that status code at once, `pause-fail-<CODE>` after PAUSED,
 `die` kills the engine mid-update, and `slow` waits SLOW_UPDATE_S between messages. An inline update's tensors are read from the tensor file and
 described in `<config.model>/last_update.json` ({name: {dtype, shape, sha256}}) for the tests.
+
+LoRA adapters: a LoadAdapter succeeds (rank 8, never resident: nothing computes them), unless
+its name is the knob die_on_adapter, which kills the engine (as an adapter whose application
+crashes the real one); UnloadAdapter and ListAdapters answer as the real engine does.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.messages import (
     AbortRequests,
+    AdapterOutcome,
+    AdapterState,
     AddRequest,
     EngineDead,
     EngineStats,
@@ -36,11 +42,14 @@ from engine.messages import (
     GetState,
     Heartbeat,
     InflightPolicy,
+    ListAdapters,
+    LoadAdapter,
     ModelInfo,
     Ready,
     RequestOutput,
     Shutdown,
     StepOutput,
+    UnloadAdapter,
     UpdateWeights,
     WeightsPhase,
     WeightsProgress,
@@ -76,6 +85,7 @@ class _FakeEngine:
         self.requests: dict[str, _Request] = {}
         self.finished: list[RequestOutput] = []
         self.update: _Update | None = None
+        self.adapters: dict[str, AdapterState] = {}
         self.last_sent = time.monotonic()
 
     def info(self) -> ModelInfo:
@@ -154,12 +164,31 @@ class _FakeEngine:
                 slow = msg.checkpoint_dir is not None and Path(msg.checkpoint_dir).name == "slow"
                 delay = SLOW_UPDATE_S if slow else self.knobs.get("update_delay", 0.0)
                 self.update = _Update(self.update_messages(msg), delay)
+            case LoadAdapter() | UnloadAdapter() | ListAdapters():
+                if isinstance(msg, LoadAdapter) and msg.name == self.knobs.get("die_on_adapter"):
+                    self.conn.send(EngineDead(f"adapter {msg.name!r} killed the engine", ""))
+                    return False
+                self.conn.send(self.adapter_outcome(msg))
             case Shutdown():
                 for rid in list(self.requests):
                     self.finish(rid, FinishReason.ABORTED, "the server is shutting down")
                 self.conn.send(StepOutput(self.finished, self.stats()))
                 return False
         return True
+
+    def adapter_outcome(self, msg: LoadAdapter | UnloadAdapter | ListAdapters) -> AdapterOutcome:
+        error = ("", "")
+        match msg:
+            case LoadAdapter(replace=False) if msg.name in self.adapters:
+                error = ("ALREADY_EXISTS", f"adapter {msg.name!r}: already loaded")
+            case LoadAdapter():
+                version = msg.policy_version or 1
+                self.adapters[msg.name] = AdapterState(
+                    msg.name, msg.path, 8, 2.0, ("q_proj",), msg.pinned, False, version
+                )
+            case UnloadAdapter() if self.adapters.pop(msg.name, None) is None:
+                error = ("NOT_FOUND", f"adapter {msg.name!r}: not loaded")
+        return AdapterOutcome(msg.action_id, tuple(self.adapters.values()), *error)
 
     def advance_update(self) -> bool:
         """Send the pending update's next message when its time has come; False if it died."""

@@ -11,22 +11,19 @@ embedding or LM-head targets) is refused by name, never ignored.
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from engine.lora.adapter_config import CONFIG_FILE, check_config, parse_config, read_config_bytes
+
 # The projections an adapter may target, by the checkpoint's module names.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 _ENDINGS = {".lora_A.weight": 0, ".lora_B.weight": 1}
-# adapter_config.json keys whose non-default values change the arithmetic: refused.
-_UNSUPPORTED = ("use_dora", "lora_bias", "fan_in_fan_out", "rank_pattern", "alpha_pattern")
 
 
 @dataclass(frozen=True)
@@ -45,13 +42,23 @@ def read_adapter(
     """Read the adapter at `path`; `shapes` maps every projection it may target to its
     (out, in). Raises ValueError saying what does not fit."""
     path = Path(path)
-    config = _read_config(path)
-    rank, scaling = _rank_and_scaling(config, max_rank)
+    rank, scaling = check_config(_read_config(path), max_rank)
     weights_path = path / WEIGHTS_FILE
     if not weights_path.is_file():
         raise ValueError(f"adapter {path}: no {WEIGHTS_FILE}")
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
+    # NOTE: counted from the header before any tensor is read: the engine reads an adapter in
+    # its loop, and a file of 100,000 tiny tensors would stall every request meanwhile.
+    with safe_open(str(weights_path), "pt") as header:
+        count, limit = len(header.keys()), 2 * len(shapes)
+    if count > limit:
+        raise ValueError(
+            f"tensor count: {WEIGHTS_FILE} holds {count} tensors, more than the {limit} "
+            f"(lora_A and lora_B of each of the model's {len(shapes)} projections) an adapter "
+            "of this model can have"
+        )
     pairs: dict[str, list[torch.Tensor | None]] = {}
     for key, tensor in load_file(str(weights_path)).items():
         module, which = _module_of(key)
@@ -79,38 +86,11 @@ def read_adapter(
 
 
 def _read_config(path: Path) -> dict[str, object]:
-    config_path = path / CONFIG_FILE
-    if not config_path.is_file():
-        raise ValueError(f"adapter {path}: no {CONFIG_FILE}")
     try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"adapter {path}: {CONFIG_FILE} is not JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"adapter {path}: {CONFIG_FILE} is not a JSON object")
-    if config.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"peft_type: {config['peft_type']!r} is not LORA")
-    for key in _UNSUPPORTED:
-        if config.get(key):
-            raise ValueError(f"{key}: {config[key]!r} is not supported")
-    if config.get("modules_to_save"):
-        raise ValueError(f"modules_to_save: {config['modules_to_save']!r} is not supported")
-    if config.get("bias", "none") != "none":
-        raise ValueError(f"bias: {config['bias']!r} is not supported (only 'none')")
-    return config
-
-
-def _rank_and_scaling(config: dict[str, object], max_rank: int) -> tuple[int, float]:
-    """peft's LoraLayer.update_layer: scaling = alpha / r, or alpha / sqrt(r) (rsLoRA)."""
-    r, alpha = config.get("r", 8), config.get("lora_alpha", 8)  # peft's LoraConfig defaults
-    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-        raise ValueError(f"r: {r!r} is not a positive integer")
-    if r > max_rank:
-        raise ValueError(f"r: rank {r} is above max_lora_rank={max_rank}")
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
-        raise ValueError(f"lora_alpha: {alpha!r} is not a number")
-    scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
-    return r, scaling
+        text = read_config_bytes(path)
+    except FileNotFoundError:
+        raise ValueError(f"adapter {path}: no {CONFIG_FILE}") from None
+    return parse_config(text)
 
 
 def _module_of(key: str) -> tuple[str, int]:

@@ -8,12 +8,22 @@ min_policy_version compares with), and the loads that succeeded, to replay into 
 engine (`replay`), in load order. An adapter replaced in place is replayed as one load of its
 latest directory at its latest version.
 
+Before a load is sent, its `adapter_config.json` is read and checked here
+(service/engine_link/adapter_files.py, engine/lora/adapter_config.py): a config the engine
+could not serve is answered INVALID_ARGUMENT, naming the field, and never reaches the engine.
+
 A load is replayed by reading its directory again, so each is recorded with a fingerprint of
 what the directory held when it was sent (adapter_config.json and the safetensors files'
 names, sizes and times); an adapter whose directory changed or vanished since is not loaded
 again under its name (other weights would serve it): it is dropped, with an error log, and
 its requests become NOT_FOUND. A failed replay of one adapter never keeps the base model from
 serving.
+
+An operation whose application killed the engine is never re-applied: a replayed load the
+engine is lost while applying is quarantined (dropped from the replay, logged
+`engine.adapter_quarantined`, counted in `sluice_adapters_quarantined`; its requests become
+NOT_FOUND), and the restart goes on without it. A live load that kills the engine answers its
+caller UNAVAILABLE and, never having succeeded, is never recorded for the replay.
 
 A streamed adapter's directory (LoadAdapterStream: service/engine_link/adapter_spool.py) is
 handed to the link with `owned=True`: it deletes it when the load fails, when the adapter is
@@ -25,12 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import shutil
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 
 import structlog
 
@@ -42,18 +50,23 @@ from engine.messages import (
     ToEngine,
     UnloadAdapter,
 )
+from service.engine_link.adapter_files import AdapterFiles
 from service.engine_link.answers import Answers
-from service.engine_link.checkpoint_fingerprint import checkpoint_fingerprint
 from service.engine_link.engine_process import EngineUnavailableError
 
 log = structlog.get_logger("sluice.engine_client")
 
-CONFIG_FILE = "adapter_config.json"
-
 
 class AdapterLink:
-    def __init__(self, send: Callable[[ToEngine], None]) -> None:
+    def __init__(
+        self,
+        send: Callable[[ToEngine], None],
+        max_rank: int,
+        on_quarantine: Callable[[], None] = lambda: None,
+    ) -> None:
         self._send = send  # raises EngineUnavailableError when the engine cannot take it
+        self.files = AdapterFiles(max_rank)  # config checks, fingerprints and spool writes
+        self._on_quarantine = on_quarantine  # counts a replayed load that killed the engine
         self.states: tuple[AdapterState, ...] = ()
         self._loads: dict[str, tuple[LoadAdapter, str | None]] = {}  # name -> (load, print)
         self._spools: set[str] = set()  # the owned directories: deleted once no load needs them
@@ -77,11 +90,16 @@ class AdapterLink:
         answer (recorded for replay when it succeeds, also if the caller has gone by then: a
         plain load of the path, at the version it reached). `owned`: msg.path is a spool the
         link deletes once no load needs it (at once if this one fails). Raises
-        EngineUnavailableError if it cannot be sent."""
+        EngineUnavailableError if it cannot be sent. A config the engine could not serve is
+        answered INVALID_ARGUMENT here, unsent."""
         if owned:
             self._spools.add(msg.path)
         try:
-            fingerprint = await asyncio.to_thread(adapter_fingerprint, msg.path)
+            try:
+                fingerprint = await self.files.check(msg.path)
+            except ValueError as exc:
+                self._forget_spool(msg.path)
+                return AdapterOutcome(msg.action_id, self.states, "INVALID_ARGUMENT", str(exc))
 
             def record(outcome: AdapterOutcome) -> None:
                 state = next(s for s in outcome.adapters if s.name == msg.name)
@@ -105,7 +123,9 @@ class AdapterLink:
         return await self._ask(UnloadAdapter(uuid.uuid4().hex, name), lambda _: self._drop(name))
 
     def delete_spools(self) -> None:
-        """Delete every owned directory (the server stops: nothing will replay them)."""
+        """Delete every owned directory (the server stops: nothing will replay them); the
+        adapters' file pool takes no more work."""
+        self.files.close()
         for path in list(self._spools):
             self._forget_spool(path)
 
@@ -164,7 +184,7 @@ class AdapterLink:
         """Load the recorded adapters into a freshly started engine, in load order."""
         self.states = ()
         for name, (msg, fingerprint) in list(self._loads.items()):
-            now = await asyncio.to_thread(adapter_fingerprint, msg.path)
+            now = await self.files.fingerprint(msg.path)
             if now is None or now != fingerprint:
                 self._drop(name)
                 log.error(
@@ -175,7 +195,11 @@ class AdapterLink:
                 )
                 continue
             outcome = await self._ask(replace(msg, action_id=uuid.uuid4().hex), lambda _: None)
-            if outcome.error_code == "UNAVAILABLE":  # lost again: the restart is retried
+            if outcome.error_code == "UNAVAILABLE":
+                # NOTE: sent, then the engine was lost before it answered: applying this load
+                # may be what killed it (a replay otherwise re-applies it after every restart,
+                # a crash loop). It goes; the restart is retried without it.
+                self._quarantine(name, outcome.message)
                 raise EngineUnavailableError(outcome.message)
             if not outcome.ok:
                 self._drop(name)
@@ -183,12 +207,11 @@ class AdapterLink:
             else:
                 log.info("engine.adapter_replayed", adapter=name)
 
-
-def adapter_fingerprint(path: str) -> str | None:
-    """A digest of what the adapter directory `path` holds now; None if it cannot be read."""
-    weights = checkpoint_fingerprint(path)
-    try:
-        config = (Path(path) / CONFIG_FILE).read_bytes()
-    except OSError:
-        return None
-    return None if weights is None else hashlib.sha256(config + weights.encode()).hexdigest()
+    def _quarantine(self, name: str, reason: str) -> None:
+        self._drop(name)
+        self._on_quarantine()
+        log.error(
+            "engine.adapter_quarantined",
+            adapter=name,
+            reason=f"the engine was lost while replaying its load ({reason}): never replayed again",
+        )

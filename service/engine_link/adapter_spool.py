@@ -1,7 +1,9 @@
 """AdapterSpool: a LoRA adapter streamed by LoadAdapterStream, written out as a PEFT directory.
 
 The tensors arrive as UpdateWeights' TensorChunks and are assembled by the same
-TensorFileWriter (its chunk rules, a bound on their bytes checked before any is written); then
+TensorFileWriter (its chunk rules, bounds on their bytes and their number checked before any
+is written; its writes, and the directory's, on the adapters' own thread pool, AdapterFiles,
+never on the event loop nor on the pool that tokenizes); then
 `finish` writes `adapter_config.json` (the caller's text) and `adapter_model.safetensors` (the
 tensors, contiguous, in order of first appearance) beside it and deletes the raw file. The
 engine then reads the directory as it reads any adapter's (engine/lora/adapter_file.py).
@@ -12,31 +14,39 @@ adapter loaded, AdapterLink owns it: it is read again when a restarted engine re
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
 import struct
 import tempfile
 
+from engine.lora.adapter_config import CONFIG_FILE
 from engine.messages import TensorRef
+from service.engine_link.adapter_files import AdapterFiles
 from service.engine_link.tensor_file import TensorFileWriter
 
-CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # An adapter is megabytes (rank r adds r x (in + out) per projection); 8 GiB holds a rank-256
 # adapter of every projection of a 70B model.
 MAX_ADAPTER_BYTES = 2**33
-MAX_CONFIG_BYTES = 65536
+# Two tensors (A, B) per targeted projection, seven projections a layer: 4096 is 292 layers,
+# above every dense model's; a stream of many tiny tensors is refused at the 4097th name.
+MAX_ADAPTER_TENSORS = 4096
 COPY_BYTES = 16 * 1024 * 1024  # copied from the raw file in pieces of this size
 
 
 class AdapterSpool:
-    def __init__(self, directory: str | None, config_text: str) -> None:
+    def __init__(self, directory: str | None, config_text: str, files: AdapterFiles) -> None:
         self.path = tempfile.mkdtemp(prefix="sluice-adapter-", dir=directory)
         self._config_text = config_text
+        self._files = files
         try:
-            self.writer = TensorFileWriter(self.path, max_bytes=MAX_ADAPTER_BYTES)
+            self.writer = TensorFileWriter(
+                self.path,
+                max_bytes=MAX_ADAPTER_BYTES,
+                max_tensors=MAX_ADAPTER_TENSORS,
+                run=files.run,
+            )
         except BaseException:
             self.delete()
             raise
@@ -49,7 +59,7 @@ class AdapterSpool:
         """Check that every tensor is complete (ChunkError) and write the PEFT directory
         (OSError if the disk cannot take it)."""
         refs = self.writer.finish()
-        await asyncio.to_thread(self._write_directory, refs)
+        await self._files.run(self._write_directory, refs)
 
     def _write_directory(self, refs: tuple[TensorRef, ...]) -> None:
         with open(os.path.join(self.path, CONFIG_FILE), "w", encoding="utf-8") as f:

@@ -107,7 +107,10 @@ class EngineClient:
         self.router = RequestRouter(config.stream_interval)
         self.replay_log = ReplayLog()
         self.sleep_link = SleepLink()
-        self.adapters = AdapterLink(self._send)  # LoRA adapters: loads, answers, the replay
+        # LoRA adapters: loads, answers, the replay
+        self.adapters = AdapterLink(
+            self._send, config.engine.max_lora_rank, metrics.adapter_quarantined
+        )
         self.engine: EngineProcess | None = None
         self._target = target
         self._start_process = start_process

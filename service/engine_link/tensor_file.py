@@ -19,7 +19,9 @@ import errno
 import math
 import os
 import tempfile
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.messages import TensorRef
 
@@ -67,10 +69,20 @@ class TensorFileWriter:
     """Receives chunks (`add`), then `finish()` checks that every tensor is complete and
     returns the TensorRefs. The file is the caller's to delete (`delete`), also on errors."""
 
-    def __init__(self, directory: str | None = None, max_bytes: int = MAX_UPDATE_BYTES) -> None:
+    def __init__(
+        self,
+        directory: str | None = None,
+        max_bytes: int = MAX_UPDATE_BYTES,
+        max_tensors: int | None = None,
+        run: Callable[..., Awaitable[Any]] = asyncio.to_thread,
+    ) -> None:
         """`max_bytes`: the most the tensors may hold in all (their aligned regions); a tensor
-        declared past it is refused on its first chunk, before any of its bytes are written."""
+        declared past it is refused on its first chunk, before any of its bytes are written.
+        `max_tensors`: the most tensors (None: no bound but the bytes). `run(work, *args)`
+        runs a write off the event loop (default: the default executor)."""
         self.max_bytes = max_bytes
+        self.max_tensors = max_tensors
+        self._run = run
         fd, self.path = tempfile.mkstemp(prefix="sluice-weights-", suffix=".bin", dir=directory)
         self._fd: int | None = fd
         self._tensors: dict[str, _Tensor] = {}
@@ -97,7 +109,7 @@ class TensorFileWriter:
         tensor.claim(offset, end)
         assert self._fd is not None, "the writer is closed"
         try:
-            await asyncio.to_thread(_write_all, self._fd, data, ref.offset + offset)
+            await self._run(_write_all, self._fd, data, ref.offset + offset)
         except OSError as exc:  # the same errno (ENOSPC, EFBIG...), naming what did not fit
             where = f"tensor {name!r}: bytes [{offset}, {end}) at file offset {ref.offset + offset}"
             raise OSError(exc.errno, f"{where}: {exc.strerror}") from exc
@@ -117,6 +129,10 @@ class TensorFileWriter:
                 "tensor.shape",
                 f"tensor {name!r}: shape {shape[: MAX_DIMS + 1]} must have 1 to {MAX_DIMS} "
                 "dimensions, each >= 1 (required on a tensor's first chunk)",
+            )
+        if self.max_tensors is not None and len(self._tensors) >= self.max_tensors:
+            raise ChunkError(
+                "tensor.name", f"tensor {name!r}: more than {self.max_tensors} tensors"
             )
         nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
         if nbytes > self.max_bytes - self._end:

@@ -107,6 +107,12 @@ class Metrics:
             "changed since it was applied (the server stays NOT_SERVING and retries).",
             registry=r,
         )
+        self.adapters_quarantined = Counter(
+            "sluice_adapters_quarantined",
+            "LoRA adapter loads dropped from the replay because the engine was lost while "
+            "replaying them (never re-applied: no crash loop).",
+            registry=r,
+        )
         self.grpc_calls = Counter(
             "sluice_grpc_calls",
             "gRPC calls that ended, by method and status code.",
@@ -240,6 +246,9 @@ class Metrics:
 
     def weight_replay_refused(self) -> None:
         self.weight_replays_refused.inc()
+
+    def adapter_quarantined(self) -> None:
+        self.adapters_quarantined.inc()
 
     def grpc_call_ended(self, method: str, code: str) -> None:
         self.grpc_calls.labels(method, code).inc()

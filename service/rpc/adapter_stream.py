@@ -2,10 +2,12 @@
 
 In order: the header (the first message, INVALID_ARGUMENT naming `header` otherwise); its
 LoadAdapterRequest checked as LoadAdapter checks one (service/rpc/adapters.py; fields named
-`header.request.*`, `path` must be empty) and its adapter_config (a JSON object, at most
-MAX_CONFIG_BYTES: `header.adapter_config`); then every TensorChunk spooled into a private
-PEFT directory (service/engine_link/adapter_spool.py: UpdateWeights' chunk rules and
-`tensor.*` fields, at most MAX_ADAPTER_BYTES, refused before more is written); then the same
+`header.request.*`, `path` must be empty) and its adapter_config (at most MAX_CONFIG_BYTES,
+checked as a directory's config is, engine/lora/adapter_config.py: `header.adapter_config`);
+then every TensorChunk spooled into a private PEFT directory
+(service/engine_link/adapter_spool.py: UpdateWeights' chunk rules and `tensor.*` fields, at
+most MAX_ADAPTER_BYTES in at most MAX_ADAPTER_TENSORS tensors, refused before more is written;
+the writes run on the adapters' own thread pool); then the same
 LoadAdapter message as a directory load, naming the spool. The engine's INVALID_ARGUMENT names
 `tensor` when its message is about a tensor or a target module, else `header.adapter_config`.
 
@@ -15,15 +17,15 @@ client's AdapterLink owns it (deleted if the load fails, kept for the replay whi
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import NoReturn
 
 import grpc
 from sluice.v1 import admin_pb2 as pb
 
+from engine.lora.adapter_config import MAX_CONFIG_BYTES, check_config, parse_config
 from service.config import ServiceConfig
-from service.engine_link.adapter_spool import MAX_CONFIG_BYTES, AdapterSpool
+from service.engine_link.adapter_spool import AdapterSpool
 from service.engine_link.engine_client import EngineClient
 from service.engine_link.tensor_file import NO_ROOM, ChunkError
 from service.rpc.adapters import check_load, send_load
@@ -37,10 +39,10 @@ async def load_adapter_stream(
     draining: bool,
 ) -> pb.LoadAdapterResponse:
     """Spool the streamed adapter and load it; its AdapterInfo, or Refusal."""
-    header = _validated_header(await anext(messages, None))
+    header = _validated_header(await anext(messages, None), config.engine.max_lora_rank)
     check_load(engine, header.request, draining, path_field="header.request.path")
     try:
-        spool = AdapterSpool(config.weights_dir, header.adapter_config)
+        spool = AdapterSpool(config.weights_dir, header.adapter_config, engine.adapters.files)
     except OSError as exc:
         raise _no_room(exc) from exc
     try:
@@ -55,7 +57,9 @@ async def load_adapter_stream(
     return await send_load(engine, header.request, spool.path, _content_field)
 
 
-def _validated_header(first: pb.LoadAdapterStreamRequest | None) -> pb.LoadAdapterStreamHeader:
+def _validated_header(
+    first: pb.LoadAdapterStreamRequest | None, max_rank: int
+) -> pb.LoadAdapterStreamHeader:
     if first is None or first.WhichOneof("part") != "header":
         _invalid("header", "the first message must be the header")
     text = first.header.adapter_config
@@ -64,11 +68,9 @@ def _validated_header(first: pb.LoadAdapterStreamRequest | None) -> pb.LoadAdapt
     if len(text.encode()) > MAX_CONFIG_BYTES:
         _invalid("header.adapter_config", f"must be at most {MAX_CONFIG_BYTES} bytes")
     try:
-        parsed = json.loads(text)
-    except json.JSONDecodeError as exc:
-        _invalid("header.adapter_config", f"is not JSON: {exc}")
-    if not isinstance(parsed, dict):
-        _invalid("header.adapter_config", "is not a JSON object")
+        check_config(parse_config(text), max_rank)
+    except ValueError as exc:
+        _invalid("header.adapter_config", str(exc))
     return first.header
 
 

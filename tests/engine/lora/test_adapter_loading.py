@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from lora_adapters import make_adapter
 from safetensors.torch import load_file, save_file
 from tiny_models import make_checkpoint
@@ -174,3 +175,37 @@ def test_an_moe_models_experts_are_no_targets_its_dense_layers_are(tmp_path: Pat
     assert "model.layers.0.mlp.gate_proj" in targets
     assert "model.layers.1.self_attn.q_proj" in targets
     assert not [t for t in targets if "layers.1.mlp" in t]
+
+
+@pytest.mark.parametrize("alpha", ["1e308", "1" + "0" * 400, "1e400", "NaN", "Infinity"])
+def test_a_lora_alpha_out_of_range_is_refused_and_the_engine_serves_on(
+    tiny_llama: Path, adapter: Path, tmp_path: Path, alpha: str
+) -> None:
+    """1e308 overflowed the float32 scaling when the adapter took a slot (a crash, every
+    request lost), 10**400 overflowed alpha / r at once, NaN and Infinity served NaN: each
+    is refused at the load, naming lora_alpha, and the loaded adapter serves as before."""
+    engine = make_engine(tiny_llama, max_loras=1)
+    engine.load_adapter("a", adapter)
+    expected = engine.generate([[0, 5, 6, 7]], params("a"))[0].token_ids
+    bad = copy_with(adapter, tmp_path / "bad", {"lora_alpha": 8})
+    config = bad / "adapter_config.json"
+    config.write_text(config.read_text().replace('"lora_alpha": 8', f'"lora_alpha": {alpha}'))
+    assert json.loads(config.read_text())  # Python's json reads it: the engine must not
+    refused(engine, bad, "lora_alpha")
+    assert engine.generate([[0, 5, 6, 7]], params("a"))[0].token_ids == expected
+
+
+def test_more_tensors_than_the_model_has_projections_for_are_refused_before_reading_them(
+    tiny_llama: Path, adapter: Path, tmp_path: Path
+) -> None:
+    engine = make_engine(tiny_llama)
+    many = copy_with(adapter, tmp_path / "many")
+    tensors = load_file(str(many / "adapter_model.safetensors"))
+    limit = 2 * len(engine.lora.slots.shapes)
+    extra = {f"base_model.model.x{i}.lora_A.weight": torch.zeros(1) for i in range(limit)}
+    save_file(tensors | extra, str(many / "adapter_model.safetensors"))
+    refused(
+        engine,
+        many,
+        f"tensor count: .* holds {len(tensors) + limit} tensors, more than the {limit}",
+    )
