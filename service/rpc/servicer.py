@@ -177,6 +177,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             adapters=[adapter_info(state) for state in adapters],
             moe_layers=info.moe_layers,
             experts_per_token=info.moe_top_k,
+            tensor_parallel_size=self.config.engine.tensor_parallel_size,
         )
 
     def serving_state(self) -> pb.ServingState.ValueType:
