@@ -11,6 +11,7 @@ MAX_ABANDONED, after which a new join is refused until the earlier ones end.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 import time
@@ -82,6 +83,8 @@ class GroupJoin:
         self._done = threading.Event()
         self._result: Membership | WeightUpdateError | None = failed
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # orders `abandon` against the thread's end
+        self._abandoned = False
         if failed is not None:
             self._done.set()
             return
@@ -92,7 +95,10 @@ class GroupJoin:
             except WeightUpdateError as exc:
                 self._result = exc
             finally:
-                self._done.set()
+                with self._lock:
+                    self._done.set()
+                    if self._abandoned:
+                        self._drop()
                 if on_done is not None:
                     on_done()
 
@@ -105,10 +111,6 @@ class GroupJoin:
         return self._done.is_set() or time.monotonic() >= self.deadline
 
     @property
-    def succeeded(self) -> bool:
-        return self._done.is_set() and isinstance(self._result, Membership)
-
-    @property
     def blocked(self) -> bool:
         """Still inside c10d."""
         return not self._done.is_set()
@@ -119,6 +121,22 @@ class GroupJoin:
 
     def wait(self, seconds: float) -> None:
         self._done.wait(max(0.0, seconds))
+
+    def abandon(self) -> bool:
+        """Nobody waits for this join any more: a group it forms late is dropped (an NCCL one
+        aborted). True while it is still blocked in c10d."""
+        with self._lock:
+            self._abandoned = True
+            if self._done.is_set():
+                self._drop()
+                return False
+            return True
+
+    def _drop(self) -> None:
+        result, self._result = self._result, None
+        if isinstance(result, Membership) and hasattr(result.group, "abort"):
+            with contextlib.suppress(RuntimeError):
+                result.group.abort()
 
     def membership(self) -> Membership:
         """The group joined; WeightUpdateError UNAVAILABLE if the join failed or is not done

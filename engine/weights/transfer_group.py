@@ -72,7 +72,7 @@ class TransferGroup:
         try:
             membership = joining.membership()
         except WeightUpdateError:
-            if joining.blocked:
+            if joining.abandon():
                 self._abandoned.append(joining)
             raise
         self.spec = joining.spec
@@ -88,7 +88,7 @@ class TransferGroup:
         """Leave the group held, and abandon a join under way (its late group is dropped)."""
         if self.joining is not None:
             joining, self.joining = self.joining, None
-            if joining.blocked:
+            if joining.abandon():
                 self._abandoned.append(joining)
         group, self._group, self._store, self.spec = self._group, None, None, None
         if group is not None and hasattr(group, "abort"):  # NCCL: free its communicators now
