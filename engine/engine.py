@@ -309,12 +309,31 @@ class LLMEngine:
                 return
             self.updater.start(msg, tensors)
 
-    def join_weight_transfer(self, msg: InitWeightTransfer) -> WeightTransferJoined:
-        """Join a trainer's process group on every rank (msg.group None: leave it), for
-        updates with a `distributed` source. Blocks until every rank of the group has joined,
-        at most the group's timeout; the answer carries the failure, if any."""
+    def begin_weight_transfer(self, msg: InitWeightTransfer) -> WeightTransferJoined | None:
+        """Start joining a trainer's process group on every rank (msg.group None: leave it),
+        for updates with a `distributed` source; steps go on meanwhile. The answer now (a
+        leave, a refusal), or None: `settle_weight_transfer` answers once the join settles, at
+        most the group's timeout later."""
         with self.lock:
-            return self.updater.join(msg)
+            return self.updater.begin_join(msg)
+
+    def settle_weight_transfer(self) -> WeightTransferJoined | None:
+        """The answer of the join under way once it has settled, else None (cheap: the
+        process loop calls it every iteration)."""
+        if self.updater.joining is None:
+            return None
+        with self.lock:
+            return self.updater.settle_join()
+
+    def join_weight_transfer(self, msg: InitWeightTransfer) -> WeightTransferJoined:
+        """begin_weight_transfer, then wait for its answer (in-process callers)."""
+        answer = self.begin_weight_transfer(msg)
+        while answer is None:
+            joining = self.updater.transfer.joining
+            if joining is not None:
+                joining.wait(joining.due_in())
+            answer = self.settle_weight_transfer()
+        return answer
 
     def update_weights(
         self,

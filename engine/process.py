@@ -131,9 +131,11 @@ def _serve(engine: LLMEngine, conn: Connection) -> None:
             wake.send_bytes(b"")
 
     engine.structured.grammars.on_done = on_done
+    engine.updater.transfer.on_done = on_done  # a weight-transfer join settled: answer it
     while True:
-        # 1. Drain every waiting message; block (up to a heartbeat) only when idle.
-        wait([conn, woken], 0.0 if engine.can_step() else HEARTBEAT_INTERVAL_S)
+        # 1. Drain every waiting message; block (up to a heartbeat, or a join's deadline)
+        # only when idle.
+        wait([conn, woken], 0.0 if engine.can_step() else _idle_wait(engine))
         while woken.poll():
             woken.recv_bytes()
         while conn.poll():
@@ -145,12 +147,20 @@ def _serve(engine: LLMEngine, conn: Connection) -> None:
             _handle(engine, conn, msg)
         for verdict in engine.structured.verdicts():
             conn.send(verdict)
+        joined = engine.settle_weight_transfer()
+        if joined is not None:
+            conn.send(joined)
         if not engine.can_step():
             conn.send(Heartbeat(engine.stats()))
             continue
         # 2. Step, 3. publish: one StepOutput per step, even an empty one (it is also the
         # engine's sign of life while it works).
         conn.send(step_message(engine.step(), engine.stats()))
+
+
+def _idle_wait(engine: LLMEngine) -> float:
+    due = engine.updater.join_due_in()
+    return HEARTBEAT_INTERVAL_S if due is None else min(HEARTBEAT_INTERVAL_S, due)
 
 
 def step_message(outputs: Sequence[RequestOutput], stats: EngineStats) -> StepOutput:
@@ -187,9 +197,10 @@ def _handle(engine: LLMEngine, conn: Connection, msg: ToEngine) -> None:
         case CheckConstraint():
             engine.structured.check(msg.check_id, msg.constraint)
         case InitWeightTransfer():
-            # NOTE: blocks the loop until the group forms, at most its timeout (the service
-            # keeps that within its stall timeout).
-            conn.send(engine.join_weight_transfer(msg))
+            # The group forms on threads beside the loop; the loop answers once it settles.
+            answer = engine.begin_weight_transfer(msg)
+            if answer is not None:
+                conn.send(answer)
         case GetState():
             conn.send(Heartbeat(engine.stats()))
         case LoadAdapter() | UnloadAdapter() | ListAdapters():

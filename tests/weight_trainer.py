@@ -69,7 +69,7 @@ def main() -> None:
         admin_token=spec["admin_token"],
         timeout=spec.get("timeout", 30.0),
         bucket_bytes=spec.get("bucket_bytes", 1 << 30),
-        engine_ranks=spec.get("engine_ranks", 1),
+        engine_ranks=spec.get("engine_ranks"),  # None: asked of the server
     ) as transfer:
         for step in spec["steps"]:
             print(json.dumps(run_step(transfer, step)), flush=True)

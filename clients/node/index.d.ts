@@ -321,6 +321,9 @@ export interface ServerInfo {
    * token in each; they unflatten TokensEvent.routedExperts. */
   moeLayers: number;
   expertsPerToken: number;
+  /** The engine's tensor-parallel ranks (--tensor-parallel-size): the ranks it joins a
+   * trainer's weight-transfer group with. */
+  tensorParallelSize: number;
 }
 
 /** One loaded LoRA adapter (Admin LoadAdapter). */

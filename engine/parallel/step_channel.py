@@ -32,8 +32,11 @@ class Op(IntEnum):
     GATHER = 3  # send every parameter shard to rank 0 (live_weights)
     PING = 4  # nothing: keeps idle workers inside the collective timeout
     STOP = 5  # leave the group and exit
-    JOIN = 6  # join (or leave) a trainer's weight-transfer group (engine/weights/transfer_group.py)
+    JOIN = (
+        6  # start joining (or leave) a trainer's weight-transfer group (weights/transfer_group.py)
+    )
     LORA = 7  # write a LoRA adapter slot (engine/lora/adapter_slots.py), then its contents
+    JOINED = 8  # rank 0's join settled: finish this rank's, and agree on the outcome
 
 
 @dataclass

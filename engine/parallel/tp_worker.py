@@ -49,7 +49,7 @@ def _run(config: EngineConfig, path: Path, rank: int, port: int) -> None:
     from engine.parallel.step_channel import Op
     from engine.parallel.tensor_parallel import join_group, leave_group
     from engine.weights.sharded_update import follow_stage, gather_parameters
-    from engine.weights.transfer_group import TransferGroup, follow_join
+    from engine.weights.transfer_group import TransferGroup, follow_join, follow_joined
 
     size = config.tensor_parallel_size
     torch.set_num_threads(rank_threads(config))
@@ -84,6 +84,8 @@ def _run(config: EngineConfig, path: Path, rank: int, port: int) -> None:
                 follow_stage(shard.model, transfer)
             case Op.JOIN:
                 follow_join(shard.model, transfer)
+            case Op.JOINED:
+                follow_joined(shard.model, transfer)
             case Op.GATHER:
                 gather_parameters(shard.model)
             case Op.PING:

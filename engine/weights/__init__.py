@@ -3,7 +3,8 @@
 `loading` (safetensors checkpoints into the model by name), `checks` (what an update's source
 can be refused for before anything pauses), `staging` (read and validate, then swap),
 `sharded_update` (the same over every tensor-parallel rank), `transfer_group` (a trainer's
-process group, for distributed updates), `buckets` (their layout), `distributed` (staging
+process group, for distributed updates; `group_join` joins it beside the engine loop),
+`buckets` (their layout), `distributed` (staging
 them) and `weight_updater` (the update state machine of one engine). May import `models`,
 `parallel`, `scheduling` and `engine.messages`.
 """

@@ -11,8 +11,8 @@ progress" is `pending`, and nowhere else.
 
 With tensor parallelism every rank stages its shard and all swap, or none does
 (engine/weights/sharded_update.py); versions, policies and events stay here, on rank 0. A
-distributed update's tensors arrive over the trainer's group that `join` joined (every rank
-is in it: engine/weights/transfer_group.py).
+distributed update's tensors arrive over the trainer's group that `begin_join` joins, beside
+the steps, and `settle_join` answers for (every rank is in it: engine/weights/transfer_group.py).
 
 After a level-2 sleep the parameters have no storage (`storage.weights_missing`): an update
 reallocates it (stale until the swap fills it) and must then set every tensor; a refused or
@@ -49,7 +49,7 @@ from engine.scheduling.scheduler import Scheduler
 from engine.weights.checks import UpdateSize, check_update
 from engine.weights.sharded_update import describe, gather_parameters, stage
 from engine.weights.staging import StagedWeights, WeightUpdateError
-from engine.weights.transfer_group import TransferGroup, join_all
+from engine.weights.transfer_group import TransferGroup, begin_all, finish_all, leave_all
 from engine.weights.weights_origin import WeightsOrigin
 
 PROGRESS_INTERVAL_S = 0.1  # at most one LOADING event per interval while staging
@@ -106,6 +106,7 @@ class WeightUpdater:
         self.events: list[WeightsProgress] = []  # collected while no sink is installed
         self.last_final: WeightsProgress | None = None  # the last APPLIED or FAILED
         self.transfer = TransferGroup()  # rank 0's membership of a trainer's group, if any
+        self.joining: InitWeightTransfer | None = None  # answered by settle_join
 
     @property
     def in_progress(self) -> bool:
@@ -172,17 +173,40 @@ class WeightUpdater:
                 "over a process group",
             )
 
-    def join(self, msg: InitWeightTransfer) -> WeightTransferJoined:
-        """Join the trainer's group on every rank (or leave it: msg.group None)."""
-        if self.pending is not None:
-            code, message = "FAILED_PRECONDITION", "a weight update is in progress"
+    def begin_join(self, msg: InitWeightTransfer) -> WeightTransferJoined | None:
+        """Start joining the trainer's group on every rank, or leave it (msg.group None). The
+        answer now for a leave or a refusal; else None, and `settle_join` answers later."""
+        if self.pending is not None or self.joining is not None:
+            busy = "a weight update" if self.pending is not None else "a weight-transfer join"
+            code, message = "FAILED_PRECONDITION", f"{busy} is in progress"
             return WeightTransferJoined(msg.transfer_id, error_code=code, message=message)
+        if msg.group is None:
+            leave_all(self.model, self.transfer, self.channel)
+            return WeightTransferJoined(msg.transfer_id)
+        begin_all(self.model, self.transfer, msg.group, self.channel)
+        self.joining = msg
+        return None
+
+    def settle_join(self) -> WeightTransferJoined | None:
+        """At a step boundary: the answer of the join under way once rank 0's has joined,
+        failed or run out of its timeout (every rank then holds the group, or none does)."""
+        msg, joining = self.joining, self.transfer.joining
+        if msg is None or (joining is not None and not joining.settled):
+            return None
+        self.joining = None
+        if joining is None:  # left meanwhile (the engine is closing)
+            why = "the engine left the group before the join settled"
+            return WeightTransferJoined(msg.transfer_id, error_code="UNAVAILABLE", message=why)
         try:
-            join_all(self.model, self.transfer, msg.group, self.channel)
+            finish_all(self.model, self.transfer, self.channel)
         except WeightUpdateError as exc:
             return WeightTransferJoined(msg.transfer_id, error_code=exc.code, message=exc.message)
-        ranks = self.model.tp.size if msg.group is not None else 0
-        return WeightTransferJoined(msg.transfer_id, engine_ranks=ranks)
+        return WeightTransferJoined(msg.transfer_id, engine_ranks=self.model.tp.size)
+
+    def join_due_in(self) -> float | None:
+        """Seconds until the join under way must be answered; None without one."""
+        joining = self.transfer.joining
+        return None if self.joining is None or joining is None else joining.due_in()
 
     def advance(self) -> None:
         """At a step boundary: swap a draining update once nothing runs, or time it out."""
@@ -199,7 +223,7 @@ class WeightUpdater:
                 if update.msg.distributed is not None:
                     # NOTE: the trainer is already broadcasting: leaving fails it at once,
                     # where it would otherwise wait out the group's timeout.
-                    join_all(self.model, self.transfer, None, self.channel)
+                    leave_all(self.model, self.transfer, self.channel)
                     why += "; the engine left the weight-transfer group: call InitWeightTransfer"
                 self._end(WeightsPhase.FAILED, error_code="ABORTED", message=why)
 

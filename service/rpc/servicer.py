@@ -158,8 +158,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         info = self.engine.info
         state = self.serving_state()
         name = self.config.served_model_name
+        ranks = self.config.engine.tensor_parallel_size
         if info is None:
-            return pb.ServerInfo(model=name or self.config.engine.model, state=state)
+            model = name or self.config.engine.model
+            return pb.ServerInfo(model=model, state=state, tensor_parallel_size=ranks)
         return pb.ServerInfo(
             model=name or info.model,
             max_model_len=info.max_model_len,
@@ -181,6 +183,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             adapters=[adapter_info(state) for state in adapters],
             moe_layers=info.moe_layers,
             experts_per_token=info.moe_top_k,
+            tensor_parallel_size=ranks,
         )
 
     def serving_state(self) -> pb.ServingState.ValueType:

@@ -22,6 +22,12 @@ DEFAULT_TIMEOUT_MS = 60_000
 DEFAULT_BUCKET_BYTES = 1 << 30
 MAX_BUCKET_BYTES = 1 << 40
 MAX_DIMS = 8
+# Ranks in a trainer's group: every rank joins a full mesh (a connection to every other), so
+# the size is what the engine allocates and waits for; 4096 is far above any real group (a
+# trainer and 511 servers of 8 ranks) and far below what would exhaust a host.
+MAX_WORLD_SIZE = 4096
+MAX_ADDRESS_CHARS = 253  # a DNS name's longest
+MAX_GROUP_NAME_CHARS = 256
 
 
 def transfer_group(
@@ -31,10 +37,11 @@ def transfer_group(
     if request.close:
         return None
     engine_ranks = config.engine.tensor_parallel_size
-    if not request.master_address:
-        invalid("master_address", "must not be empty")
+    _check_name("master_address", request.master_address, MAX_ADDRESS_CHARS)
     if not 1 <= request.master_port <= 65535:
         invalid("master_port", f"{request.master_port} is not in [1, 65535]")
+    if not 1 <= request.world_size <= MAX_WORLD_SIZE:
+        invalid("world_size", f"{request.world_size} is not in [1, {MAX_WORLD_SIZE}]")
     if request.rank_offset < 1:
         invalid("rank_offset", "must be at least 1 (rank 0 is the trainer's)")
     if request.world_size < request.rank_offset + engine_ranks:
@@ -45,9 +52,8 @@ def transfer_group(
         )
     backend = request.backend or "gloo"
     if backend not in BACKENDS:
-        invalid("backend", f"{request.backend!r} is not one of {', '.join(BACKENDS)}")
-    if not request.group_name:
-        invalid("group_name", "must not be empty")
+        invalid("backend", f"{request.backend!r:.80} is not one of {', '.join(BACKENDS)}")
+    _check_name("group_name", request.group_name, MAX_GROUP_NAME_CHARS)
     most = int(config.stall_timeout * 1000)
     timeout_ms = request.timeout_ms if request.HasField("timeout_ms") else DEFAULT_TIMEOUT_MS
     if not request.HasField("timeout_ms"):
@@ -63,6 +69,16 @@ def transfer_group(
         group_name=request.group_name,
         timeout=timeout_ms / 1000,
     )
+
+
+def _check_name(field_name: str, value: str, most: int) -> None:
+    """Not empty, at most `most` characters, printable without spaces (a host or a key)."""
+    if not value:
+        invalid(field_name, "must not be empty")
+    if len(value) > most:
+        invalid(field_name, f"{len(value)} characters; at most {most}")
+    if not value.isprintable() or any(c.isspace() for c in value):
+        invalid(field_name, f"{value!r}: only printable characters, no spaces")
 
 
 def distributed_tensors(source: pb.DistributedSource) -> DistributedTensors:

@@ -55,13 +55,13 @@ async def target(tiny_llama: Path):
         yield s, t
 
 
-async def trainer(target: str, *steps: dict[str, Any], ranks: int = 1) -> tuple[int, list[dict]]:
-    """Run a trainer process to its end: its exit status and one result per step it ended."""
+async def trainer(target: str, *steps: dict[str, Any]) -> tuple[int, list[dict]]:
+    """Run a trainer process to its end: its exit status and one result per step it ended.
+    It learns the engine's ranks from the server (GetServerInfo)."""
     spec = {
         "target": target,
         "admin_token": ADMIN_TOKEN,
         "bucket_bytes": BUCKET,
-        "engine_ranks": ranks,
         "timeout": 30.0,
         "steps": list(steps),
     }
@@ -210,11 +210,14 @@ async def test_after_a_restart_a_broadcast_is_not_replayed_and_generation_waits_
 async def test_two_ranks_each_receive_every_bucket_and_serve_hf_greedy_ids(
     tiny_llama, checkpoint_b, hf_b
 ) -> None:
+    """The trainer is not told the server's tensor-parallel size: it asks."""
     engine = {"tensor_parallel_size": 2, "cpu_threads": 1}
     async with running_server(tiny_llama, fake=False, engine=engine, admin_token=ADMIN_TOKEN) as (
         _,
         t,
     ):
-        status, results = await trainer(t, push(checkpoint_b), ranks=2)
+        async with AsyncClient(t) as client:
+            assert (await client.info()).tensor_parallel_size == 2
+        status, results = await trainer(t, push(checkpoint_b))
         assert status == 0 and results[0]["ok"], results
         assert await served_greedy(t) == hf_b

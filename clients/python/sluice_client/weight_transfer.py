@@ -39,8 +39,9 @@ DEFAULT_BUCKET_BYTES = 1 << 30
 
 class WeightTransfer:
     """`host`: the address the server reaches this process at (the store listens on `port`; 0
-    picks a free one). `engine_ranks`: the server's --tensor-parallel-size; they join as ranks
-    `rank_offset`.. of a group of rank_offset + engine_ranks. `timeout` (seconds): the join and
+    picks a free one). `engine_ranks`: the server's tensor-parallel ranks, asked of it
+    (GetServerInfo's tensor_parallel_size) when None; they join as ranks `rank_offset`.. of a
+    group of rank_offset + engine_ranks. `timeout` (seconds): the join and
     each broadcast wait at most this for the other ranks (at most the server's
     --stall-timeout). `client`: a Client to use instead of one made from `target`."""
 
@@ -55,7 +56,7 @@ class WeightTransfer:
         group_name: str = "sluice-weights",
         timeout: float = 60.0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        engine_ranks: int = 1,
+        engine_ranks: int | None = None,
         rank_offset: int = 1,
         client: Client | None = None,
     ) -> None:
@@ -67,13 +68,26 @@ class WeightTransfer:
         self.group_name = group_name
         self.timeout = timeout
         self.bucket_bytes = bucket_bytes
-        self.world_size = rank_offset + engine_ranks
+        if engine_ranks is not None and engine_ranks < 1:
+            raise ValueError("engine_ranks: must be >= 1")
+        self.engine_ranks = engine_ranks
         self.rank_offset = rank_offset
         self._own_client = client is None
         self.client = client or Client(target, admin_token=admin_token)
         self._group: TrainerGroup | None = None
 
+    @property
+    def world_size(self) -> int:
+        """The group's ranks: this process's rank_offset, then the engine's."""
+        return self.rank_offset + (self.engine_ranks or 1)
+
     def __enter__(self) -> WeightTransfer:
+        if self.engine_ranks is None:  # a server before tensor_parallel_size reports 0: one
+            try:
+                self.engine_ranks = self.client.info().tensor_parallel_size or 1
+            except BaseException:
+                self._close_client()
+                raise
         group = TrainerGroup(
             host=self.host,
             port=self.port,

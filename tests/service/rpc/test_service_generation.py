@@ -357,6 +357,7 @@ async def test_tokenize_and_info(client, model_dir):
     info = await client.info()
     assert info.model == "fake" and info.state == pb.SERVING_STATE_SERVING
     assert info.vocab_size == 320 and info.max_model_len == 64
+    assert info.tensor_parallel_size == 1  # the ranks a weight-transfer group must count
 
 
 class _EngineStub:

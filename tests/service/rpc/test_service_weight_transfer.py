@@ -57,6 +57,16 @@ async def refused(call) -> grpc.RpcError:  # type: ignore[no-untyped-def]
         ({"backend": "mpi"}, "backend"),
         ({"group_name": ""}, "group_name"),
         ({"timeout_ms": 30_001}, "timeout_ms"),  # past --stall-timeout
+        # Sizes that froze (a full mesh of 2**31 - 1 ranks) or crashed (past int32) an engine:
+        ({"world_size": 4097}, "world_size"),
+        ({"world_size": 2**31 - 1}, "world_size"),
+        ({"world_size": 2**32 - 1}, "world_size"),
+        ({"world_size": 4096, "rank_offset": 2**32 - 1}, "world_size"),
+        ({"master_address": "h" * 254}, "master_address"),
+        ({"master_address": "host name"}, "master_address"),
+        ({"master_address": "host\x00"}, "master_address"),
+        ({"group_name": "g" * 257}, "group_name"),
+        ({"group_name": "g\nh"}, "group_name"),
     ],
 )
 async def test_a_bad_rendezvous_is_invalid_argument_naming_the_field(target, change, field):

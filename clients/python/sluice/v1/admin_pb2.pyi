@@ -492,13 +492,14 @@ class InitWeightTransferRequest(_message.Message):
     CLOSE_FIELD_NUMBER: _builtins.int
     master_address: _builtins.str
     """Host name or IP address of the trainer's TCPStore (its rank 0), reachable from the server;
-    not empty unless `close`.
+    not empty unless `close`; at most 253 characters, printable, no spaces.
     """
     master_port: _builtins.int
     """TCP port of that store, in [1, 65535] unless `close`."""
     world_size: _builtins.int
     """Ranks in the group: the trainer's plus the engine's tensor-parallel ranks; at least
-    rank_offset + the engine's tensor-parallel size.
+    rank_offset + the engine's tensor-parallel size (ServerInfo.tensor_parallel_size), at most
+    4096 (every rank connects to every other).
     """
     rank_offset: _builtins.int
     """The group rank of the engine's tensor-parallel rank 0; its rank r joins as rank_offset + r.
@@ -508,7 +509,7 @@ class InitWeightTransferRequest(_message.Message):
     """"gloo" (host tensors; any device) or "nccl" (CUDA engines only). Default empty: gloo."""
     group_name: _builtins.str
     """Namespaces the group's keys in the store, so one store can host several groups; not empty
-    unless `close`.
+    unless `close`; at most 256 characters, printable, no spaces.
     """
     timeout_ms: _builtins.int
     """Milliseconds the join, and later each bucket of a distributed update, may wait for the

@@ -50,12 +50,14 @@ class AdminStub:
     the engine's tensor-parallel rank r joins as rank_offset + r. Forming a group needs every
     rank: the trainer joins while this call is in flight, and the call returns once all have
     joined. The engine holds one group at a time: a second call leaves the first group before
-    joining, and `close` leaves it without joining another. The engine steps nothing while it
-    joins (at most `timeout_ms`). The group is lost when the engine restarts, and torn down by a
+    joining, and `close` leaves it without joining another. The engine goes on generating
+    while it joins, and the call ends at `timeout_ms` at the latest, also when the store's
+    address never answers. The group is lost when the engine restarts, and torn down by a
     failed distributed update: both need a new InitWeightTransfer. Errors: INVALID_ARGUMENT
     (bad fields, with google.rpc.BadRequest; a backend this engine cannot use),
     FAILED_PRECONDITION (a weight update is in progress), UNAVAILABLE (the engine is not
-    serving, or not every rank joined within `timeout_ms`; nothing stays joined then).
+    serving, or not every rank joined within `timeout_ms`, nothing stays joined then; or
+    earlier joins to addresses that never answered are still blocked, 4 at most).
     """
     UpdateWeights: _grpc.StreamStreamMultiCallable[_admin_pb2.UpdateWeightsRequest, _admin_pb2.UpdateWeightsProgress]
     """Swaps the served weights under a new policy version while the server keeps serving.
@@ -168,12 +170,14 @@ class AdminAsyncStub(AdminStub):
     the engine's tensor-parallel rank r joins as rank_offset + r. Forming a group needs every
     rank: the trainer joins while this call is in flight, and the call returns once all have
     joined. The engine holds one group at a time: a second call leaves the first group before
-    joining, and `close` leaves it without joining another. The engine steps nothing while it
-    joins (at most `timeout_ms`). The group is lost when the engine restarts, and torn down by a
+    joining, and `close` leaves it without joining another. The engine goes on generating
+    while it joins, and the call ends at `timeout_ms` at the latest, also when the store's
+    address never answers. The group is lost when the engine restarts, and torn down by a
     failed distributed update: both need a new InitWeightTransfer. Errors: INVALID_ARGUMENT
     (bad fields, with google.rpc.BadRequest; a backend this engine cannot use),
     FAILED_PRECONDITION (a weight update is in progress), UNAVAILABLE (the engine is not
-    serving, or not every rank joined within `timeout_ms`; nothing stays joined then).
+    serving, or not every rank joined within `timeout_ms`, nothing stays joined then; or
+    earlier joins to addresses that never answered are still blocked, 4 at most).
     """
     UpdateWeights: _aio.StreamStreamMultiCallable[_admin_pb2.UpdateWeightsRequest, _admin_pb2.UpdateWeightsProgress]  # type: ignore[assignment]
     """Swaps the served weights under a new policy version while the server keeps serving.
@@ -289,12 +293,14 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         the engine's tensor-parallel rank r joins as rank_offset + r. Forming a group needs every
         rank: the trainer joins while this call is in flight, and the call returns once all have
         joined. The engine holds one group at a time: a second call leaves the first group before
-        joining, and `close` leaves it without joining another. The engine steps nothing while it
-        joins (at most `timeout_ms`). The group is lost when the engine restarts, and torn down by a
+        joining, and `close` leaves it without joining another. The engine goes on generating
+        while it joins, and the call ends at `timeout_ms` at the latest, also when the store's
+        address never answers. The group is lost when the engine restarts, and torn down by a
         failed distributed update: both need a new InitWeightTransfer. Errors: INVALID_ARGUMENT
         (bad fields, with google.rpc.BadRequest; a backend this engine cannot use),
         FAILED_PRECONDITION (a weight update is in progress), UNAVAILABLE (the engine is not
-        serving, or not every rank joined within `timeout_ms`; nothing stays joined then).
+        serving, or not every rank joined within `timeout_ms`, nothing stays joined then; or
+        earlier joins to addresses that never answered are still blocked, 4 at most).
         """
 
     @_abc_1.abstractmethod

@@ -1474,6 +1474,7 @@ class ServerInfo(_message.Message):
     ADAPTERS_FIELD_NUMBER: _builtins.int
     MOE_LAYERS_FIELD_NUMBER: _builtins.int
     EXPERTS_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model's name: its checkpoint directory's name, or "demo"."""
     max_model_len: _builtins.int
@@ -1508,6 +1509,10 @@ class ServerInfo(_message.Message):
     """The experts per token of each MoE layer (the checkpoint's num_experts_per_tok); 0 when
     dense.
     """
+    tensor_parallel_size: _builtins.int
+    """The engine's tensor-parallel ranks (the server's --tensor-parallel-size): the ranks it
+    joins a trainer's process group with (Admin.InitWeightTransfer's world_size counts them).
+    """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The token ids that end a sample as end of sequence (unless StopParams.ignore_eos)."""
@@ -1539,10 +1544,11 @@ class ServerInfo(_message.Message):
         adapters: _abc.Iterable[Global___AdapterInfo] | None = ...,
         moe_layers: _builtins.int = ...,
         experts_per_token: _builtins.int = ...,
+        tensor_parallel_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_cache", b"kv_cache"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "experts_per_token", b"experts_per_token", "kv_cache", b"kv_cache", "max_model_len", b"max_model_len", "model", b"model", "moe_layers", b"moe_layers", "policy_version", b"policy_version", "running", b"running", "state", b"state", "vocab_size", b"vocab_size", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "experts_per_token", b"experts_per_token", "kv_cache", b"kv_cache", "max_model_len", b"max_model_len", "model", b"model", "moe_layers", b"moe_layers", "policy_version", b"policy_version", "running", b"running", "state", b"state", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
