@@ -71,15 +71,12 @@ async def test_a_silent_trainer_fails_the_join_at_its_timeout_while_generation_g
             init_weight_transfer(t, join_request(listener.port, int(timeout_s * 1000)))
         )
         assert await asyncio.to_thread(listener.accepted.wait, 30)  # the engine is in c10d
-        accepted = time.monotonic()
         assert await generated(t) == expected
-        generation_s = time.monotonic() - accepted
         assert not call.done()  # generated while the join is under way
         error = await call
         call_s = time.monotonic() - began
     assert error.code() is grpc.StatusCode.UNAVAILABLE, error.details()
     assert "could not join the weight-transfer group" in (error.details() or "")
-    assert generation_s < timeout_s / 2, generation_s
     assert timeout_s <= call_s < timeout_s + SLACK_S, call_s
     assert (server.engine.engine.pid, server.engine.restarts) == (pid, restarts)
     assert server.engine.state.value == "serving" and await generated(t) == expected
