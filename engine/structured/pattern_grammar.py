@@ -1,0 +1,211 @@
+"""PatternGrammar: a JSON schema's string `pattern` (and length bounds) as a GBNF expression.
+
+xgrammar 0.2.8 gets both wrong inside a JSON string: its regex-in-a-string matcher accepts
+"abcd" for `^[a-z]{2,3}(-[a-z]{5,8})?$`, and its minLength/maxLength rule lets raw control
+characters (U+0000-U+001F) into the string, which is then not JSON. So Sluice writes these
+expressions itself, over the string's *encoded* text: every character the pattern allows is
+written as JSON writes it (raw where JSON allows it raw; `\\"`, `\\\\`, `\\n`, `\\u001f` ... for
+the rest), so whatever the expression derives is a valid JSON string body whose decoded value
+the pattern matches.
+
+The dialect is ECMA-262's, the one JSON Schema names, read through Python's `re` parser:
+literals, `.`, classes (`[a-z]`, `[^...]`, `\\d \\w \\s` and their negations, ASCII as in
+ECMA-262), groups, `|`, and the quantifiers `* + ? {m} {m,} {m,n}` (lazy ones too: the language
+is the same). `^` and `$` are accepted only at the ends; the whole string must match either way
+(as xgrammar, vLLM and SGLang read a pattern: stricter than JSON Schema's search, so an output
+is always valid). `.` matches any character but the line terminators \\n, \\r, U+2028, U+2029.
+Refused (PatternError): backreferences, lookaround, word boundaries, inline flags, possessive
+or atomic groups, and a class that matches no character.
+"""
+
+from __future__ import annotations
+
+import re
+from re import _constants as c  # type: ignore[attr-defined]
+from re import _parser as sre  # type: ignore[attr-defined]
+from typing import Any
+
+MAX_CODE_POINT = 0x10FFFF
+_SURROGATES = (0xD800, 0xDFFF)
+_DIGIT = [(0x30, 0x39)]
+_WORD = [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)]
+_SPACE = [(0x09, 0x0D), (0x20, 0x20)]
+# \S excludes what either dialect calls a space (ECMA-262's list and Python's \x1c-\x1f, \x85).
+_ANY_SPACE = _SPACE + [(0x1C, 0x1F), (0x85, 0x85), (0xA0, 0xA0), (0x1680, 0x1680)]
+_ANY_SPACE += [(0x2000, 0x200A), (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F)]
+_ANY_SPACE += [(0x3000, 0x3000), (0xFEFF, 0xFEFF)]
+_LINE_TERMINATORS = [(0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029)]
+_JSON_SHORT_ESCAPES = {0x22: '\\"', 0x5C: "\\\\", 0x08: "\\b", 0x0C: "\\f", 0x0A: "\\n"}
+_JSON_SHORT_ESCAPES |= {0x0D: "\\r", 0x09: "\\t"}
+
+Ranges = list[tuple[int, int]]
+
+
+class PatternError(ValueError):
+    """The pattern uses something this dialect does not have: the message says what."""
+
+
+def pattern_grammar(pattern: str) -> str:
+    """A GBNF expression deriving exactly the JSON string bodies (quotes excluded) whose
+    decoded text fully matches `pattern`."""
+    try:
+        parsed = sre.parse(pattern)
+    except re.error as exc:
+        raise PatternError(f"is not a valid regular expression: {exc}") from None
+    if parsed.state.grouprefpos:
+        raise PatternError("backreferences are not supported")
+    if parsed.state.flags & ~re.UNICODE:
+        raise PatternError("inline flags such as (?i) are not supported")
+    branches = _top_branches(list(parsed))
+    return _alternatives([_sequence(_strip_anchors(b)) for b in branches])
+
+
+def length_grammar(min_length: int, max_length: int | None) -> str:
+    """A GBNF expression deriving the JSON string bodies of `min_length` to `max_length`
+    characters (None: no upper bound), a character counted once however it is escaped."""
+    upper = "" if max_length is None else str(max_length)
+    return f"{_charset(_complement([]))}{{{min_length},{upper}}}"
+
+
+def _top_branches(items: list[Any]) -> list[list[Any]]:
+    if len(items) == 1 and items[0][0] is c.BRANCH:
+        return [list(b) for b in items[0][1][1]]
+    return [items]
+
+
+def _strip_anchors(items: list[Any]) -> list[Any]:
+    if items and items[0] == (c.AT, c.AT_BEGINNING):
+        items = items[1:]
+    if items and items[-1] == (c.AT, c.AT_END):
+        items = items[:-1]
+    return items
+
+
+def _sequence(items: list[Any]) -> str:
+    parts = [_item(op, av) for op, av in items]
+    return " ".join(parts) if parts else '""'
+
+
+def _alternatives(options: list[str]) -> str:
+    return options[0] if len(options) == 1 else "(" + " | ".join(options) + ")"
+
+
+def _item(op: Any, av: Any) -> str:
+    if op is c.LITERAL:
+        return _charset([(av, av)])
+    if op is c.NOT_LITERAL:
+        return _charset(_complement([(av, av)]))
+    if op is c.ANY:
+        return _charset(_complement(_LINE_TERMINATORS))
+    if op is c.IN:
+        return _charset(_class(av))
+    if op is c.BRANCH:
+        return _alternatives([_sequence(list(b)) for b in av[1]])
+    if op is c.SUBPATTERN:
+        _group, add_flags, del_flags, sub = av
+        if add_flags or del_flags:
+            raise PatternError("inline flags such as (?i) are not supported")
+        return "(" + _sequence(list(sub)) + ")"
+    if op in (c.MAX_REPEAT, c.MIN_REPEAT):
+        low, high, sub = av
+        bound = "" if high == c.MAXREPEAT else str(high)
+        return "(" + _sequence(list(sub)) + f"){{{low},{bound}}}"
+    if op is c.AT:
+        raise PatternError("^, $ and \\b are supported only at the pattern's ends (^ and $)")
+    if op in (c.ASSERT, c.ASSERT_NOT):
+        raise PatternError("lookahead and lookbehind are not supported")
+    if op is c.GROUPREF or op is c.GROUPREF_EXISTS:
+        raise PatternError("backreferences are not supported")
+    raise PatternError(f"{str(op).lower()} is not supported")
+
+
+def _class(items: list[Any]) -> Ranges:
+    ranges: Ranges = []
+    negate = False
+    for op, av in items:
+        if op is c.NEGATE:
+            negate = True
+        elif op is c.LITERAL:
+            ranges.append((av, av))
+        elif op is c.RANGE:
+            ranges.append(av)
+        elif op is c.CATEGORY:
+            ranges += _category(av)
+        else:
+            raise PatternError(f"{str(op).lower()} in a class is not supported")
+    return _complement(ranges) if negate else _merge(ranges)
+
+
+def _category(category: Any) -> Ranges:
+    table = {
+        c.CATEGORY_DIGIT: _DIGIT,
+        c.CATEGORY_NOT_DIGIT: _complement(_DIGIT),
+        c.CATEGORY_WORD: _WORD,
+        c.CATEGORY_NOT_WORD: _complement(_WORD),
+        c.CATEGORY_SPACE: _SPACE,
+        c.CATEGORY_NOT_SPACE: _complement(_ANY_SPACE),
+    }
+    if category not in table:
+        raise PatternError(f"{str(category).lower()} is not supported")
+    return table[category]
+
+
+def _merge(ranges: Ranges) -> Ranges:
+    out: Ranges = []
+    for low, high in sorted(ranges):
+        if out and low <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], high))
+        else:
+            out.append((low, high))
+    return out
+
+
+def _complement(ranges: Ranges) -> Ranges:
+    """Every code point but `ranges` and the surrogates (not characters of a JSON text)."""
+    out: Ranges = []
+    start = 0
+    for low, high in _merge(ranges + [_SURROGATES]):
+        if low > start:
+            out.append((start, low - 1))
+        start = max(start, high + 1)
+    if start <= MAX_CODE_POINT:
+        out.append((start, MAX_CODE_POINT))
+    return out
+
+
+def _charset(ranges: Ranges) -> str:
+    """The JSON encodings of a set of characters: raw where JSON allows it, escaped else."""
+    plain = _subtract(ranges, [(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C)])
+    options = ["[" + "".join(_class_range(r) for r in plain) + "]"] if plain else []
+    for low, high in ranges:
+        for code in range(low, min(high, 0x5C) + 1):
+            if code < 0x20 or code in (0x22, 0x5C):
+                escape = _JSON_SHORT_ESCAPES.get(code, f"\\u{code:04x}")
+                options.append('"' + escape.replace("\\", "\\\\").replace('"', '\\"') + '"')
+    if not options:
+        raise PatternError("a character class matches no character")
+    return _alternatives(options)
+
+
+def _subtract(ranges: Ranges, removed: Ranges) -> Ranges:
+    out: Ranges = []
+    for low, high in ranges:
+        pieces = [(low, high)]
+        for r_low, r_high in removed:
+            pieces = [
+                part
+                for p_low, p_high in pieces
+                for part in ((p_low, min(p_high, r_low - 1)), (max(p_low, r_high + 1), p_high))
+                if part[0] <= part[1]
+            ]
+        out += pieces
+    return out
+
+
+def _class_range(bounds: tuple[int, int]) -> str:
+    low, high = bounds
+    return _class_char(low) if low == high else f"{_class_char(low)}-{_class_char(high)}"
+
+
+def _class_char(code: int) -> str:
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"

@@ -1,0 +1,291 @@
+"""SchemaRules: which JSON Schema a `json_schema` constraint may use, and how Sluice rewrites it.
+
+xgrammar 0.2.8 silently ignores much of JSON Schema (allOf's siblings, `not`, `if`,
+`uniqueItems`, a `type`-less `minimum` ...), so an output could break the very schema it was
+constrained by. `check_schema` admits only what is enforced exactly (docs/service.md lists it)
+and refuses the rest with "<keyword> at <path> is not supported", the path a JSON pointer
+into the schema ("#/properties/a/anyOf/0"). It also rewrites what xgrammar gets wrong: a
+string's `pattern` and its `minLength`/`maxLength` become placeholders that
+json_schema_grammar.py replaces by Sluice's own expressions (pattern_grammar.py).
+
+Stdlib only: the service runs it at admission and the engine again before compiling. The text's
+nesting is measured before it is parsed, and the walk is a loop, so no schema reaches Python's
+recursion limit (nor xgrammar's recursive converter).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.structured.pattern_grammar import PatternError, length_grammar, pattern_grammar
+
+MAX_DEPTH = 64  # nesting of arrays and objects in the schema's text
+PLACEHOLDER = "sluice_string_{}"  # a pattern xgrammar keeps verbatim in its grammar's text
+
+# Anything else (title, description, $defs, x-... ) annotates and constrains nothing.
+UNSUPPORTED = frozenset(
+    [
+        "allOf",
+        "not",
+        "if",
+        "then",
+        "else",
+        "dependencies",
+        "dependentRequired",
+        "dependentSchemas",
+        "patternProperties",
+        "propertyNames",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "additionalItems",
+        "$dynamicRef",
+        "$recursiveRef",
+    ]
+)
+# Keywords that constrain one type only: xgrammar ignores them unless `type` names that type.
+TYPED = {
+    "minLength": {"string"},
+    "maxLength": {"string"},
+    "pattern": {"string"},
+    "format": {"string"},
+    "minimum": {"integer", "number"},
+    "maximum": {"integer", "number"},
+    "exclusiveMinimum": {"integer", "number"},
+    "exclusiveMaximum": {"integer", "number"},
+    "multipleOf": {"integer"},
+    "minItems": {"array"},
+    "maxItems": {"array"},
+    "minProperties": {"object"},
+    "maxProperties": {"object"},
+}
+SUPPORTED = frozenset(TYPED) | {
+    "type",
+    "enum",
+    "const",
+    "properties",
+    "required",
+    "additionalProperties",
+    "items",
+    "prefixItems",
+    "anyOf",
+    "oneOf",
+    "$ref",
+    "uniqueItems",
+}
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+class SchemaRuleError(ValueError):
+    """The schema cannot be enforced exactly: the message says what and where."""
+
+
+@dataclass
+class CheckedSchema:
+    """The schema as xgrammar should read it (`text`), and the GBNF expression of each string
+    placeholder in it."""
+
+    text: str
+    strings: dict[str, str] = field(default_factory=dict)
+
+
+def check_schema(text: str) -> CheckedSchema:
+    """The schema rewritten for compiling; raises SchemaRuleError if it is not JSON, not an
+    object, nested deeper than MAX_DEPTH, or uses what is not enforced exactly."""
+    depth = nesting_depth(text)
+    if depth > MAX_DEPTH:
+        raise SchemaRuleError(f"is nested {depth} deep, more than {MAX_DEPTH}")
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise SchemaRuleError(f"is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise SchemaRuleError("must be a JSON object")
+    strings: dict[str, str] = {}
+    _walk(schema, strings)
+    return CheckedSchema(json.dumps(schema), strings)
+
+
+def nesting_depth(text: str) -> int:
+    """The deepest nesting of [ and { outside JSON strings (of a text that may not be JSON)."""
+    depth = deepest = 0
+    for bracket in re.findall(r"[\[\]{}]", _JSON_STRING.sub("", text)):
+        depth = depth + 1 if bracket in "[{" else max(0, depth - 1)
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _walk(root: dict[str, Any], strings: dict[str, str]) -> None:
+    stack: list[tuple[Any, str]] = [(root, "#")]
+    seen: set[int] = set()
+    while stack:
+        node, path = stack.pop()
+        if not isinstance(node, dict) or id(node) in seen:
+            continue  # true and false are schemas too; a $ref target is checked once
+        seen.add(id(node))
+        _check_node(node, path)
+        _rewrite_strings(node, path, strings)
+        if "$ref" in node:
+            stack.append((_resolve(root, node["$ref"], path), node["$ref"]))
+        stack += _children(node, path)
+
+
+def _check_node(node: dict[str, Any], path: str) -> None:
+    keys = set(node)
+    for key in sorted(keys & UNSUPPORTED):
+        raise _unsupported(key, path)
+    if node.get("uniqueItems", False) is not False:
+        raise _unsupported("uniqueItems", path)
+    types = _types(node, path)
+    for key in sorted(keys & set(TYPED)):
+        if types is None or not types & TYPED[key]:
+            need = " or ".join(sorted(TYPED[key]))
+            raise SchemaRuleError(f"{key} at {path} needs a type of {need}")
+    if "multipleOf" in node and not _whole(node["multipleOf"]):
+        raise SchemaRuleError(f"multipleOf at {path} must be a whole number")
+    validating = keys & SUPPORTED
+    for key in ("anyOf", "oneOf", "$ref"):
+        if key in keys and validating - {key}:
+            other = sorted(validating - {key})[0]
+            raise SchemaRuleError(f"{other} beside {key} at {path} is not supported")
+    if "oneOf" in node:
+        _check_one_of(node, path)
+    if "enum" in node or "const" in node:
+        _check_values(node, path, types, validating)
+    if "required" in node:
+        properties = node.get("properties", {})
+        for name in node["required"]:
+            if not isinstance(properties, dict) or name not in properties:
+                raise SchemaRuleError(f"required {name!r} at {path} is not in properties")
+
+
+def _check_one_of(node: dict[str, Any], path: str) -> None:
+    """oneOf is enforced as anyOf, so its alternatives must exclude each other: each a
+    distinct single `type` (integer and number overlap)."""
+    options = node["oneOf"]
+    types = [o.get("type") if isinstance(o, dict) else None for o in options]
+    distinct = all(isinstance(t, str) for t in types) and len(set(types)) == len(types)
+    if not distinct or {"integer", "number"} <= set(types):
+        raise SchemaRuleError(
+            f"oneOf at {path} is supported only with alternatives of distinct single types"
+        )
+    node["anyOf"] = node.pop("oneOf")
+
+
+def _check_values(
+    node: dict[str, Any], path: str, types: set[str] | None, validating: set[str]
+) -> None:
+    """enum and const are enforced alone: only a `type` beside them, which filters them."""
+    key = "enum" if "enum" in node else "const"
+    others = validating - {"enum", "const", "type", "format"}  # format only annotates a value
+    if others:
+        raise SchemaRuleError(f"{sorted(others)[0]} beside {key} at {path} is not supported")
+    values = node["enum"] if key == "enum" else [node["const"]]
+    if not isinstance(values, list):
+        raise SchemaRuleError(f"enum at {path} must be an array")
+    kept = [v for v in values if types is None or _value_types(v) & types]
+    if not kept:
+        raise SchemaRuleError(f"{key} at {path} has no value of the schema's type")
+    node.pop("format", None)
+    if key == "enum":
+        node["enum"] = kept
+
+
+def _rewrite_strings(node: dict[str, Any], path: str, strings: dict[str, str]) -> None:
+    """Replace `pattern` or `minLength`/`maxLength` by a placeholder pattern."""
+    lengths = [k for k in ("minLength", "maxLength") if k in node]
+    if "pattern" in node:
+        if lengths or "format" in node:
+            raise _unsupported(f"{(lengths or ['format'])[0]} beside pattern", path)
+        if not isinstance(node["pattern"], str):
+            raise SchemaRuleError(f"pattern at {path} must be a string")
+        try:
+            body = pattern_grammar(node["pattern"])
+        except PatternError as exc:
+            raise SchemaRuleError(f"pattern at {path} {exc}") from None
+    elif lengths:
+        if "format" in node:
+            raise SchemaRuleError(f"{lengths[0]} beside format at {path} is not supported")
+        low, high = node.pop("minLength", 0), node.pop("maxLength", None)
+        for key, value in (("minLength", low), ("maxLength", high)):
+            if value is not None and not (_whole(value) and value >= 0):
+                raise SchemaRuleError(f"{key} at {path} must be a whole number >= 0")
+        body = length_grammar(int(low), None if high is None else int(high))
+    else:
+        return
+    name = PLACEHOLDER.format(len(strings))
+    strings[name] = body
+    node["pattern"] = name
+
+
+def _children(node: dict[str, Any], path: str) -> list[tuple[Any, str]]:
+    out: list[tuple[Any, str]] = []
+    for key in ("properties", "$defs", "definitions"):
+        if isinstance(node.get(key), dict):
+            out += [(v, f"{path}/{key}/{_escape(k)}") for k, v in node[key].items()]
+    for key in ("additionalProperties", "items"):
+        if key in node:
+            out.append((node[key], f"{path}/{key}"))
+    for key in ("prefixItems", "anyOf"):
+        if isinstance(node.get(key), list):
+            out += [(v, f"{path}/{key}/{i}") for i, v in enumerate(node[key])]
+    return out
+
+
+def _resolve(root: dict[str, Any], ref: Any, path: str) -> Any:
+    """The schema a local $ref points to ("#", "#/$defs/a"); others are refused."""
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+        raise SchemaRuleError(f"$ref {ref!r} at {path} is not supported (only local ones)")
+    target: Any = root
+    for part in ref[2:].split("/") if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(target, dict) and part in target:
+            target = target[part]
+        elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+            target = target[int(part)]
+        else:
+            raise SchemaRuleError(f"$ref {ref!r} at {path} does not resolve")
+    return target
+
+
+def _types(node: dict[str, Any], path: str) -> set[str] | None:
+    kind = node.get("type")
+    if kind is None:
+        return None
+    names = [kind] if isinstance(kind, str) else kind
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise SchemaRuleError(f"type at {path} must be a string or an array of strings")
+    return set(names)
+
+
+def _value_types(value: Any) -> set[str]:
+    if value is None:
+        return {"null"}
+    if isinstance(value, bool):
+        return {"boolean"}
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return {"integer", "number"}
+    if isinstance(value, float):
+        return {"number"}
+    return (
+        {"string"} if isinstance(value, str) else {"array" if isinstance(value, list) else "object"}
+    )
+
+
+def _whole(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+
+
+def _escape(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def _unsupported(key: str, path: str) -> SchemaRuleError:
+    return SchemaRuleError(f"{key} at {path} is not supported")
