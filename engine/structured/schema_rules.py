@@ -53,7 +53,6 @@ TYPED = {
     "minLength": {"string"},
     "maxLength": {"string"},
     "pattern": {"string"},
-    "format": {"string"},
     "minimum": {"integer", "number"},
     "maximum": {"integer", "number"},
     "exclusiveMinimum": {"integer", "number"},
