@@ -32,6 +32,9 @@ SHARED = {
     "engine.process",
     "engine.parent_death",
     "engine.logs",
+    "engine.structured",
+    "engine.structured.schema_rules",
+    "engine.structured.pattern_grammar",
 }
 
 

@@ -21,6 +21,7 @@ or atomic groups, and a class that matches no character.
 from __future__ import annotations
 
 import re
+import warnings
 from re import _constants as c  # type: ignore[attr-defined]
 from re import _parser as sre  # type: ignore[attr-defined]
 from typing import Any
@@ -49,15 +50,16 @@ def pattern_grammar(pattern: str) -> str:
     """A GBNF expression deriving exactly the JSON string bodies (quotes excluded) whose
     decoded text fully matches `pattern`."""
     try:
-        parsed = sre.parse(pattern)
+        with warnings.catch_warnings():  # "possible set difference" and such: ECMA-262 has none
+            warnings.simplefilter("ignore", FutureWarning)
+            parsed = sre.parse(pattern)
     except re.error as exc:
         raise PatternError(f"is not a valid regular expression: {exc}") from None
     if parsed.state.grouprefpos:
         raise PatternError("backreferences are not supported")
     if parsed.state.flags & ~re.UNICODE:
         raise PatternError("inline flags such as (?i) are not supported")
-    branches = _top_branches(list(parsed))
-    return _alternatives([_sequence(_strip_anchors(b)) for b in branches])
+    return _sequence(_strip_anchors(list(parsed)))
 
 
 def length_grammar(min_length: int, max_length: int | None) -> str:
@@ -67,17 +69,23 @@ def length_grammar(min_length: int, max_length: int | None) -> str:
     return f"{_charset(_complement([]))}{{{min_length},{upper}}}"
 
 
-def _top_branches(items: list[Any]) -> list[list[Any]]:
-    if len(items) == 1 and items[0][0] is c.BRANCH:
-        return [list(b) for b in items[0][1][1]]
-    return [items]
-
-
-def _strip_anchors(items: list[Any]) -> list[Any]:
-    if items and items[0] == (c.AT, c.AT_BEGINNING):
+def _strip_anchors(items: list[Any], start: bool = True, end: bool = True) -> list[Any]:
+    """`items` without the ^ at its start and the $ at its end, looking into the alternatives
+    and groups at its edges (Python's parser factors `^a$|^b$` into `^(?:a$|b$)`)."""
+    items = list(items)
+    if start and items and items[0] == (c.AT, c.AT_BEGINNING):
         items = items[1:]
-    if items and items[-1] == (c.AT, c.AT_END):
+    if end and items and items[-1] == (c.AT, c.AT_END):
         items = items[:-1]
+    for index in sorted({0, len(items) - 1}) if items else []:
+        at_start, at_end = start and index == 0, end and index == len(items) - 1
+        op, av = items[index]
+        if op is c.BRANCH:
+            options = [_strip_anchors(b, at_start, at_end) for b in av[1]]
+            items[index] = (op, (av[0], options))
+        elif op is c.SUBPATTERN:
+            inner = _strip_anchors(av[3], at_start, at_end)
+            items[index] = (op, (*av[:3], inner))
     return items
 
 

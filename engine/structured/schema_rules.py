@@ -23,6 +23,7 @@ from typing import Any
 from engine.structured.pattern_grammar import PatternError, length_grammar, pattern_grammar
 
 MAX_DEPTH = 64  # nesting of arrays and objects in the schema's text
+MAX_LENGTH = 2**31 - 1  # of a string's minLength and maxLength
 PLACEHOLDER = "sluice_string_{}"  # a pattern xgrammar keeps verbatim in its grammar's text
 
 # Anything else (title, description, $defs, x-... ) annotates and constrains nothing.
@@ -43,7 +44,6 @@ UNSUPPORTED = frozenset(
         "contains",
         "minContains",
         "maxContains",
-        "additionalItems",
         "$dynamicRef",
         "$recursiveRef",
     ]
@@ -135,23 +135,34 @@ def _walk(root: dict[str, Any], strings: dict[str, str]) -> None:
 
 
 def _check_node(node: dict[str, Any], path: str) -> None:
+    _check_shapes(node, path)
     keys = set(node)
     for key in sorted(keys & UNSUPPORTED):
         raise _unsupported(key, path)
     if node.get("uniqueItems", False) is not False:
         raise _unsupported("uniqueItems", path)
+    if "additionalItems" in node:
+        if isinstance(node.get("items"), list):
+            raise _unsupported("additionalItems", path)
+        del node["additionalItems"]  # without an array of `items` it constrains nothing
     types = _types(node, path)
     for key in sorted(keys & set(TYPED)):
         if types is None or not types & TYPED[key]:
             need = " or ".join(sorted(TYPED[key]))
             raise SchemaRuleError(f"{key} at {path} needs a type of {need}")
-    if "multipleOf" in node and not _whole(node["multipleOf"]):
-        raise SchemaRuleError(f"multipleOf at {path} must be a whole number")
+    if "multipleOf" in node:
+        if not _whole(node["multipleOf"]):
+            raise SchemaRuleError(f"multipleOf at {path} must be a whole number")
+        bounds = keys & {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}
+        if bounds:  # xgrammar then enforces the range alone
+            raise _unsupported(f"{sorted(bounds)[0]} beside multipleOf", path)
     validating = keys & SUPPORTED
     for key in ("anyOf", "oneOf", "$ref"):
         if key in keys and validating - {key}:
             other = sorted(validating - {key})[0]
             raise SchemaRuleError(f"{other} beside {key} at {path} is not supported")
+    if keys & {"minItems", "maxItems"} and not keys & {"items", "prefixItems"}:
+        node["items"] = True  # JSON Schema's default; xgrammar's strict mode reads none as [] here
     if "oneOf" in node:
         _check_one_of(node, path)
     if "enum" in node or "const" in node:
@@ -159,8 +170,31 @@ def _check_node(node: dict[str, Any], path: str) -> None:
     if "required" in node:
         properties = node.get("properties", {})
         for name in node["required"]:
-            if not isinstance(properties, dict) or name not in properties:
+            if name not in properties:
                 raise SchemaRuleError(f"required {name!r} at {path} is not in properties")
+
+
+def _check_shapes(node: dict[str, Any], path: str) -> None:
+    """The keywords this module reads have the JSON types it reads them as."""
+    shapes = {
+        "properties": dict,
+        "$defs": dict,
+        "definitions": dict,
+        "required": list,
+        "enum": list,
+        "anyOf": list,
+        "oneOf": list,
+        "prefixItems": list,
+    }
+    for key, kind in shapes.items():
+        if key in node and not isinstance(node[key], kind):
+            noun = "an object" if kind is dict else "an array"
+            raise SchemaRuleError(f"{key} at {path} must be {noun}")
+    if not all(isinstance(name, str) for name in node.get("required", [])):
+        raise SchemaRuleError(f"required at {path} must hold strings")
+    for key in ("anyOf", "oneOf"):
+        if key in node and not node[key]:
+            raise SchemaRuleError(f"{key} at {path} must not be empty")
 
 
 def _check_one_of(node: dict[str, Any], path: str) -> None:
@@ -185,8 +219,6 @@ def _check_values(
     if others:
         raise SchemaRuleError(f"{sorted(others)[0]} beside {key} at {path} is not supported")
     values = node["enum"] if key == "enum" else [node["const"]]
-    if not isinstance(values, list):
-        raise SchemaRuleError(f"enum at {path} must be an array")
     kept = [v for v in values if types is None or _value_types(v) & types]
     if not kept:
         raise SchemaRuleError(f"{key} at {path} has no value of the schema's type")
@@ -199,8 +231,8 @@ def _rewrite_strings(node: dict[str, Any], path: str, strings: dict[str, str]) -
     """Replace `pattern` or `minLength`/`maxLength` by a placeholder pattern."""
     lengths = [k for k in ("minLength", "maxLength") if k in node]
     if "pattern" in node:
-        if lengths or "format" in node:
-            raise _unsupported(f"{(lengths or ['format'])[0]} beside pattern", path)
+        if lengths:
+            raise _unsupported(f"{lengths[0]} beside pattern", path)
         if not isinstance(node["pattern"], str):
             raise SchemaRuleError(f"pattern at {path} must be a string")
         try:
@@ -208,15 +240,15 @@ def _rewrite_strings(node: dict[str, Any], path: str, strings: dict[str, str]) -
         except PatternError as exc:
             raise SchemaRuleError(f"pattern at {path} {exc}") from None
     elif lengths:
-        if "format" in node:
-            raise SchemaRuleError(f"{lengths[0]} beside format at {path} is not supported")
+        for key in lengths:
+            if not (_whole(node[key]) and 0 <= node[key] <= MAX_LENGTH):
+                raise SchemaRuleError(f"{key} at {path} must be a whole number 0 to {MAX_LENGTH}")
         low, high = node.pop("minLength", 0), node.pop("maxLength", None)
-        for key, value in (("minLength", low), ("maxLength", high)):
-            if value is not None and not (_whole(value) and value >= 0):
-                raise SchemaRuleError(f"{key} at {path} must be a whole number >= 0")
         body = length_grammar(int(low), None if high is None else int(high))
     else:
         return
+    # A format beside them stays what JSON Schema makes it by default: an annotation.
+    node.pop("format", None)
     name = PLACEHOLDER.format(len(strings))
     strings[name] = body
     node["pattern"] = name

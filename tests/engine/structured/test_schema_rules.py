@@ -26,6 +26,7 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"type": "string", "pattern": "^a", "maxLength": 2}, "maxLength beside pattern at #"),
     ({"type": "number", "multipleOf": 0.5}, "multipleOf at # needs a type of integer"),
     ({"type": "integer", "multipleOf": 0.5}, "multipleOf at # must be a whole number"),
+    ({"type": "integer", "multipleOf": 12, "minimum": 0}, "minimum beside multipleOf at #"),
     ({"type": "array", "contains": {"type": "integer"}}, "contains at # is not supported"),
     ({**OBJECT_A, "required": ["b"]}, "required 'b' at # is not in properties"),
     ({"minimum": 3}, "minimum at # needs a type of integer or number"),
@@ -124,3 +125,30 @@ def _literal(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "properties": [1]},
+        {"type": "object", "properties": {}, "required": "a"},
+        {"type": "object", "properties": {}, "required": [1]},
+        {"anyOf": {}},
+        {"oneOf": []},
+        {"enum": 5},
+        {"$defs": []},
+        {"type": 5},
+        {"type": "string", "maxLength": 1e300},
+        {"type": "string", "minLength": -1},
+        {"type": "string", "minLength": None},
+        {"type": "string", "pattern": 5},
+    ],
+)
+def test_a_keyword_of_the_wrong_json_type_is_refused_not_a_crash(schema: dict[str, Any]) -> None:
+    with pytest.raises(SchemaRuleError, match=" at # must "):
+        check_schema(json.dumps(schema))
+
+
+def test_an_array_bound_without_items_allows_any_items() -> None:
+    schema = {"type": "array", "minItems": 1}
+    assert json.loads(check_schema(json.dumps(schema)).text) == {**schema, "items": True}

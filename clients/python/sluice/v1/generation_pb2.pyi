@@ -307,8 +307,9 @@ class StructuredOutput(_message.Message):
     json_schema: _builtins.str
     """A JSON Schema document (as text). The completion is a JSON value valid under it; objects
     have no properties beyond the schema's `properties` unless the schema allows them
-    (`additionalProperties`), and a run of whitespace between tokens is at most 20
-    characters.
+    (`additionalProperties`); a keyword that is not enforced exactly is refused
+    (docs/service.md lists them). The JSON is compact (", " and ": " between tokens) unless
+    the server's --json-whitespace allows more.
     """
     json_object: _builtins.bool
     """true: the completion is any JSON object. (false is the same as unset.)"""
