@@ -11,9 +11,10 @@ the pattern matches.
 The dialect is ECMA-262's, the one JSON Schema names, read through Python's `re` parser:
 literals, `.`, classes (`[a-z]`, `[^...]`, `\\d \\w \\s` and their negations, ASCII as in
 ECMA-262), groups, `|`, and the quantifiers `* + ? {m} {m,} {m,n}` (lazy ones too: the language
-is the same). `^` and `$` are accepted only at the ends; the whole string must match either way
-(as xgrammar, vLLM and SGLang read a pattern: stricter than JSON Schema's search, so an output
-is always valid). `.` matches any character but the line terminators \\n, \\r, U+2028, U+2029.
+is the same). A pattern is searched, as JSON Schema says: `^` and `$` (accepted only at the
+ends) anchor it, and without them any text may come before or after (xgrammar alone matched the
+whole string, so `^(https|file)://` allowed only "https://" and "file://"). `.` matches any
+character but the line terminators \\n, \\r, U+2028, U+2029.
 Refused (PatternError): backreferences, lookaround, word boundaries, inline flags, possessive
 or atomic groups, and a class that matches no character.
 """
@@ -40,6 +41,7 @@ _JSON_SHORT_ESCAPES = {0x22: '\\"', 0x5C: "\\\\", 0x08: "\\b", 0x0C: "\\f", 0x0A
 _JSON_SHORT_ESCAPES |= {0x0D: "\\r", 0x09: "\\t"}
 
 Ranges = list[tuple[int, int]]
+_ANY_TEXT = (object(), None)  # where an unanchored pattern lets any text come
 
 
 class PatternError(ValueError):
@@ -59,7 +61,7 @@ def pattern_grammar(pattern: str) -> str:
         raise PatternError("backreferences are not supported")
     if parsed.state.flags & ~re.UNICODE:
         raise PatternError("inline flags such as (?i) are not supported")
-    return _sequence(_strip_anchors(list(parsed)))
+    return _sequence(_anchor(list(parsed), start=True, end=True))
 
 
 def length_grammar(min_length: int, max_length: int | None) -> str:
@@ -69,24 +71,37 @@ def length_grammar(min_length: int, max_length: int | None) -> str:
     return f"{_charset(_complement([]))}{{{min_length},{upper}}}"
 
 
-def _strip_anchors(items: list[Any], start: bool = True, end: bool = True) -> list[Any]:
-    """`items` without the ^ at its start and the $ at its end, looking into the alternatives
-    and groups at its edges (Python's parser factors `^a$|^b$` into `^(?:a$|b$)`)."""
+def _anchor(items: list[Any], start: bool, end: bool) -> list[Any]:
+    """`items` matched as JSON Schema searches: a ^ at its start is dropped, and without one any
+    text may come first (likewise $ and the end), looking into the alternatives and groups at
+    its edges (Python's parser factors `^a$|^b$` into `^(?:a$|b$)`)."""
     items = list(items)
-    if start and items and items[0] == (c.AT, c.AT_BEGINNING):
-        items = items[1:]
-    if end and items and items[-1] == (c.AT, c.AT_END):
-        items = items[:-1]
-    for index in sorted({0, len(items) - 1}) if items else []:
-        at_start, at_end = start and index == 0, end and index == len(items) - 1
-        op, av = items[index]
-        if op is c.BRANCH:
-            options = [_strip_anchors(b, at_start, at_end) for b in av[1]]
-            items[index] = (op, (av[0], options))
-        elif op is c.SUBPATTERN:
-            inner = _strip_anchors(av[3], at_start, at_end)
-            items[index] = (op, (*av[:3], inner))
-    return items
+    if len(items) == 1 and items[0][0] in (c.BRANCH, c.SUBPATTERN):
+        return [_anchor_edge(items[0], start, end)]
+    head: list[Any] = []
+    tail: list[Any] = []
+    if start:
+        if items and items[0] == (c.AT, c.AT_BEGINNING):
+            items = items[1:]
+        elif items and items[0][0] in (c.BRANCH, c.SUBPATTERN):
+            items[0] = _anchor_edge(items[0], True, False)
+        else:
+            head = [_ANY_TEXT]
+    if end:
+        if items and items[-1] == (c.AT, c.AT_END):
+            items = items[:-1]
+        elif items and items[-1][0] in (c.BRANCH, c.SUBPATTERN):
+            items[-1] = _anchor_edge(items[-1], False, True)
+        else:
+            tail = [_ANY_TEXT]
+    return head + items + tail
+
+
+def _anchor_edge(item: tuple[Any, Any], start: bool, end: bool) -> tuple[Any, Any]:
+    op, av = item
+    if op is c.BRANCH:
+        return op, (av[0], [_anchor(list(b), start, end) for b in av[1]])
+    return op, (*av[:3], _anchor(list(av[3]), start, end))
 
 
 def _sequence(items: list[Any]) -> str:
@@ -99,6 +114,8 @@ def _alternatives(options: list[str]) -> str:
 
 
 def _item(op: Any, av: Any) -> str:
+    if op is _ANY_TEXT[0]:
+        return _charset(_complement([])) + "{0,}"
     if op is c.LITERAL:
         return _charset([(av, av)])
     if op is c.NOT_LITERAL:
