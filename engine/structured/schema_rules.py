@@ -271,7 +271,9 @@ def _children(node: dict[str, Any], path: str) -> list[tuple[Any, str]]:
 def _resolve(root: dict[str, Any], ref: Any, path: str) -> Any:
     """The schema a local $ref points to ("#", "#/$defs/a"); others are refused."""
     if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
-        raise SchemaRuleError(f"$ref {ref!r} at {path} is not supported (only JSON pointers into the schema)")
+        raise SchemaRuleError(
+            f"$ref {ref!r} at {path} is not supported (only JSON pointers into the schema)"
+        )
     target: Any = root
     for part in ref[2:].split("/") if ref != "#" else []:
         part = part.replace("~1", "/").replace("~0", "~")
