@@ -40,4 +40,5 @@ def json_schema_grammar(
     text = _REGEX_RULE.sub(expression, str(grammar))
     if 'Regex("sluice_string_' in text:
         raise RuntimeError("xgrammar printed a string rule in a form Sluice cannot replace")
-    return xgrammar.Grammar.from_ebnf(text)
+    rules = "".join(f"{name} ::= {body}\n" for name, body in checked.rules.items())
+    return xgrammar.Grammar.from_ebnf(text + "\n" + rules)

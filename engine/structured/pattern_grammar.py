@@ -21,6 +21,7 @@ or atomic groups, and a class that matches no character.
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from re import _constants as c  # type: ignore[attr-defined]
@@ -48,27 +49,89 @@ class PatternError(ValueError):
     """The pattern uses something this dialect does not have: the message says what."""
 
 
-def pattern_grammar(pattern: str) -> str:
-    """A GBNF expression deriving exactly the JSON string bodies (quotes excluded) whose
-    decoded text fully matches `pattern`."""
-    try:
-        with warnings.catch_warnings():  # "possible set difference" and such: ECMA-262 has none
-            warnings.simplefilter("ignore", FutureWarning)
-            parsed = sre.parse(pattern)
-    except re.error as exc:
-        raise PatternError(f"is not a valid regular expression: {exc}") from None
-    if parsed.state.grouprefpos:
-        raise PatternError("backreferences are not supported")
-    if parsed.state.flags & ~re.UNICODE:
-        raise PatternError("inline flags such as (?i) are not supported")
-    return _sequence(_anchor(list(parsed), start=True, end=True))
+class PatternGrammar:
+    """Writes the patterns and length bounds of one schema as GBNF expressions. A character
+    set's alternatives are written once, as a rule of their own (`rules`), however many times
+    the patterns use it, so the grammar grows with the patterns' length, not 50 times it."""
 
+    def __init__(self) -> None:
+        self.rules: dict[str, str] = {}  # rule name -> its body
+        self._names: dict[str, str] = {}  # body -> rule name
 
-def length_grammar(min_length: int, max_length: int | None) -> str:
-    """A GBNF expression deriving the JSON string bodies of `min_length` to `max_length`
-    characters (None: no upper bound), a character counted once however it is escaped."""
-    upper = "" if max_length is None else str(max_length)
-    return f"{_charset(_complement([]))}{{{min_length},{upper}}}"
+    def pattern(self, pattern: str) -> str:
+        """An expression deriving exactly the JSON string bodies (quotes excluded) whose
+        decoded text `pattern` matches (searched, as JSON Schema says)."""
+        try:
+            with warnings.catch_warnings():  # "possible set difference": ECMA-262 has none
+                warnings.simplefilter("ignore", FutureWarning)
+                parsed = sre.parse(pattern)
+        except re.error as exc:
+            raise PatternError(f"is not a valid regular expression: {exc}") from None
+        if parsed.state.grouprefpos:
+            raise PatternError("backreferences are not supported")
+        if parsed.state.flags & ~re.UNICODE:
+            raise PatternError("inline flags such as (?i) are not supported")
+        return self._sequence(_anchor(list(parsed), start=True, end=True))
+
+    def length(self, min_length: int, max_length: int | None) -> str:
+        """An expression deriving the JSON string bodies of `min_length` to `max_length`
+        characters (None: no upper bound), a character counted once however it is escaped."""
+        upper = "" if max_length is None else str(max_length)
+        return f"{self._charset(_ALL)}{{{min_length},{upper}}}"
+
+    def _sequence(self, items: list[Any]) -> str:
+        parts: list[str] = []
+        run: list[str] = []  # printable ASCII literals, written as one string literal
+        for op, av in items:
+            if op is c.LITERAL and 0x20 <= av < 0x7F and av not in (0x22, 0x5C):
+                run.append(chr(av))
+                continue
+            if run:
+                parts.append('"' + "".join(run) + '"')
+                run = []
+            parts.append(self._item(op, av))
+        if run:
+            parts.append('"' + "".join(run) + '"')
+        return " ".join(parts) if parts else '""'
+
+    def _item(self, op: Any, av: Any) -> str:
+        if op is _ANY_TEXT[0]:
+            return self._charset(_ALL) + "{0,}"
+        if op is c.LITERAL:
+            return self._charset(((av, av),))
+        if op is c.NOT_LITERAL:
+            return self._charset(tuple(_complement([(av, av)])))
+        if op is c.ANY:
+            return self._charset(_DOT)
+        if op is c.IN:
+            return self._charset(tuple(_class(av)))
+        if op is c.BRANCH:
+            return _alternatives([self._sequence(list(b)) for b in av[1]])
+        if op is c.SUBPATTERN:
+            _group, add_flags, del_flags, sub = av
+            if add_flags or del_flags:
+                raise PatternError("inline flags such as (?i) are not supported")
+            return "(" + self._sequence(list(sub)) + ")"
+        if op in (c.MAX_REPEAT, c.MIN_REPEAT):
+            low, high, sub = av
+            bound = "" if high == c.MAXREPEAT else str(high)
+            return "(" + self._sequence(list(sub)) + f"){{{low},{bound}}}"
+        if op is c.AT:
+            raise PatternError("^, $ and \\b are supported only at the pattern's ends (^ and $)")
+        if op in (c.ASSERT, c.ASSERT_NOT):
+            raise PatternError("lookahead and lookbehind are not supported")
+        if op is c.GROUPREF or op is c.GROUPREF_EXISTS:
+            raise PatternError("backreferences are not supported")
+        raise PatternError(f"{str(op).lower()} is not supported")
+
+    def _charset(self, ranges: tuple[tuple[int, int], ...]) -> str:
+        body = _charset(ranges)
+        if len(body) <= 24:
+            return body
+        if body not in self._names:
+            name = self._names[body] = f"sluice_set_{len(self._names)}"
+            self.rules[name] = body
+        return self._names[body]
 
 
 def _anchor(items: list[Any], start: bool, end: bool) -> list[Any]:
@@ -104,44 +167,8 @@ def _anchor_edge(item: tuple[Any, Any], start: bool, end: bool) -> tuple[Any, An
     return op, (*av[:3], _anchor(list(av[3]), start, end))
 
 
-def _sequence(items: list[Any]) -> str:
-    parts = [_item(op, av) for op, av in items]
-    return " ".join(parts) if parts else '""'
-
-
 def _alternatives(options: list[str]) -> str:
     return options[0] if len(options) == 1 else "(" + " | ".join(options) + ")"
-
-
-def _item(op: Any, av: Any) -> str:
-    if op is _ANY_TEXT[0]:
-        return _charset(_complement([])) + "{0,}"
-    if op is c.LITERAL:
-        return _charset([(av, av)])
-    if op is c.NOT_LITERAL:
-        return _charset(_complement([(av, av)]))
-    if op is c.ANY:
-        return _charset(_complement(_LINE_TERMINATORS))
-    if op is c.IN:
-        return _charset(_class(av))
-    if op is c.BRANCH:
-        return _alternatives([_sequence(list(b)) for b in av[1]])
-    if op is c.SUBPATTERN:
-        _group, add_flags, del_flags, sub = av
-        if add_flags or del_flags:
-            raise PatternError("inline flags such as (?i) are not supported")
-        return "(" + _sequence(list(sub)) + ")"
-    if op in (c.MAX_REPEAT, c.MIN_REPEAT):
-        low, high, sub = av
-        bound = "" if high == c.MAXREPEAT else str(high)
-        return "(" + _sequence(list(sub)) + f"){{{low},{bound}}}"
-    if op is c.AT:
-        raise PatternError("^, $ and \\b are supported only at the pattern's ends (^ and $)")
-    if op in (c.ASSERT, c.ASSERT_NOT):
-        raise PatternError("lookahead and lookbehind are not supported")
-    if op is c.GROUPREF or op is c.GROUPREF_EXISTS:
-        raise PatternError("backreferences are not supported")
-    raise PatternError(f"{str(op).lower()} is not supported")
 
 
 def _class(items: list[Any]) -> Ranges:
@@ -198,9 +225,10 @@ def _complement(ranges: Ranges) -> Ranges:
     return out
 
 
-def _charset(ranges: Ranges) -> str:
+@functools.lru_cache(maxsize=256)
+def _charset(ranges: tuple[tuple[int, int], ...]) -> str:
     """The JSON encodings of a set of characters: raw where JSON allows it, escaped else."""
-    plain = _subtract(ranges, [(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C)])
+    plain = _subtract(list(ranges), [(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C)])
     options = ["[" + "".join(_class_range(r) for r in plain) + "]"] if plain else []
     for low, high in ranges:
         for code in range(low, min(high, 0x5C) + 1):
@@ -234,3 +262,7 @@ def _class_range(bounds: tuple[int, int]) -> str:
 
 def _class_char(code: int) -> str:
     return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+_ALL = tuple(_complement([]))
+_DOT = tuple(_complement(_LINE_TERMINATORS))

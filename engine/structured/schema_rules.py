@@ -20,10 +20,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.structured.pattern_grammar import PatternError, length_grammar, pattern_grammar
+from engine.structured.pattern_grammar import PatternError, PatternGrammar
 
 MAX_DEPTH = 64  # nesting of arrays and objects in the schema's text
 MAX_LENGTH = 2**31 - 1  # of a string's minLength and maxLength
+MAX_PATTERN_CHARS = 8192  # all of a schema's patterns together: parsing them costs ~10 us a char
 PLACEHOLDER = "sluice_string_{}"  # a pattern xgrammar keeps verbatim in its grammar's text
 
 # Anything else (title, description, $defs, x-... ) annotates and constrains nothing.
@@ -86,16 +87,20 @@ class SchemaRuleError(ValueError):
 
 @dataclass
 class CheckedSchema:
-    """The schema as xgrammar should read it (`text`), and the GBNF expression of each string
-    placeholder in it."""
+    """The schema as xgrammar should read it (`text`), the GBNF expression of each string
+    placeholder in it (`strings`) and the rules those expressions use (`rules`)."""
 
     text: str
     strings: dict[str, str] = field(default_factory=dict)
+    rules: dict[str, str] = field(default_factory=dict)
+    pattern_chars: int = 0  # of the schema's patterns together
 
 
-def check_schema(text: str) -> CheckedSchema:
+def check_schema(text: str, write_strings: bool = True) -> CheckedSchema:
     """The schema rewritten for compiling; raises SchemaRuleError if it is not JSON, not an
-    object, nested deeper than MAX_DEPTH, or uses what is not enforced exactly."""
+    object, nested deeper than MAX_DEPTH, or uses what is not enforced exactly. Without
+    `write_strings` (the service's check) patterns are not parsed: the engine's check, before
+    compiling, refuses one its dialect lacks."""
     depth = nesting_depth(text)
     if depth > MAX_DEPTH:
         raise SchemaRuleError(f"is nested {depth} deep, more than {MAX_DEPTH}")
@@ -105,9 +110,12 @@ def check_schema(text: str) -> CheckedSchema:
         raise SchemaRuleError(f"is not valid JSON: {exc}") from None
     if not isinstance(schema, dict):
         raise SchemaRuleError("must be a JSON object")
-    strings: dict[str, str] = {}
-    _walk(schema, strings)
-    return CheckedSchema(json.dumps(schema), strings)
+    checked = CheckedSchema("")
+    writer = PatternGrammar() if write_strings else None
+    _walk(schema, checked, writer)
+    checked.text = json.dumps(schema)
+    checked.rules = writer.rules if writer is not None else {}
+    return checked
 
 
 def nesting_depth(text: str) -> int:
@@ -119,7 +127,7 @@ def nesting_depth(text: str) -> int:
     return deepest
 
 
-def _walk(root: dict[str, Any], strings: dict[str, str]) -> None:
+def _walk(root: dict[str, Any], checked: CheckedSchema, writer: PatternGrammar | None) -> None:
     stack: list[tuple[Any, str]] = [(root, "#")]
     seen: set[int] = set()
     while stack:
@@ -128,7 +136,7 @@ def _walk(root: dict[str, Any], strings: dict[str, str]) -> None:
             continue  # true and false are schemas too; a $ref target is checked once
         seen.add(id(node))
         _check_node(node, path)
-        _rewrite_strings(node, path, strings)
+        _rewrite_strings(node, path, checked, writer)
         if "$ref" in node:
             stack.append((_resolve(root, node["$ref"], path), node["$ref"]))
         stack += _children(node, path)
@@ -227,16 +235,22 @@ def _check_values(
         node["enum"] = kept
 
 
-def _rewrite_strings(node: dict[str, Any], path: str, strings: dict[str, str]) -> None:
-    """Replace `pattern` or `minLength`/`maxLength` by a placeholder pattern."""
+def _rewrite_strings(
+    node: dict[str, Any], path: str, checked: CheckedSchema, writer: PatternGrammar | None
+) -> None:
+    """Replace `pattern` or `minLength`/`maxLength` by a placeholder pattern, its expression
+    written by `writer` (none: only checked, "" as the expression)."""
     lengths = [k for k in ("minLength", "maxLength") if k in node]
     if "pattern" in node:
         if lengths:
             raise _unsupported(f"{lengths[0]} beside pattern", path)
         if not isinstance(node["pattern"], str):
             raise SchemaRuleError(f"pattern at {path} must be a string")
+        checked.pattern_chars += len(node["pattern"])
+        if checked.pattern_chars > MAX_PATTERN_CHARS:
+            raise SchemaRuleError(f"patterns: at most {MAX_PATTERN_CHARS} characters in all")
         try:
-            body = pattern_grammar(node["pattern"])
+            body = writer.pattern(node["pattern"]) if writer is not None else node["pattern"]
         except PatternError as exc:
             raise SchemaRuleError(f"pattern at {path} {exc}") from None
     elif lengths:
@@ -244,13 +258,14 @@ def _rewrite_strings(node: dict[str, Any], path: str, strings: dict[str, str]) -
             if not (_whole(node[key]) and 0 <= node[key] <= MAX_LENGTH):
                 raise SchemaRuleError(f"{key} at {path} must be a whole number 0 to {MAX_LENGTH}")
         low, high = node.pop("minLength", 0), node.pop("maxLength", None)
-        body = length_grammar(int(low), None if high is None else int(high))
+        bounds = (int(low), None if high is None else int(high))
+        body = writer.length(*bounds) if writer is not None else ""
     else:
         return
     # A format beside them stays what JSON Schema makes it by default: an annotation.
     node.pop("format", None)
-    name = PLACEHOLDER.format(len(strings))
-    strings[name] = body
+    name = PLACEHOLDER.format(len(checked.strings))
+    checked.strings[name] = body
     node["pattern"] = name
 
 

@@ -9,7 +9,12 @@ from typing import Any
 
 import pytest
 
-from engine.structured.schema_rules import MAX_DEPTH, SchemaRuleError, check_schema
+from engine.structured.schema_rules import (
+    MAX_DEPTH,
+    MAX_PATTERN_CHARS,
+    SchemaRuleError,
+    check_schema,
+)
 
 OBJECT_A = {"type": "object", "properties": {"a": {"type": "integer"}}}
 
@@ -152,3 +157,18 @@ def test_a_keyword_of_the_wrong_json_type_is_refused_not_a_crash(schema: dict[st
 def test_an_array_bound_without_items_allows_any_items() -> None:
     schema = {"type": "array", "minItems": 1}
     assert json.loads(check_schema(json.dumps(schema)).text) == {**schema, "items": True}
+
+
+def test_patterns_past_their_budget_are_refused() -> None:
+    half = "a" * (MAX_PATTERN_CHARS // 2 + 1)
+    properties = {k: {"type": "string", "pattern": half} for k in "xy"}
+    with pytest.raises(SchemaRuleError, match=f"^patterns: at most {MAX_PATTERN_CHARS} char"):
+        check_schema(json.dumps({"type": "object", "properties": properties}))
+
+
+@pytest.mark.parametrize("unit", [".", r"\S", "[^a]", "(a|é)", "\\\\"])
+def test_the_grammar_of_a_pattern_grows_with_it_not_with_its_character_sets(unit: str) -> None:
+    pattern = unit * (MAX_PATTERN_CHARS // len(unit))
+    checked = check_schema(json.dumps({"type": "string", "pattern": pattern}))
+    written = sum(map(len, checked.strings.values())) + sum(map(len, checked.rules.values()))
+    assert written < 16 * len(pattern) + 4096
