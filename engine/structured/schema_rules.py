@@ -15,6 +15,7 @@ recursion limit (nor xgrammar's recursive converter).
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from dataclasses import dataclass, field
@@ -78,7 +79,10 @@ SUPPORTED = frozenset(TYPED) | {
     "$ref",
     "uniqueItems",
 }
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_ESCAPE = re.compile(r"\\.", re.DOTALL)
+_STRING = re.compile(r'"[^"]*"?')
+_BRACKET = re.compile(r"[\[\]{}]")
+_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 
 
 class SchemaRuleError(ValueError):
@@ -119,12 +123,12 @@ def check_schema(text: str, write_strings: bool = True) -> CheckedSchema:
 
 
 def nesting_depth(text: str) -> int:
-    """The deepest nesting of [ and { outside JSON strings (of a text that may not be JSON)."""
-    depth = deepest = 0
-    for bracket in re.findall(r"[\[\]{}]", _JSON_STRING.sub("", text)):
-        depth = depth + 1 if bracket in "[{" else max(0, depth - 1)
-        deepest = max(deepest, depth)
-    return deepest
+    """The deepest nesting of [ and { outside JSON strings, in linear time (a text that may not
+    be JSON: past a stray closing bracket the depth counted may be less, but a parser stops
+    there)."""
+    outside = _STRING.sub("", _ESCAPE.sub("", text))  # no escape left: a string ends at a quote
+    steps = map(_STEP.__getitem__, _BRACKET.findall(outside))
+    return max(itertools.accumulate(steps, initial=0))
 
 
 def _walk(root: dict[str, Any], checked: CheckedSchema, writer: PatternGrammar | None) -> None:

@@ -172,3 +172,10 @@ def test_the_grammar_of_a_pattern_grows_with_it_not_with_its_character_sets(unit
     checked = check_schema(json.dumps({"type": "string", "pattern": pattern}))
     written = sum(map(len, checked.strings.values())) + sum(map(len, checked.rules.values()))
     assert written < 16 * len(pattern) + 4096
+
+
+@pytest.mark.timeout(5)  # quadratic, as a first version was, this text took 20 s
+def test_nesting_is_measured_in_linear_time_even_in_a_string_that_never_ends() -> None:
+    text = '{"a": "' + '\\"[' * 20000
+    with pytest.raises(SchemaRuleError, match=r"^is not valid JSON"):
+        check_schema(text)
