@@ -8,9 +8,9 @@ into the schema ("#/properties/a/anyOf/0"). It also rewrites what xgrammar gets 
 string's `pattern` and its `minLength`/`maxLength` become placeholders that
 json_schema_grammar.py replaces by Sluice's own expressions (pattern_grammar.py).
 
-Stdlib only: the service runs it at admission and the engine again before compiling. The text's
-nesting is measured before it is parsed, and the walk is a loop, so no schema reaches Python's
-recursion limit (nor xgrammar's recursive converter).
+Stdlib only: the service runs it at admission (without parsing patterns) and the engine again
+before compiling. The text's nesting is measured before it is parsed, and the walk is a loop,
+so no schema reaches Python's recursion limit (nor xgrammar's recursive converter).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ MAX_LENGTH = 2**31 - 1  # of a string's minLength and maxLength
 MAX_PATTERN_CHARS = 8192  # all of a schema's patterns together: parsing them costs ~10 us a char
 PLACEHOLDER = "sluice_string_{}"  # a pattern xgrammar keeps verbatim in its grammar's text
 
-# Anything else (title, description, $defs, x-... ) annotates and constrains nothing.
+# Validating keywords xgrammar does not enforce (or not as JSON Schema means them).
 UNSUPPORTED = frozenset(
     [
         "allOf",
@@ -65,6 +65,8 @@ TYPED = {
     "minProperties": {"object"},
     "maxProperties": {"object"},
 }
+# The validating keywords enforced, under the rules below. Anything else (title, description,
+# $defs, x-...) annotates and constrains nothing.
 SUPPORTED = frozenset(TYPED) | {
     "type",
     "enum",
