@@ -160,6 +160,11 @@ def _check_node(node: dict[str, Any], path: str) -> None:
             raise _unsupported("additionalItems", path)
         del node["additionalItems"]  # without an array of `items` it constrains nothing
     types = _types(node, path)
+    for key in ("anyOf", "oneOf"):
+        if key in node and types is not None:
+            _distribute_type(node, key, types, path)
+            keys.discard("type")
+            types = None
     for key in sorted(keys & set(TYPED)):
         if types is None or not types & TYPED[key]:
             need = " or ".join(sorted(TYPED[key]))
@@ -209,6 +214,35 @@ def _check_shapes(node: dict[str, Any], path: str) -> None:
     for key in ("anyOf", "oneOf"):
         if key in node and not node[key]:
             raise SchemaRuleError(f"{key} at {path} must not be empty")
+
+
+def _distribute_type(node: dict[str, Any], key: str, types: set[str], path: str) -> None:
+    """A `type` beside anyOf/oneOf moved into each alternative (the same schema: each must
+    hold with it), so that xgrammar, which ignores it there, enforces it; an alternative whose
+    own type excludes it is dropped."""
+    options = []
+    for option in node[key]:
+        if option is False:
+            continue
+        option = {} if option is True else option
+        if not isinstance(option, dict) or "$ref" in option:
+            raise _unsupported(f"type beside {key} with a $ref alternative", path)
+        own = _types(option, path)
+        kept = types if own is None else _type_intersection(types, own)
+        if kept:
+            options.append({**option, "type": sorted(kept)})
+    if not options:
+        raise SchemaRuleError(f"{key} at {path} has no alternative of the schema's type")
+    node[key] = options
+    del node["type"]
+
+
+def _type_intersection(a: set[str], b: set[str]) -> set[str]:
+    """The JSON types both allow: an integer is a number too."""
+    both = a & b
+    if ("integer" in a and "number" in b) or ("number" in a and "integer" in b):
+        both.add("integer")
+    return both
 
 
 def _check_one_of(node: dict[str, Any], path: str) -> None:

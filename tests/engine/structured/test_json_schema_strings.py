@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+import jsonschema
 import pytest
 import xgrammar
 
@@ -117,3 +118,10 @@ def test_a_pattern_the_dialect_lacks_is_refused_naming_the_field(grammars: Gramm
     bad = Constraint("json_schema", json.dumps({"type": "string", "pattern": r"(a)\1"}))
     with pytest.raises(ConstraintError, match=r"^structured.json_schema: pattern at # backref"):
         grammars.compile(bad).result()
+
+
+def test_a_type_beside_any_of_is_enforced_as_jsonschema_says(grammars: Grammars) -> None:
+    schema = {"type": ["integer", "string"], "anyOf": [{"minimum": 3}, {"maxLength": 2}]}
+    validator = jsonschema.Draft202012Validator(schema)
+    for value in [1, 3, 7, 2.5, "ab", "abc", None, [], True]:
+        assert accepts(grammars, schema, json.dumps(value)) == validator.is_valid(value), value

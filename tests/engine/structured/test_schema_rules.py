@@ -179,3 +179,17 @@ def test_nesting_is_measured_in_linear_time_even_in_a_string_that_never_ends() -
     text = '{"a": "' + '\\"[' * 20000
     with pytest.raises(SchemaRuleError, match=r"^is not valid JSON"):
         check_schema(text)
+
+
+def test_a_type_beside_any_of_moves_into_each_alternative() -> None:
+    schema = {
+        "type": ["integer", "string"],
+        "anyOf": [{"type": "number", "minimum": 3}, {"maxLength": 2}, {"type": "null"}, True],
+    }
+    assert json.loads(check_schema(json.dumps(schema)).text) == {
+        "anyOf": [
+            {"type": ["integer"], "minimum": 3},
+            {"type": ["integer", "string"], "pattern": "sluice_string_0"},
+            {"type": ["integer", "string"]},
+        ]
+    }
