@@ -314,7 +314,9 @@ class StructuredOutput(_message.Message):
     json_object: _builtins.bool
     """true: the completion is any JSON object. (false is the same as unset.)"""
     regex: _builtins.str
-    """A regular expression the whole completion matches (no lookaround or backreferences)."""
+    """A regular expression the whole completion matches (no lookaround or backreferences);
+    `.` matches any character, a newline included (unlike Python and JavaScript).
+    """
     grammar: _builtins.str
     """A grammar in GBNF, the EBNF dialect of llama.cpp and xgrammar: rules `name ::= ...` with
     string literals, character classes, grouping, `|`, `*`, `+`, `?` and `{m,n}`; the
