@@ -22,6 +22,7 @@ or atomic groups, and a class that matches no character.
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 import warnings
 from re import _constants as c  # type: ignore[attr-defined]
@@ -29,6 +30,9 @@ from re import _parser as sre  # type: ignore[attr-defined]
 from typing import Any
 
 MAX_CODE_POINT = 0x10FFFF
+MAX_GROUP_DEPTH = 32
+_ESCAPE = re.compile(r"\\.", re.DOTALL)
+_CLASS = re.compile(r"\[\^?\]?[^\]]*\]")
 _SURROGATES = (0xD800, 0xDFFF)
 _DIGIT = [(0x30, 0x39)]
 _WORD = [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)]
@@ -43,6 +47,13 @@ _JSON_SHORT_ESCAPES |= {0x0D: "\\r", 0x09: "\\t"}
 
 Ranges = list[tuple[int, int]]
 _ANY_TEXT = (object(), None)  # where an unanchored pattern lets any text come
+
+
+def group_depth(pattern: str) -> int:
+    """How deep the pattern's groups nest (escapes and character classes skipped)."""
+    outside = _CLASS.sub("", _ESCAPE.sub("", pattern))
+    steps = [1 if char == "(" else -1 for char in outside if char in "()"]
+    return max(itertools.accumulate(steps, initial=0))
 
 
 class PatternError(ValueError):
@@ -61,6 +72,8 @@ class PatternGrammar:
     def pattern(self, pattern: str) -> str:
         """An expression deriving exactly the JSON string bodies (quotes excluded) whose
         decoded text `pattern` matches (searched, as JSON Schema says)."""
+        if group_depth(pattern) > MAX_GROUP_DEPTH:  # both re's parser and this writer recurse
+            raise PatternError(f"nests groups more than {MAX_GROUP_DEPTH} deep")
         try:
             with warnings.catch_warnings():  # "possible set difference": ECMA-262 has none
                 warnings.simplefilter("ignore", FutureWarning)

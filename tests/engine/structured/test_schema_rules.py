@@ -43,6 +43,7 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"type": "string", "enum": ["a"], "maxLength": 3}, "maxLength beside enum at #"),
     ({"type": "object", "patternProperties": {"^x": {}}}, "patternProperties at #"),
     ({"type": "string", "pattern": "(?=a)a"}, "pattern at # lookahead and lookbehind"),
+    ({"type": "string", "pattern": "(" * 600 + ")" * 600}, "pattern at # nests groups more"),
 ]
 
 
