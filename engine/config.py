@@ -14,6 +14,7 @@ SAMPLERS = ("auto", "torch", "triton")
 LAYER_KERNELS = ("auto", "torch", "triton")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "json", "console")
+MAX_JSON_WHITESPACE = 1024
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,13 @@ class EngineConfig:
         "do not pay the first-use costs (heap growth, kernel choice and compilation)",
         group=EXECUTION,
     )
+    json_whitespace: int = setting(
+        0,
+        "whitespace between the tokens of JSON under json_schema and json_object: 0 = compact "
+        "JSON, ', ' and ': ' only (vLLM's disable_any_whitespace); N = any JSON whitespace, "
+        "in runs of at most N characters",
+        group=EXECUTION,
+    )
     # NOTE: torch's default is one thread per core; on a small machine its pool slows down
     # 10-100x whenever another process (the server, a client) is busy on the same cores.
     cpu_threads: int | None = setting(
@@ -153,6 +161,8 @@ class EngineConfig:
             raise ValueError(f"log_level: expected one of {LOG_LEVELS}, got {self.log_level!r}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format: expected one of {LOG_FORMATS}, got {self.log_format!r}")
+        if not 0 <= self.json_whitespace <= MAX_JSON_WHITESPACE:
+            raise ValueError(f"json_whitespace: must be 0 to {MAX_JSON_WHITESPACE}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1")

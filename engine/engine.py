@@ -123,7 +123,10 @@ class LLMEngine:
         )
         self.memory = self.updater.storage = ModelMemory(self.model, self.pool, self.runner)
         self.sleeper = Sleeper(self.memory, self.cache, self.updater, self.abort, self.request_ids)
-        self.structured = StructuredOutputs(Grammars(path, cfg.vocab_size, cfg.eos_token_ids))
+        grammars = Grammars(
+            path, cfg.vocab_size, cfg.eos_token_ids, json_whitespace=config.json_whitespace
+        )
+        self.structured = StructuredOutputs(grammars)
         self.overlap = OverlappedSteps(self) if overlap_enabled(config) else None
         self.info = model_info(config, cfg, path, self.device, self.dtype, self.pool.num_pages)
         self.warmup = warm_up(self) if config.warmup else None

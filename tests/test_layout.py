@@ -34,6 +34,9 @@ SHARED = {
     "engine.logs",
     "engine.lora",  # its __init__ is a docstring: importing adapter_config imports nothing else
     "engine.lora.adapter_config",  # the one check of adapter_config.json, stdlib only
+    "engine.structured",
+    "engine.structured.schema_rules",
+    "engine.structured.pattern_grammar",
 }
 
 

@@ -9,9 +9,12 @@ are kept too: a bad constraint sent again is refused at once). `on_done`, set by
 process, runs on the compile thread after each compile: it wakes the engine's loop.
 
 How each kind compiles:
-- json_schema: the schema, whitespace runs between tokens of at most MAX_WHITESPACE characters
-  (a model cannot loop on spaces), no properties beyond the schema's unless it allows them;
+- json_schema: the schema as schema_rules.py checks and rewrites it (json_schema_grammar.py), no
+  properties beyond the schema's unless it allows them;
 - json_object: the schema {"type": "object"} with any properties;
+- both: compact JSON (", " and ": " between tokens, nothing else) when `json_whitespace` is 0,
+  else any JSON whitespace in runs of at most `json_whitespace` characters (a sampled model
+  cannot loop on newlines);
 - regex: the regex; grammar: the GBNF text, from its rule `root`;
 - choice: a grammar whose root is the alternatives, each a string literal.
 """
@@ -27,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from engine.messages import Constraint
+from engine.structured.json_schema_grammar import json_schema_grammar
+from engine.structured.schema_rules import SchemaRuleError, check_schema
 
 CACHE_ENTRIES = 256
-MAX_WHITESPACE = 20
 _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: (Check failed: .*? is false: )?")
 
 
@@ -44,11 +48,13 @@ class Grammars:
         vocab_size: int,
         eos_token_ids: Sequence[int],
         capacity: int = CACHE_ENTRIES,
+        json_whitespace: int = 0,
     ) -> None:
         self.model_path = Path(model_path)
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.capacity = capacity
+        self.json_whitespace = json_whitespace
         self.on_done: Callable[[], None] = lambda: None
         self._cache: OrderedDict[Constraint, Future[Any]] = OrderedDict()
         self._executor: ThreadPoolExecutor | None = None
@@ -78,22 +84,18 @@ class Grammars:
         compiler = self._compiler or self._make_compiler()
         kind, text = constraint.kind, constraint.text
         try:
-            if kind == "json_schema":
-                return compiler.compile_json_schema(
-                    text, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE
-                )
-            if kind == "json_object":
-                return compiler.compile_json_schema(
-                    '{"type": "object"}',
-                    any_whitespace=True,
-                    max_whitespace_cnt=MAX_WHITESPACE,
-                    strict_mode=False,
-                )
+            if kind in ("json_schema", "json_object"):
+                checked = check_schema(text if kind == "json_schema" else '{"type": "object"}')
+                spaces = self.json_whitespace
+                grammar = json_schema_grammar(checked, spaces > 0, spaces, kind == "json_schema")
+                return compiler.compile_grammar(grammar)
             if kind == "regex":
                 return compiler.compile_regex(text)
             if kind == "grammar":
                 return compiler.compile_grammar(text)
             return compiler.compile_grammar(choice_grammar(constraint.choices))
+        except SchemaRuleError as exc:
+            raise ConstraintError(f"{constraint.field}: {exc}") from None
         except RuntimeError as exc:  # how xgrammar reports a document it cannot compile
             raise ConstraintError(f"{constraint.field}: {_message(exc)}") from None
 

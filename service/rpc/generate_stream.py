@@ -62,7 +62,8 @@ class _Pump:
 class GenerateStreamCall:
     """Reads `start` and `cancel_request_id` messages, runs each admitted request in a task of
     its own (a pump), and merges their events into one stream. A refused start yields one
-    `refused` event (with its index among the stream's starts), never a `finished`.
+    `refused` event (with its index among the stream's starts), never a `finished`; so does a
+    start whose admission fails with an unexpected error (INTERNAL): it alone is refused.
 
     Every admitted request gets exactly one `finished` per index, however the stream ends. When
     reading the request stream fails (a message that does not parse, or a bug), no more starts
@@ -244,7 +245,8 @@ class GenerateStreamCall:
         self._admitting = True
         try:
             admitted = await self.start(request)
-        except Refusal as refusal:
+        except Exception as exc:  # a bug admitting one request refuses that start alone
+            refusal = exc if isinstance(exc, Refusal) else _admission_failure(exc, start_index)
             log.info(
                 "request.refused",
                 code=refusal.code.name,
@@ -324,6 +326,13 @@ def _failure(reader: asyncio.Task[None]) -> Refusal | None:
         return error
     log.error("stream.reader_failed", exc_info=error)
     return Refusal(grpc.StatusCode.INTERNAL, f"reading the request stream failed: {error!r}")
+
+
+def _admission_failure(error: Exception, start_index: int) -> Refusal:
+    """A start whose admission raised something other than a Refusal (a bug): INTERNAL for it,
+    as Generate would end; the stream and its other requests go on."""
+    log.error("stream.admission_failed", start=start_index, exc_info=error)
+    return Refusal(grpc.StatusCode.INTERNAL, f"admitting this request failed: {error!r}")
 
 
 def _refused_event(request_id: str, start_index: int, refusal: Refusal) -> pb.GenerateResponse:

@@ -1,7 +1,9 @@
 """Structured output at admission: GenerateRequest.structured as the engine's Constraint.
 
 Its bounds (document size, choice count) are checked with the other fields, before anything
-reads the documents; a JSON schema must then parse as a JSON object. What only compiling tells
+reads the documents; a JSON schema must then be a JSON object, nested at most MAX_DEPTH deep
+(measured before it is parsed), that uses only what is enforced exactly (schema_rules.py: the
+same check the engine makes before compiling). What only compiling tells
 (a regex, grammar or schema the compiler refuses) is asked of the engine (CheckConstraint), which
 compiles it off its step loop and keeps it cached for the request: a constraint that does not
 compile is refused INVALID_ARGUMENT naming its field, before the request is sent.
@@ -9,12 +11,11 @@ compile is refused INVALID_ARGUMENT naming its field, before the request is sent
 
 from __future__ import annotations
 
-import json
-
 import grpc
 from sluice.v1 import generation_pb2 as pb
 
 from engine.messages import Constraint
+from engine.structured.schema_rules import SchemaRuleError, check_schema
 from service.engine_link.engine_client import EngineClient, EngineUnavailableError
 from service.rpc.refusal import Refusal, engine_status, invalid_argument
 
@@ -33,17 +34,15 @@ def constraint(req: pb.GenerateRequest) -> Constraint | None:
 
 
 def schema_violations(req: pb.GenerateRequest) -> list[tuple[str, str]]:
-    """A JSON schema within its bounds (SamplingParams.errors checks them) that is not a JSON
-    object."""
+    """What is wrong with a JSON schema within its bounds (SamplingParams.errors checks them):
+    not JSON, not an object, too deep, or using what is not enforced exactly."""
     c = constraint(req)
     if c is None or c.kind != "json_schema" or c.errors():
         return []
     try:
-        schema = json.loads(c.text)
-    except ValueError as exc:
-        return [(c.field, f"is not valid JSON: {exc}")]
-    if not isinstance(schema, dict):
-        return [(c.field, "must be a JSON object")]
+        check_schema(c.text, write_strings=False)  # patterns: the engine's check parses them
+    except SchemaRuleError as exc:
+        return [(c.field, str(exc))]
     return []
 
 

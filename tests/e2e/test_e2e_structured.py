@@ -81,6 +81,12 @@ BAD = [
     (dict(json_schema='{"type": "nonsense"}'), "structured.json_schema", "nonsense"),
     (dict(json_schema='{"type": '), "structured.json_schema", "not valid JSON"),
     (dict(json_schema="[1, 2]"), "structured.json_schema", "a JSON object"),
+    (dict(json_schema='{"allOf": [{}]}'), "structured.json_schema", "allOf at # is not"),
+    (
+        dict(json_schema='{"type": "string", "pattern": "(a)\\\\1"}'),
+        "structured.json_schema",
+        "pattern at # backreferences",
+    ),
     (dict(choice=pb.ChoiceList()), "structured.choice.choices", "1 to 1024"),
     (dict(choice=pb.ChoiceList(choices=["a", ""])), "structured.choice.choices", "non-empty"),
     (dict(regex="a" * (MAX_CONSTRAINT_BYTES + 1)), "structured.regex", "at most"),

@@ -238,3 +238,25 @@ def test_a_weight_update_mid_request_keeps_the_text_valid(tiny_llama, tokenizer,
     tokens = seen[("r", 0)].token_ids + seen_after[("r", 0)].token_ids
     assert seen_after[("r", 0)].finish_reason is FinishReason.STOP
     jsonschema.validate(json.loads(tokenizer._tok.decode(tokens[:-1])), SCHEMA)
+
+
+# Real schemas with length-bounded strings (jsonschemabench/README.md): xgrammar alone let raw
+# control characters into such strings, and those outputs did not parse.
+LENGTH_SCHEMAS = [
+    "Github_trivial---o12240.json",
+    "Github_trivial---o6021.json",
+    "Github_easy---o20466.json",
+]
+
+
+@pytest.mark.parametrize("name", LENGTH_SCHEMAS)
+def test_real_schema_outputs_that_stop_parse_and_validate(engine, tokenizer, prompt, name) -> None:  # type: ignore[no-untyped-def]
+    schema = json.loads((Path(__file__).parent / "jsonschemabench" / name).read_text())["schema"]
+    c = Constraint("json_schema", json.dumps(schema))
+    results = engine.generate([prompt], sampled(c, max_tokens=120), n=4)
+    stopped = [r for r in results if r.finish_reason is FinishReason.STOP]
+    for r in stopped:
+        jsonschema.validate(json.loads(tokenizer._tok.decode(r.token_ids[:-1])), schema)
+    assert stopped and all(
+        r.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) for r in results
+    )

@@ -3,6 +3,7 @@ compile cache, and choice lists turned into grammars that accept exactly their s
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,12 @@ def test_a_choice_grammar_accepts_exactly_its_strings(grammars: Grammars) -> Non
     for text in ('say "hi', "backslash", "new\\nline", "café"):
         matcher = xgrammar.GrammarMatcher(compiled)
         assert not (matcher.accept_string(text) and matcher.is_completed()), text
+
+
+def test_a_regex_dot_matches_a_newline_as_documented(grammars: Grammars) -> None:
+    """docs/service.md: xgrammar's regex dialect, where `.` (unlike Python's) is any character."""
+    compiled = grammars.compile(Constraint("regex", "a.b")).result()
+    for text, python in [("a\nb", False), ("axb", True)]:
+        matcher = xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        assert matcher.accept_string(text) and matcher.is_terminated()
+        assert (re.fullmatch("a.b", text) is not None) == python

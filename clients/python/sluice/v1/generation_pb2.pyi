@@ -307,13 +307,16 @@ class StructuredOutput(_message.Message):
     json_schema: _builtins.str
     """A JSON Schema document (as text). The completion is a JSON value valid under it; objects
     have no properties beyond the schema's `properties` unless the schema allows them
-    (`additionalProperties`), and a run of whitespace between tokens is at most 20
-    characters.
+    (`additionalProperties`); a keyword that is not enforced exactly is refused
+    (docs/service.md lists them). The JSON is compact (", " and ": " between tokens) unless
+    the server's --json-whitespace allows more.
     """
     json_object: _builtins.bool
     """true: the completion is any JSON object. (false is the same as unset.)"""
     regex: _builtins.str
-    """A regular expression the whole completion matches (no lookaround or backreferences)."""
+    """A regular expression the whole completion matches (no lookaround or backreferences);
+    `.` matches any character, a newline included (unlike Python and JavaScript).
+    """
     grammar: _builtins.str
     """A grammar in GBNF, the EBNF dialect of llama.cpp and xgrammar: rules `name ::= ...` with
     string literals, character classes, grouping, `|`, `*`, `+`, `?` and `{m,n}`; the
