@@ -15,6 +15,7 @@ import grpc
 from sluice.v1 import generation_pb2 as pb
 
 from engine.messages import ModelInfo
+from engine.structured.schema_rules import MAX_DEPTH, nesting_depth
 from service.rpc.refusal import Refusal, invalid_argument
 from service.text.chat_template import (
     RESERVED_VARIABLES,
@@ -72,10 +73,10 @@ def chat_violations(
         if message.extra_json:
             errors += _extra_violations(message, f"{field}.messages[{i}].extra_json")
     if prompt.tools_json and not isinstance(_json(prompt.tools_json), list):
-        errors.append((f"{field}.tools_json", "must be a JSON array"))
+        errors.append((f"{field}.tools_json", f"must be a JSON array {_NESTED}"))
     kwargs = _json(prompt.template_kwargs_json) if prompt.template_kwargs_json else {}
     if not isinstance(kwargs, dict):
-        errors.append((f"{field}.template_kwargs_json", "must be a JSON object"))
+        errors.append((f"{field}.template_kwargs_json", f"must be a JSON object {_NESTED}"))
     elif reserved := sorted(RESERVED_VARIABLES.intersection(kwargs)):
         errors.append(
             (
@@ -93,7 +94,7 @@ def chat_violations(
 def _extra_violations(message: pb.ChatMessage, field: str) -> list[tuple[str, str]]:
     extra = _json(message.extra_json)
     if not isinstance(extra, dict):
-        return [(field, "must be a JSON object")]
+        return [(field, f"must be a JSON object {_NESTED}")]
     if "role" in extra:
         return [(field, "must not hold `role` (the message's role field)")]
     if "content" in extra and message.content:
@@ -169,7 +170,14 @@ async def render(
     return text, ids
 
 
+_NESTED = f"(nested at most {MAX_DEPTH} deep)"
+
+
 def _json(text: str) -> Any:
+    """The parsed text, or None if it is not JSON or nests deeper than MAX_DEPTH: measured
+    before parsing, as json.loads meets deep nesting with a RecursionError."""
+    if nesting_depth(text) > MAX_DEPTH:
+        return None
     try:
         return json.loads(text)
     except ValueError:

@@ -82,6 +82,9 @@ async def test_generate_stream_accepts_a_chat_start(client):
     assert kinds[0] == "started" and kinds[-1] == "finished"
 
 
+DEEP_ARRAY = "[" * 65 + "]" * 65
+
+
 @pytest.mark.parametrize(
     ("name", "chat", "field"),
     [
@@ -95,6 +98,18 @@ async def test_generate_stream_accepts_a_chat_start(client):
             "tools not a JSON array",
             pb.ChatPrompt(messages=[pb.ChatMessage(role="user")], tools_json="{"),
             "chat.tools_json",
+        ),
+        (
+            "tools nested deeper than 64 (json.loads meets depth with a RecursionError)",
+            pb.ChatPrompt(messages=[pb.ChatMessage(role="user")], tools_json=DEEP_ARRAY),
+            "chat.tools_json",
+        ),
+        (
+            "extra_json nested deeper than 64",
+            pb.ChatPrompt(
+                messages=[pb.ChatMessage(role="user", extra_json='{"a": ' + DEEP_ARRAY + "}")]
+            ),
+            "chat.messages[0].extra_json",
         ),
         (
             "template arguments not an object",
