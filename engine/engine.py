@@ -68,6 +68,7 @@ from engine.scheduling.scheduler import ScheduledBatch, Scheduler
 from engine.sleep.model_memory import ModelMemory
 from engine.sleep.sleeper import Sleeper
 from engine.step_outputs import StepOutputs
+from engine.structured.compile_pool import CompileLimits
 from engine.structured.grammars import Grammars
 from engine.structured.structured_outputs import StructuredOutputs
 from engine.warmup import warm_up
@@ -123,7 +124,10 @@ class LLMEngine:
         )
         self.memory = self.updater.storage = ModelMemory(self.model, self.pool, self.runner)
         self.sleeper = Sleeper(self.memory, self.cache, self.updater, self.abort, self.request_ids)
-        self.structured = StructuredOutputs(Grammars(path, cfg.vocab_size, cfg.eos_token_ids))
+        limits = CompileLimits.of(config)
+        self.structured = StructuredOutputs(
+            Grammars(path, cfg.vocab_size, cfg.eos_token_ids, limits)
+        )
         self.overlap = OverlappedSteps(self) if overlap_enabled(config) else None
         self.info = model_info(config, cfg, path, self.device, self.dtype, self.pool.num_pages)
         self.warmup = warm_up(self) if config.warmup else None
@@ -172,7 +176,7 @@ class LLMEngine:
         their pages return at once. Returns how many sequences ended."""
         ended = 0
         for request_id in request_ids:
-            deferred = self.structured.deferred.pop(request_id, None)
+            deferred = self.structured.drop(request_id)  # its compile may be cancelled
             if deferred is not None:  # as a whole: it has no sequences yet
                 lifecycle.refuse(self, request_id, deferred.n, deferred.prompt_len, message, reason)
                 ended += deferred.n

@@ -2,11 +2,13 @@
 
 xgrammar compiles a Constraint against the model's vocabulary (its tokenizer.json, padded to
 the model's vocab size, with the model's EOS ids as the stop tokens: the mask allows EOS only
-where the text is complete). One thread compiles, in order of arrival; xgrammar is imported
-there at first use (it takes seconds and imports transformers). `compile` returns a Future at
-once, from a cache of at most `capacity` constraints, least recently used first out (failures
-are kept too: a bad constraint sent again is refused at once). `on_done`, set by the engine
-process, runs on the compile thread after each compile: it wakes the engine's loop.
+where the text is complete). Worker processes compile (compile_pool.py: each compile bounded in
+time and memory, killed when every waiter left, fair between callers); the engine's TokenizerInfo
+is made on a pool thread at first use (xgrammar's import takes seconds and imports
+transformers). `compile` returns a Future at once, from a cache of at most `capacity`
+constraints, least recently used first out (failures are kept too: a bad constraint sent again
+is refused at once). `on_done`, set by the engine process, runs on a pool thread after each
+compile: it wakes the engine's loop.
 
 How each kind compiles:
 - json_schema: the schema, whitespace runs between tokens of at most MAX_WHITESPACE characters
@@ -18,15 +20,16 @@ How each kind compiles:
 
 from __future__ import annotations
 
-import os
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from engine.messages import Constraint
+from engine.structured.compile_pool import CompileLimits, CompilePool
+from engine.structured.compile_queue import CompileJob
 
 CACHE_ENTRIES = 256
 MAX_WHITESPACE = 20
@@ -43,71 +46,85 @@ class Grammars:
         model_path: Path,
         vocab_size: int,
         eos_token_ids: Sequence[int],
+        limits: CompileLimits | None = None,
         capacity: int = CACHE_ENTRIES,
     ) -> None:
         self.model_path = Path(model_path)
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.capacity = capacity
+        self.limits = limits or CompileLimits()
         self.on_done: Callable[[], None] = lambda: None
-        self._cache: OrderedDict[Constraint, Future[Any]] = OrderedDict()
-        self._executor: ThreadPoolExecutor | None = None
-        self._compiler: Any = None  # xgrammar.GrammarCompiler, made on the compile thread
+        self._cache: OrderedDict[Constraint, CompileJob] = OrderedDict()
+        self._pool: CompilePool | None = None
 
-    def compile(self, constraint: Constraint) -> Future[Any]:
+    def compile(self, constraint: Constraint, caller: str = "") -> Future[Any]:
         """The constraint's compiled grammar, now or later: an xgrammar CompiledGrammar, or a
-        ConstraintError. Call from one thread (the engine's)."""
-        future = self._cache.get(constraint)
-        if future is not None:
+        ConstraintError. Each call that finds it still compiling waits on it: `abandon` when
+        the wait ends early. `caller` names who asks (compile_queue.py: fairness). Call from
+        one thread (the engine's)."""
+        job = self._cache.get(constraint)
+        if job is not None:
             self._cache.move_to_end(constraint)
-            return future
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="sluice-grammar")
-        future = self._executor.submit(self._compile, constraint)
-        future.add_done_callback(lambda _: self.on_done())
-        self._cache[constraint] = future
+            if not job.future.done():
+                job.waiters += 1
+            return job.future
+        if self._pool is None:
+            self._pool = CompilePool(self.limits, self._tokenizer_info)
+        job = self._pool.submit(constraint, caller)
+        job.future.add_done_callback(lambda _: self.on_done())
+        self._cache[constraint] = job
         if len(self._cache) > self.capacity:  # requests waiting on it hold its future
             self._cache.popitem(last=False)
-        return future
+        return job.future
+
+    def abandon(self, constraint: Constraint) -> None:
+        """A wait on the constraint's compile ended before it did (a caller left, a request
+        was aborted); the last one's cancels the compile, queued or running."""
+        job = self._cache.get(constraint)
+        if job is None or job.future.done():
+            return
+        job.waiters -= 1
+        if job.waiters == 0 and self._pool is not None:
+            del self._cache[constraint]  # asked again, it compiles again
+            self._pool.abandon(job)
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.close()
 
-    def _compile(self, constraint: Constraint) -> Any:
-        compiler = self._compiler or self._make_compiler()
-        kind, text = constraint.kind, constraint.text
-        try:
-            if kind == "json_schema":
-                return compiler.compile_json_schema(
-                    text, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE
-                )
-            if kind == "json_object":
-                return compiler.compile_json_schema(
-                    '{"type": "object"}',
-                    any_whitespace=True,
-                    max_whitespace_cnt=MAX_WHITESPACE,
-                    strict_mode=False,
-                )
-            if kind == "regex":
-                return compiler.compile_regex(text)
-            if kind == "grammar":
-                return compiler.compile_grammar(text)
-            return compiler.compile_grammar(choice_grammar(constraint.choices))
-        except RuntimeError as exc:  # how xgrammar reports a document it cannot compile
-            raise ConstraintError(f"{constraint.field}: {_message(exc)}") from None
-
-    def _make_compiler(self) -> Any:
+    def _tokenizer_info(self) -> Any:
         import xgrammar
         from transformers import PreTrainedTokenizerFast
 
         tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(self.model_path / "tokenizer.json"))
-        info = xgrammar.TokenizerInfo.from_huggingface(
+        return xgrammar.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
         )
-        threads = min(8, os.cpu_count() or 1)
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
-        return self._compiler
+
+
+def compile_with(compiler: Any, constraint: Constraint) -> Any:
+    """The constraint compiled by an xgrammar GrammarCompiler (in a compile worker)."""
+    kind, text = constraint.kind, constraint.text
+    try:
+        if kind == "json_schema":
+            return compiler.compile_json_schema(
+                text, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE
+            )
+        if kind == "json_object":
+            return compiler.compile_json_schema(
+                '{"type": "object"}',
+                any_whitespace=True,
+                max_whitespace_cnt=MAX_WHITESPACE,
+                strict_mode=False,
+            )
+        if kind == "regex":
+            return compiler.compile_regex(text)
+        if kind == "grammar":
+            return compiler.compile_grammar(text)
+        return compiler.compile_grammar(choice_grammar(constraint.choices))
+    except RuntimeError as exc:  # how xgrammar reports a document it cannot compile
+        raise ConstraintError(f"{constraint.field}: {_message(exc)}") from None
 
 
 def choice_grammar(choices: Sequence[str]) -> str:

@@ -1,0 +1,56 @@
+"""The compile worker: a process that compiles constraints, one at a time, for the engine.
+
+xgrammar compiles in C++ and cannot be interrupted from a thread; a process can be killed. The
+engine's CompilePool (compile_pool.py) starts these with the spawn context and kills one whose
+compile runs past the time limit or whose caller left. The worker limits its own address space
+(RLIMIT_AS) to what it holds after start-up plus `memory_bytes`, so that a compile that would
+need more fails here (MemoryError, or the process dies) instead of in the engine.
+
+On the pipe: first the engine's TokenizerInfo (xgrammar's JSON), then one Constraint at a time;
+each answered ("ok", CompiledGrammar JSON) or ("error", message naming the field). Plain data
+both ways: the engine deserializes against its own TokenizerInfo.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from multiprocessing.connection import Connection
+
+from engine.parent_death import die_with_parent
+
+READY = "ready"
+
+
+def worker_main(conn: Connection, memory_bytes: int, threads: int) -> None:
+    """Serve compiles on `conn` until it closes."""
+    die_with_parent()  # a killed engine leaves no compiler behind
+    import xgrammar
+
+    from engine.structured.grammars import ConstraintError, compile_with
+
+    info = xgrammar.TokenizerInfo.deserialize_json(conn.recv())
+    compiler = xgrammar.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+    _limit_address_space(memory_bytes)
+    conn.send(READY)
+    while True:
+        try:
+            constraint = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send(("ok", compile_with(compiler, constraint).serialize_json()))
+        except ConstraintError as exc:
+            conn.send(("error", str(exc)))
+        except MemoryError:
+            limit = f"more than {memory_bytes >> 20} MiB"
+            conn.send(("error", f"{constraint.field}: too costly to compile: needs {limit}"))
+
+
+def _limit_address_space(extra_bytes: int) -> None:
+    """RLIMIT_AS = the address space mapped now + `extra_bytes` (the imports and the vocabulary
+    are not the compile's: a fixed limit would depend on the tokenizer)."""
+    with open(f"/proc/{os.getpid()}/statm") as statm:
+        mapped = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    limit = mapped + extra_bytes
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
