@@ -138,19 +138,31 @@ class _Slot:
         # NOTE: this thread starts the worker and must outlive it: the worker dies with it
         # (die_with_parent fires when the thread that started a process ends).
         queue = self.pool.queue
+        self._restart()  # at once, not at the first job: a start takes seconds
         while (job := queue.take(self.index)) is not None:
             try:
                 self._settle(job, *self._compile(job))
             except Exception as exc:  # the worker cannot start: no constraint compiles
-                log.error("engine.grammar_worker_failed", error=repr(exc))
                 self._kill()
                 self._settle(job, None, exc)
             finally:
+                # A killed worker is replaced before the caller may compile again: the cost
+                # of the kill falls on the caller whose compile caused it.
+                if self.conn is None and not self._stopping:
+                    self._restart()
                 queue.finish(job)
         self._kill()
 
+    def _restart(self) -> None:
+        try:
+            self._start()
+        except Exception as exc:  # the next job tries again, and fails with the reason
+            log.error("engine.grammar_worker_failed", error=repr(exc))
+            self._kill()
+
     def _compile(self, job: CompileJob) -> tuple[Any, BaseException | None]:
-        """(compiled grammar, None), or (None, why not); a killed worker is replaced first."""
+        """(compiled grammar, None), or (None, why not). A compile past the time limit, or
+        abandoned, kills the worker at once."""
         from engine.structured.grammars import ConstraintError
 
         if self.conn is None:
@@ -164,7 +176,7 @@ class _Slot:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                self._replace()
+                self._kill()
                 why = f"not compiled within {limits.timeout_s:g} s"
                 return None, ConstraintError(f"{field}: too costly to compile: {why}")
             ready = wait([self.conn, self.process.sentinel, self._wake_r], remaining)
@@ -181,11 +193,12 @@ class _Slot:
             if self.process.sentinel in ready:
                 self.process.join()
                 code = self.process.exitcode
-                self._replace()
-                why = f"the compiler ended (exit code {code}; a {limits.memory_bytes >> 20} MiB limit)"
+                self._kill()
+                limit = f"{limits.memory_bytes >> 20} MiB"
+                why = f"the compiler ended (exit code {code}) within its {limit} limit"
                 return None, ConstraintError(f"{field}: too costly to compile: {why}")
             if self._wake_r in ready and (job.abandoned or self._stopping):
-                self._replace()  # abandoned: settled as cancelled
+                self._kill()  # abandoned: settled as cancelled
                 return None, RuntimeError("the engine is shutting down")
 
     def _settle(self, job: CompileJob, grammar: Any, error: BaseException | None) -> None:
@@ -200,12 +213,6 @@ class _Slot:
             job.future.set_exception(error)
         else:
             job.future.set_result(grammar)
-
-    def _replace(self) -> None:
-        """Kill the worker (mid-compile) and start another, unless the pool is closing."""
-        self._kill()
-        if not self._stopping:
-            self._start()
 
     def _start(self) -> None:
         _, info_json = self.pool.tokenizer_info()
