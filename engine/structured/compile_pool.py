@@ -74,8 +74,8 @@ class CompilePool:
         self._info: Any = None
         self._info_json = ""
         self._info_lock = threading.Lock()
-        self._slots = [_Slot(self, i) for i in range(limits.workers)]
-        for slot in self._slots:
+        self.slots = [_Slot(self, i) for i in range(limits.workers)]
+        for slot in self.slots:
             slot.thread.start()
 
     def submit(self, constraint: Constraint, caller: str) -> CompileJob:
@@ -92,15 +92,20 @@ class CompilePool:
             job.abandoned = True
             queued = self.queue.remove(job)
             if not queued and job.slot is not None:
-                self._slots[job.slot].wake()
+                self.slots[job.slot].wake()
         if queued:
             job.future.cancel()
 
+    def wait_started(self, timeout: float) -> bool:
+        """Every worker has started (or failed to) once; False if not within `timeout` s."""
+        end = time.monotonic() + timeout
+        return all(slot.started.wait(max(0.0, end - time.monotonic())) for slot in self.slots)
+
     def close(self) -> None:
         self.queue.close()
-        for slot in self._slots:
+        for slot in self.slots:
             slot.stop()
-        for slot in self._slots:
+        for slot in self.slots:
             slot.thread.join(STOP_TIMEOUT_S)
 
     def tokenizer_info(self) -> tuple[Any, str]:
@@ -122,6 +127,7 @@ class _Slot:
         self.conn: Connection | None = None
         self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
         self._stopping = False
+        self.started = threading.Event()  # its first worker started (or failed to)
         self.thread = threading.Thread(
             target=self._run, name=f"sluice-grammar-{index}", daemon=True
         )
@@ -139,6 +145,7 @@ class _Slot:
         # (die_with_parent fires when the thread that started a process ends).
         queue = self.pool.queue
         self._restart()  # at once, not at the first job: a start takes seconds
+        self.started.set()
         while (job := queue.take(self.index)) is not None:
             try:
                 self._settle(job, *self._compile(job))
@@ -176,7 +183,7 @@ class _Slot:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                self._kill()
+                self._kill_for(job, "timeout")
                 why = f"not compiled within {limits.timeout_s:g} s"
                 return None, ConstraintError(f"{field}: too costly to compile: {why}")
             ready = wait([self.conn, self.process.sentinel, self._wake_r], remaining)
@@ -189,16 +196,18 @@ class _Slot:
                     if status == "ok":
                         info, _ = self.pool.tokenizer_info()
                         return _deserialize(payload, info), None
+                    if status == "memory":
+                        self._kill_for(job, "memory")
                     return None, ConstraintError(payload)
             if self.process.sentinel in ready:
                 self.process.join()
                 code = self.process.exitcode
-                self._kill()
+                self._kill_for(job, f"exit code {code}")
                 limit = f"{limits.memory_bytes >> 20} MiB"
                 why = f"the compiler ended (exit code {code}) within its {limit} limit"
                 return None, ConstraintError(f"{field}: too costly to compile: {why}")
             if self._wake_r in ready and (job.abandoned or self._stopping):
-                self._kill()  # abandoned: settled as cancelled
+                self._kill_for(job, "abandoned" if job.abandoned else "shutdown")
                 return None, RuntimeError("the engine is shutting down")
 
     def _settle(self, job: CompileJob, grammar: Any, error: BaseException | None) -> None:
@@ -230,9 +239,17 @@ class _Slot:
             process.start()
         child.close()
         self.process, self.conn = process, conn
+        started = time.monotonic()
         conn.send(info_json)
         if not wait([conn, process.sentinel], START_TIMEOUT_S) or conn.recv() != READY:
             raise RuntimeError(f"the grammar compile worker did not start ({process.exitcode})")
+        seconds = round(time.monotonic() - started, 3)
+        log.info("engine.grammar_worker_started", worker_pid=process.pid, seconds=seconds)
+
+    def _kill_for(self, job: CompileJob, reason: str) -> None:
+        field, pid = job.constraint.field, self.process.pid
+        log.warning("engine.grammar_compile_killed", field=field, reason=reason, worker_pid=pid)
+        self._kill()
 
     def _kill(self) -> None:
         process, conn = self.process, self.conn

@@ -7,8 +7,10 @@ compile runs past the time limit or whose caller left. The worker limits its own
 need more fails here (MemoryError, or the process dies) instead of in the engine.
 
 On the pipe: first the engine's TokenizerInfo (xgrammar's JSON), then one Constraint at a time;
-each answered ("ok", CompiledGrammar JSON) or ("error", message naming the field). Plain data
-both ways: the engine deserializes against its own TokenizerInfo.
+each answered ("ok", CompiledGrammar JSON), ("error", message naming the field) or ("memory",
+message): past the memory limit, after which the engine replaces the worker (a C++ library
+that ran out of memory may be left in any state). Plain data both ways: the engine
+deserializes against its own TokenizerInfo.
 """
 
 from __future__ import annotations
@@ -38,13 +40,15 @@ def worker_main(conn: Connection, memory_bytes: int, threads: int) -> None:
             constraint = conn.recv()
         except EOFError:
             return
+        too_costly = f"{constraint.field}: too costly to compile: needs more than "
+        too_costly += f"{memory_bytes >> 20} MiB"
         try:
             conn.send(("ok", compile_with(compiler, constraint).serialize_json()))
-        except ConstraintError as exc:
-            conn.send(("error", str(exc)))
+        except ConstraintError as exc:  # xgrammar reports its std::bad_alloc as a RuntimeError
+            out_of_memory = str(exc).endswith("std::bad_alloc")
+            conn.send(("memory", too_costly) if out_of_memory else ("error", str(exc)))
         except MemoryError:
-            limit = f"more than {memory_bytes >> 20} MiB"
-            conn.send(("error", f"{constraint.field}: too costly to compile: needs {limit}"))
+            conn.send(("memory", too_costly))
 
 
 def _limit_address_space(extra_bytes: int) -> None:

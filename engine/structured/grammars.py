@@ -58,6 +58,13 @@ class Grammars:
         self._cache: OrderedDict[Constraint, CompileJob] = OrderedDict()
         self._pool: CompilePool | None = None
 
+    @property
+    def pool(self) -> CompilePool:
+        """The compile workers (started at the first compile, or here)."""
+        if self._pool is None:
+            self._pool = CompilePool(self.limits, self._tokenizer_info)
+        return self._pool
+
     def compile(self, constraint: Constraint, caller: str = "") -> Future[Any]:
         """The constraint's compiled grammar, now or later: an xgrammar CompiledGrammar, or a
         ConstraintError. Each call that finds it still compiling waits on it: `abandon` when
@@ -69,9 +76,7 @@ class Grammars:
             if not job.future.done():
                 job.waiters += 1
             return job.future
-        if self._pool is None:
-            self._pool = CompilePool(self.limits, self._tokenizer_info)
-        job = self._pool.submit(constraint, caller)
+        job = self.pool.submit(constraint, caller)
         job.future.add_done_callback(lambda _: self.on_done())
         self._cache[constraint] = job
         if len(self._cache) > self.capacity:  # requests waiting on it hold its future
@@ -94,13 +99,18 @@ class Grammars:
             self._pool.close()
 
     def _tokenizer_info(self) -> Any:
-        import xgrammar
-        from transformers import PreTrainedTokenizerFast
+        return tokenizer_info(self.model_path, self.vocab_size, self.eos_token_ids)
 
-        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(self.model_path / "tokenizer.json"))
-        return xgrammar.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
-        )
+
+def tokenizer_info(model_path: Path, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:
+    """xgrammar's TokenizerInfo of the model: its tokenizer.json, padded to `vocab_size`."""
+    import xgrammar
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(model_path / "tokenizer.json"))
+    return xgrammar.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)
+    )
 
 
 def compile_with(compiler: Any, constraint: Constraint) -> Any:
