@@ -94,7 +94,7 @@ class CompilePool:
             if not queued and job.slot is not None:
                 self.slots[job.slot].wake()
         if queued:
-            job.future.cancel()
+            _cancel(job)
 
     def wait_started(self, timeout: float) -> bool:
         """Every worker has started (or failed to) once; False if not within `timeout` s."""
@@ -217,7 +217,7 @@ class _Slot:
         # NOTE: outside the lock: the future's callbacks wake the engine's loop, which may be
         # waiting for this lock in `abandon`.
         if cancel:
-            job.future.cancel()
+            _cancel(job)
         elif error is not None:
             job.future.set_exception(error)
         else:
@@ -259,6 +259,12 @@ class _Slot:
             process.join()
         if conn is not None:
             conn.close()
+
+
+def _cancel(job: CompileJob) -> None:
+    job.future.cancel()
+    # NOTE: cancel() alone does not wake concurrent.futures.wait(); this does.
+    job.future.set_running_or_notify_cancel()
 
 
 def _deserialize(payload: str, info: Any) -> Any:
