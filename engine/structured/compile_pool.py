@@ -30,10 +30,12 @@ from engine.messages import Constraint
 from engine.parent_death import children_allowed
 from engine.structured.compile_queue import CompileJob, CompileQueue
 from engine.structured.compile_worker import READY, worker_main
+from engine.structured.constraint_error import ConstraintError
 
 log = structlog.get_logger("sluice.engine")
 
 START_TIMEOUT_S = 120.0  # a worker's start-up: imports xgrammar, reads the vocabulary
+SLOW_COMPILE_S = 1.0  # a compile still running after this long is logged (once)
 STOP_TIMEOUT_S = 5.0  # close: each slot's thread kills its worker and ends
 _spawn_lock = threading.Lock()  # children_allowed flips a process-wide flag
 
@@ -65,10 +67,17 @@ class CompileLimits:
 
 
 class CompilePool:
-    def __init__(self, limits: CompileLimits, tokenizer_info: Callable[[], Any]) -> None:
+    def __init__(
+        self,
+        limits: CompileLimits,
+        tokenizer_info: Callable[[], Any],
+        compile_with: Callable[[Any, Constraint], Any],
+    ) -> None:
         """`tokenizer_info` makes the engine's xgrammar TokenizerInfo (called once, on a slot's
-        thread: it imports xgrammar and reads the vocabulary)."""
+        thread: it imports xgrammar and reads the vocabulary); `compile_with(compiler,
+        constraint)` compiles in the workers (a module-level function: it is pickled by name)."""
         self.limits = limits
+        self.compile_with = compile_with
         self.queue = CompileQueue()
         self._make_info = tokenizer_info
         self._info: Any = None
@@ -170,45 +179,61 @@ class _Slot:
     def _compile(self, job: CompileJob) -> tuple[Any, BaseException | None]:
         """(compiled grammar, None), or (None, why not). A compile past the time limit, or
         abandoned, kills the worker at once."""
-        from engine.structured.grammars import ConstraintError
-
         if self.conn is None:
             self._start()
         assert self.conn is not None
         while self._wake_r.poll():  # wakes meant for earlier jobs
             self._wake_r.recv_bytes()
         self.conn.send(job.constraint)
-        field, limits = job.constraint.field, self.pool.limits
-        deadline = time.monotonic() + limits.timeout_s
+        limit = self.pool.limits.timeout_s
+        deadline = time.monotonic() + limit
+        slow_at: float | None = time.monotonic() + SLOW_COMPILE_S
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            if slow_at is not None and now >= slow_at:
+                log.info(
+                    "engine.grammar_compile_slow", field=job.constraint.field, caller=job.caller
+                )
+                slow_at = None
+            if now >= deadline:
                 self._kill_for(job, "timeout")
-                why = f"not compiled within {limits.timeout_s:g} s"
-                return None, ConstraintError(f"{field}: too costly to compile: {why}")
-            ready = wait([self.conn, self.process.sentinel, self._wake_r], remaining)
-            if self.conn in ready:
-                try:
-                    status, payload = self.conn.recv()
-                except EOFError:
-                    ready = [self.process.sentinel]
-                else:
-                    if status == "ok":
-                        info, _ = self.pool.tokenizer_info()
-                        return _deserialize(payload, info), None
-                    if status == "memory":
-                        self._kill_for(job, "memory")
-                    return None, ConstraintError(payload)
-            if self.process.sentinel in ready:
-                self.process.join()
-                code = self.process.exitcode
-                self._kill_for(job, f"exit code {code}")
-                limit = f"{limits.memory_bytes >> 20} MiB"
-                why = f"the compiler ended (exit code {code}) within its {limit} limit"
-                return None, ConstraintError(f"{field}: too costly to compile: {why}")
-            if self._wake_r in ready and (job.abandoned or self._stopping):
-                self._kill_for(job, "abandoned" if job.abandoned else "shutdown")
-                return None, RuntimeError("the engine is shutting down")
+                why = f"too costly to compile: not compiled within {limit:g} s"
+                return None, ConstraintError(f"{job.constraint.field}: {why}")
+            until = deadline if slow_at is None else min(deadline, slow_at)
+            ready = wait([self.conn, self.process.sentinel, self._wake_r], until - now)
+            outcome = self._outcome(job, ready)
+            if outcome is not None:
+                return outcome
+
+    def _outcome(
+        self, job: CompileJob, ready: list[Any]
+    ) -> tuple[Any, BaseException | None] | None:
+        """What the ready connections tell of the job: its outcome, or None (still running)."""
+        assert self.conn is not None
+        field = job.constraint.field
+        if self.conn in ready:
+            try:
+                status, payload = self.conn.recv()
+            except EOFError:
+                ready = [self.process.sentinel]
+            else:
+                if status == "ok":
+                    info, _ = self.pool.tokenizer_info()
+                    return _deserialize(payload, info), None
+                if status == "memory":
+                    self._kill_for(job, "memory")
+                return None, ConstraintError(payload)
+        if self.process.sentinel in ready:
+            self.process.join()
+            code = self.process.exitcode
+            self._kill_for(job, f"exit code {code}")
+            limit = f"{self.pool.limits.memory_bytes >> 20} MiB"
+            why = f"too costly to compile: the compiler ended (exit code {code}; limit {limit})"
+            return None, ConstraintError(f"{field}: {why}")
+        if self._wake_r in ready and (job.abandoned or self._stopping):
+            self._kill_for(job, "abandoned" if job.abandoned else "shutdown")
+            return None, RuntimeError("the engine is shutting down")  # abandoned: cancelled
+        return None
 
     def _settle(self, job: CompileJob, grammar: Any, error: BaseException | None) -> None:
         with self.pool.queue.lock:
@@ -232,7 +257,7 @@ class _Slot:
         with _spawn_lock, children_allowed():
             process = ctx.Process(
                 target=worker_main,
-                args=(child, limits.memory_bytes, threads),
+                args=(child, self.pool.compile_with, limits.memory_bytes, threads),
                 name=f"sluice-grammar-{self.index}",
                 daemon=True,
             )

@@ -17,19 +17,26 @@ from __future__ import annotations
 
 import os
 import resource
+from collections.abc import Callable
 from multiprocessing.connection import Connection
+from typing import Any
 
+from engine.messages import Constraint
 from engine.parent_death import die_with_parent
+from engine.structured.constraint_error import ConstraintError
 
 READY = "ready"
 
 
-def worker_main(conn: Connection, memory_bytes: int, threads: int) -> None:
-    """Serve compiles on `conn` until it closes."""
+def worker_main(
+    conn: Connection,
+    compile_with: Callable[[Any, Constraint], Any],
+    memory_bytes: int,
+    threads: int,
+) -> None:
+    """Serve compiles on `conn` until it closes: `compile_with(compiler, constraint)` each."""
     die_with_parent()  # a killed engine leaves no compiler behind
     import xgrammar
-
-    from engine.structured.grammars import ConstraintError, compile_with
 
     info = xgrammar.TokenizerInfo.deserialize_json(conn.recv())
     compiler = xgrammar.GrammarCompiler(info, max_threads=threads, cache_enabled=False)

@@ -30,14 +30,13 @@ from typing import Any
 from engine.messages import Constraint
 from engine.structured.compile_pool import CompileLimits, CompilePool
 from engine.structured.compile_queue import CompileJob
+from engine.structured.constraint_error import ConstraintError
+
+__all__ = ["ConstraintError", "Grammars", "choice_grammar", "compile_with", "tokenizer_info"]
 
 CACHE_ENTRIES = 256
 MAX_WHITESPACE = 20
 _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: (Check failed: .*? is false: )?")
-
-
-class ConstraintError(ValueError):
-    """The constraint itself is wrong: its message names the field (INVALID_ARGUMENT)."""
 
 
 class Grammars:
@@ -62,7 +61,7 @@ class Grammars:
     def pool(self) -> CompilePool:
         """The compile workers (started at the first compile, or here)."""
         if self._pool is None:
-            self._pool = CompilePool(self.limits, self._tokenizer_info)
+            self._pool = CompilePool(self.limits, self._tokenizer_info, compile_with)
         return self._pool
 
     def compile(self, constraint: Constraint, caller: str = "") -> Future[Any]:

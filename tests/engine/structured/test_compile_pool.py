@@ -22,7 +22,7 @@ from server_process import wait_gone
 from engine.messages import Constraint
 from engine.models.hf_config import load_model_config
 from engine.structured.compile_pool import CompileLimits, CompilePool
-from engine.structured.grammars import ConstraintError, Grammars, tokenizer_info
+from engine.structured.grammars import ConstraintError, Grammars, compile_with, tokenizer_info
 
 START_S = 120.0  # workers import torch and xgrammar: seconds, more on a loaded machine
 
@@ -115,7 +115,7 @@ def test_a_compile_past_the_memory_limit_is_refused_naming_its_field(tiny_llama:
 def one_worker(tiny_llama: Path) -> Iterator[CompilePool]:
     cfg = load_model_config(tiny_llama, None)
     info = functools.partial(tokenizer_info, tiny_llama, cfg.vocab_size, cfg.eos_token_ids)
-    pool = CompilePool(CompileLimits(workers=1, timeout_s=60.0), info)
+    pool = CompilePool(CompileLimits(workers=1, timeout_s=60.0), info, compile_with)
     assert pool.wait_started(START_S)
     yield pool
     pool.close()
