@@ -1,6 +1,9 @@
-"""Structured output: constraints compiled into grammars (grammars.py), each constrained
-sequence's matcher (request_grammar.py) and a step's token bitmask (grammar_mask.py).
+"""Structured output: constraints compiled into grammars (grammars.py) by worker processes
+(compile_pool.py, compile_queue.py, compile_worker.py: bounded, killable, fair between
+callers), each constrained sequence's matcher (request_grammar.py) and a step's token bitmask
+(grammar_mask.py).
 
-xgrammar does the matching; it is imported on first use, on the compile thread. Imports
-`scheduling` (the requests) and nothing else of the engine; `execution` and the engine import it.
+xgrammar does the matching; it is imported on first use, on a compile thread and in the
+workers. Imports `scheduling` (the requests), `config`, `messages` and `parent_death`, nothing
+else of the engine; `execution` and the engine import it.
 """
