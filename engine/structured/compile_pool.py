@@ -14,6 +14,7 @@ against the engine's TokenizerInfo (about 20 ms and 0.6 MB for a 128k vocabulary
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import threading
@@ -181,9 +182,10 @@ class _Slot:
         abandoned, kills the worker at once."""
         if self.conn is None:
             self._start()
-        assert self.conn is not None
         while self._wake_r.poll():  # wakes meant for earlier jobs
             self._wake_r.recv_bytes()
+        if self.conn is None or job.abandoned:  # closed, or abandoned while its worker started
+            return None, RuntimeError("the engine is shutting down")  # abandoned: cancelled
         self.conn.send(job.constraint)
         limit = self.pool.limits.timeout_s
         deadline = time.monotonic() + limit
@@ -266,10 +268,27 @@ class _Slot:
         self.process, self.conn = process, conn
         started = time.monotonic()
         conn.send(info_json)
-        if not wait([conn, process.sentinel], START_TIMEOUT_S) or conn.recv() != READY:
+        if self._ready(conn, process, started + START_TIMEOUT_S):
+            seconds = round(time.monotonic() - started, 3)
+            log.info("engine.grammar_worker_started", worker_pid=process.pid, seconds=seconds)
+        elif self._stopping:  # closed while it started: no worker, and no error
+            self._kill()
+        else:
             raise RuntimeError(f"the grammar compile worker did not start ({process.exitcode})")
-        seconds = round(time.monotonic() - started, 3)
-        log.info("engine.grammar_worker_started", worker_pid=process.pid, seconds=seconds)
+
+    def _ready(self, conn: Connection, process: Any, deadline: float) -> bool:
+        """The new worker said READY before `deadline` (False: it died, or the pool closes)."""
+        while not self._stopping:
+            watched = [conn, process.sentinel, self._wake_r]
+            ready = wait(watched, max(0.0, deadline - time.monotonic()))
+            if conn in ready:
+                with contextlib.suppress(EOFError):
+                    return bool(conn.recv() == READY)
+                return False
+            if process.sentinel in ready or not ready:
+                return False
+            self._wake_r.recv_bytes()  # an abandon: _compile looks at the job's flag itself
+        return False
 
     def _kill_for(self, job: CompileJob, reason: str) -> None:
         field, pid = job.constraint.field, self.process.pid
