@@ -23,6 +23,7 @@ from engine.messages import Constraint
 from engine.models.hf_config import load_model_config
 from engine.structured.compile_pool import CompileLimits, CompilePool
 from engine.structured.grammars import ConstraintError, Grammars, compile_with, tokenizer_info
+from engine.structured.structured_outputs import Deferred, StructuredOutputs
 
 START_S = 120.0  # workers import torch and xgrammar: seconds, more on a loaded machine
 
@@ -152,3 +153,20 @@ def test_an_abandoned_queued_compile_is_dropped_without_running(one_worker: Comp
     one_worker.abandon(queued)
     assert queued.future.cancelled() and queued.slot is None
     one_worker.abandon(running)
+
+
+def test_a_compile_is_cancelled_only_when_its_last_waiter_leaves(tiny_llama: Path) -> None:
+    grammars = make_grammars(tiny_llama, workers=1, timeout_s=60.0)
+    outputs = StructuredOutputs(grammars)
+    try:
+        outputs.check("check", BOMB, "a")
+        future = grammars.compile(BOMB)  # a request waits on the same compile
+        outputs.defer("request", Deferred(future, lambda: None, 1, 3, BOMB))
+        outputs.abandon_check("check")
+        assert not future.done()  # the request still waits
+        assert outputs.drop("request") is not None  # aborted: nobody waits any more
+        concurrent.futures.wait([future], 10.0)
+        assert future.cancelled()
+        assert outputs.verdicts() == []  # an abandoned check is never answered
+    finally:
+        grammars.close()
