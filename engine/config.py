@@ -129,6 +129,26 @@ class EngineConfig:
     max_lora_rank: int = setting(
         16, "the largest LoRA rank an adapter may have (the stacked weights' width)", group=MODEL
     )
+    # Structured output: each constraint compiles in a worker process, bounded and killable
+    # (engine/structured/compile_pool.py).
+    grammar_compile_workers: int = setting(
+        2,
+        "processes that compile structured-output constraints; one caller (connection) uses "
+        "one at a time",
+        group=EXECUTION,
+    )
+    grammar_compile_timeout: float = setting(
+        10.0,
+        "seconds one constraint may take to compile before it is refused (INVALID_ARGUMENT)",
+        group=EXECUTION,
+    )
+    grammar_compile_memory: int = setting(
+        2 << 30,
+        "address space one compile may take beyond a compile worker's own, e.g. 2GiB; a "
+        "constraint that needs more is refused (INVALID_ARGUMENT)",
+        group=EXECUTION,
+        size=True,
+    )
     # The engine process logs as the service does (engine/logs.py): same level, same format.
     log_level: str = setting("info", "both processes", group=OBSERVABILITY, choices=LOG_LEVELS)
     log_format: str = setting(
@@ -170,6 +190,12 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}: must be at least 1 when set")
+        if self.grammar_compile_workers < 1:
+            raise ValueError("grammar_compile_workers: must be at least 1")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError("grammar_compile_timeout: must be positive")
+        if self.grammar_compile_memory < 1 << 20:
+            raise ValueError("grammar_compile_memory: must be at least 1MiB")
         if self.max_loras < 0:
             raise ValueError("max_loras: must be at least 0")
         if self.max_lora_rank < 1:

@@ -68,6 +68,7 @@ from engine.scheduling.scheduler import ScheduledBatch, Scheduler
 from engine.sleep.model_memory import ModelMemory
 from engine.sleep.sleeper import Sleeper
 from engine.step_outputs import StepOutputs
+from engine.structured.compile_pool import CompileLimits
 from engine.structured.grammars import Grammars
 from engine.structured.structured_outputs import StructuredOutputs
 from engine.warmup import warm_up
@@ -123,8 +124,9 @@ class LLMEngine:
         )
         self.memory = self.updater.storage = ModelMemory(self.model, self.pool, self.runner)
         self.sleeper = Sleeper(self.memory, self.cache, self.updater, self.abort, self.request_ids)
+        limits = CompileLimits.of(config)
         grammars = Grammars(
-            path, cfg.vocab_size, cfg.eos_token_ids, json_whitespace=config.json_whitespace
+            path, cfg.vocab_size, cfg.eos_token_ids, limits, json_whitespace=config.json_whitespace
         )
         self.structured = StructuredOutputs(grammars)
         self.overlap = OverlappedSteps(self) if overlap_enabled(config) else None
@@ -175,7 +177,7 @@ class LLMEngine:
         their pages return at once. Returns how many sequences ended."""
         ended = 0
         for request_id in request_ids:
-            deferred = self.structured.deferred.pop(request_id, None)
+            deferred = self.structured.drop(request_id)  # its compile may be cancelled
             if deferred is not None:  # as a whole: it has no sequences yet
                 lifecycle.refuse(self, request_id, deferred.n, deferred.prompt_len, message, reason)
                 ended += deferred.n

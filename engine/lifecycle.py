@@ -88,7 +88,8 @@ def add_request(
     if grammar.done():
         begin(grammar)
     else:
-        deferred = Deferred(grammar, functools.partial(begin, grammar), n, len(prompt))
+        resume = functools.partial(begin, grammar)
+        deferred = Deferred(grammar, resume, n, len(prompt), params.structured)
         engine.structured.defer(request_id, deferred)
 
 

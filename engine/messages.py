@@ -4,7 +4,7 @@ Standard library only: both sides import this module, and the service never impo
 Everything here is plain data (dataclasses of builtins) so it pickles across the pipe.
 
 Service -> engine: AddRequest, AbortRequests, UpdateWeights, InitWeightTransfer, Sleep, Wake,
-CheckConstraint, GetState, Shutdown, LoadAdapter, UnloadAdapter, ListAdapters.
+CheckConstraint, AbandonCheck, GetState, Shutdown, LoadAdapter, UnloadAdapter, ListAdapters.
 Engine -> service: Ready, StepOutput (one per engine step), WeightsProgress (for an
 UpdateWeights), WeightTransferJoined (for an InitWeightTransfer), SleepOutcome (for a Sleep or a
 Wake), ConstraintChecked (for a CheckConstraint), Heartbeat (while idle, and in answer to
@@ -97,6 +97,15 @@ class CheckConstraint:
 
     check_id: str
     constraint: Constraint
+    caller: str = ""  # who asks (the gRPC peer): compiles are shared out fairly between callers
+
+
+@dataclass(frozen=True)
+class AbandonCheck:
+    """The CheckConstraint's caller left: answer nothing, and cancel the compile if nothing
+    else waits for it."""
+
+    check_id: str
 
 
 @dataclass(frozen=True)
@@ -302,6 +311,7 @@ ToEngine = (
     | Sleep
     | Wake
     | CheckConstraint
+    | AbandonCheck
     | GetState
     | Shutdown
     | LoadAdapter
@@ -341,6 +351,7 @@ __all__ = [
     "WeightsProgress",
     "Constraint",
     "CheckConstraint",
+    "AbandonCheck",
     "ConstraintChecked",
     "GetState",
     "Shutdown",

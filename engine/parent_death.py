@@ -1,4 +1,5 @@
-"""Tying a process's life to its parent's: the engine to the service, a worker to rank 0.
+"""Tying a process's life to its parent's: the engine to the service, a worker to rank 0 (or
+a grammar compile worker to the engine).
 
 Standard library and structlog only: the engine process and every tensor-parallel worker call
 `die_with_parent` first thing, before anything heavy is imported.
@@ -44,3 +45,17 @@ def die_with_parent() -> None:
     if parent is not None and os.getppid() != parent.pid:
         log.error("engine.orphaned", parent_pid=parent.pid)
         raise SystemExit(1)
+
+
+class children_allowed:
+    """Let a daemonic process (the service starts the engine as one, so that it never
+    outlives the service) start the worker processes multiprocessing would otherwise refuse
+    it: they are tied to it by die_with_parent (and their own liveness checks) instead."""
+
+    def __enter__(self) -> None:
+        self.me = multiprocessing.current_process()
+        self.was = self.me._config.get("daemon", False)  # type: ignore[attr-defined]
+        self.me._config["daemon"] = False  # type: ignore[attr-defined]
+
+    def __exit__(self, *exc: object) -> None:
+        self.me._config["daemon"] = self.was  # type: ignore[attr-defined]

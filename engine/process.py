@@ -32,6 +32,7 @@ import structlog
 from engine.config import EngineConfig
 from engine.logs import configure_logging
 from engine.messages import (
+    AbandonCheck,
     AbortRequests,
     AdapterOutcome,
     AdapterState,
@@ -195,7 +196,9 @@ def _handle(engine: LLMEngine, conn: Connection, msg: ToEngine) -> None:
         case Wake():
             engine.wake(msg)
         case CheckConstraint():
-            engine.structured.check(msg.check_id, msg.constraint)
+            engine.structured.check(msg.check_id, msg.constraint, msg.caller)
+        case AbandonCheck():
+            engine.structured.abandon_check(msg.check_id)
         case InitWeightTransfer():
             # The group forms on threads beside the loop; the loop answers once it settles.
             answer = engine.begin_weight_transfer(msg)

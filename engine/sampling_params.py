@@ -30,8 +30,10 @@ MAX_TOKEN_ID_LIST = 1024  # allowed_token_ids, bad_token_ids
 MAX_BAD_WORD_IDS = 128  # token sequences (the service sends two per bad word)
 MAX_BAD_WORD_TOKENS = 64  # tokens per sequence
 # Structured output (GenerateRequest.structured): each document at most this many UTF-8 bytes;
-# a choice list of 1 to MAX_CHOICES strings, their total also within MAX_CONSTRAINT_BYTES.
-MAX_CONSTRAINT_BYTES = 65536
+# a choice list of 1 to MAX_CHOICES strings, their total also within MAX_CONSTRAINT_BYTES. Large
+# real API schemas (100-700 kB) compile in seconds; what a document costs to compile is bounded
+# by the engine's compile time and memory limits (engine/structured/compile_pool.py), not here.
+MAX_CONSTRAINT_BYTES = 1 << 20
 MAX_CHOICES = 1024
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 

@@ -34,6 +34,7 @@ from engine.parallel.tensor_parallel import (
     leave_group,
     rendezvous_store,
 )
+from engine.parent_death import children_allowed
 
 PING_INTERVAL_S = COLLECTIVE_TIMEOUT_S / 10
 STOP_TIMEOUT_S = 10.0
@@ -53,7 +54,7 @@ class WorkerGroup:
         self.closing = False
         self.channel: StepChannel | None = None
         self.beats = RankBeats(ctx, size - 1)
-        with _children_allowed():
+        with children_allowed():
             for rank in range(1, size):
                 process = ctx.Process(
                     target=worker_main,
@@ -133,17 +134,3 @@ class WorkerGroup:
                     return
                 if time.monotonic() - self.channel.last_send > PING_INTERVAL_S:
                     self.channel.send(StepHeader(Op.PING))
-
-
-class _children_allowed:
-    """Let a daemonic process (the service starts the engine as one, so that it never
-    outlives the service) start the worker processes multiprocessing would otherwise refuse
-    it: they are tied to it by die_with_parent and the liveness watcher instead."""
-
-    def __enter__(self) -> None:
-        self.me = multiprocessing.current_process()
-        self.was = self.me._config.get("daemon", False)  # type: ignore[attr-defined]
-        self.me._config["daemon"] = False  # type: ignore[attr-defined]
-
-    def __exit__(self, *exc: object) -> None:
-        self.me._config["daemon"] = self.was  # type: ignore[attr-defined]

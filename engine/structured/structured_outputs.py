@@ -5,6 +5,8 @@
   ends it with ERROR if the constraint did not compile).
 - The service's CheckConstraint messages are answered once their grammar is compiled
   (`check`, then `verdicts`), so that a bad constraint is refused before its request is sent.
+- A wait that ends early (an AbandonCheck: its caller left; a deferred request aborted) tells
+  grammars.py, which cancels a compile nobody waits for any more.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class Deferred:
     start: Callable[[], None]  # adds the request to the scheduler, or ends it
     n: int
     prompt_len: int
+    constraint: Constraint
 
 
 class StructuredOutputs:
@@ -32,6 +35,7 @@ class StructuredOutputs:
         self.grammars = grammars
         self.deferred: dict[str, Deferred] = {}  # request id -> its wait
         self.checks: dict[str, Future[Any]] = {}  # CheckConstraint id -> its grammar
+        self._checked: dict[str, Constraint] = {}  # CheckConstraint id -> its constraint
 
     def defer(self, request_id: str, deferred: Deferred) -> None:
         self.deferred[request_id] = deferred
@@ -42,19 +46,33 @@ class StructuredOutputs:
         futures = [d.grammar for d in self.deferred.values()] + list(self.checks.values())
         return any(f.done() for f in futures)
 
+    def drop(self, request_id: str) -> Deferred | None:
+        """Stop waiting for a deferred request's grammar (it was aborted); its wait, if any."""
+        deferred = self.deferred.pop(request_id, None)
+        if deferred is not None:
+            self.grammars.abandon(deferred.constraint)
+        return deferred
+
     def start_ready(self) -> None:
         done = [rid for rid, d in self.deferred.items() if d.grammar.done()]
         for request_id in done:
             self.deferred.pop(request_id).start()
 
-    def check(self, check_id: str, constraint: Constraint) -> None:
-        self.checks[check_id] = self.grammars.compile(constraint)
+    def check(self, check_id: str, constraint: Constraint, caller: str = "") -> None:
+        self.checks[check_id] = self.grammars.compile(constraint, caller)
+        self._checked[check_id] = constraint
+
+    def abandon_check(self, check_id: str) -> None:
+        """The check's caller left: it is not answered, and its compile may be cancelled."""
+        if self.checks.pop(check_id, None) is not None:
+            self.grammars.abandon(self._checked.pop(check_id))
 
     def verdicts(self) -> list[ConstraintChecked]:
         """The answers of the checks whose grammar is compiled (each once)."""
         done = [check_id for check_id, f in self.checks.items() if f.done()]
         answers = []
         for check_id in done:
+            del self._checked[check_id]
             error = grammar_error(self.checks.pop(check_id))
             code, message = error if error is not None else (None, "")
             answers.append(ConstraintChecked(check_id, code, message))
@@ -71,6 +89,8 @@ class StructuredOutputs:
 
 def grammar_error(grammar: Future[Any]) -> tuple[str, str] | None:
     """(gRPC status name, message) of a compiled grammar that failed, or None."""
+    if grammar.cancelled():  # every waiter left; only a late look at it sees this
+        return "CANCELLED", "structured: its compile was abandoned"
     exc = grammar.exception()
     if exc is None:
         return None

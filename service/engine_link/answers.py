@@ -27,6 +27,10 @@ class Answers(Generic[T]):
         self._waiting[answer_id] = future
         return future
 
+    def discard(self, answer_id: str) -> None:
+        """Nobody waits for this answer any more (its caller left)."""
+        self._waiting.pop(answer_id, None)
+
     def route(self, answer_id: str, answer: T) -> bool:
         """False if nothing waits for it."""
         future = self._waiting.pop(answer_id, None)

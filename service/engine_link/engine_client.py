@@ -21,6 +21,7 @@ from multiprocessing.process import BaseProcess
 import structlog
 
 from engine.messages import (
+    AbandonCheck,
     AbortRequests,
     AdapterOutcome,
     AddRequest,
@@ -236,12 +237,19 @@ class EngineClient:
         self._send(InitWeightTransfer(transfer_id, group))
         return await self._joins.add(transfer_id)
 
-    async def check_constraint(self, constraint: Constraint) -> ConstraintChecked:
+    async def check_constraint(self, constraint: Constraint, caller: str = "") -> ConstraintChecked:
         """Have the engine compile a structured-output constraint (cached for the request that
-        follows); its answer (UNAVAILABLE: lost meanwhile), or EngineUnavailableError."""
+        follows); its answer (UNAVAILABLE: lost meanwhile), or EngineUnavailableError. `caller`
+        (the gRPC peer) shares compiles out fairly; a caller that leaves abandons its compile."""
         check_id = uuid.uuid4().hex
-        self._send(CheckConstraint(check_id, constraint))
-        return await self._checks.add(check_id)
+        self._send(CheckConstraint(check_id, constraint, caller))
+        try:
+            return await self._checks.add(check_id)
+        except asyncio.CancelledError:
+            self._checks.discard(check_id)
+            with contextlib.suppress(EngineUnavailableError):  # a lost engine compiles nothing
+                self._send(AbandonCheck(check_id))
+            raise
 
     def update_weights(
         self,

@@ -69,7 +69,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
         deadline = _deadline(context)
         try:
-            submitted = await self._submit(request, deadline)
+            submitted = await self._submit(request, deadline, context.peer())
         except Refusal as refusal:
             log.info("request.refused", code=refusal.code.name, message=refusal.message)
             await context.abort_with_status(refusal.to_status())
@@ -89,7 +89,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         deadline = _deadline(context)
 
         async def start(request: pb.GenerateRequest) -> Admitted:
-            submitted = await self._submit(request, deadline)
+            submitted = await self._submit(request, deadline, context.peer())
             submitted.inbox.meter = call.meter  # no await since submit: nothing arrived yet
             added = submitted.admission.request
             events = self._run(submitted)
@@ -195,8 +195,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     # ---- admission and streaming ----
 
-    async def _submit(self, req: pb.GenerateRequest, deadline: float | None) -> _Submitted:
-        """Admit a request and hand it to the engine, or raise Refusal."""
+    async def _submit(
+        self, req: pb.GenerateRequest, deadline: float | None, caller: str
+    ) -> _Submitted:
+        """Admit a request and hand it to the engine, or raise Refusal. `caller`: the gRPC
+        peer (its connection), whose constraint compiles are shared out fairly."""
         self._check_available()
         assert self.tokenizer is not None and self.engine.info is not None
         admission = await admit(
@@ -212,7 +215,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             adapters=self.engine.adapters.versions,
         )
         if (structured := admission.request.params.structured) is not None:
-            await check_constraint(self.engine, structured)  # compiled, or refused
+            await check_constraint(self.engine, structured, caller)  # compiled, or refused
         # NOTE: no await from here to submit(): the duplicate and queue checks stay true.
         self._check_available()
         request_id = admission.request.request_id

@@ -46,10 +46,11 @@ def schema_violations(req: pb.GenerateRequest) -> list[tuple[str, str]]:
     return []
 
 
-async def check_constraint(engine: EngineClient, c: Constraint) -> None:
-    """Have the engine compile the constraint; raises Refusal if it does not."""
+async def check_constraint(engine: EngineClient, c: Constraint, caller: str) -> None:
+    """Have the engine compile the constraint (for `caller`, the gRPC peer: compiles are shared
+    out fairly between callers); raises Refusal if it does not."""
     try:
-        checked = await engine.check_constraint(c)
+        checked = await engine.check_constraint(c, caller)
     except EngineUnavailableError as exc:
         raise Refusal(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
     if checked.error_code is None:

@@ -155,6 +155,9 @@ def test_constrained_and_free_requests_share_steps(tiny_llama, prompt) -> None: 
         alone.update(run(make_engine(tiny_llama, overlap=False), [r]))
     # 16 pages of 8 tokens hold any one of them (at most 18 + 21 + 60 tokens), not all four.
     busy = make_engine(tiny_llama, overlap=True, num_kv_pages=16, page_size=8)
+    for r in requests:  # compiled first, as the service's check does: all four start together
+        if r.params.structured is not None:
+            busy.structured.grammars.compile(r.params.structured).result()
     together = run(busy, requests)
     assert busy.scheduler.num_preemptions > 0
     for key, seen in alone.items():

@@ -4,6 +4,7 @@ compile cache, and choice lists turned into grammars that accept exactly their s
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,9 +19,11 @@ from engine.structured.grammars import ConstraintError, Grammars
 
 
 @pytest.fixture(scope="module")
-def grammars(tiny_llama: Path) -> Grammars:
+def grammars(tiny_llama: Path) -> Iterator[Grammars]:
     cfg = load_model_config(tiny_llama, None)
-    return Grammars(tiny_llama, cfg.vocab_size, cfg.eos_token_ids, capacity=2)
+    grammars = Grammars(tiny_llama, cfg.vocab_size, cfg.eos_token_ids, capacity=2)
+    yield grammars
+    grammars.close()  # its compile workers
 
 
 def test_the_mask_sets_exactly_the_tokens_xgrammar_sets_to_minus_inf() -> None:

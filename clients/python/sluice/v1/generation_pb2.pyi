@@ -290,9 +290,10 @@ class StructuredOutput(_message.Message):
     complete and EOS (or, for a constraint that admits nothing more, the end) is drawn, or
     LENGTH at max_tokens with a text that is still a valid prefix. A stop string can cut the text
     short of complete. Each sample of n > 1 is constrained on its own. Every document is at most
-    65,536 UTF-8 bytes; one that does not compile (invalid JSON or schema, regex, grammar, or a
-    feature the compiler does not support) is INVALID_ARGUMENT naming the field (e.g.
-    `structured.regex`) before anything is generated. If at some step no token can continue the
+    1,048,576 UTF-8 bytes; one that does not compile (invalid JSON or schema, regex, grammar, a
+    feature the compiler does not support, or one too costly to compile: past the server's
+    compile time or memory limit) is INVALID_ARGUMENT naming the field (e.g. `structured.regex`)
+    before anything is generated. If at some step no token can continue the
     text (the vocabulary cannot spell what the constraint needs next), that request alone ends
     with FINISH_REASON_ERROR and a message saying so.
     """

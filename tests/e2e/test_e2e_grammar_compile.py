@@ -1,0 +1,100 @@
+"""End to end, through `python -m service`: a grammar bomb is refused past the compile time
+limit naming its field while another connection's schema compiles at once, and a bomb whose
+caller leaves is killed in the engine (AbandonCheck), not compiled on for nobody.
+
+The bomb: a JSON schema of 900 nested arrays (25 kB), about 35 s of uninterruptible compile on
+this tokenizer (two minutes on a loaded machine, before compiles were bounded)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from server_process import ServerProcess, server_process
+from sluice.v1 import generation_pb2 as pb
+from sluice_client import Client, build_request
+
+pytestmark = pytest.mark.slow
+
+TIME_LIMIT_S = 8.0
+SMALL = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+def nested_arrays(depth: int) -> str:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return json.dumps(schema)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("grammar") / "server.log"
+    flags = ["--model", str(tiny_llama), "--device", "cpu", "--dtype", "float32"]
+    flags += ["--grammar-compile-timeout", str(TIME_LIMIT_S), "--grammar-compile-workers", "2"]
+    with server_process(log, *flags) as server:
+        server.wait_health("SERVING", timeout=300)
+        # The workers start at the first compile: wait until both are up.
+        assert generate(server.target, json.dumps(SMALL)).ok
+        server.wait_for("engine.grammar_worker_started", count=2, timeout=120)
+        yield server
+
+
+class Outcome:
+    def __init__(self, error: grpc.RpcError | None, seconds: float) -> None:
+        self.error, self.seconds = error, seconds
+        self.ok = error is None
+
+
+def generate(target: str, schema: str, timeout: float | None = None) -> Outcome:
+    """A one-token Generate under `schema`, on a connection of its own (the server shares
+    compiles out by connection; channels to one target share one unless told not to)."""
+    request = build_request([0, 5, 7], max_tokens=1)
+    request.structured.CopyFrom(pb.StructuredOutput(json_schema=schema))
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    start = time.monotonic()
+    with grpc.insecure_channel(target, options=options) as channel:
+        try:
+            Client(target, channel=channel).complete(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            return Outcome(exc, time.monotonic() - start)
+    return Outcome(None, time.monotonic() - start)
+
+
+def test_a_bomb_is_refused_past_the_limit_while_another_connections_schema_compiles(
+    server: ServerProcess,
+) -> None:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        bomb = pool.submit(generate, server.target, nested_arrays(900))
+        server.wait_for("engine.grammar_compile_slow", timeout=60)  # running for 1 s
+        small = generate(server.target, json.dumps(SMALL))
+        refused = bomb.result(timeout=120)
+    assert small.ok and small.seconds < TIME_LIMIT_S / 2  # not behind the bomb
+    assert refused.error is not None
+    assert refused.error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    status = rpc_status.from_call(refused.error)
+    assert status is not None
+    detail = error_details_pb2.BadRequest()
+    status.details[0].Unpack(detail)
+    (violation,) = detail.field_violations
+    assert violation.field == "structured.json_schema"
+    assert violation.description == f"too costly to compile: not compiled within {TIME_LIMIT_S:g} s"
+    assert TIME_LIMIT_S <= refused.seconds < 30  # the bomb alone takes 35 s
+    assert server.health() == "SERVING"
+
+
+def test_a_bomb_whose_caller_leaves_is_killed_not_compiled_on(server: ServerProcess) -> None:
+    kills = len(server.events("engine.grammar_compile_killed"))
+    left = generate(server.target, nested_arrays(901), timeout=1.0)
+    assert left.error is not None and left.error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    killed = server.wait_for("engine.grammar_compile_killed", count=kills + 1, timeout=60)
+    assert killed["reason"] == "abandoned", killed
+    assert generate(server.target, json.dumps({**SMALL, "title": "after"})).ok
