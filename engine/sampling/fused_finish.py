@@ -2,9 +2,9 @@
 
 It reads the row's winners (the greedy and race packs), merges the slices' partial
 log-sum-exps (total = sum of t_s * exp(m_s - m), as split-K reductions merge) and top-logprob
-candidates, writes the row's output (SamplerOutput's layout: NO_TOKEN for a row whose every processed logit
-is -inf), and leaves the row's scratch
-and penalty marks zeroed for the next call.
+candidates, writes the row's output (SamplerOutput's layout: NO_TOKEN for a row whose every
+processed logit is -inf), and leaves the row's scratch and penalty marks zeroed for the next
+call.
 """
 
 # ruff: noqa: SIM102  (a constexpr `if` and a runtime `if` do not merge into one in Triton)
