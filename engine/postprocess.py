@@ -18,6 +18,7 @@ from engine.messages import SUPPORT_TIES, FinishReason, RequestOutput
 from engine.models.hf_config import ModelConfig
 from engine.overlap import known_tokens
 from engine.request_outputs import request_output, stop_reason
+from engine.sampling.sampler import NO_TOKEN
 from engine.scheduling.prefix_cache import PrefixCache
 from engine.scheduling.request import Request, RequestStatus
 from engine.scheduling.scheduler import Scheduler
@@ -49,6 +50,8 @@ def append_sampled(engine: Engine, sampled: Sampled, first: list[RequestOutput])
             req.prompt_scores.record(position, rows)
             if req.max_tokens == 0 and req.prompt_scores.complete:
                 end_scored(engine, req, first)
+    if NO_TOKEN in sampled.token_ids:
+        sampled = _end_impossible(engine, sampled, first)
     if any(r.grammar is not None for r in sampled.requests):
         sampled = _advance_grammars(engine, sampled, first)
     reqs, tokens = sampled.requests, sampled.token_ids
@@ -86,10 +89,47 @@ def append_sampled(engine: Engine, sampled: Sampled, first: list[RequestOutput])
     return outputs
 
 
+def _end_impossible(engine: Engine, sampled: Sampled, first: list[RequestOutput]) -> Sampled:
+    """A row whose every token's logit was -inf sampled NO_TOKEN: its request ends with ERROR
+    and nothing is appended; the other rows go on."""
+    impossible = [row for row, token in enumerate(sampled.token_ids) if token == NO_TOKEN]
+    for row in impossible:
+        req = sampled.requests[row]
+        message = (
+            "no token is possible: every token's logit is -inf after "
+            f"{' and '.join(masking_options(req)) or 'the logits'} "
+            f"(at output token {req.num_output_tokens})"
+        )
+        if req.params.structured is not None:  # the grammar's own wording (docs/service.md)
+            message = _no_continuation(req)
+        engine.finish(req, FinishReason.ERROR, message)
+        first.append(request_output(req, [], None, None, engine.policy_version))
+    return sampled.rows([row for row in range(len(sampled.requests)) if row not in impossible])
+
+
+def masking_options(req: Request) -> list[str]:
+    """The request's options that can set a token's logit to -inf, by their field names."""
+    params = req.params
+    names = [
+        name
+        for name, used in (
+            ("allowed_token_ids", params.allowed_token_ids),
+            ("logit_bias", params.logit_bias),
+            ("bad_token_ids", params.bad_token_ids),
+            ("bad_words", params.bad_word_ids),
+            ("min_tokens", params.min_tokens and req.num_output_tokens < params.min_tokens),
+        )
+        if used
+    ]
+    if params.structured is not None:
+        names.append(params.structured.field)
+    return names
+
+
 def _advance_grammars(engine: Engine, sampled: Sampled, first: list[RequestOutput]) -> Sampled:
-    """Each constrained row's token advances its grammar. A token the grammar refuses (its
-    mask allowed nothing: no token continues the text) ends its request with ERROR and is
-    dropped; the other rows go on."""
+    """Each constrained row's token advances its grammar. A token the grammar refuses ends its
+    request with ERROR and is dropped; the other rows go on. (A mask that allowed nothing
+    sampled NO_TOKEN: `_end_impossible` ended that request already.)"""
     refused = [
         row
         for row, (req, token) in enumerate(zip(sampled.requests, sampled.token_ids, strict=True))
@@ -97,16 +137,19 @@ def _advance_grammars(engine: Engine, sampled: Sampled, first: list[RequestOutpu
     ]
     for row in refused:
         req = sampled.requests[row]
-        assert req.params.structured is not None
-        message = (
-            f"{req.params.structured.field}: no token can continue the text after "
-            f"{req.num_output_tokens} tokens"
-        )
-        engine.finish(req, FinishReason.ERROR, message)
+        engine.finish(req, FinishReason.ERROR, _no_continuation(req))
         first.append(request_output(req, [], None, None, engine.policy_version))
     if not refused:
         return sampled
     return sampled.rows([row for row in range(len(sampled.requests)) if row not in refused])
+
+
+def _no_continuation(req: Request) -> str:
+    assert req.params.structured is not None
+    return (
+        f"{req.params.structured.field}: no token can continue the text after "
+        f"{req.num_output_tokens} tokens"
+    )
 
 
 def _end_unlisted_supports(engine: Engine, sampled: Sampled, outputs: StepOutputs) -> None:

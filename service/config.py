@@ -35,9 +35,10 @@ class ServiceConfig:
     Timeouts in seconds. `ready_timeout` covers the engine's load (the demo model is trained on
     first use, which takes a couple of minutes) and, after a restart, the replay of the weight
     updates applied since start; `heartbeat_timeout` applies while nothing is in flight (the
-    engine sends a Heartbeat every second then); `stall_timeout` while requests or a weight
-    update are in flight (one engine step must finish within it; a weight update reports
-    progress while it loads). `engine_exit_timeout`: how long a stopping engine may take to
+    engine sends a Heartbeat every second then; a late one gets a probe, and a stopped engine, or
+    one not runnable for that long, is lost); `stall_timeout` while requests or a weight update
+    are in flight (one engine step must finish within it; a weight update reports progress while
+    it loads), and to an idle engine that is runnable but silent (starved of CPU). `engine_exit_timeout`: how long a stopping engine may take to
     end what is left before it is killed.
     """
 
@@ -216,7 +217,8 @@ class ServiceConfig:
     )
     heartbeat_timeout: float = setting(
         15.0,
-        "seconds without a heartbeat from an idle engine before it is restarted",
+        "seconds an idle engine's heartbeat may be late before it is probed; "
+        "restarted if stopped or not runnable meanwhile",
         group=SUPERVISION,
     )
     stall_timeout: float = setting(

@@ -18,12 +18,18 @@ described in `<config.model>/last_update.json` ({name: {dtype, shape, sha256}}) 
 LoRA adapters: a LoadAdapter succeeds (rank 8, never resident: nothing computes them), unless
 its name is the knob die_on_adapter, which kills the engine (as an adapter whose application
 crashes the real one); UnloadAdapter and ListAdapters answer as the real engine does.
+
+Faults of an idle engine, by real signals: SIGUSR1 makes the main thread compute without a word
+for `busy_silence` seconds (runnable all along, as a starved engine is), SIGUSR2 makes it wait
+forever on a lock it holds (a deadlock: asleep, never runnable).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -87,6 +93,23 @@ class _FakeEngine:
         self.update: _Update | None = None
         self.adapters: dict[str, AdapterState] = {}
         self.last_sent = time.monotonic()
+        self.fault: int | None = None  # the signal of a fault to act out at the next iteration
+        signal.signal(signal.SIGUSR1, self.on_fault)
+        signal.signal(signal.SIGUSR2, self.on_fault)
+
+    def on_fault(self, signum: int, frame: object) -> None:
+        self.fault = signum
+
+    def act_out_fault(self) -> None:
+        fault, self.fault = self.fault, None
+        if fault == signal.SIGUSR1:
+            end = time.monotonic() + self.knobs.get("busy_silence", 0.0)
+            while time.monotonic() < end:
+                pass  # runnable and silent, like an engine that waits for a CPU
+        elif fault == signal.SIGUSR2:
+            lock = threading.Lock()
+            lock.acquire()
+            lock.acquire()  # never returns
 
     def info(self) -> ModelInfo:
         return ModelInfo(
@@ -134,6 +157,7 @@ class _FakeEngine:
                 time.sleep(0.05)
         self.conn.send(Ready(self.info()))
         while True:
+            self.act_out_fault()
             idle_wait = 0.0 if self.requests else 0.2
             if self.update is not None:
                 idle_wait = min(idle_wait, max(0.0, self.update.next_at - time.monotonic()))

@@ -174,8 +174,11 @@ def eager_hidden(
 
 
 def sampled_ids(out: SamplerOutput) -> torch.Tensor:
-    """[rows] int64 token ids of a sampler output (column 0 when logprobs are packed in)."""
-    return out.values if out.values.dim() == 1 else out.values[:, 0].to(torch.int64)
+    """[rows] int64 token ids of a sampler output (column 0 when logprobs are packed in), as
+    input ids for the next step: a row with no possible token (NO_TOKEN) reads id 0 there, in
+    a row that is discarded (its request ends with ERROR when this step is collected)."""
+    ids = out.values if out.values.dim() == 1 else out.values[:, 0].to(torch.int64)
+    return ids.clamp(min=0)
 
 
 def to_host_async(

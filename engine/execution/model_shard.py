@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from engine.attention import make_backend
 from engine.config import EngineConfig
-from engine.execution.host_malloc import keep_freed_memory
+from engine.execution.host_malloc import keep_freed_memory, mapped_allocations
 from engine.execution.model_runner import ModelRunner
 from engine.layers.kernel_choice import use_triton_kernels
 from engine.layers.linear import prepack
@@ -52,16 +52,21 @@ def load_shard(
     scale = cfg.head_dim**-0.5
     backend = make_backend(config.attention_backend, device, scale, config.page_size, dtype)
     triton_kernels = use_triton_kernels(config.layer_kernels, device)
-    model = build_model(cfg, path, backend, device, dtype, tp, triton_kernels)
-    for weight in model.linear_weights():
-        prepack(weight)  # the CPU's packed copies, made at load rather than by the first steps
-    kv_heads = model.sharding.num_kv_heads
-    pages = kv_pages(config, cfg, kv_heads, dtype, device)
-    if tp.enabled:
-        count = torch.tensor([pages], dtype=torch.int64)
-        dist.all_reduce(count, op=dist.ReduceOp.MIN, group=tp.control)
-        pages = int(count.item())
-    pool = PagePool(pages, config.page_size, cfg.num_layers, kv_heads, cfg.head_dim, dtype, device)
+    # What a sleep frees (weights, their packed copies, the KV pool) is mapped on its own, so
+    # that freeing it unmaps it (host_malloc.py).
+    with mapped_allocations(device.type):
+        model = build_model(cfg, path, backend, device, dtype, tp, triton_kernels)
+        for weight in model.linear_weights():
+            prepack(weight)  # the CPU's packed copies, made at load, not by the first steps
+        kv_heads = model.sharding.num_kv_heads
+        pages = kv_pages(config, cfg, kv_heads, dtype, device)
+        if tp.enabled:
+            count = torch.tensor([pages], dtype=torch.int64)
+            dist.all_reduce(count, op=dist.ReduceOp.MIN, group=tp.control)
+            pages = int(count.item())
+        pool = PagePool(
+            pages, config.page_size, cfg.num_layers, kv_heads, cfg.head_dim, dtype, device
+        )
     runner = ModelRunner(
         model,
         pool,

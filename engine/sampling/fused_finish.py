@@ -2,8 +2,9 @@
 
 It reads the row's winners (the greedy and race packs), merges the slices' partial
 log-sum-exps (total = sum of t_s * exp(m_s - m), as split-K reductions merge) and top-logprob
-candidates, writes the row's output (SamplerOutput's layout), and leaves the row's scratch
-and penalty marks zeroed for the next call.
+candidates, writes the row's output (SamplerOutput's layout: NO_TOKEN for a row whose every
+processed logit is -inf), and leaves the row's scratch and penalty marks zeroed for the next
+call.
 """
 
 # ruff: noqa: SIM102  (a constexpr `if` and a runtime `if` do not merge into one in Triton)
@@ -21,9 +22,11 @@ from engine.sampling.fused_blocks import (
     row_floats,
 )
 from engine.sampling.fused_select import COUNTS, GATHERED, GREEDY, PRESENT, RACE, SCRATCH
+from engine.sampling.sampler import NO_TOKEN
 
 _SCRATCH = tl.constexpr(SCRATCH)
 _MIN64 = tl.constexpr(-(1 << 63))
+_NO_TOKEN = tl.constexpr(NO_TOKEN)
 
 
 @triton.jit
@@ -58,10 +61,14 @@ def finish(
     scratch_row = scratch_ptr + row * _SCRATCH
     temp, _, _, rep, freq, pres = row_floats(floats_ptr, row)
     divisor = tl.where(temp > 0, temp, 1.0)
-    token = pack_token(tl.load(scratch_row + GREEDY))
+    greedy = tl.load(scratch_row + GREEDY)
+    token = pack_token(greedy)
     if SAMPLE:
         if temp > 0:
             token = pack_token(tl.load(scratch_row + RACE))
+    # The row's max processed logit is -inf only when every one is: no token is possible.
+    impossible = key_value(pack_key(greedy)) == float("-inf")
+    out_id = tl.where(impossible, _NO_TOKEN, token)  # `token` stays a valid id: it is loaded
 
     if LOGPROBS or RAW:
         first = row * splits
@@ -81,7 +88,7 @@ def finish(
         logprob = x - m - log_total
         if RAW:
             logprob = tl.where(is_raw, raw - raw_m - raw_log_total, logprob)
-        tl.store(out_row, token.to(tl.float64))
+        tl.store(out_row, out_id.to(tl.float64))
         tl.store(out_row + 1, logprob.to(tl.float64))
         # Top logprobs: rank by rank, the largest candidate pack below the previous one.
         previous = 9223372036854775807
@@ -100,7 +107,7 @@ def finish(
             tl.store(out_row + 2 + rank, pack_token(best).to(tl.float64))
             tl.store(out_row + 2 + NUM_TOP + rank, top_logprob.to(tl.float64))
     else:
-        tl.store(out_ptr + row, token.to(tl.int64))
+        tl.store(out_ptr + row, out_id.to(tl.int64))
 
     # Back to zero for the next call.
     tl.store(scratch_row + GREEDY, 0)

@@ -44,7 +44,12 @@ from engine.sampling.sampling_math import (
 )
 from engine.sampling.surface import TokenBitmask, apply_surface
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingBatch", "uniform"]
+__all__ = ["NO_TOKEN", "Sampler", "SamplerOutput", "SamplingBatch", "uniform"]
+
+# The id a row gets when no token is possible: every processed logit is -inf (its allowed ids,
+# bans, logit bias, min_tokens and grammar left nothing). Never a token id, nor the overlapped
+# loop's placeholder (-1); the host ends such a row's request with ERROR (engine/postprocess.py).
+NO_TOKEN = -2
 
 FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition", "frequency", "presence")
 INT_COLUMNS = ("seed_low", "seed_high", "counter", "top_k", "output_start")
@@ -113,7 +118,8 @@ class SamplerOutput:
     Without logprobs or support `values` is [rows] int64 token ids. Else it is [rows, 2 + 2k
     (+ 1 + w)] float64 (exact for token ids and float32 logprobs): the token id, its logprob,
     the k top token ids, their logprobs (then the support's size, -1 for every token, and its
-    first w ids, padded with -1).
+    first w ids, padded with -1). A row with no possible token has the id NO_TOKEN (its other
+    columns mean nothing).
     """
 
     values: torch.Tensor
@@ -160,6 +166,10 @@ class Sampler:
             else:
                 raced = self._race(logits, weights, kept, batch)
             token_ids = torch.where(sampled, raced, greedy)
+        # The argmax's processed logit is -inf only when every one is: no token is possible.
+        # (token_ids stay valid ids below: they index the logprobs.) [rows], on the device.
+        impossible = logits.gather(1, greedy[:, None])[:, 0] == float("-inf")
+        out_ids = torch.where(impossible, NO_TOKEN, token_ids)
         support = None
         if batch.sampled_logprobs or batch.support_width:
             # The tokens each row could draw: its kept ones, a greedy row's argmax.
@@ -168,8 +178,8 @@ class Sampler:
             support = torch.where(sampled[:, None], everything, argmax)
         sources = self._sources(raw, logits, support, batch)
         if sources is None and not batch.support_width:
-            return SamplerOutput(token_ids)
-        parts = [token_ids[:, None]]
+            return SamplerOutput(out_ids)
+        parts = [out_ids[:, None]]
         if sources is not None:
             logprobs = torch.log_softmax(sources, dim=-1)
             parts.append(logprobs.gather(-1, token_ids[:, None]))

@@ -10,9 +10,11 @@ checkpoint-name views of merged projections included): restore first.
 
 CUDA graphs capture addresses: they are dropped on release and captured again once both the
 weights and the KV pool are back. Freed memory goes back to the system: on CUDA torch's caching
-allocator keeps freed blocks until `torch.cuda.empty_cache()`; on the CPU a large buffer is an
-mmap that free() unmaps at once, and glibc's malloc_trim returns what freed smaller chunks
-leave in its heaps (the CPU copies of packed weights are many such chunks).
+allocator keeps freed blocks until `torch.cuda.empty_cache()`; on the CPU every storage here
+was allocated inside `mapped_allocations` (at load, and again here on restore), so each buffer
+of a MiB or more is a mapping of its own that free() unmaps at once, and glibc's malloc_trim
+returns what smaller chunks leave in its heaps. The packed copies of the weights are made
+again, mapped, once a Wake has reloaded the weights (`prepack_weights`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from collections.abc import Iterable
 
 import torch
 
+from engine.execution.host_malloc import mapped_allocations
 from engine.execution.model_runner import ModelRunner
+from engine.layers.linear import prepack
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import StackedExperts
 from engine.scheduling.page_pool import PagePool
@@ -64,7 +68,8 @@ class ModelMemory:
         """Reallocate the K and V pages (same count, zeroed), then capture the CUDA graphs
         again; the weights must be in place (they are captured with them)."""
         assert self.kv_released and not self.weights_released and not self.weights_stale
-        _restore(self._kv)
+        with mapped_allocations(self.device.type):
+            _restore(self._kv)
         self._kv = []
         self.pool.k.zero_()
         self.pool.v.zero_()
@@ -92,13 +97,21 @@ class ModelMemory:
         """Reallocate every parameter's storage: stale until `mark_filled` (the caller fills
         every tensor before anything runs on them)."""
         assert self.weights_released
-        _restore(self._weights)
+        with mapped_allocations(self.device.type):
+            _restore(self._weights)
         self._weights = []
         self.weights_stale = True
 
     def mark_filled(self) -> None:
         """Every tensor of the restored weights has been loaded."""
         self.weights_stale = False
+
+    def prepack_weights(self) -> None:
+        """Make the weights' packed copies now (as at load), mapped like the weights, rather
+        than from the heap by the first steps after a Wake."""
+        with mapped_allocations(self.device.type):
+            for weight in self.model.linear_weights():
+                prepack(weight)
 
     @property
     def weights_missing(self) -> bool:

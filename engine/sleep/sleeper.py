@@ -189,6 +189,7 @@ class Sleeper:
             self.memory.release_weights()  # NOTE: partly loaded weights are never served
             return f"cannot read the served weights again: {exc.message}"
         self.memory.mark_filled()
+        self.memory.prepack_weights()
         return None
 
     # ---- outcomes ----

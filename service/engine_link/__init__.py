@@ -4,7 +4,7 @@
 `update_route` its weight updates in flight, `answers` its InitWeightTransfer joins and
 CheckConstraint checks),
 `engine_process` (one incarnation and its pipe),
-`supervisor` (replaces a lost engine), `routing` (outputs to each request's inbox, metered by
+`supervisor` (replaces a lost engine; `liveness` judges an idle engine's silence), `routing` (outputs to each request's inbox, metered by
 `buffer_meter`), `replay_log` (updates a restarted engine re-applies) and `replay` (doing
 it), `tensor_file`, `adapter_link` (LoRA loads and their replay), `adapter_spool` (a streamed
 adapter as a PEFT directory) and `checkpoint_fingerprint`. No protobuf, no grpc. May import `engine.messages`, `engine.config`,

@@ -2,8 +2,11 @@
 when it is lost.
 
 The engine is lost when it says so (EngineDead), its pipe closes, its process exits, or it makes
-no progress: no message for `stall_timeout` seconds while requests or updates wait on it, or for
-`heartbeat_timeout` seconds while idle (an idle engine sends a Heartbeat every second). A lost
+no progress: no message for `stall_timeout` seconds while requests or updates wait on it. An
+idle engine sends a Heartbeat every second; a late one is judged by Liveness (liveness.py): the
+engine is probed, and it is hung when it is stopped, or sleeps through the probe for
+`heartbeat_timeout` seconds, or stays silent for `stall_timeout` though runnable (starved of CPU,
+or spinning). A lost
 engine is killed, every in-flight request ends with ERROR, and a new one is started with bounded
 exponential backoff; it serves again only once the replay log has been re-applied to it, so the
 policy version and the weights never go backwards. A log it cannot replay (weights received
@@ -23,6 +26,7 @@ from typing import Protocol
 
 import structlog
 
+from engine.messages import GetState
 from service.config import ServiceConfig
 from service.engine_link.engine_process import (
     EngineProcess,
@@ -30,6 +34,7 @@ from service.engine_link.engine_process import (
     EngineUnavailableError,
 )
 from service.engine_link.engine_state import EngineState
+from service.engine_link.liveness import Liveness
 from service.ops.metrics import Metrics
 
 log = structlog.get_logger("sluice.supervisor")
@@ -81,6 +86,8 @@ class Supervisor:
 
     async def _watch(self, engine: EngineProcess) -> None:
         """Return once `engine` is lost; declare it lost if it exits or stops making progress."""
+        assert engine.pid is not None  # started
+        liveness = Liveness(engine.pid, self.config.heartbeat_timeout, self.config.stall_timeout)
         while not engine.lost.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(engine.lost.wait(), WATCH_INTERVAL_S)
@@ -89,12 +96,16 @@ class Supervisor:
             if not engine.process.is_alive():
                 self.client.lose(engine, f"the engine process exited ({engine.process.exitcode})")
                 return
-            silent = time.monotonic() - engine.last_message
-            busy = self.client.busy
-            limit = self.config.stall_timeout if busy else self.config.heartbeat_timeout
-            if silent > limit:
-                what = "with work in flight" if busy else "while idle"
-                self.client.lose(engine, f"no progress for {silent:.1f}s {what}")
+            now = time.monotonic()
+            if self.client.busy:
+                silent = now - engine.last_message
+                if silent > self.config.stall_timeout:
+                    self.client.lose(engine, f"no progress for {silent:.1f}s with work in flight")
+                continue
+            if liveness.probe_due(engine.last_message, now):
+                engine.send(GetState())  # never refused: GetState is not bounded by the backlog
+            if (reason := liveness.observe(engine.last_message, now)) is not None:
+                self.client.lose(engine, reason)
 
     async def _restart(self) -> None:
         """Start engines until one is Ready and has replayed every applied update."""
