@@ -3,9 +3,10 @@
 Starts `python -m service` (extra flags after `--`) on a tiny random Llama checkpoint and:
 - small: sends `--small` distinct small JSON schemas one after another (a Generate of one
   token each: the constraint compiles at admission), timing each;
-- bomb: sends a schema of `--depth` nested arrays (25 kB at 900, about 35 s to compile on the
-  tests' 320-token vocabulary) on one connection and, `--delay` s later, a small schema on
-  another; times both and records the bomb's status and the health status meanwhile.
+- bomb: sends a GBNF grammar of `--rules` rules (150 kB at 4,000, 35 s or more to compile on
+  the tests' 320-token vocabulary: each rule a literal or any run of letters, then the next)
+  on one connection and, `--delay` s later, a small schema on another; times both and records
+  the bomb's status and the health status meanwhile.
 
     python -m bench.grammar_compile -- --grammar-compile-timeout 10
     python -m bench.grammar_compile --repo /path/to/other/checkout   # the same, another tree
@@ -30,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--small", type=int, default=20, help="small schemas timed one by one")
-    p.add_argument("--depth", type=int, default=900, help="nested arrays of the bomb")
+    p.add_argument("--rules", type=int, default=4000, help="rules of the bomb grammar")
     p.add_argument("--delay", type=float, default=0.5, help="seconds from the bomb to the small")
     p.add_argument("--repo", type=Path, default=REPO, help="the checkout whose server runs")
     p.add_argument("flags", nargs="*", help="`python -m service` flags (after --)")
@@ -47,22 +48,22 @@ def small_schema(i: int) -> str:
     )
 
 
-def nested_arrays(depth: int) -> str:
-    schema: dict[str, Any] = {"type": "string"}
-    for _ in range(depth):
-        schema = {"type": "array", "items": schema}
-    return json.dumps(schema)
+def wide_grammar(rules: int) -> str:
+    """The bomb (as tests/grammar_bomb.py's): its compile time grows much faster than its size."""
+    body = "".join(f'r{i} ::= "w{i}" r{i + 1} | [a-z]* r{i + 1}\n' for i in range(rules))
+    return f'root ::= r0\n{body}r{rules} ::= "."\n'
 
 
-async def generate(target: str, schema: str) -> tuple[float, str]:
-    """Seconds a one-token Generate constrained by `schema` took, on a connection of its own,
+async def generate(target: str, **structured: str) -> tuple[float, str]:
+    """Seconds a one-token Generate constrained by `structured` (a StructuredOutput's field)
+    took, on a connection of its own,
     and its status name."""
     import grpc
     from sluice.v1 import generation_pb2 as pb
     from sluice_client import AsyncClient, build_request
 
     request = build_request([0, 5, 7], max_tokens=1)
-    request.structured.CopyFrom(pb.StructuredOutput(json_schema=schema))
+    request.structured.CopyFrom(pb.StructuredOutput(**structured))
     start = time.perf_counter()
     # NOTE: a connection of its own: channels to one target share one by default, and the
     # server shares compiles out by connection.
@@ -77,10 +78,10 @@ async def generate(target: str, schema: str) -> tuple[float, str]:
 
 
 async def measure(target: str, args: argparse.Namespace) -> dict[str, Any]:
-    small = [(await generate(target, small_schema(i)))[0] for i in range(args.small)]
-    bomb = asyncio.create_task(generate(target, nested_arrays(args.depth)))
+    small = [(await generate(target, json_schema=small_schema(i)))[0] for i in range(args.small)]
+    bomb = asyncio.create_task(generate(target, grammar=wide_grammar(args.rules)))
     await asyncio.sleep(args.delay)
-    after, after_status = await generate(target, small_schema(-1))
+    after, after_status = await generate(target, json_schema=small_schema(-1))
     bomb_s, bomb_status = await bomb
     ms = [1e3 * s for s in small[1:]]  # the first one starts the compile workers
     return {

@@ -2,8 +2,8 @@
 limit naming its field while another connection's schema compiles at once, and a bomb whose
 caller leaves is killed in the engine (AbandonCheck), not compiled on for nobody.
 
-The bomb: a JSON schema of 900 nested arrays (25 kB), about 35 s of uninterruptible compile on
-this tokenizer (two minutes on a loaded machine, before compiles were bounded)."""
+The bomb: grammar_bomb.py's GBNF grammar, 35 s or more of uninterruptible compile on this
+tokenizer."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 from google.rpc import error_details_pb2
+from grammar_bomb import BOMB_RULES, wide_grammar
 from grpc_status import rpc_status
 from server_process import ServerProcess, server_process
 from sluice.v1 import generation_pb2 as pb
@@ -25,14 +25,8 @@ from sluice_client import Client, build_request
 pytestmark = pytest.mark.slow
 
 TIME_LIMIT_S = 8.0
-SMALL = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
-
-
-def nested_arrays(depth: int) -> str:
-    schema: dict[str, Any] = {"type": "string"}
-    for _ in range(depth):
-        schema = {"type": "array", "items": schema}
-    return json.dumps(schema)
+SMALL_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+SMALL = pb.StructuredOutput(json_schema=json.dumps(SMALL_SCHEMA))
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +37,7 @@ def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     with server_process(log, *flags) as server:
         server.wait_health("SERVING", timeout=300)
         # The workers start at the first compile: wait until both are up.
-        assert generate(server.target, json.dumps(SMALL)).ok
+        assert generate(server.target, SMALL).ok
         server.wait_for("engine.grammar_worker_started", count=2, timeout=120)
         yield server
 
@@ -54,11 +48,11 @@ class Outcome:
         self.ok = error is None
 
 
-def generate(target: str, schema: str, timeout: float | None = None) -> Outcome:
-    """A one-token Generate under `schema`, on a connection of its own (the server shares
+def generate(target: str, structured: pb.StructuredOutput, timeout: float | None = None) -> Outcome:
+    """A one-token Generate under `structured`, on a connection of its own (the server shares
     compiles out by connection; channels to one target share one unless told not to)."""
     request = build_request([0, 5, 7], max_tokens=1)
-    request.structured.CopyFrom(pb.StructuredOutput(json_schema=schema))
+    request.structured.CopyFrom(structured)
     options = [("grpc.use_local_subchannel_pool", 1)]
     start = time.monotonic()
     with grpc.insecure_channel(target, options=options) as channel:
@@ -73,9 +67,9 @@ def test_a_bomb_is_refused_past_the_limit_while_another_connections_schema_compi
     server: ServerProcess,
 ) -> None:
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        bomb = pool.submit(generate, server.target, nested_arrays(900))
+        bomb = pool.submit(generate, server.target, pb.StructuredOutput(grammar=wide_grammar()))
         server.wait_for("engine.grammar_compile_slow", timeout=60)  # running for 1 s
-        small = generate(server.target, json.dumps(SMALL))
+        small = generate(server.target, SMALL)
         refused = bomb.result(timeout=120)
     assert small.ok and small.seconds < TIME_LIMIT_S / 2  # not behind the bomb
     assert refused.error is not None
@@ -85,7 +79,7 @@ def test_a_bomb_is_refused_past_the_limit_while_another_connections_schema_compi
     detail = error_details_pb2.BadRequest()
     status.details[0].Unpack(detail)
     (violation,) = detail.field_violations
-    assert violation.field == "structured.json_schema"
+    assert violation.field == "structured.grammar"
     assert violation.description == f"too costly to compile: not compiled within {TIME_LIMIT_S:g} s"
     assert TIME_LIMIT_S <= refused.seconds < 30  # the bomb alone takes 35 s
     assert server.health() == "SERVING"
@@ -93,8 +87,13 @@ def test_a_bomb_is_refused_past_the_limit_while_another_connections_schema_compi
 
 def test_a_bomb_whose_caller_leaves_is_killed_not_compiled_on(server: ServerProcess) -> None:
     kills = len(server.events("engine.grammar_compile_killed"))
-    left = generate(server.target, nested_arrays(901), timeout=1.0)
+    left = generate(
+        server.target, pb.StructuredOutput(grammar=wide_grammar(BOMB_RULES + 1)), timeout=1.0
+    )
     assert left.error is not None and left.error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     killed = server.wait_for("engine.grammar_compile_killed", count=kills + 1, timeout=60)
     assert killed["reason"] == "abandoned", killed
-    assert generate(server.target, json.dumps({**SMALL, "title": "after"})).ok
+    assert generate(
+        server.target,
+        pb.StructuredOutput(json_schema=json.dumps({**SMALL_SCHEMA, "title": "after"})),
+    ).ok

@@ -2,8 +2,8 @@
 is refused naming its field while other callers' constraints compile; a compile nobody waits
 for any more is dropped (queued) or killed (running).
 
-The bomb: a JSON schema of 900 nested arrays (25 kB), which xgrammar takes about 35 s to
-compile on this tokenizer, uninterruptibly."""
+The bomb: grammar_bomb.py's GBNF grammar, which xgrammar takes 35 s or more to compile on this
+tokenizer, uninterruptibly."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import xgrammar
+from grammar_bomb import BOMB_RULES, long_grammar, wide_grammar
 from server_process import wait_gone
 
 from engine.messages import Constraint
@@ -28,14 +29,7 @@ from engine.structured.structured_outputs import Deferred, StructuredOutputs
 START_S = 120.0  # workers import torch and xgrammar: seconds, more on a loaded machine
 
 
-def nested_arrays(depth: int) -> str:
-    schema: dict[str, Any] = {"type": "string"}
-    for _ in range(depth):
-        schema = {"type": "array", "items": schema}
-    return json.dumps(schema)
-
-
-BOMB = Constraint("json_schema", nested_arrays(900))
+BOMB = Constraint("grammar", wide_grammar())
 SMALL_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 SMALL = Constraint("json_schema", json.dumps(SMALL_SCHEMA))
 
@@ -70,7 +64,7 @@ def test_a_bomb_is_refused_past_the_time_limit_and_another_callers_schema_compil
         bomb.result(timeout=60)
     bomb_s = time.monotonic() - start
     assert str(refused.value) == (
-        "structured.json_schema: too costly to compile: not compiled within 2 s"
+        "structured.grammar: too costly to compile: not compiled within 2 s"
     )
     assert 2.0 <= bomb_s < 30  # killed at the limit, not compiled (35 s)
     assert small_s < 2.0  # never behind the bomb
@@ -89,7 +83,7 @@ def test_one_callers_second_bomb_waits_for_its_first_and_others_pass_both(
     two_workers: Grammars,
 ) -> None:
     first = two_workers.compile(BOMB, "a")
-    second = two_workers.compile(Constraint("json_schema", nested_arrays(901)), "a")
+    second = two_workers.compile(Constraint("grammar", wide_grammar(BOMB_RULES + 1)), "a")
     assert seconds_to_compile(two_workers, SMALL, "b") < 2.0
     done, _ = concurrent.futures.wait([first, second], 60, concurrent.futures.FIRST_COMPLETED)
     assert done == {first}  # one worker for `a`: the second started after the first's end
@@ -101,9 +95,9 @@ def test_a_compile_past_the_memory_limit_is_refused_naming_its_field(tiny_llama:
     try:
         assert grammars.compile(SMALL).exception(timeout=60) is None  # fits in 64 MiB
         with pytest.raises(ConstraintError) as refused:
-            grammars.compile(BOMB).result(timeout=60)
+            grammars.compile(Constraint("grammar", long_grammar())).result(timeout=60)
         assert str(refused.value) == (
-            "structured.json_schema: too costly to compile: needs more than 64 MiB"
+            "structured.grammar: too costly to compile: needs more than 64 MiB"
         )
         # Its worker was replaced, and serves the next constraint.
         regex = grammars.compile(Constraint("regex", "[0-9]+")).result(timeout=START_S)
