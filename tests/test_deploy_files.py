@@ -163,7 +163,9 @@ def test_image_runs_as_a_non_root_user():
 
 
 def test_image_pins_the_torch_of_setup_sh_and_installs_the_client_first():
-    setup_pin = re.search(r"torch==([\w.]+)", (ROOT / "scripts/setup.sh").read_text())
+    setup_pin = re.search(
+        r"^TORCH_VERSION=([\w.]+)$", (ROOT / "scripts/setup.sh").read_text(), re.M
+    )
     assert setup_pin is not None
     assert f"TORCH_VERSION={setup_pin.group(1)}" in dockerfile("ARG")
     install = " ".join(dockerfile("RUN"))
