@@ -40,6 +40,7 @@ from engine.execution.model_shard import (
 )
 from engine.generation_result import GenerationResult, generate
 from engine.layers.kernel_choice import use_triton_kernels
+from engine.logs import logs_to_stderr
 from engine.lora.registry import AdapterRegistry, LoadedAdapter
 from engine.messages import (
     EngineStats,
@@ -78,6 +79,7 @@ from engine.weights.weights_origin import WeightsOrigin
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        logs_to_stderr()  # in-process: the compile workers' and ranks' lines stay off stdout
         self.config = config
         size = config.tensor_parallel_size
         self.device = resolve_device(config.device, 0, size)

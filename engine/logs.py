@@ -36,6 +36,14 @@ def resolved_log_format(fmt: str) -> str:
     return "console" if sys.stderr.isatty() else "json"
 
 
+def logs_to_stderr() -> None:
+    """Where nobody configured structlog (an engine in the caller's own process), send its
+    lines to stderr: structlog's default is stdout, which is the caller's (a benchmark's JSON,
+    a program's output). Changes nothing where logging was configured."""
+    if not structlog.is_configured():
+        structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+
+
 def configure_logging(level: str = "info", fmt: str = "json", process: str = "service") -> None:
     """Send every log of this process to stderr, one event per line; call once at start.
 

@@ -219,3 +219,23 @@ def _read_pty(fd: int) -> bytes:
         return os.read(fd, 4096)
     except OSError:
         return b""
+
+
+def test_an_in_process_engine_logs_on_stderr_and_leaves_stdout_to_its_caller(tiny_llama):
+    # The compile workers log as they start: before, those lines went to the caller's stdout.
+    script = textwrap.dedent(
+        f"""
+        from engine import EngineConfig, LLMEngine
+        from engine.messages import Constraint
+        eng = LLMEngine(EngineConfig(model={str(tiny_llama)!r}, device="cpu", warmup=False))
+        eng.structured.grammars.compile(Constraint("regex", "[ab]+")).result(timeout=120)
+        print("only this")
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "only this\n"
+    assert "engine.grammar_worker_started" in run.stderr
