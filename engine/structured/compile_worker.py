@@ -7,10 +7,11 @@ compile runs past the time limit or whose caller left. The worker limits its own
 need more fails here (MemoryError, or the process dies) instead of in the engine.
 
 On the pipe: first the engine's TokenizerInfo (xgrammar's JSON), then one Constraint at a time;
-each answered ("ok", CompiledGrammar JSON), ("error", message naming the field) or ("memory",
-message): past the memory limit, after which the engine replaces the worker (a C++ library
-that ran out of memory may be left in any state). Plain data both ways: the engine
-deserializes against its own TokenizerInfo.
+each answered ("ok", None): it compiles within the bounds, ("error", message naming the field)
+or ("memory", message): past the memory limit, after which the engine replaces the worker (a
+C++ library that ran out of memory may be left in any state). The compiled grammar itself never
+crosses: its JSON costs far more than the compile (compile_pool.py), so the engine compiles an
+"ok" constraint again itself.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def worker_main(
         too_costly = f"{constraint.field}: too costly to compile: needs more than "
         too_costly += f"{memory_bytes >> 20} MiB"
         try:
-            conn.send(("ok", compile_with(compiler, constraint).serialize_json()))
+            compile_with(compiler, constraint)
+            conn.send(("ok", None))
         except ConstraintError as exc:  # xgrammar reports its std::bad_alloc as a RuntimeError
             out_of_memory = str(exc).endswith("std::bad_alloc")
             conn.send(("memory", too_costly) if out_of_memory else ("error", str(exc)))
