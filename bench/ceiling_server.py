@@ -6,7 +6,7 @@ worktree: this file is then imported from outside that tree, which is why it is 
 module of the `bench` package). It prints the port on stdout once SERVING, and drains and exits
 on SIGTERM.
 
-The engine is `ceiling_engine`, a stand-in that speaks engine/messages.py and costs almost
+The engine is `ceiling_engine`, a stand-in that speaks engine/protocol/messages.py and costs almost
 nothing: every running request gets one token per step, a step every `step_interval` seconds
 (`<MODEL_DIR>/ceiling.json`), so the offered rate is streams / step_interval. It records when it
 sent each step and at which step each request got its first token; at Shutdown it writes both to
@@ -36,8 +36,8 @@ from typing import Any
 TREE = os.environ.get("SLUICE_CEILING_TREE") or str(Path(__file__).resolve().parent.parent)
 sys.path[:0] = [TREE, os.path.join(TREE, "clients", "python")]
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.messages import (  # noqa: E402
+from engine.protocol.config import EngineConfig  # noqa: E402
+from engine.protocol.messages import (  # noqa: E402
     AbortRequests,
     AddRequest,
     EngineStats,

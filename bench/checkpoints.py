@@ -1,7 +1,7 @@
 """Random-weight Hugging Face checkpoints of real model shapes, for benchmarks.
 
 Written with transformers' `save_pretrained`, so the engine and HF load identical files. The
-tokenizer is the tests' byte-level BPE trained on the fly (tests/tiny_models.py), topped up with
+tokenizer is the tests' byte-level BPE trained on the fly (tests/support/tiny_models.py), topped up with
 added pseudo-word tokens to the model's vocabulary size: every id a random model samples then
 detokenizes to real text in the service, as with a real checkpoint.
 
@@ -290,9 +290,11 @@ def write_checkpoint(
 
 @functools.cache
 def _tiny_models() -> Any:
-    """tests/tiny_models.py, loaded by path: `tests` is not a package, and the name may be
+    """tests/support/tiny_models.py, loaded by path: `tests` is not a package, and the name may be
     taken by a stray site-packages `tests` on other machines."""
-    spec = importlib.util.spec_from_file_location("tiny_models", REPO / "tests" / "tiny_models.py")
+    spec = importlib.util.spec_from_file_location(
+        "tiny_models", REPO / "tests" / "support" / "tiny_models.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -49,7 +49,7 @@ def small_schema(i: int) -> str:
 
 
 def wide_grammar(rules: int) -> str:
-    """The bomb (as tests/grammar_bomb.py's): its compile time grows much faster than its size."""
+    """The bomb (as tests/support/grammar_bomb.py's): its compile time grows much faster than its size."""
     body = "".join(f'r{i} ::= "w{i}" r{i + 1} | [a-z]* r{i + 1}\n' for i in range(rules))
     return f'root ::= r0\n{body}r{rules} ::= "."\n'
 
@@ -97,9 +97,9 @@ async def measure(target: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    sys.path.insert(0, str(args.repo / "tests"))
-    from server_process import server_process
-    from tiny_models import make_checkpoint
+    sys.path.insert(0, str(args.repo))
+    from tests.support.server_process import server_process
+    from tests.support.tiny_models import make_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="sluice-grammar-") as tmp:
         model = make_checkpoint(Path(tmp) / "model", "llama")

@@ -63,9 +63,9 @@ async def measure(target: str, args: argparse.Namespace) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    sys.path.insert(0, str(REPO / "tests"))
-    from server_process import server_process
-    from tiny_models import make_checkpoint
+    sys.path.insert(0, str(REPO))
+    from tests.support.server_process import server_process
+    from tests.support.tiny_models import make_checkpoint
 
     runs = []
     with tempfile.TemporaryDirectory(prefix="sluice-health-") as tmp:

@@ -105,7 +105,7 @@ def pipe_message(outputs: Any, stats: Any) -> Any:
     """What the engine process sends for a step: its own `step_message` where the revision
     has one (outputs as columns), else a StepOutput of the list."""
     from engine import process
-    from engine.messages import StepOutput
+    from engine.protocol.messages import StepOutput
 
     step_message = getattr(process, "step_message", None)
     if step_message is not None:

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = set_threads(args.threads)
     model_dir, dtype = resolve_model(args)
     from engine import EngineConfig, LLMEngine, SamplingParams
-    from engine.messages import LogprobMode
+    from engine.protocol.messages import LogprobMode
 
     # No prefix cache: every side computes every prompt (scoring would skip no page anyway).
     config = EngineConfig(

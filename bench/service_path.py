@@ -47,12 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from multiprocessing.reduction import ForkingPickler
 
-    from engine.messages import EngineStats, RequestOutput, StepOutput
+    from engine.protocol.messages import EngineStats, RequestOutput, StepOutput
     from service.text.completion import Completion, OutputSettings
     from service.text.tokenizer import Tokenizer
 
-    sys.path.insert(0, str(REPO / "tests"))
-    from tiny_models import make_tokenizer
+    sys.path.insert(0, str(REPO))
+    from tests.support.tiny_models import make_tokenizer
 
     step = StepOutput(
         [RequestOutput(f"req-{i:06d}", 0, [1000 + i], 0) for i in range(args.outputs)],
@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "service_path",
         "settings": vars(args),
-        "engine_from": str(Path(sys.modules["engine.messages"].__file__ or "").parent.parent),
+        "engine_from": str(
+            Path(sys.modules["engine.protocol.messages"].__file__ or "").parent.parent
+        ),
         "pickle_us_per_output": 1e6 * dumps,
         "unpickle_us_per_output": 1e6 * loads,
         "pickled_bytes_per_output": len(data) / args.outputs,

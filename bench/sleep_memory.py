@@ -38,8 +38,8 @@ def vm() -> dict[str, int]:
 def ensure_checkpoint(path: Path) -> None:
     if (path / "config.json").exists():
         return
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from tiny_models import make_checkpoint
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.support.tiny_models import make_checkpoint
 
     make_checkpoint(
         path,

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = set_threads(args.threads)
     model_dir, dtype = resolve_model(args)
     from engine import EngineConfig, LLMEngine, SamplingParams
-    from engine.messages import Constraint
+    from engine.protocol.messages import Constraint
     from engine.structured import grammar_mask
 
     config = EngineConfig(

@@ -1,6 +1,6 @@
 """Sluice engine: the model, the paged KV cache, the scheduler and the sampler.
 
-Importing `engine` (or `engine.config` / `engine.messages`) does not import torch; `LLMEngine`
+Importing `engine` (or `engine.protocol.config` / `engine.protocol.messages`) does not import torch; `LLMEngine`
 is loaded on first use so that the service process can share the plain-data modules.
 """
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.config import EngineConfig
-from engine.generation_result import GenerationResult
-from engine.messages import FinishReason, PromptLogprobs, RequestOutput, SamplingParams
+from engine.protocol.config import EngineConfig
+from engine.protocol.generation_result import GenerationResult
+from engine.protocol.messages import FinishReason, PromptLogprobs, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
     from engine.engine import LLMEngine

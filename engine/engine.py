@@ -9,7 +9,7 @@ engine/lifecycle.py starts requests and ends those refused, expired or too big;
 engine/postprocess.py ends those a step's samples stop). Weight updates are WeightUpdater's
 (engine/weights/weight_updater.py), sleep and wake Sleeper's (engine/sleep/sleeper.py), and the
 calls that wait for them are in engine/in_process.py; `generate`'s results are
-GenerationResult (engine/generation_result.py).
+GenerationResult (engine/protocol/generation_result.py).
 
 With `tensor_parallel_size` N > 1 this process is rank 0: it starts N-1 worker processes
 (engine/parallel/worker_group.py), holds the scheduler, the page tables and the sampler, and its
@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 
 from engine import in_process, lifecycle
-from engine.config import EngineConfig
 from engine.execution.launched_step import Sampled
 from engine.execution.model_shard import (
     load_shard,
@@ -38,11 +37,19 @@ from engine.execution.model_shard import (
     resolve_dtype,
     resolve_model_path,
 )
-from engine.generation_result import GenerationResult, generate
+from engine.kv_cache.prefix_cache import PrefixCache
 from engine.layers.kernel_choice import use_triton_kernels
 from engine.logs import logs_to_stderr
 from engine.lora.registry import AdapterRegistry, LoadedAdapter
-from engine.messages import (
+from engine.models.hf_config import load_model_config
+from engine.overlap import OverlappedSteps, overlap_enabled
+from engine.parallel.sharding import Sharding
+from engine.parallel.tensor_parallel import TensorParallel
+from engine.parallel.worker_group import WorkerGroup
+from engine.postprocess import append_sampled, publish_pages
+from engine.protocol.config import EngineConfig
+from engine.protocol.generation_result import GenerationResult, generate
+from engine.protocol.messages import (
     EngineStats,
     FinishReason,
     InflightPolicy,
@@ -56,14 +63,7 @@ from engine.messages import (
     WeightsProgress,
     WeightTransferJoined,
 )
-from engine.models.hf_config import load_model_config
-from engine.overlap import OverlappedSteps, overlap_enabled
-from engine.parallel.sharding import Sharding
-from engine.parallel.tensor_parallel import TensorParallel
-from engine.parallel.worker_group import WorkerGroup
-from engine.postprocess import append_sampled, publish_pages
 from engine.request_outputs import request_output
-from engine.scheduling.prefix_cache import PrefixCache
 from engine.scheduling.request import Request
 from engine.scheduling.scheduler import ScheduledBatch, Scheduler
 from engine.sleep.model_memory import ModelMemory
@@ -92,7 +92,7 @@ class LLMEngine:
         tp = TensorParallel()
         if size > 1:
             Sharding(cfg, 0, size)  # a size that does not divide the model fails here, alone
-            from engine.parallel.tp_worker import rank_threads
+            from engine.tp_worker import rank_threads
 
             torch.set_num_threads(rank_threads(config))
             self.workers = WorkerGroup(config, path, self.device)

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from engine.messages import (
+from engine.protocol.messages import (
     InflightPolicy,
     Sleep,
     SleepOutcome,

@@ -19,16 +19,16 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from engine.config import EngineConfig
+from engine.kv_cache.page_pool import PagePool
+from engine.kv_cache.prefix_cache import PrefixCache
 from engine.lora.registry import AdapterRegistry
-from engine.messages import FinishReason, RequestOutput, SamplingParams
 from engine.models.hf_config import ModelConfig
 from engine.overlap import known_tokens
 from engine.postprocess import end_scored
+from engine.protocol.config import EngineConfig
+from engine.protocol.messages import FinishReason, RequestOutput, SamplingParams
 from engine.request_outputs import error_output, request_output
 from engine.request_validation import request_error
-from engine.scheduling.page_pool import PagePool
-from engine.scheduling.prefix_cache import PrefixCache
 from engine.scheduling.request import Request, RequestStatus, new_sequences
 from engine.scheduling.scheduler import Scheduler
 from engine.sleep.sleeper import Sleeper

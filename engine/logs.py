@@ -22,7 +22,7 @@ from types import TracebackType
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
 
-from engine.config import LOG_FORMATS, LOG_LEVELS
+from engine.protocol.config import LOG_FORMATS, LOG_LEVELS
 
 LEADING_FIELDS = ("timestamp", "level", "event")
 

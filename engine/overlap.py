@@ -31,12 +31,12 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.config import EngineConfig
 from engine.execution.launched_step import LaunchedStep, PendingInputs, Sampled
 from engine.execution.model_runner import ModelRunner
-from engine.execution.sampling_slots import reads_history
-from engine.messages import RequestOutput
-from engine.scheduling.page_pool import PagePool
+from engine.kv_cache.page_pool import PagePool
+from engine.protocol.config import EngineConfig
+from engine.protocol.messages import RequestOutput
+from engine.sampling.sampling_slots import reads_history
 from engine.scheduling.request import Request, RequestStatus
 from engine.scheduling.scheduler import ScheduledBatch, Scheduler
 from engine.sleep.sleeper import Sleeper

@@ -14,12 +14,12 @@ import time
 from typing import Protocol
 
 from engine.execution.launched_step import Sampled
-from engine.messages import SUPPORT_TIES, FinishReason, RequestOutput
+from engine.kv_cache.prefix_cache import PrefixCache
 from engine.models.hf_config import ModelConfig
 from engine.overlap import known_tokens
+from engine.protocol.messages import SUPPORT_TIES, FinishReason, RequestOutput
 from engine.request_outputs import request_output, stop_reason
 from engine.sampling.sampler import NO_TOKEN
-from engine.scheduling.prefix_cache import PrefixCache
 from engine.scheduling.request import Request, RequestStatus
 from engine.scheduling.scheduler import Scheduler
 from engine.step_outputs import StepOutputs

@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from engine.config import EngineConfig
 from engine.logs import configure_logging
-from engine.messages import (
+from engine.parent_death import die_with_parent
+from engine.protocol.config import EngineConfig
+from engine.protocol.messages import (
     AbandonCheck,
     AbortRequests,
     AdapterOutcome,
@@ -56,7 +57,6 @@ from engine.messages import (
     UpdateWeights,
     Wake,
 )
-from engine.parent_death import die_with_parent
 
 if TYPE_CHECKING:
     from engine.engine import LLMEngine

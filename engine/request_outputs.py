@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.messages import FinishReason, RequestMetrics, RequestOutput
+from engine.protocol.messages import FinishReason, RequestMetrics, RequestOutput
 from engine.scheduling.request import Request
 
 

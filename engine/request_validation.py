@@ -1,14 +1,14 @@
 """The checks a new request passes before it is queued; a failure is that request's ERROR output.
 
-The sampling parameters check their own fields (SamplingParams.errors, engine/messages.py).
+The sampling parameters check their own fields (SamplingParams.errors, engine/protocol/messages.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Container
 
-from engine.messages import SamplingParams
 from engine.models.hf_config import ModelConfig
+from engine.protocol.messages import SamplingParams
 
 
 def request_error(

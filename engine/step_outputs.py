@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
-from engine.messages import PromptLogprobs, RequestOutput, TokenColumns
+from engine.protocol.messages import PromptLogprobs, RequestOutput, TokenColumns
 from engine.request_outputs import request_output
 from engine.scheduling.request import Request
 

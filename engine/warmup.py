@@ -20,10 +20,10 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from engine.config import EngineConfig
-from engine.messages import FinishReason, RequestOutput, SamplingParams
+from engine.kv_cache.prefix_cache import PrefixCache
 from engine.models.hf_config import ModelConfig
-from engine.scheduling.prefix_cache import PrefixCache
+from engine.protocol.config import EngineConfig
+from engine.protocol.messages import FinishReason, RequestOutput, SamplingParams
 from engine.scheduling.scheduler import Scheduler
 
 OUTPUT_TOKENS = 2  # one from the prefill step, one from a decode step of every row

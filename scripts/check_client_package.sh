@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CI: the Python client package on its own. A fresh venv gets only ./clients/python; torch,
 # numpy and safetensors must not be importable there, and its `sluice` command and a Python
-# snippet must work against a live server (tests/serve_tiny.py, run by the repository's .venv).
+# snippet must work against a live server (tests/support/serve_tiny.py, run by the repository's .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 work="$(mktemp -d)"
@@ -20,7 +20,7 @@ if served="$("$client/sluice" serve --model m 2>&1)" || ! grep -q "pip install" 
   exit 1
 fi
 
-coproc SERVER { .venv/bin/python tests/serve_tiny.py; }
+coproc SERVER { .venv/bin/python tests/support/serve_tiny.py; }
 read -r ready <&"${SERVER[0]}"
 field() { python3 -c 'import json, sys; print(json.loads(sys.argv[1])[sys.argv[2]])' "$ready" "$1"; }
 target="$(field target)"

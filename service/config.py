@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig
 from engine.process import HEARTBEAT_INTERVAL_S
-from engine.settings import (
+from engine.protocol.config import EngineConfig
+from engine.protocol.settings import (
     EXECUTION,
     MODEL,
     NETWORK,

@@ -1,7 +1,7 @@
 """`sluice serve`'s flags, derived from the config dataclasses' fields.
 
 Every `setting` field of ServiceConfig and of its EngineConfig is one flag: `--max-num-seqs` for
-`max_num_seqs`, its type, default and help from the field (service/config.py, engine/config.py),
+`max_num_seqs`, its type, default and help from the field (service/config.py, engine/protocol/config.py),
 so a new setting is a flag at once and the two cannot drift. A flag not given falls back to the
 environment variable `SLUICE_<FIELD>` (`SLUICE_MAX_NUM_SEQS=64`), for containers, then to the
 field's default. Booleans are `--x/--no-x` (environment: true/false, 1/0, yes/no, on/off);
@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from sluice_client.cli import parse_bytes, read_token
 
-from engine.settings import GROUPS, is_setting
+from engine.protocol.settings import GROUPS, is_setting
 from service.config import ServiceConfig
 
 ENV_PREFIX = "SLUICE_"

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import structlog
-from tiny_models import make_checkpoint
+
+from tests.support.tiny_models import make_checkpoint
 
 # In-process servers log to stderr, as `sluice serve` does: structlog's default is stdout, where
 # their lines would mix with the output of the CLI verbs under test.

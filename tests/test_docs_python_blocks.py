@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from service_harness import running_server
-from tiny_models import write_chat_tokenizer
+
+from tests.support.service_harness import running_server
+from tests.support.tiny_models import write_chat_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

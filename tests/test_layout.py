@@ -23,12 +23,12 @@ PACKAGES = ("engine", "service")
 # and the package itself (which loads LLMEngine lazily, the plain-data GenerationResult at once).
 SHARED = {
     "engine",
-    "engine.generation_result",
-    "engine.config",
-    "engine.messages",
-    "engine.sampling_params",
-    "engine.admin_messages",
-    "engine.settings",
+    "engine.protocol.generation_result",
+    "engine.protocol.config",
+    "engine.protocol.messages",
+    "engine.protocol.sampling_params",
+    "engine.protocol.admin_messages",
+    "engine.protocol.settings",
     "engine.process",
     "engine.parent_death",
     "engine.logs",

@@ -27,8 +27,8 @@ import torch
 from engine.attention.metadata import AttentionMetadata
 from engine.execution.routed_experts import stack_routing
 from engine.execution.step_inputs import StepArrays, StepInputs
+from engine.kv_cache.page_pool import PagePool
 from engine.models.llama import KVCache, LlamaForCausalLM
-from engine.scheduling.page_pool import PagePool
 
 MAX_GRAPH_BATCH = 512  # decode batches above this run eagerly
 

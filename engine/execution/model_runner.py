@@ -40,9 +40,10 @@ from engine.execution.launched_step import (
 )
 from engine.execution.prompt_scoring import ScoredRows, follow_scored_rows, score_rows
 from engine.execution.routed_experts import host_rows, routing_record, row_routing
-from engine.execution.sampling_inputs import SamplingInputs
 from engine.execution.step_inputs import StepArrays, StepInputs, forward_inputs
 from engine.execution.step_rows import PreparedStep, lm_head_rows
+from engine.kv_cache.block_table import BlockTable
+from engine.kv_cache.page_pool import PagePool
 from engine.lora.adapter_file import AdapterFile
 from engine.lora.adapter_slots import share_slot
 from engine.lora.lora_weights import LoraStep
@@ -51,8 +52,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.parallel.step_channel import Op, StepChannel, StepHeader
 from engine.sampling.sampler import SamplerOutput, SamplingBatch
 from engine.sampling.sampler_choice import make_sampler
-from engine.scheduling.block_table import BlockTable
-from engine.scheduling.page_pool import PagePool
+from engine.sampling.sampling_inputs import SamplingInputs
 from engine.scheduling.request import Request
 from engine.scheduling.scheduler import ScheduledBatch
 

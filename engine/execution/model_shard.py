@@ -1,7 +1,7 @@
 """ModelShard: one rank's model, KV pool and model runner, built the same way on every rank.
 
 With tensor parallelism every rank runs `load_shard` in the same order (rank 0 inside
-LLMEngine, the others in engine/parallel/tp_worker.py), so the collectives it makes (the KV page
+LLMEngine, the others in engine/tp_worker.py), so the collectives it makes (the KV page
 count, CUDA-graph warm-ups) match rank for rank.
 """
 
@@ -14,17 +14,17 @@ import torch
 import torch.distributed as dist
 
 from engine.attention import make_backend
-from engine.config import EngineConfig
 from engine.execution.host_malloc import keep_freed_memory, mapped_allocations
 from engine.execution.model_runner import ModelRunner
+from engine.kv_cache.page_pool import PagePool
 from engine.layers.kernel_choice import use_triton_kernels
 from engine.layers.linear import prepack
-from engine.messages import ModelInfo
 from engine.models.hf_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.tensor_parallel import TensorParallel
+from engine.protocol.config import EngineConfig
+from engine.protocol.messages import ModelInfo
 from engine.sampling.sampler_choice import make_sampler
-from engine.scheduling.page_pool import PagePool
 from engine.weights.loading import build_model
 
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on the CPU

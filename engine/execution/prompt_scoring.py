@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.messages import LogprobMode
 from engine.models.llama import LlamaForCausalLM
+from engine.protocol.messages import LogprobMode
 from engine.sampling.sampling_math import top_ids
 from engine.scheduling.prompt_scores import ScoreSpan
 from engine.scheduling.request import Request

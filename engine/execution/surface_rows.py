@@ -2,7 +2,7 @@
 
 What does not change while a request runs (its allowed ids; logit_bias, bad_token_ids and
 one-token bad words as (id, value) pairs, bans valued -inf) is a `RowSurface` made when its
-sampling slot is filled (engine/execution/sampling_slots.py). A step adds what depends on the
+sampling slot is filled (engine/sampling/sampling_slots.py). A step adds what depends on the
 tokens: the last id of each longer bad word whose other ids end the output, then pads the
 rows into the SamplingBatch's tensors (engine/sampling/surface.py applies them).
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.messages import SamplingParams
+from engine.protocol.messages import SamplingParams
 from engine.scheduling.request import Request
 
 NO_IDS = np.zeros(0, dtype=np.int64)

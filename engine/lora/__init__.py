@@ -12,7 +12,7 @@ policy version, and what its requests do then), lora_kernel.py (the step's segme
 matmul on Triton, CUDA only).
 
 May import `engine.models` (the projections the weights attach to), `engine.scheduling`
-(a step's requests; the scheduler whose requests a replace moves), `engine.messages`,
+(a step's requests; the scheduler whose requests a replace moves), `engine.protocol.messages`,
 `engine.parallel.step_channel` (what rank 0 tells the other ranks) and
 `engine.layers.grouped_gemm_kernel` (the shrink).
 """

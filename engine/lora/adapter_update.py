@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Protocol
 
 from engine.lora.registry import AdapterRegistry, LoadedAdapter
-from engine.messages import MAX_POLICY_VERSION, FinishReason, InflightPolicy
+from engine.protocol.messages import MAX_POLICY_VERSION, FinishReason, InflightPolicy
 from engine.scheduling.request import Request
 from engine.scheduling.scheduler import Scheduler
 

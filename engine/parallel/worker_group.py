@@ -1,7 +1,7 @@
 """WorkerGroup: rank 0's handle on the other tensor-parallel ranks (worker processes).
 
 Rank 0 (the engine process) serves the rendezvous store, spawns ranks 1..N-1 (each runs
-engine/parallel/tp_worker.py's `worker_main`), joins the process group with them, and from then on:
+engine/tp_worker.py's `worker_main`), joins the process group with them, and from then on:
 - tells them every step through the model runner's StepChannel;
 - pings them when idle, so an idle group stays inside the collective timeout;
 - watches their liveness: a worker that exits (`engine.worker_died`), or stops stamping its
@@ -24,7 +24,6 @@ from typing import Any
 import structlog
 import torch
 
-from engine.config import EngineConfig
 from engine.parallel.rank_beats import BEAT_INTERVAL_S, RankBeats
 from engine.parallel.step_channel import Op, StepChannel, StepHeader
 from engine.parallel.tensor_parallel import (
@@ -35,6 +34,7 @@ from engine.parallel.tensor_parallel import (
     rendezvous_store,
 )
 from engine.parent_death import children_allowed
+from engine.protocol.config import EngineConfig
 
 PING_INTERVAL_S = COLLECTIVE_TIMEOUT_S / 10
 STOP_TIMEOUT_S = 10.0
@@ -45,7 +45,7 @@ log = structlog.get_logger("sluice.engine")
 class WorkerGroup:
     def __init__(self, config: EngineConfig, path: Path, device: torch.device) -> None:
         """Spawn ranks 1..N-1 and join the group with them (blocks until all have)."""
-        from engine.parallel.tp_worker import worker_main
+        from engine.tp_worker import worker_main
 
         size = config.tensor_parallel_size
         store = rendezvous_store(size)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.messages import PromptLogprobs
+from engine.protocol.messages import PromptLogprobs
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.messages import FinishReason, SamplingParams
+from engine.protocol.messages import FinishReason, SamplingParams
 from engine.scheduling.prompt_scores import PromptScores
 
 if TYPE_CHECKING:

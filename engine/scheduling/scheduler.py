@@ -16,8 +16,8 @@ import bisect
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from engine.scheduling.block_table import BlockTable
-from engine.scheduling.prefix_cache import PrefixCache
+from engine.kv_cache.block_table import BlockTable
+from engine.kv_cache.prefix_cache import PrefixCache
 from engine.scheduling.request import Request, RequestStatus
 
 RUNNING = RequestStatus.RUNNING

@@ -28,10 +28,10 @@ import torch
 
 from engine.execution.host_malloc import mapped_allocations
 from engine.execution.model_runner import ModelRunner
+from engine.kv_cache.page_pool import PagePool
 from engine.layers.linear import prepack
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import StackedExperts
-from engine.scheduling.page_pool import PagePool
 
 Released = list[tuple[torch.UntypedStorage, int]]  # each storage, with its size before
 

@@ -26,7 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.messages import (
+from engine.kv_cache.prefix_cache import PrefixCache
+from engine.protocol.messages import (
     SLEEP_LEVELS,
     FinishReason,
     InflightPolicy,
@@ -34,7 +35,6 @@ from engine.messages import (
     SleepOutcome,
     Wake,
 )
-from engine.scheduling.prefix_cache import PrefixCache
 from engine.sleep.model_memory import ModelMemory
 from engine.weights.staging import WeightUpdateError
 from engine.weights.weight_updater import Abort, WeightUpdater

@@ -29,9 +29,9 @@ from typing import Any
 
 import structlog
 
-from engine.config import EngineConfig
-from engine.messages import Constraint
 from engine.parent_death import children_allowed
+from engine.protocol.config import EngineConfig
+from engine.protocol.messages import Constraint
 from engine.structured.compile_queue import CompileJob, CompileQueue
 from engine.structured.compile_worker import READY, worker_main
 from engine.structured.constraint_error import ConstraintError

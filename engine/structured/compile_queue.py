@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.messages import Constraint
+from engine.protocol.messages import Constraint
 
 
 @dataclass(eq=False)

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine.messages import Constraint
 from engine.parent_death import die_with_parent
+from engine.protocol.messages import Constraint
 from engine.structured.constraint_error import ConstraintError
 
 READY = "ready"

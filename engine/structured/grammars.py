@@ -31,7 +31,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from engine.messages import Constraint
+from engine.protocol.messages import Constraint
 from engine.structured.compile_pool import CompileLimits, CompilePool
 from engine.structured.compile_queue import CompileJob
 from engine.structured.constraint_error import ConstraintError

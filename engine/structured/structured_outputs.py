@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from engine.messages import Constraint, ConstraintChecked
+from engine.protocol.messages import Constraint, ConstraintChecked
 from engine.structured.grammars import ConstraintError, Grammars
 
 

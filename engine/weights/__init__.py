@@ -6,5 +6,5 @@ can be refused for before anything pauses), `staging` (read and validate, then s
 process group, for distributed updates; `group_join` joins it beside the engine loop),
 `buckets` (their layout), `distributed` (staging
 them) and `weight_updater` (the update state machine of one engine). May import `models`,
-`parallel`, `scheduling` and `engine.messages`.
+`parallel`, `scheduling` and `engine.protocol.messages`.
 """

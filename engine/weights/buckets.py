@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.messages import TensorSpec
+from engine.protocol.messages import TensorSpec
 
 ALIGN = 64
 ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.messages import TensorSpec
 from engine.parallel.sharding import Sharding
+from engine.protocol.messages import TensorSpec
 from engine.weights.loading import IGNORED_SUFFIXES, checkpoint_files
 from engine.weights.sharded_update import UpdateSource
 from engine.weights.staging import DTYPES, check_tensor, invalid

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 
 import torch
 
-from engine.messages import DistributedTensors
 from engine.parallel.sharding import Sharding
+from engine.protocol.messages import DistributedTensors
 from engine.weights.buckets import bucket_layout
 from engine.weights.staging import DTYPES, Progress, StagedWeights, WeightUpdateError
 from engine.weights.transfer_group import TransferGroup

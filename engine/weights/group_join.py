@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.messages import TransferGroupSpec
+from engine.protocol.messages import TransferGroupSpec
 from engine.weights.staging import WeightUpdateError
 
 # Abandoned joins still blocked in c10d (each a thread and a socket); a listener that never

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.messages import DistributedTensors, TensorRef
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.sharding import Sharding
 from engine.parallel.step_channel import Op, StepChannel, StepHeader
+from engine.protocol.messages import DistributedTensors, TensorRef
 from engine.weights.distributed import stage_distributed
 from engine.weights.staging import (
     Progress,

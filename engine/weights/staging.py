@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from engine.messages import TensorRef
 from engine.parallel.sharding import Sharding
+from engine.protocol.messages import TensorRef
 from engine.weights.loading import IGNORED_SUFFIXES, checkpoint_files
 
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from engine.messages import TransferGroupSpec
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.step_channel import Op, StepChannel, StepHeader
+from engine.protocol.messages import TransferGroupSpec
 from engine.weights.group_join import MAX_ABANDONED, GroupJoin
 from engine.weights.staging import WeightUpdateError
 

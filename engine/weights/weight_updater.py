@@ -32,7 +32,10 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.messages import (
+from engine.kv_cache.prefix_cache import PrefixCache
+from engine.models.llama import LlamaForCausalLM
+from engine.parallel.step_channel import StepChannel
+from engine.protocol.messages import (
     MAX_POLICY_VERSION,
     FinishReason,
     InflightPolicy,
@@ -42,9 +45,6 @@ from engine.messages import (
     WeightsProgress,
     WeightTransferJoined,
 )
-from engine.models.llama import LlamaForCausalLM
-from engine.parallel.step_channel import StepChannel
-from engine.scheduling.prefix_cache import PrefixCache
 from engine.scheduling.scheduler import Scheduler
 from engine.weights.checks import UpdateSize, check_update
 from engine.weights.sharded_update import describe, gather_parameters, stage

@@ -7,6 +7,6 @@ CheckConstraint checks),
 `supervisor` (replaces a lost engine; `liveness` judges an idle engine's silence), `routing` (outputs to each request's inbox, metered by
 `buffer_meter`), `replay_log` (updates a restarted engine re-applies) and `replay` (doing
 it), `tensor_file`, `adapter_link` (LoRA loads and their replay), `adapter_spool` (a streamed
-adapter as a PEFT directory) and `checkpoint_fingerprint`. No protobuf, no grpc. May import `engine.messages`, `engine.config`,
+adapter as a PEFT directory) and `checkpoint_fingerprint`. No protobuf, no grpc. May import `engine.protocol.messages`, `engine.protocol.config`,
 `engine.process` (the spawn target), `service.config` and `service.ops.metrics`.
 """

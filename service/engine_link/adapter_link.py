@@ -42,7 +42,7 @@ from dataclasses import replace
 
 import structlog
 
-from engine.messages import (
+from engine.protocol.messages import (
     AdapterOutcome,
     AdapterState,
     ListAdapters,

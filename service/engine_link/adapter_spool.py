@@ -21,7 +21,7 @@ import struct
 import tempfile
 
 from engine.lora.adapter_config import CONFIG_FILE
-from engine.messages import TensorRef
+from engine.protocol.messages import TensorRef
 from service.engine_link.adapter_files import AdapterFiles
 from service.engine_link.tensor_file import TensorFileWriter
 

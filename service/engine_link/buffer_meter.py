@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.messages import RequestOutput
+from engine.protocol.messages import RequestOutput
 
 # Estimated Python sizes (CPython 3.11, 64-bit) of what a RequestOutput holds: the object and
 # its lists, a token id and its logprob (or a prompt position's), and one (id, logprob) of

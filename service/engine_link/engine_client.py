@@ -20,7 +20,8 @@ from multiprocessing.process import BaseProcess
 
 import structlog
 
-from engine.messages import (
+from engine.process import engine_main
+from engine.protocol.messages import (
     AbandonCheck,
     AbortRequests,
     AdapterOutcome,
@@ -50,7 +51,6 @@ from engine.messages import (
     WeightsProgress,
     WeightTransferJoined,
 )
-from engine.process import engine_main
 from service.config import ServiceConfig
 from service.engine_link.adapter_link import AdapterLink
 from service.engine_link.answers import Answers

@@ -27,8 +27,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 
-from engine.config import EngineConfig
-from engine.messages import AddRequest, FromEngine, ModelInfo, ToEngine, UpdateWeights
+from engine.protocol.config import EngineConfig
+from engine.protocol.messages import AddRequest, FromEngine, ModelInfo, ToEngine, UpdateWeights
 
 EngineTarget = Callable[[EngineConfig, Connection], None]
 StartProcess = Callable[[BaseProcess], None]  # BaseProcess.start, or service.ops.priority's

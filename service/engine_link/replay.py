@@ -17,7 +17,7 @@ from typing import Protocol
 
 import structlog
 
-from engine.messages import UpdateWeights, WeightsPhase, WeightsProgress
+from engine.protocol.messages import UpdateWeights, WeightsPhase, WeightsProgress
 from service.engine_link.engine_process import EngineStartError
 from service.engine_link.replay_log import ReplayLog
 from service.ops.metrics import Metrics

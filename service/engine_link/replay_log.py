@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from engine.messages import InflightPolicy, UpdateWeights
+from engine.protocol.messages import InflightPolicy, UpdateWeights
 from service.engine_link.checkpoint_fingerprint import checkpoint_fingerprint
 from service.engine_link.tensor_file import delete_file
 

@@ -12,7 +12,7 @@ import asyncio
 import math
 from dataclasses import dataclass
 
-from engine.messages import FinishReason, RequestOutput
+from engine.protocol.messages import FinishReason, RequestOutput
 from service.engine_link.buffer_meter import BufferMeter, output_bytes
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.messages import SleepOutcome
+from engine.protocol.messages import SleepOutcome
 
 
 class SleepLink:

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import structlog
 
-from engine.messages import GetState
+from engine.protocol.messages import GetState
 from service.config import ServiceConfig
 from service.engine_link.engine_process import (
     EngineProcess,

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.messages import TensorRef
+from engine.protocol.messages import TensorRef
 
 DTYPE_SIZES = {"F32": 4, "F16": 2, "BF16": 2}
 ALIGNMENT = 64  # each tensor starts on a 64-byte boundary: memory-mapped views stay aligned

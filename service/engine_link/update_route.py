@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.messages import UpdateWeights, WeightsPhase, WeightsProgress
+from engine.protocol.messages import UpdateWeights, WeightsPhase, WeightsProgress
 
 
 class UpdateInProgressError(RuntimeError):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from engine.messages import EngineStats, RequestOutput
+from engine.protocol.messages import EngineStats, RequestOutput
 
 # Request latencies: from a few milliseconds (a cached short prompt) to minutes (long outputs
 # behind a deep queue).

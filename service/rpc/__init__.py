@@ -5,5 +5,5 @@ process-group fields, `adapters` and `adapter_stream` for LoRA loads, `arriving`
 streams that must keep sending), `admission` (request -> AddRequest
 or a refusal with its status code), and the interceptors: `auth`, `call_limit`, `call_metrics`,
 `decoding` (`handlers` rewraps a handler for them). Protobuf stops here. May import
-`service.text`, `service.engine_link`, `service.ops`, `service.config` and `engine.messages`.
+`service.text`, `service.engine_link`, `service.ops`, `service.config` and `engine.protocol.messages`.
 """

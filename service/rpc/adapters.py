@@ -22,7 +22,7 @@ import structlog
 from sluice.v1 import admin_pb2 as pb
 from sluice.v1 import generation_pb2 as gen_pb
 
-from engine.messages import AdapterOutcome, AdapterState, InflightPolicy, LoadAdapter
+from engine.protocol.messages import AdapterOutcome, AdapterState, InflightPolicy, LoadAdapter
 from service.config import MAX_REQUEST_ID_LENGTH
 from service.engine_link.engine_client import EngineClient, EngineState, EngineUnavailableError
 from service.rpc.refusal import Refusal, engine_status

@@ -38,7 +38,7 @@ import structlog
 from sluice.v1 import admin_pb2 as pb
 from sluice.v1 import admin_pb2_grpc
 
-from engine.messages import (
+from engine.protocol.messages import (
     MAX_POLICY_VERSION,
     TensorRef,
     UpdateWeights,

@@ -18,7 +18,7 @@ from types import MappingProxyType
 import grpc
 from sluice.v1 import generation_pb2 as pb
 
-from engine.messages import AddRequest, LogprobMode, ModelInfo, SamplingParams
+from engine.protocol.messages import AddRequest, LogprobMode, ModelInfo, SamplingParams
 from service.config import DEFAULT_MAX_CHAT_MESSAGES, MAX_REQUEST_ID_LENGTH
 from service.rpc.chat import chat_violations, no_template, render
 from service.rpc.refusal import Refusal, invalid_argument

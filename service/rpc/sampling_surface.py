@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from sluice.v1 import generation_pb2 as pb
 
-from engine.messages import MAX_LOGIT_BIAS, MAX_TOKEN_ID_LIST
+from engine.protocol.messages import MAX_LOGIT_BIAS, MAX_TOKEN_ID_LIST
 from service.text.tokenizer import Tokenizer
 
 # Each bad word is two sequences at most (alone and after a space): the engine's

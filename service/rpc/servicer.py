@@ -15,7 +15,7 @@ import structlog
 from sluice.v1 import generation_pb2 as pb
 from sluice.v1 import generation_pb2_grpc
 
-from engine.messages import FinishReason, RequestOutput
+from engine.protocol.messages import FinishReason, RequestOutput
 from service.config import MAX_SEND_MESSAGE_BYTES, ServiceConfig
 from service.engine_link.engine_client import EngineClient, EngineState, EngineUnavailableError
 from service.engine_link.routing import Inbox

@@ -18,7 +18,7 @@ import grpc
 import structlog
 from sluice.v1 import admin_pb2 as pb
 
-from engine.messages import InflightPolicy, Sleep, SleepOutcome, Wake
+from engine.protocol.messages import InflightPolicy, Sleep, SleepOutcome, Wake
 from service.engine_link.engine_client import EngineClient, EngineState, EngineUnavailableError
 from service.rpc.refusal import Refusal, engine_status
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import grpc
 from sluice.v1 import generation_pb2 as pb
 
-from engine.messages import Constraint
+from engine.protocol.messages import Constraint
 from engine.structured.schema_rules import SchemaRuleError, check_schema
 from service.engine_link.engine_client import EngineClient, EngineUnavailableError
 from service.rpc.refusal import Refusal, engine_status, invalid_argument

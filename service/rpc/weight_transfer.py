@@ -12,7 +12,7 @@ from typing import NoReturn
 import grpc
 from sluice.v1 import admin_pb2 as pb
 
-from engine.messages import DistributedTensors, TensorSpec, TransferGroupSpec
+from engine.protocol.messages import DistributedTensors, TensorSpec, TransferGroupSpec
 from service.config import ServiceConfig
 from service.rpc.refusal import Refusal
 

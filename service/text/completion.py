@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from sluice.v1 import generation_pb2 as pb
 
-from engine.messages import FinishReason, RequestOutput
+from engine.protocol.messages import FinishReason, RequestOutput
 from service.text.stop_strings import StopMatch, StopStringMatcher
 from service.text.tokenizer import Tokenizer
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import load_hf_model
 
 from bench import offline
 from bench.hf_reference import decode_loop, token_identity
+from tests.support.tiny_models import load_hf_model
 
 PROMPTS = [[0, 5, 9, 33, 7], [0, 100], [0, 17, 250, 3, 3, 3, 80, 41, 12]]  # left padding needed
 

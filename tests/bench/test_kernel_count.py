@@ -5,7 +5,7 @@ with the Triton attention backend and layer kernels (under Triton's interpreter 
 in bfloat16 so that every dtype cast a real step makes is counted. Tiny Qwen2 (q/k/v bias,
 tied embeddings) and Llama configs: a layer's kernel count does not depend on its width.
 
-NOTE: `use_triton` (tests/triton_interpreter.py) runs at collection: it chooses the
+NOTE: `use_triton` (tests/support/triton_interpreter.py) runs at collection: it chooses the
 interpreter before anything imports triton.
 """
 
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import ARCH_DEFAULTS, BASE_CONFIG
-from triton_interpreter import use_triton
 
 import engine.layers.linear as linear_module
 from bench.kernel_count import count_decode_kernels
 from engine.models.hf_config import parse_model_config
+from tests.support.tiny_models import ARCH_DEFAULTS, BASE_CONFIG
+from tests.support.triton_interpreter import use_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 use_triton(DEVICE)

@@ -8,11 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tiny_models import load_hf_model
-
 from bench import peer_vllm, peer_workers, report
 from bench.hf_reference import decode_loop
 from bench.workload import make_workload
+from tests.support.tiny_models import load_hf_model
 
 
 def test_greedy_workload_is_the_same_for_both_workers() -> None:

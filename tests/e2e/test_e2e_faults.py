@@ -20,11 +20,11 @@ import pytest
 import structlog
 import torch
 from grpc_health.v1 import health_pb2
-from server_process import force_kill, server_process, wait_gone
-from service_harness import health_status, running_server
 from sluice_client import AsyncClient, Client, build_request, pb
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from tests.support.server_process import force_kill, server_process, wait_gone
+from tests.support.service_harness import health_status, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -151,7 +151,7 @@ def greedy_ids(engine: LLMEngine) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def checkpoint_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tiny_models import make_checkpoint
+    from tests.support.tiny_models import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("tiny_llama_b"), "llama", seed=1)
 

@@ -8,12 +8,12 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
-from service_harness import running_server
 from sluice.v1 import generation_pb2 as pb
 from sluice_client import AsyncClient, Collector, build_request
 
-from engine.messages import SamplingParams
+from engine.protocol.messages import SamplingParams
 from service.text.tokenizer import Tokenizer
+from tests.support.service_harness import running_server
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 

@@ -16,11 +16,12 @@ from pathlib import Path
 import grpc
 import pytest
 from google.rpc import error_details_pb2
-from grammar_bomb import BOMB_RULES, wide_grammar
 from grpc_status import rpc_status
-from server_process import ServerProcess, server_process
 from sluice.v1 import generation_pb2 as pb
 from sluice_client import Client, build_request
+
+from tests.support.grammar_bomb import BOMB_RULES, wide_grammar
+from tests.support.server_process import ServerProcess, server_process
 
 pytestmark = pytest.mark.slow
 

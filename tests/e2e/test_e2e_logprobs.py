@@ -11,12 +11,12 @@ import pytest_asyncio
 import torch
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from service_harness import running_server
 from sluice.v1 import generation_pb2 as pb
 from sluice_client import AsyncClient, Collector, build_request
-from tiny_models import load_hf_model
 
 from service.text.tokenizer import Tokenizer
+from tests.support.service_harness import running_server
+from tests.support.tiny_models import load_hf_model
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 

@@ -21,8 +21,9 @@ from typing import Any
 
 import grpc
 import pytest
-from server_process import REPO, ServerProcess, server_process
 from sluice_client import AsyncClient, build_request, pb
+
+from tests.support.server_process import REPO, ServerProcess, server_process
 
 pytestmark = pytest.mark.slow
 

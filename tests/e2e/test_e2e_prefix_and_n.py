@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from service_harness import running_server
 from sluice_client import AsyncClient, Client, Collector, build_request
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from tests.support.service_harness import running_server
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 

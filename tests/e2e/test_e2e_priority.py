@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from server_process import server_process
 from sluice_client import AsyncClient, build_request
 
 from service.ops.priority import yield_to_engine
+from tests.support.server_process import server_process
 
 pytestmark = [
     pytest.mark.slow,

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from nginx_process import NginxProcess, nginx_binary, nginx_process
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import ServerProcess
 from sluice_client import AsyncClient, Client, cli, pb, update_all
-from tiny_models import load_hf_model, make_checkpoint
+
+from tests.support.nginx_process import NginxProcess, nginx_binary, nginx_process
+from tests.support.server_process import ServerProcess
+from tests.support.tiny_models import load_hf_model, make_checkpoint
 
 NGINX = nginx_binary()
 pytestmark = [

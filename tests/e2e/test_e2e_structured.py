@@ -14,11 +14,11 @@ import pytest
 import pytest_asyncio
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from service_harness import running_server
 from sluice.v1 import generation_pb2 as pb
 from sluice_client import AsyncClient, Collector, build_request
 
-from engine.messages import MAX_CONSTRAINT_BYTES
+from engine.protocol.messages import MAX_CONSTRAINT_BYTES
+from tests.support.service_harness import running_server
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 

@@ -16,15 +16,15 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
-from service_harness import running_server
 from sluice.v1 import admin_pb2 as apb
 from sluice.v1 import admin_pb2_grpc
 from sluice.v1 import generation_pb2 as pb
 from sluice_client import AsyncClient, Client, Collector, build_header, build_request
 from sluice_client.requests import Completion
-from tiny_models import make_checkpoint
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from tests.support.service_harness import running_server
+from tests.support.tiny_models import make_checkpoint
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 

@@ -1,4 +1,4 @@
-"""End to end: a trainer process (tests/weight_trainer.py, with sluice_client.weight_transfer)
+"""End to end: a trainer process (tests/support/weight_trainer.py, with sluice_client.weight_transfer)
 pushes weights over a gloo process group to a live server, at one and two tensor-parallel
 ranks; bad lists and versions are refused before any byte moves; a trainer that dies
 mid-broadcast changes nothing; an engine restart cannot replay a broadcast, so generation is
@@ -22,10 +22,11 @@ from typing import Any
 import grpc
 import pytest
 import pytest_asyncio
-from service_harness import running_server
 from sluice.v1 import admin_pb2 as apb
 from sluice_client import AsyncClient, Client, build_header, build_request
-from tiny_models import hf_greedy, load_hf_model, make_checkpoint
+
+from tests.support.service_harness import running_server
+from tests.support.tiny_models import hf_greedy, load_hf_model, make_checkpoint
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 

@@ -15,10 +15,11 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
-from service_harness import running_server
-from silent_listener import SilentListener, free_port
 from sluice.v1 import admin_pb2 as apb
 from sluice_client import AsyncClient, Client, build_request
+
+from tests.support.service_harness import running_server
+from tests.support.silent_listener import SilentListener, free_port
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 

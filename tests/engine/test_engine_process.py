@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from service_harness import make_fake_model
 
-from engine.config import EngineConfig
-from engine.messages import (
+from engine.process import engine_main
+from engine.protocol.config import EngineConfig
+from engine.protocol.messages import (
     FromEngine,
     Heartbeat,
     InflightPolicy,
@@ -30,7 +30,7 @@ from engine.messages import (
     WeightsPhase,
     WeightsProgress,
 )
-from engine.process import engine_main
+from tests.support.service_harness import make_fake_model
 
 REPO = Path(__file__).resolve().parents[2]
 STAGE_DELAY_S = 0.1  # per tensor; the tiny Llama has 21, so staging takes over 2 s
@@ -97,7 +97,7 @@ PARENT_SCRIPT = """
 import multiprocessing, os, sys, time
 from pathlib import Path
 
-from engine.config import EngineConfig
+from engine.protocol.config import EngineConfig
 
 
 def late_child(marker):
@@ -117,7 +117,7 @@ if __name__ == "__main__":
         print(child.pid, flush=True)
         os._exit(0)
     if kind == "fake":
-        from fake_engine import fake_engine_main as target
+        from tests.support.fake_engine import fake_engine_main as target
     else:
         from engine.process import engine_main as target
     conn, child_conn = ctx.Pipe()

@@ -8,10 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from overlap_runs import Request, make_engine, run
 
 from engine import SamplingParams
-from engine.messages import FinishReason, RequestOutput
+from engine.protocol.messages import FinishReason, RequestOutput
+from tests.support.overlap_runs import Request, make_engine, run
 
 PROMPT = [0, 17, 42, 99, 123, 7, 88]
 ALLOWED = (3, 8, 40)

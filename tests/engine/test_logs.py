@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from engine.config import EngineConfig
+from engine.protocol.config import EngineConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -162,7 +162,7 @@ def test_an_enum_field_is_written_as_its_value(fmt):
     code, stderr = run_logged(
         """
         import structlog
-        from engine.messages import FinishReason
+        from engine.protocol.messages import FinishReason
         structlog.get_logger("sluice.x").info(
             "done", reason=FinishReason.LENGTH, reasons=[FinishReason.STOP, None]
         )
@@ -226,7 +226,7 @@ def test_an_in_process_engine_logs_on_stderr_and_leaves_stdout_to_its_caller(tin
     script = textwrap.dedent(
         f"""
         from engine import EngineConfig, LLMEngine
-        from engine.messages import Constraint
+        from engine.protocol.messages import Constraint
         eng = LLMEngine(EngineConfig(model={str(tiny_llama)!r}, device="cpu", warmup=False))
         eng.structured.grammars.compile(Constraint("regex", "[ab]+")).result(timeout=120)
         print("only this")

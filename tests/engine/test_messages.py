@@ -5,7 +5,7 @@ from __future__ import annotations
 import pickle
 from dataclasses import fields
 
-from engine.messages import FinishReason, PromptLogprobs, RequestMetrics, RequestOutput
+from engine.protocol.messages import FinishReason, PromptLogprobs, RequestMetrics, RequestOutput
 
 
 def test_a_request_output_with_every_field_set_round_trips():

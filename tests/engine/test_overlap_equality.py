@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from overlap_runs import Request, assert_all_pages_returned, both, make_engine, run
 
 from engine import FinishReason, SamplingParams
 from engine.execution.cuda_graph import GraphOutput
+from tests.support.overlap_runs import Request, assert_all_pages_returned, both, make_engine, run
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 SEEDED = SamplingParams(

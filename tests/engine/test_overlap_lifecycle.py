@@ -10,7 +10,11 @@ from typing import Any
 
 import pytest
 import torch
-from overlap_runs import (
+
+from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
+from engine.overlap import overlap_enabled
+from engine.protocol.messages import InflightPolicy, RequestOutput, UpdateWeights
+from tests.support.overlap_runs import (
     Request,
     Seen,
     assert_all_pages_returned,
@@ -19,11 +23,7 @@ from overlap_runs import (
     make_engine,
     run,
 )
-from tiny_models import make_checkpoint
-
-from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
-from engine.messages import InflightPolicy, RequestOutput, UpdateWeights
-from engine.overlap import overlap_enabled
+from tests.support.tiny_models import make_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=14, ignore_eos=True)

@@ -8,9 +8,10 @@ import json
 
 import pytest
 import pytest_asyncio
-from service_harness import make_fake_model, running_server
 from sluice_client import AsyncClient, cli, pb
-from tiny_models import make_tokenizer, write_chat_tokenizer
+
+from tests.support.service_harness import make_fake_model, running_server
+from tests.support.tiny_models import make_tokenizer, write_chat_tokenizer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 HOLD = 300  # a prompt holding this token stays queued until cancelled

@@ -10,13 +10,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from fake_engine import fake_engine_main
-from service_harness import make_fake_model
 from sluice_client import cli
 
-from engine.config import EngineConfig
+from engine.protocol.config import EngineConfig
 from service.config import ServiceConfig
 from service.server import create_server
+from tests.support.fake_engine import fake_engine_main
+from tests.support.service_harness import make_fake_model
 
 pytestmark = pytest.mark.asyncio
 WAITING = "waiting for the server at"

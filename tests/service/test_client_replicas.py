@@ -11,9 +11,10 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 import pytest_asyncio
-from service_harness import make_fake_model, running_server
 from sluice.v1 import generation_pb2 as pb
 from sluice_client import AFFINITY_KEY, AsyncClient, Client, cli, update_all
+
+from tests.support.service_harness import make_fake_model, running_server
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")  # the loop the replicas run on
 

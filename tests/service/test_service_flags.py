@@ -12,14 +12,14 @@ from typing import Any
 
 import grpc
 import pytest
-from service_harness import make_fake_model, running_server
 from sluice.v1 import generation_pb2 as pb
 from sluice_client import AsyncClient
 
-from engine.config import EngineConfig
+from engine.protocol.config import EngineConfig
 from service.cli import build_parser, service_config
 from service.config import ServiceConfig
 from service.flags import Flag, config_flags, config_from_args, flag_tables
+from tests.support.service_harness import make_fake_model, running_server
 
 REPO = Path(__file__).resolve().parents[2]
 FLAGS = list(config_flags(ServiceConfig))

@@ -11,8 +11,9 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2
 from grpc_status import rpc_status
-from service_harness import health_status, make_fake_model, running_server
 from sluice_client import AsyncClient, Collector, build_request
+
+from tests.support.service_harness import health_status, make_fake_model, running_server
 
 HOLD, DIE = 300, 301
 SERVING = health_pb2.HealthCheckResponse.SERVING

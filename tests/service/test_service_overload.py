@@ -11,12 +11,12 @@ import structlog
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2
 from grpc_status import rpc_status
-from service_harness import health_status, make_fake_model, running_server, stub
 from sluice.v1 import generation_pb2 as pb
 from sluice_client import AsyncClient
 
-from engine.config import EngineConfig
+from engine.protocol.config import EngineConfig
 from service.config import ServiceConfig
+from tests.support.service_harness import health_status, make_fake_model, running_server, stub
 
 HOLD = 300
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -7,9 +7,10 @@ import time
 from pathlib import Path
 
 import pytest
-from server_process import run_serve
-from service_harness import make_fake_model, running_server
 from sluice_client import AsyncClient
+
+from tests.support.server_process import run_serve
+from tests.support.service_harness import make_fake_model, running_server
 
 REPO = Path(__file__).resolve().parents[2]
 

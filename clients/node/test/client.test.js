@@ -1,4 +1,4 @@
-// The Node client against a live server on a tiny random checkpoint (tests/serve_tiny.py).
+// The Node client against a live server on a tiny random checkpoint (tests/support/serve_tiny.py).
 // Tests run in order on one server; those that swap weights put checkpoint A back.
 
 import assert from 'node:assert/strict';

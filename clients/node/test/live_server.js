@@ -1,4 +1,4 @@
-// Starting tests/serve_tiny.py (a live Sluice server on a tiny checkpoint) from Node tests.
+// Starting tests/support/serve_tiny.py (a live Sluice server on a tiny checkpoint) from Node tests.
 //
 // The interpreter is $SLUICE_PYTHON, else the repository's .venv; the repository's packages
 // are put first on PYTHONPATH so a checkout's code is what runs.
@@ -25,7 +25,7 @@ export function pythonEnv() {
  * {target, checkpointA, checkpointB, tensorsA, adminToken, apiToken}, plus `stop()`.
  */
 export async function startServer(...flags) {
-  const child = spawn(PYTHON, [join(REPO, 'tests', 'serve_tiny.py'), ...flags], {
+  const child = spawn(PYTHON, [join(REPO, 'tests', 'support', 'serve_tiny.py'), ...flags], {
     env: pythonEnv(),
     stdio: ['pipe', 'pipe', 'pipe'],
   });

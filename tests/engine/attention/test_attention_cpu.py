@@ -11,12 +11,12 @@ import random
 
 import pytest
 import torch
-from paged_steps import Step, reference
 
 from engine.attention import cpu_kernels, make_backend, resolve_backend
 from engine.attention.cpu_paged import CpuPagedAttention
 from engine.attention.torch_ref import TorchRefAttention
 from engine.layers import native
+from tests.support.paged_steps import Step, reference
 
 CPU = torch.device("cpu")
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import random
 
 import torch
-from paged_steps import Step, reference
 
 from engine.attention.metadata import DecodeGroup
 from engine.attention.torch_ref import GROUP_ROWS, TorchRefAttention
+from tests.support.paged_steps import Step, reference
 
 
 def check(step: Step) -> list[DecodeGroup]:

@@ -1,7 +1,7 @@
 """The Triton paged-attention kernels equal torch_ref: compiled on CUDA, else on the CPU
 through Triton's interpreter.
 
-NOTE: `use_triton` (tests/triton_interpreter.py) runs at collection: it chooses the
+NOTE: `use_triton` (tests/support/triton_interpreter.py) runs at collection: it chooses the
 interpreter before anything imports triton.
 """
 
@@ -12,10 +12,10 @@ from types import ModuleType
 
 import pytest
 import torch
-from paged_steps import DEVICE, Step
-from triton_interpreter import use_triton
 
 from engine.attention.torch_ref import TorchRefAttention
+from tests.support.paged_steps import DEVICE, Step
+from tests.support.triton_interpreter import use_triton
 
 use_triton(DEVICE)
 

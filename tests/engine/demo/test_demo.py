@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_models import load_hf_model
 from tokenizers import Tokenizer
 
 from engine.attention.torch_ref import TorchRefAttention
@@ -26,6 +25,7 @@ from engine.demo.checkpoint import ensure_demo_checkpoint
 from engine.models.hf_config import load_model_config
 from engine.models.llama import LlamaForCausalLM
 from engine.weights.loading import load_weights
+from tests.support.tiny_models import load_hf_model
 
 STEPS = 2
 HF_FILES = (

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_checkpoint
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.messages import RequestOutput
+from engine.protocol.messages import RequestOutput
+from tests.support.tiny_models import make_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,

@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import make_checkpoint, prompts
 from torch.utils._python_dispatch import TorchDispatchMode
-from triton_interpreter import use_triton
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.execution.cuda_graph import GraphOutput
 from engine.models.moe import StackedExperts
+from tests.support.tiny_models import make_checkpoint, prompts
+from tests.support.triton_interpreter import use_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 use_triton(DEVICE)

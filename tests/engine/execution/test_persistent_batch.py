@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.execution.sampling_slots import _row
-from engine.messages import RequestOutput
+from engine.protocol.messages import RequestOutput
+from engine.sampling.sampling_slots import _row
 from engine.step_outputs import StepOutputs
 
 SEEDED = SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=12, ignore_eos=True)

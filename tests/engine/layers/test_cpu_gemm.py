@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import make_checkpoint
 
 import engine.layers.linear as linear_module
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.layers import cpu_gemm
+from tests.support.tiny_models import make_checkpoint
 
 needs_amx = pytest.mark.skipif(
     cpu_gemm._lib() is None, reason="this CPU (or its build) has no AMX-BF16"

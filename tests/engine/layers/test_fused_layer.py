@@ -5,7 +5,7 @@ Float32 on the CPU through Triton's interpreter, or compiled on CUDA: tiny Llama
 untied), Qwen2 (q/k/v bias, tied), Qwen3 (q/k norm through the norm kernel, head_dim 32), and
 the MoE Qwen2-MoE and Mixtral (each expert's activation through the SiLU-and-mul kernel).
 
-NOTE: `use_triton` (tests/triton_interpreter.py) runs at collection: it chooses the
+NOTE: `use_triton` (tests/support/triton_interpreter.py) runs at collection: it chooses the
 interpreter before anything imports triton.
 """
 
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_checkpoint
-from triton_interpreter import use_triton
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from tests.support.tiny_models import make_checkpoint
+from tests.support.triton_interpreter import use_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 use_triton(DEVICE)

@@ -7,7 +7,7 @@ with no pairs, experts with more pairs than one block, a hidden size that is not
 the K block, a single token, and spare blocks past the last expert's; and a whole MoE engine on the Triton
 layer kernels against its torch path.
 
-NOTE: `use_triton` (tests/triton_interpreter.py) runs at collection: it chooses the
+NOTE: `use_triton` (tests/support/triton_interpreter.py) runs at collection: it chooses the
 interpreter before anything imports triton.
 """
 
@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_checkpoint, prompts
-from triton_interpreter import use_triton
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.models.hf_config import MoeConfig
 from engine.models.moe import QWEN_PARTS, StackedExperts, route
+from tests.support.tiny_models import make_checkpoint, prompts
+from tests.support.triton_interpreter import use_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 use_triton(DEVICE)

@@ -6,7 +6,7 @@ and Llama-3.2-1B's (32 over 8, head_dim 64, hidden 2048), a head_dim of 128, odd
 counts, inputs that are column views of one fused projection's output, and the padding rows
 of a graphed step (token 0 at position 0, all writing the scratch slot).
 
-NOTE: `use_triton` (tests/triton_interpreter.py) runs at collection: it chooses the
+NOTE: `use_triton` (tests/support/triton_interpreter.py) runs at collection: it chooses the
 interpreter before anything imports triton.
 """
 
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_interpreter import use_triton
 
 from engine.layers.rms_norm import rms_norm_ref
 from engine.layers.silu_and_mul import silu_and_mul_ref
 from engine.models.rope import RotaryEmbedding
+from tests.support.triton_interpreter import use_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 use_triton(DEVICE)

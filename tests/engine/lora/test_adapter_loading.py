@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from lora_adapters import make_adapter
 from safetensors.torch import load_file, save_file
-from tiny_models import make_checkpoint
 
 from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
+from tests.support.lora_adapters import make_adapter
+from tests.support.tiny_models import make_checkpoint
 
 
 @pytest.fixture(scope="module")

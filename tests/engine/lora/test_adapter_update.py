@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lora_adapters import make_adapter, peft_greedy, peft_model
-from tiny_models import prompts
 
 from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
 from engine.lora.adapter_update import AdapterUpdateError, replace_adapter
-from engine.messages import InflightPolicy, RequestOutput
+from engine.protocol.messages import InflightPolicy, RequestOutput
+from tests.support.lora_adapters import make_adapter, peft_greedy, peft_model
+from tests.support.tiny_models import prompts
 
 NEW_TOKENS = 12
 BEFORE_SWAP = 4  # steps the running request takes on version 1

@@ -7,7 +7,7 @@ the base model's tokens between them (untouched, bit for bit); and an engine on
 layer_kernels=triton, whose mixed batch of two adapters and the base model generates the torch
 path's greedy ids and logprobs.
 
-NOTE: `use_triton` (tests/triton_interpreter.py) runs at collection: it chooses the
+NOTE: `use_triton` (tests/support/triton_interpreter.py) runs at collection: it chooses the
 interpreter before anything imports triton.
 """
 
@@ -16,12 +16,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from lora_adapters import make_adapter
-from tiny_models import prompts
-from triton_interpreter import use_triton
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.lora.lora_weights import LoraStep, ProjectionLora
+from tests.support.lora_adapters import make_adapter
+from tests.support.tiny_models import prompts
+from tests.support.triton_interpreter import use_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 use_triton(DEVICE)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.config import EngineConfig
 from engine.lora.lora_weights import LoraStep, ProjectionLora
+from engine.protocol.config import EngineConfig
 
 PARTS = {"q_proj": 8, "k_proj": 4, "v_proj": 4}  # a merged q/k/v of 16 columns
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 import torch
-from lora_adapters import MLP, make_adapter, peft_greedy, peft_model
-from tiny_models import prompts
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from tests.support.lora_adapters import MLP, make_adapter, peft_greedy, peft_model
+from tests.support.tiny_models import prompts
 
 NEW_TOKENS = 20
 SPECS: dict[str, dict[str, Any]] = {

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import hf_greedy, load_hf_model, make_checkpoint, prompts
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from tests.support.tiny_models import hf_greedy, load_hf_model, make_checkpoint, prompts
 
 NEW_TOKENS = 64
 LLAMA3_ROPE = {

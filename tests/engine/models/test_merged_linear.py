@@ -7,13 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tiny_models import make_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.attention.torch_ref import TorchRefAttention
 from engine.models.hf_config import load_model_config
 from engine.models.merged_linear import MergedLinear
 from engine.weights.loading import build_model
+from tests.support.tiny_models import make_checkpoint
 
 # float32 inference on the CPU runs oneDNN's linear (engine/layers/linear.py)
 GEMMS = ("aten.mm", "aten.addmm", "mkldnn._linear_pointwise")

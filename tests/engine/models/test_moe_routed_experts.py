@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import load_hf_model, make_checkpoint, prompts
 
 from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
-from engine.generation_result import GenerationResult
+from engine.protocol.generation_result import GenerationResult
+from tests.support.tiny_models import load_hf_model, make_checkpoint, prompts
 
 NEW_TOKENS = 16
 CASES = {

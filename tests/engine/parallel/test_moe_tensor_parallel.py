@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_models import hf_greedy, load_hf_model, make_checkpoint, prompts
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.messages import WeightsPhase
 from engine.models.hf_config import load_model_config
 from engine.parallel.sharding import Sharding
+from engine.protocol.messages import WeightsPhase
+from tests.support.tiny_models import hf_greedy, load_hf_model, make_checkpoint, prompts
 
 NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True)

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from server_process import force_kill, server_process, wait_gone
 from sluice_client import Client, build_request
-from tiny_models import hf_greedy, load_hf_model, make_checkpoint, prompts
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.messages import InflightPolicy, TensorRef, UpdateWeights, WeightsPhase
+from engine.protocol.messages import InflightPolicy, TensorRef, UpdateWeights, WeightsPhase
 from engine.weights.staging import WeightUpdateError
+from tests.support.server_process import force_kill, server_process, wait_gone
+from tests.support.tiny_models import hf_greedy, load_hf_model, make_checkpoint, prompts
 
 NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True)

@@ -1,7 +1,7 @@
 """The fused Triton sampler picks exactly the torch Sampler's tokens (logprobs to 1e-5):
 compiled on CUDA, else on the CPU through Triton's interpreter.
 
-NOTE: `use_triton` (tests/triton_interpreter.py) runs at collection: it chooses the
+NOTE: `use_triton` (tests/support/triton_interpreter.py) runs at collection: it chooses the
 interpreter before anything imports triton.
 """
 
@@ -13,11 +13,11 @@ from types import ModuleType
 
 import pytest
 import torch
-from fixed_bitmask import FixedBitmask
-from triton_interpreter import use_triton
 
 from engine.sampling import sampler_choice
 from engine.sampling.sampler import Sampler, SamplingBatch
+from tests.support.fixed_bitmask import FixedBitmask
+from tests.support.triton_interpreter import use_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 use_triton(DEVICE)

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import load_hf_model
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     TopKLogitsWarper,
@@ -18,9 +17,10 @@ from transformers.generation.logits_process import (
 )
 
 from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
-from engine.messages import LogprobMode
+from engine.protocol.messages import LogprobMode
 from engine.sampling.sampler import Sampler, SamplingBatch
 from engine.sampling.sampler_choice import FusedOrTorch
+from tests.support.tiny_models import load_hf_model
 
 VOCAB = 40
 # temperature, top_k, top_p, min_p per row; row 0's 3rd and 4th largest logits tie.

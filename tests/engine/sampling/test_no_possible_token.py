@@ -10,11 +10,11 @@ from types import ModuleType
 
 import pytest
 import torch
-from fixed_bitmask import FixedBitmask
 from test_fused_sampler import DEVICE, VOCAB, make_batch, make_logits
 
 from engine.sampling import cpu_race
 from engine.sampling.sampler import NO_TOKEN, Sampler, SamplingBatch
+from tests.support.fixed_bitmask import FixedBitmask
 
 inf = float("inf")
 ALLOWED = [3, 8, 40]

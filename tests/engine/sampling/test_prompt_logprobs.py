@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from overlap_runs import assert_all_pages_returned, make_engine
-from tiny_models import load_hf_model
 
 from engine import FinishReason, GenerationResult, LLMEngine, SamplingParams
+from tests.support.overlap_runs import assert_all_pages_returned, make_engine
+from tests.support.tiny_models import load_hf_model
 
 SCORE = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=True)
 

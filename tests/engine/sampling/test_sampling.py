@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import load_hf_model
 
 from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
 from engine.sampling.sampler import Sampler, SamplingBatch
+from tests.support.tiny_models import load_hf_model
 
 PROMPT = [0, 17, 42, 99, 123, 7, 88]
 

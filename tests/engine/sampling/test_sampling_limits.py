@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
-from engine.generation_result import GenerationResult
+from engine.protocol.generation_result import GenerationResult
 
 PROMPT = [0, 17, 42, 99, 123, 7, 88]
 FLOAT_FIELDS = (

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from overlap_runs import make_engine
-from tiny_models import load_hf_model
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from tests.support.overlap_runs import make_engine
+from tests.support.tiny_models import load_hf_model
 
 PROMPT = [0, 17, 42, 99, 123, 7, 88]
 STEPS = 16

@@ -11,10 +11,10 @@ import random
 
 import torch
 
-from engine.messages import SamplingParams
-from engine.scheduling.block_table import BlockTable
-from engine.scheduling.page_pool import PagePool
-from engine.scheduling.prefix_cache import PrefixCache
+from engine.kv_cache.block_table import BlockTable
+from engine.kv_cache.page_pool import PagePool
+from engine.kv_cache.prefix_cache import PrefixCache
+from engine.protocol.messages import SamplingParams
 from engine.scheduling.request import Request, RequestStatus
 from engine.scheduling.scheduler import ScheduledBatch, Scheduler
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.scheduling.page_pool import PagePool
-from engine.scheduling.prefix_cache import PrefixCache
+from engine.kv_cache.page_pool import PagePool
+from engine.kv_cache.prefix_cache import PrefixCache
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, top_k=40, seed=99, max_tokens=12, ignore_eos=True)

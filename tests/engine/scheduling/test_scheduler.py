@@ -6,10 +6,10 @@ import random
 from pathlib import Path
 
 import pytest
-from tiny_models import make_checkpoint
 
 from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
-from engine.messages import RequestOutput
+from engine.protocol.messages import RequestOutput
+from tests.support.tiny_models import make_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=24, ignore_eos=True)

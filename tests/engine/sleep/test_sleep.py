@@ -6,12 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tiny_models import hf_greedy, load_hf_model, make_checkpoint, prompts
 
 from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
-from engine.messages import InflightPolicy, RequestOutput
+from engine.protocol.messages import InflightPolicy, RequestOutput
 from engine.sleep.sleeper import SleepError
 from engine.weights.staging import WeightUpdateError
+from tests.support.tiny_models import hf_greedy, load_hf_model, make_checkpoint, prompts
 
 PROMPT = [0, 17, 42, 99, 123, 7, 88, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # > one page of 16
 LONG = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_models import make_checkpoint
+
+from tests.support.tiny_models import make_checkpoint
 
 KV_CACHE_BYTES = 256 << 20
 

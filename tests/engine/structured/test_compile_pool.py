@@ -17,14 +17,14 @@ from typing import Any
 
 import pytest
 import xgrammar
-from grammar_bomb import BOMB_RULES, long_grammar, wide_grammar
-from server_process import wait_gone
 
-from engine.messages import Constraint
 from engine.models.hf_config import load_model_config
+from engine.protocol.messages import Constraint
 from engine.structured.compile_pool import CompileLimits, CompilePool
 from engine.structured.grammars import ConstraintError, Grammars, compile_with, tokenizer_info
 from engine.structured.structured_outputs import Deferred, StructuredOutputs
+from tests.support.grammar_bomb import BOMB_RULES, long_grammar, wide_grammar
+from tests.support.server_process import wait_gone
 
 START_S = 120.0  # workers import torch and xgrammar: seconds, more on a loaded machine
 

@@ -3,7 +3,7 @@ job whose caller left dropped before it runs."""
 
 from __future__ import annotations
 
-from engine.messages import Constraint
+from engine.protocol.messages import Constraint
 from engine.structured.compile_queue import CompileJob, CompileQueue
 
 

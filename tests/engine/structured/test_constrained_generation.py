@@ -14,12 +14,12 @@ import jsonschema
 import pytest
 import torch
 import xgrammar
-from overlap_runs import Request, Seen, make_engine, run
-from tiny_models import load_hf_model
 
 from engine import FinishReason, LLMEngine, SamplingParams
-from engine.messages import Constraint
+from engine.protocol.messages import Constraint
 from service.text.tokenizer import Tokenizer
+from tests.support.overlap_runs import Request, Seen, make_engine, run
+from tests.support.tiny_models import load_hf_model
 
 PROMPT_TEXT = "The answer, in one word:"
 SCHEMA = {

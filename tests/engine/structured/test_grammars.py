@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 import xgrammar
-from fixed_bitmask import FixedBitmask
 
-from engine.messages import Constraint
 from engine.models.hf_config import load_model_config
+from engine.protocol.messages import Constraint
 from engine.sampling.surface import apply_surface
 from engine.structured.grammars import ConstraintError, Grammars
+from tests.support.fixed_bitmask import FixedBitmask
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ import jsonschema
 import pytest
 import xgrammar
 
-from engine.messages import Constraint
 from engine.models.hf_config import load_model_config
+from engine.protocol.messages import Constraint
 from engine.structured.grammars import ConstraintError, Grammars
 
 CORPUS = sorted((Path(__file__).parent / "jsonschemabench").glob("*.json"))

@@ -12,8 +12,8 @@ import jsonschema
 import pytest
 import xgrammar
 
-from engine.messages import Constraint
 from engine.models.hf_config import load_model_config
+from engine.protocol.messages import Constraint
 from engine.structured.grammars import ConstraintError, Grammars
 
 # Patterns and strings to try them on; `re.search` is the reference.

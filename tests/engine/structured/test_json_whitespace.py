@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import xgrammar
 
-from engine.config import MAX_JSON_WHITESPACE, EngineConfig
-from engine.messages import Constraint
 from engine.models.hf_config import load_model_config
+from engine.protocol.config import MAX_JSON_WHITESPACE, EngineConfig
+from engine.protocol.messages import Constraint
 from engine.structured.grammars import Grammars
 
 SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "array"}}, "required": ["a"]})

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import load_hf_model, make_checkpoint
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.models.hf_config import UnsupportedModelError, parse_model_config
+from tests.support.tiny_models import load_hf_model, make_checkpoint
 
 LLAMA_4X = {
     "architectures": ["LlamaForCausalLM"],
@@ -125,6 +125,6 @@ def test_engine_modules_shared_with_the_service_do_not_import_torch_or_grpc() ->
     import subprocess
     import sys
 
-    code = "import engine, engine.messages, engine.config, engine.process, sys; print(sorted(m for m in ('torch', 'grpc') if m in sys.modules))"
+    code = "import engine, engine.protocol.messages, engine.protocol.config, engine.process, sys; print(sorted(m for m in ('torch', 'grpc') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -12,10 +12,9 @@ from typing import Any
 import pytest
 import torch
 from sluice_client.trainer_group import TrainerGroup, bucket_layout
-from tiny_models import make_checkpoint
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.messages import (
+from engine.protocol.messages import (
     DistributedTensors,
     InflightPolicy,
     InitWeightTransfer,
@@ -27,6 +26,7 @@ from engine.messages import (
 )
 from engine.weights.buckets import bucket_layout as engine_layout
 from engine.weights.staging import WeightUpdateError
+from tests.support.tiny_models import make_checkpoint
 
 PROMPTS = [[0, 17, 42, 99, 123, 7], [0, 5, 6, 7, 8, 9, 10, 11]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

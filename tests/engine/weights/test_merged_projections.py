@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_models import hf_greedy, load_hf_model, make_checkpoint
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.weights.staging import WeightUpdateError
+from tests.support.tiny_models import hf_greedy, load_hf_model, make_checkpoint
 
 NEW_TOKENS = 12
 PROMPT = [0, 17, 42, 99, 123, 7, 88, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]

@@ -8,11 +8,11 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from silent_listener import SilentListener, free_port
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.messages import InitWeightTransfer, TransferGroupSpec
+from engine.protocol.messages import InitWeightTransfer, TransferGroupSpec
 from engine.weights.group_join import MAX_ABANDONED
+from tests.support.silent_listener import SilentListener, free_port
 
 PROMPT = [0, 17, 42, 99, 123, 7]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_checkpoint
 
 from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
-from engine.messages import (
+from engine.protocol.messages import (
     MAX_POLICY_VERSION,
     InflightPolicy,
     RequestOutput,
@@ -19,6 +18,7 @@ from engine.messages import (
     WeightsProgress,
 )
 from engine.weights.staging import WeightUpdateError
+from tests.support.tiny_models import make_checkpoint
 
 PROMPT = [0, 17, 42, 99, 123, 7, 88, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # > one page of 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.messages import InflightPolicy, TensorRef, UpdateWeights, WeightsPhase
+from engine.protocol.messages import InflightPolicy, TensorRef, UpdateWeights, WeightsPhase
 
 PROMPT = [0, 17, 42, 99, 123, 7]
 NORM = "model.norm.weight"

@@ -15,8 +15,6 @@ from pathlib import Path
 import grpc
 import pytest
 import structlog
-from adapter_calls import ADMIN_TOKEN, refusal
-from service_harness import health_status, make_fake_model, running_server
 from sluice.v1 import admin_pb2 as apb
 from sluice.v1 import admin_pb2_grpc
 from sluice_client import Client
@@ -24,6 +22,8 @@ from test_service_faults import SERVING, engine_pid, wait_until
 
 from engine.lora.adapter_config import CONFIG_FILE
 from service.engine_link.engine_state import EngineState
+from tests.support.adapter_calls import ADMIN_TOKEN, refusal
+from tests.support.service_harness import health_status, make_fake_model, running_server
 
 
 def adapter_dir(root: Path, name: str) -> Path:

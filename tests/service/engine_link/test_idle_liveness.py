@@ -15,12 +15,12 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from service_harness import health_status, make_fake_model, running_server
 from sluice_client import AsyncClient
 
 from service.engine_link.engine_process import EngineProcess
 from service.engine_link.liveness import process_state
 from service.server import SluiceServer
+from tests.support.service_harness import health_status, make_fake_model, running_server
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 HEARTBEAT_TIMEOUT = 1.5

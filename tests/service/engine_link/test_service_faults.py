@@ -15,15 +15,15 @@ from pathlib import Path
 import grpc
 import pytest
 import structlog
-from fake_engine import fake_engine_main
 from grpc_health.v1 import health_pb2
-from service_harness import health_status, make_fake_model, running_server
 from sluice_client import AsyncClient, Client
 
-from engine.config import EngineConfig
-from engine.messages import MAX_POLICY_VERSION
+from engine.protocol.config import EngineConfig
+from engine.protocol.messages import MAX_POLICY_VERSION
 from service.config import ServiceConfig
 from service.server import SluiceServer, create_server
+from tests.support.fake_engine import fake_engine_main
+from tests.support.service_harness import health_status, make_fake_model, running_server
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 ADMIN_TOKEN = "faults-admin"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.messages import DistributedTensors, TensorRef, TensorSpec, UpdateWeights
+from engine.protocol.messages import DistributedTensors, TensorRef, TensorSpec, UpdateWeights
 from service.engine_link.checkpoint_fingerprint import checkpoint_fingerprint
 from service.engine_link.replay_log import ReplayLog
 

@@ -18,9 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_process import ServerProcess, server_process
 from sluice_client import Client, TlsConfig
 from test_service_tls import Pki, make_pki
+
+from tests.support.server_process import ServerProcess, server_process
 
 pytestmark = pytest.mark.slow
 

@@ -26,11 +26,11 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import ServerProcess, run_serve, server_process, wait_gone
-from service_harness import make_fake_model, running_server
 from sluice_client import AsyncClient, Client, build_request
 
 from service.ops.metrics_http import MetricsHttpServer
+from tests.support.server_process import ServerProcess, run_serve, server_process, wait_gone
+from tests.support.service_harness import make_fake_model, running_server
 
 REPO = Path(__file__).resolve().parents[3]
 ADMIN_TOKEN = "metrics-admin"

@@ -22,11 +22,12 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from server_process import run_serve
-from service_harness import health_status, make_fake_model, running_server
 from sluice.v1 import generation_pb2 as pb
 from sluice.v1 import generation_pb2_grpc
 from sluice_client import AsyncClient, TlsConfig, cli
+
+from tests.support.server_process import run_serve
+from tests.support.service_harness import health_status, make_fake_model, running_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 REPO = Path(__file__).resolve().parents[3]

@@ -17,8 +17,6 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
-from adapter_calls import ADMIN_TOKEN, refusal
-from service_harness import make_fake_model, running_server
 from sluice.v1 import admin_pb2 as apb
 from sluice.v1 import admin_pb2_grpc, generation_pb2_grpc
 from sluice.v1 import generation_pb2 as gpb
@@ -26,6 +24,8 @@ from sluice.v1 import generation_pb2 as gpb
 from engine.lora.adapter_config import CONFIG_FILE
 from service.engine_link import adapter_spool
 from service.engine_link.adapter_spool import MAX_ADAPTER_TENSORS
+from tests.support.adapter_calls import ADMIN_TOKEN, refusal
+from tests.support.service_harness import make_fake_model, running_server
 
 METADATA = (("authorization", f"Bearer {ADMIN_TOKEN}"),)
 CALL_TIMEOUT = 10.0  # a hang fails the test instead of wedging it

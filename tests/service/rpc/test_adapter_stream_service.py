@@ -19,7 +19,11 @@ from typing import Any
 import grpc
 import pytest
 import pytest_asyncio
-from adapter_calls import (
+from sluice.v1 import admin_pb2 as apb
+from sluice_client import Client
+from sluice_client.adapter_stream import adapter_chunks
+
+from tests.support.adapter_calls import (
     ADMIN_TOKEN,
     NEW_TOKENS,
     PROMPT,
@@ -29,11 +33,8 @@ from adapter_calls import (
     listed,
     refusal,
 )
-from lora_adapters import make_adapter, peft_greedy, peft_model
-from service_harness import running_server
-from sluice.v1 import admin_pb2 as apb
-from sluice_client import Client
-from sluice_client.adapter_stream import adapter_chunks
+from tests.support.lora_adapters import make_adapter, peft_greedy, peft_model
+from tests.support.service_harness import running_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

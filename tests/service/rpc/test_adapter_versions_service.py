@@ -14,12 +14,13 @@ from typing import Any
 import grpc
 import pytest
 import pytest_asyncio
-from lora_adapters import make_adapter, peft_greedy, peft_model
-from service_harness import running_server
 from sluice.v1 import admin_pb2 as apb
 from sluice.v1 import admin_pb2_grpc, generation_pb2_grpc
 from sluice.v1 import generation_pb2 as gpb
 from sluice_client import Client, build_request, cli
+
+from tests.support.lora_adapters import make_adapter, peft_greedy, peft_model
+from tests.support.service_harness import running_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

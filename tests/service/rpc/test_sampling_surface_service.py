@@ -10,10 +10,10 @@ import pytest
 import pytest_asyncio
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from service_harness import running_server
 from sluice_client import AsyncClient, build_request
 
 from service.rpc.sampling_surface import bad_word_ids
+from tests.support.service_harness import running_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

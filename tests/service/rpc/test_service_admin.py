@@ -20,7 +20,6 @@ import pytest
 import pytest_asyncio
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from service_harness import make_fake_model, running_server
 from sluice.v1 import admin_pb2 as apb
 from sluice.v1 import admin_pb2_grpc
 from sluice.v1 import generation_pb2 as pb
@@ -29,6 +28,7 @@ from sluice_client.weights import DEFAULT_CHUNK_BYTES
 
 from service import cli as serve_cli
 from service.config import ServiceConfig
+from tests.support.service_harness import make_fake_model, running_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -16,10 +16,11 @@ from collections import Counter
 import grpc
 import pytest
 import pytest_asyncio
-from service_harness import make_fake_model, running_server
 from sluice.v1 import admin_pb2 as apb
 from sluice.v1 import generation_pb2 as pb
 from sluice_client import AsyncClient, build_header, build_request
+
+from tests.support.service_harness import make_fake_model, running_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -7,10 +7,11 @@ import pytest
 import pytest_asyncio
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from service_harness import running_server
 from sluice.v1 import generation_pb2 as pb
 from sluice_client import AsyncClient, build_request
-from tiny_models import write_chat_tokenizer
+
+from tests.support.service_harness import running_server
+from tests.support.tiny_models import write_chat_tokenizer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -14,9 +14,10 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
-from server_process import ServerProcess, server_process
 from sluice.v1 import generation_pb2 as pb
 from sluice_client import Client
+
+from tests.support.server_process import ServerProcess, server_process
 
 TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
 # Empty turns of role "u": 5 bytes each on the wire, so 1.5 million fit in 7.5 MB, well under

@@ -8,11 +8,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from service_harness import make_fake_model
 from sluice.v1 import generation_pb2 as pb
 
-from engine.config import EngineConfig
-from engine.messages import AddRequest, FinishReason, RequestOutput, SamplingParams
+from engine.protocol.config import EngineConfig
+from engine.protocol.messages import AddRequest, FinishReason, RequestOutput, SamplingParams
 from service.config import ServiceConfig
 from service.engine_link.routing import Inbox
 from service.ops.metrics import Metrics
@@ -21,6 +20,7 @@ from service.rpc.generate_stream import Admitted, GenerateStreamCall, StreamLimi
 from service.rpc.servicer import GenerationServicer, _Submitted
 from service.text.completion import OutputSettings
 from service.text.tokenizer import Tokenizer
+from tests.support.service_harness import make_fake_model
 
 IDS = [104, 101, 108, 108, 111]  # the ids the fake engine "generates", in order
 LIMITS = StreamLimits(max_requests=8, max_buffer_bytes=2**20, idle_timeout=60.0)

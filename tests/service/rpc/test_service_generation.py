@@ -10,17 +10,17 @@ import pytest
 import pytest_asyncio
 from google.rpc import code_pb2, error_details_pb2
 from grpc_status import rpc_status
-from service_harness import make_fake_model, running_server
 from sluice.v1 import generation_pb2 as pb
 from sluice_client import AsyncClient, Collector, build_request
 
-from engine.messages import FinishReason, RequestOutput
+from engine.protocol.messages import FinishReason, RequestOutput
 from service.engine_link.routing import Inbox
 from service.ops.metrics import Metrics
 from service.rpc.admission import AddRequest, Admission, SamplingParams
 from service.rpc.servicer import GenerationServicer, _Submitted
 from service.text.completion import OutputSettings
 from service.text.tokenizer import Tokenizer
+from tests.support.service_harness import make_fake_model, running_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from service_harness import running_server
 from sluice_client import AsyncClient
-from tiny_models import hf_greedy, load_hf_model, make_checkpoint, prompts
+
+from tests.support.service_harness import running_server
+from tests.support.tiny_models import hf_greedy, load_hf_model, make_checkpoint, prompts
 
 pytestmark = pytest.mark.asyncio
 

@@ -9,11 +9,11 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from service_harness import make_fake_model, running_server
 from sluice.v1 import generation_pb2 as pb
 from sluice_client import AsyncClient, Client
 
 from service.rpc.refusal import PUSHBACK_KEY, Refusal
+from tests.support.service_harness import make_fake_model, running_server
 
 HOLD = 300
 BURST = 12

@@ -14,16 +14,16 @@ import pytest
 import torch
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from service_harness import running_server
 from sluice_client import AsyncClient, build_request
-from tiny_models import load_hf_model, make_checkpoint, prompts
 
-from engine.messages import ModelInfo
+from engine.protocol.messages import ModelInfo
 from service.rpc.admission import (
     prompt_logprobs_violations,
     routed_bytes,
     routed_experts_violations,
 )
+from tests.support.service_harness import running_server
+from tests.support.tiny_models import load_hf_model, make_checkpoint, prompts
 
 NEW_TOKENS = 10
 

@@ -11,10 +11,10 @@ import grpc
 import pytest
 import pytest_asyncio
 import structlog
-from service_harness import make_fake_model, running_server, stub
 from sluice.v1 import generation_pb2 as pb
 
 from service.rpc.generate_stream import Admitted, GenerateStreamCall, StreamLimits
+from tests.support.service_harness import make_fake_model, running_server, stub
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

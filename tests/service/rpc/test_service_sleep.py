@@ -17,11 +17,12 @@ import pytest_asyncio
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2
 from grpc_status import rpc_status
-from service_harness import health_status, running_server
 from sluice.v1 import admin_pb2 as apb
 from sluice.v1 import admin_pb2_grpc
 from sluice.v1 import generation_pb2 as pb
 from sluice_client import Client, cli
+
+from tests.support.service_harness import health_status, running_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -10,13 +10,13 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 import pytest
 import structlog
-from service_harness import make_fake_model, running_server, stub
 from sluice.v1 import generation_pb2 as pb
 from sluice.v1 import generation_pb2_grpc
 from sluice_client import AsyncClient
 
 from service.rpc import generate_stream
 from service.rpc.generate_stream import Admitted, GenerateStreamCall, StreamLimits
+from tests.support.service_harness import make_fake_model, running_server, stub
 
 HOLD = 300
 # A connection of its own (gRPC shares one between channels to the same target by default),

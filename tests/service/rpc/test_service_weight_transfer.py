@@ -10,9 +10,10 @@ import pytest
 import pytest_asyncio
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from service_harness import make_fake_model, running_server
 from sluice.v1 import admin_pb2 as apb
 from sluice_client import Client, build_header
+
+from tests.support.service_harness import make_fake_model, running_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
-from tiny_models import CHAT_FAMILIES, make_tokenizer, write_chat_tokenizer
 
 from service.text.chat_template import Chat, ChatTemplate, ChatTemplateError, RenderTooLong
 from service.text.tokenizer import Tokenizer
+from tests.support.tiny_models import CHAT_FAMILIES, make_tokenizer, write_chat_tokenizer
 
 WEATHER_TOOL = {
     "type": "function",

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 from sluice_client.requests import chat_prompt
-from tiny_models import make_tokenizer
 
 from service.rpc.chat import to_chat
 from service.text.chat_template import ChatTemplate, ChatTemplateError
+from tests.support.tiny_models import make_tokenizer
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "chat_templates"
 SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tiny_models import make_tokenizer
 
-from engine.messages import FinishReason, RequestOutput
+from engine.protocol.messages import FinishReason, RequestOutput
 from service.text.completion import Completion, OutputSettings
 from service.text.tokenizer import Tokenizer
+from tests.support.tiny_models import make_tokenizer
 
 
 @pytest.fixture(scope="module")

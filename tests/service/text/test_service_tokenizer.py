@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tiny_models import make_llama2_tokenizer, make_tokenizer
 
 from service.text import fast_decode
 from service.text.fast_decode import MetaspaceTable
 from service.text.tokenizer import OFF_LOOP_ENCODE_CHARS, Tokenizer, WindowStream
+from tests.support.tiny_models import make_llama2_tokenizer, make_tokenizer
 
 
 @pytest.fixture(scope="module")

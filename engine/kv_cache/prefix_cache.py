@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from engine.scheduling.page_pool import PagePool
+from engine.kv_cache.page_pool import PagePool
 
 
 class PrefixCache:

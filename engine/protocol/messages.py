@@ -10,7 +10,7 @@ UpdateWeights), WeightTransferJoined (for an InitWeightTransfer), SleepOutcome (
 Wake), ConstraintChecked (for a CheckConstraint), Heartbeat (while idle, and in answer to
 GetState), AdapterOutcome (for each adapter message), EngineDead (the last message of a dying
 engine). The admin messages (weight updates and transfers, sleep and wake, adapters) live in
-engine/admin_messages.py, SamplingParams in engine/sampling_params.py; both are re-exported here.
+engine/protocol/admin_messages.py, SamplingParams in engine/protocol/sampling_params.py; both are re-exported here.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from engine.admin_messages import (
+from engine.protocol.admin_messages import (
     SLEEP_LEVELS,
     AdapterOutcome,
     AdapterState,
@@ -40,7 +40,7 @@ from engine.admin_messages import (
     WeightsProgress,
     WeightTransferJoined,
 )
-from engine.sampling_params import (
+from engine.protocol.sampling_params import (
     CONSTRAINT_KINDS,
     GREEDY_TEMPERATURE,
     LOGIT_BIAS_RANGE,

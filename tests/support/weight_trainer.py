@@ -1,7 +1,7 @@
 """A trainer process for weight-transfer tests: joins a server's engine with
 sluice_client.weight_transfer and pushes tensors, step by step, as its JSON argument says.
 
-    python tests/weight_trainer.py '{"target": ..., "admin_token": ..., "steps": [...]}'
+    python tests/support/weight_trainer.py '{"target": ..., "admin_token": ..., "steps": [...]}'
 
 Each step pushes a safetensors file's tensors (`weights`), optionally altered (`reshape`:
 a name whose shape becomes [3, 3]; `bf16`: a name sent as bfloat16), at `policy_version`

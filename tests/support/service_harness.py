@@ -9,14 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from fake_engine import fake_engine_main
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sluice.v1 import generation_pb2_grpc
-from tiny_models import make_tokenizer
 
-from engine.config import EngineConfig
+from engine.protocol.config import EngineConfig
 from service.config import ServiceConfig
 from service.server import SluiceServer, create_server
+from tests.support.fake_engine import fake_engine_main
+from tests.support.tiny_models import make_tokenizer
 
 
 def make_fake_model(directory: Path, **knobs: Any) -> Path:
@@ -33,7 +33,7 @@ async def running_server(
 ) -> AsyncIterator[tuple[SluiceServer, str]]:
     """A started, SERVING server and its target address; stopped (drained) on exit.
 
-    `fake` runs tests/fake_engine.py instead of the real engine; `engine` overrides
+    `fake` runs tests/support/fake_engine.py instead of the real engine; `engine` overrides
     EngineConfig fields, `config` ServiceConfig fields."""
     engine_config = EngineConfig(
         **{

@@ -1,7 +1,7 @@
 """SamplingInputs: a step's SamplingBatch, built from the rows SamplingSlots keeps.
 
 The per-row numbers are gathered into the step's buffers and the batch's flags are the OR of
-the rows' bits (engine/execution/sampling_slots.py); what varies with the tokens (the token
+the rows' bits (engine/sampling/sampling_slots.py); what varies with the tokens (the token
 histories penalties read, the stop ids banned below min_tokens, the sampling surface's
 masks: engine/execution/surface_rows.py) becomes a tensor of its own,
 only when some row needs it; structured-output rows get a GrammarMask, filled while the step
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from engine.execution import sampling_slots as slot_bits
-from engine.execution.sampling_slots import SamplingSlots
 from engine.execution.step_inputs import StepArrays, StepInputs
 from engine.execution.surface_rows import surface_tensors
-from engine.messages import SUPPORT_TIES, LogprobMode
+from engine.kv_cache.block_table import BlockTable
+from engine.protocol.messages import SUPPORT_TIES, LogprobMode
+from engine.sampling import sampling_slots as slot_bits
 from engine.sampling.sampler import SamplingBatch
-from engine.scheduling.block_table import BlockTable
+from engine.sampling.sampling_slots import SamplingSlots
 from engine.scheduling.request import Request
 from engine.structured.grammar_mask import GrammarMask
 

@@ -1,6 +1,6 @@
 """SamplingParams: how a request samples, stops and what it reports, as the engine applies it.
 
-Standard library only, like engine/messages.py (which re-exports every name here): the service
+Standard library only, like engine/protocol/messages.py (which re-exports every name here): the service
 builds these from a GenerateRequest, a trainer in process builds them directly.
 """
 

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from engine.execution.surface_rows import RowSurface, has_long_bad_words, row_surface
-from engine.messages import LogprobMode
-from engine.scheduling.block_table import BlockTable
+from engine.kv_cache.block_table import BlockTable
+from engine.protocol.messages import LogprobMode
 from engine.scheduling.request import Request
 
 # Bits of a row's `flags`: what the row asks of the sampler.

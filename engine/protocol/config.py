@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.messages import MAX_POLICY_VERSION
-from engine.settings import EXECUTION, MODEL, OBSERVABILITY, SCHEDULING, setting
+from engine.protocol.messages import MAX_POLICY_VERSION
+from engine.protocol.settings import EXECUTION, MODEL, OBSERVABILITY, SCHEDULING, setting
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")

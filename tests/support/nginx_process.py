@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "deploy" / "nginx" / "sluice.conf"
 # The compose service names the shipped file lists, in order.
 REPLICA_NAMES = ("sluice-replica-1:50051", "sluice-replica-2:50051")

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.messages import FinishReason, PromptLogprobs, RequestOutput, SamplingParams
+from engine.protocol.messages import FinishReason, PromptLogprobs, RequestOutput, SamplingParams
 
 
 class Engine(Protocol):

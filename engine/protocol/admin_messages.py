@@ -1,7 +1,7 @@
 """The admin part of the pipe protocol: weight updates and transfers, sleep and wake, LoRA
 adapters.
 
-Standard library only, like engine/messages.py (which re-exports every name here): both sides
+Standard library only, like engine/protocol/messages.py (which re-exports every name here): both sides
 import it. Service -> engine: UpdateWeights, InitWeightTransfer, Sleep, Wake, LoadAdapter,
 UnloadAdapter, ListAdapters. Engine -> service: WeightsProgress (an update's events),
 WeightTransferJoined (the answer to an InitWeightTransfer), SleepOutcome (the one answer to a

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import structlog
 
-from engine.config import EngineConfig
 from engine.logs import configure_logging
 from engine.parallel.rank_beats import RankBeats
 from engine.parent_death import die_with_parent
+from engine.protocol.config import EngineConfig
 
 log = structlog.get_logger("sluice.engine")
 

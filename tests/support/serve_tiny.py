@@ -7,7 +7,7 @@ here, waits until it is SERVING, then prints one JSON line: {"target", "checkpoi
 "checkpointB", "tensorsA" (A's .safetensors file), "apiToken", "adminToken"}. Runs until stdin closes or SIGTERM, then
 stops the server and removes the temp dir.
 
-Usage: python tests/serve_tiny.py [extra `sluice serve` flags]
+Usage: python tests/support/serve_tiny.py [extra `sluice serve` flags]
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import tempfile
 import threading
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "tests"), str(REPO)]
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO)]
 
-from server_process import server_process  # noqa: E402
-from tiny_models import make_checkpoint  # noqa: E402
+from tests.support.server_process import server_process  # noqa: E402
+from tests.support.tiny_models import make_checkpoint  # noqa: E402
 
 API_TOKEN = "tiny-test-api"
 ADMIN_TOKEN = "tiny-test-admin"

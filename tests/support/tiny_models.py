@@ -209,7 +209,7 @@ def hf_greedy(model: Any, prompt: list[int], new_tokens: int) -> tuple[list[int]
 # The chat templates of the supported families (tests/chat_templates/, copied from the
 # checkpoints' tokenizer_config.json) and the tokens they write: special tokens (whole, never
 # split) and, for Qwen, the plain added tokens of its vocabulary.
-CHAT_TEMPLATES = Path(__file__).parent / "chat_templates"
+CHAT_TEMPLATES = Path(__file__).parents[1] / "chat_templates"
 CHAT_FAMILIES: dict[str, dict[str, Any]] = {
     "llama3": {
         "template": "llama3.jinja",

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
-from engine.messages import RequestOutput
+from engine.protocol.messages import RequestOutput
 
 
 def make_engine(checkpoint: Path, overlap: bool, **overrides: object) -> LLMEngine:

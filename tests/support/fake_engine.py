@@ -1,4 +1,4 @@
-"""A fake engine process that speaks engine/messages.py without torch, for service unit tests.
+"""A fake engine process that speaks engine/protocol/messages.py without torch, for service unit tests.
 
 Spawnable as `fake_engine_main(config, conn)`. It "generates" by echoing the prompt's tokens
 (without the first one) in a cycle, one token per request per step. Behaviour knobs live in
@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from engine.config import EngineConfig
-from engine.messages import (
+from engine.parent_death import die_with_parent
+from engine.protocol.config import EngineConfig
+from engine.protocol.messages import (
     AbortRequests,
     AdapterOutcome,
     AdapterState,
@@ -60,7 +61,6 @@ from engine.messages import (
     WeightsPhase,
     WeightsProgress,
 )
-from engine.parent_death import die_with_parent
 
 TOTAL_PAGES = 64
 EOS = 1
