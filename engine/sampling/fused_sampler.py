@@ -101,12 +101,7 @@ class FusedSampler:
         raw, k = batch.raw_logprobs, batch.num_top_logprobs
         wants_logprobs = batch.logprobs or raw
         top_slots = triton.next_power_of_2(max(k, 1))
-        parts = torch.empty(rows * splits * 4 if wants_logprobs else 1, device=device)
-        tops = torch.empty(rows * splits * top_slots if k else 1, dtype=torch.int64, device=device)
-        if wants_logprobs:
-            out = torch.empty(rows, 2 + 2 * k, dtype=torch.float64, device=device)
-        else:
-            out = torch.empty(rows, dtype=torch.int64, device=device)
+        parts, tops, out = _outputs(rows, splits, k, top_slots, wants_logprobs, device)
 
         grid = (rows, splits)
         row_args = (logits, logits.stride(0), batch.floats, batch.ints)
@@ -118,6 +113,35 @@ class FusedSampler:
             NUM_TOP=k, TOPB=top_slots,
         )  # fmt: skip
         pass_args = (*row_args, marks, scratch, vocab, slice_len)
+        room = {"SURVIVORS": self.survivors}
+        if top_k or top_p:
+            self._filter(grid, batch, row_args, pass_args, flags, top_k, top_p)
+        if sample:
+            self.launch(
+                race_pass, grid, *pass_args, **flags, TOP_K=top_k, TOP_P=top_p,
+                MIN_P=batch.use_min_p, **room,
+            )  # fmt: skip
+        self.launch(
+            finish, (rows,), logits, logits.stride(0), batch.floats, ctx, ctx.stride(0),
+            ctx.shape[1], ban, ban.stride(0), ban.shape[1], marks, raw_rows, scratch, parts,
+            tops, out, vocab, splits, **flags, SAMPLE=sample, TOP_K=top_k, TOP_P=top_p,
+            LOGPROBS=batch.logprobs, RAW=raw, NUM_TOP=k, TOPB=top_slots, CHUNK=128,
+        )  # fmt: skip
+        return SamplerOutput(out, k if wants_logprobs else 0)
+
+    def _filter(
+        self,
+        grid: tuple[int, int],
+        batch: SamplingBatch,
+        row_args: tuple,
+        pass_args: tuple,
+        flags: dict,
+        top_k: bool,
+        top_p: bool,
+    ) -> None:
+        """The top-k and top-p passes: the levels of the radix search, then the survivors' race."""
+        rows, device = grid[0], batch.floats.device
+        marks, scratch, vocab, slice_len = pass_args[len(row_args) :]
         room = {"SURVIVORS": self.survivors}
         cands = torch.empty(rows * self.survivors if top_k else 1, dtype=torch.int64, device=device)
         if top_k:
@@ -135,18 +159,6 @@ class FusedSampler:
                 survivors_race, (rows,), batch.floats, batch.ints, scratch, cands, vocab,
                 TOP_P=top_p, MIN_P=batch.use_min_p, **room,
             )  # fmt: skip
-        if sample:
-            self.launch(
-                race_pass, grid, *pass_args, **flags, TOP_K=top_k, TOP_P=top_p,
-                MIN_P=batch.use_min_p, **room,
-            )  # fmt: skip
-        self.launch(
-            finish, (rows,), logits, logits.stride(0), batch.floats, ctx, ctx.stride(0),
-            ctx.shape[1], ban, ban.stride(0), ban.shape[1], marks, raw_rows, scratch, parts,
-            tops, out, vocab, splits, **flags, SAMPLE=sample, TOP_K=top_k, TOP_P=top_p,
-            LOGPROBS=batch.logprobs, RAW=raw, NUM_TOP=k, TOPB=top_slots, CHUNK=128,
-        )  # fmt: skip
-        return SamplerOutput(out, k if wants_logprobs else 0)
 
     def launch(self, kernel: triton.JITFunction, grid: tuple[int, ...], *args, **kwargs) -> None:
         """One kernel launch of a call (a method of its own so that tools can count them)."""
@@ -169,3 +181,14 @@ class FusedSampler:
             scratch = torch.zeros(rows, SCRATCH, dtype=torch.int64, device=device)
             self._scratch = scratch
         return scratch
+
+
+def _outputs(
+    rows: int, splits: int, k: int, top_slots: int, wants_logprobs: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The passes' partial sums and top candidates, and the call's output rows."""
+    parts = torch.empty(rows * splits * 4 if wants_logprobs else 1, device=device)
+    tops = torch.empty(rows * splits * top_slots if k else 1, dtype=torch.int64, device=device)
+    if wants_logprobs:
+        return parts, tops, torch.empty(rows, 2 + 2 * k, dtype=torch.float64, device=device)
+    return parts, tops, torch.empty(rows, dtype=torch.int64, device=device)

@@ -58,7 +58,13 @@ class Gauges:
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
+        self._declare_token_counters(self.registry)
+        self._declare_event_counters(self.registry)
+        self._declare_histograms(self.registry)
+        self._engine_totals = EngineStats()  # the current engine's counters, as last reported
+
+    def _declare_token_counters(self, r: CollectorRegistry) -> None:
+        """Requests and tokens, as the engine reports them."""
         self.requests_finished = Counter(
             "sluice_requests_finished",
             "Completions (one per index of a request) that ended, by finish reason.",
@@ -89,6 +95,9 @@ class Metrics:
             "Running requests preempted for lack of KV pages (recomputed later).",
             registry=r,
         )
+
+    def _declare_event_counters(self, r: CollectorRegistry) -> None:
+        """The service's events: restarts, weight updates, adapters, gRPC calls."""
         self.engine_restarts = Counter(
             "sluice_engine_restarts",
             "Engines started to replace a lost one, that came up and serve.",
@@ -119,6 +128,23 @@ class Metrics:
             ["method", "code"],
             registry=r,
         )
+        self.adapter_requests = Counter(
+            "sluice_adapter_requests",
+            "Requests admitted with a LoRA adapter, by adapter name (base-model requests are "
+            "not counted here).",
+            ["adapter"],
+            registry=r,
+        )
+        self.adapter_generation_tokens = Counter(
+            "sluice_adapter_generation_tokens",
+            "Tokens generated for requests with a LoRA adapter, by adapter name, counted when "
+            "each request ends.",
+            ["adapter"],
+            registry=r,
+        )
+
+    def _declare_histograms(self, r: CollectorRegistry) -> None:
+        """Latencies and lengths, one observation per request (or per update)."""
         self.time_to_first_token = Histogram(
             "sluice_time_to_first_token_seconds",
             "From a request's arrival in the engine to its first sampled token.",
@@ -156,27 +182,12 @@ class Metrics:
             buckets=TOKEN_BUCKETS,
             registry=r,
         )
-        self.adapter_requests = Counter(
-            "sluice_adapter_requests",
-            "Requests admitted with a LoRA adapter, by adapter name (base-model requests are "
-            "not counted here).",
-            ["adapter"],
-            registry=r,
-        )
-        self.adapter_generation_tokens = Counter(
-            "sluice_adapter_generation_tokens",
-            "Tokens generated for requests with a LoRA adapter, by adapter name, counted when "
-            "each request ends.",
-            ["adapter"],
-            registry=r,
-        )
         self.weight_update_time = Histogram(
             "sluice_weight_update_duration_seconds",
             "From handing an update to the engine until it was applied or failed.",
             buckets=WEIGHT_UPDATE_BUCKETS_S,
             registry=r,
         )
-        self._engine_totals = EngineStats()  # the current engine's counters, as last reported
 
     # ---- the engine ----
 
