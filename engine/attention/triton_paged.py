@@ -304,31 +304,14 @@ class TritonPagedAttention:
                 (num_seqs, num_heads, splits), dtype=torch.float32, device=q.device
             )
         _decode_split[(num_seqs, kv_heads, splits)](
-            q,
-            k_cache,
-            v_cache,
-            meta.block_tables,
-            meta.seq_lens,
-            part_out,
-            part_lse,
-            q.stride(0),
-            q.stride(1),
-            out.stride(0),
-            out.stride(1),
-            meta.block_tables.stride(0),
-            meta.block_tables.stride(1),
-            NUM_HEADS=num_heads,
-            SCALE_LOG2=self.scale * LOG2E,
-            KV_HEADS=kv_heads,
-            GROUP=group,
-            HEAD_DIM=head_dim,
-            PAGE_SIZE=self.page_size,
-            NUM_SPLITS=splits,
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, part_out, part_lse,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            meta.block_tables.stride(0), meta.block_tables.stride(1),
+            NUM_HEADS=num_heads, SCALE_LOG2=self.scale * LOG2E, KV_HEADS=kv_heads, GROUP=group,
+            HEAD_DIM=head_dim, PAGE_SIZE=self.page_size, NUM_SPLITS=splits,
             BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs 16 rows
-            BLOCK_D=block_d,
-            BLOCK_N=DECODE_BLOCK_N,
-            DOT_PRECISION=_dot_precision(q),
-        )
+            BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N, DOT_PRECISION=_dot_precision(q),
+        )  # fmt: skip
         if splits == 1:
             return
         _decode_reduce[(num_seqs, num_heads)](
