@@ -11,11 +11,11 @@ engine's `step()` is timed while every request decodes one token per step. Repor
   (+ LM head), sampling (building the per-row tensors, then the sampler), the device-to-host
   copy, and postprocessing (appending tokens, stop checks, outputs). Host time = step - forward.
   On CUDA each timer synchronizes, so device work is charged to the method that queued it.
-  The timers are bench/step_timers.py's.
+  The timers are bench/step/timers.py's.
 - the ops a decode step dispatches outside the model forward (and LM head), counted with a
   TorchDispatchMode around `step()` at `--op-rows` rows, greedy and in the RL setting
   (temperature 1, top-p 0.9, top-k 50, logprobs with top-5, repetition penalty 1.1)
-  (bench/op_count.py); each launch of one of the fused sampler's kernels counts as one op. On
+  (bench/step/op_count.py); each launch of one of the fused sampler's kernels counts as one op. On
   CUDA each op is a kernel launch or more.
   `--sampler triton` on the CPU runs the fused kernel under Triton's interpreter: op counts
   only, its times mean nothing.
@@ -23,17 +23,17 @@ engine's `step()` is timed while every request decodes one token per step. Repor
     python -m bench.decode --shape tiny --batches 1 8 64 256 --context 256 --threads 2
 
 With `--count-kernels` it only counts the kernels of one graphed decode step, per layer and
-outside the layers, and prints that JSON document (bench/kernel_count.py):
+outside the layers, and prints that JSON document (bench/step/kernel_count.py):
 
     python -m bench.decode --shape qwen2.5-0.5b --count-kernels
 
-`--host-only` times only the host's work per step (bench/host_only.py), for this tree and, with
+`--host-only` times only the host's work per step (bench/step/host_only.py), for this tree and, with
 `--baseline-rev REV`, for REV's, alternating `--rounds` times:
 
     python -m bench.decode --host-only --batches 64 256 --baseline-rev 832212e
 
 With `--stand-in-forward-ms MS` it measures plain against overlapped steps with a forward that
-sleeps MS (bench/overlap.py).
+sleeps MS (bench/step/overlap.py).
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from bench.checkpoints import add_model_flags, resolve_model
 from bench.common import emit, log, machine, process_cpu_seconds, set_threads
-from bench.offline import add_model_flags, resolve_model
-from bench.op_count import count_step_ops
-from bench.step_timers import Timers, breakdown, instrument
+from bench.step.op_count import count_step_ops
+from bench.step.timers import Timers, breakdown, instrument
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--host-only",
         action="store_true",
-        help="host time per step only: stand-in forward and sampler (bench/host_only.py)",
+        help="host time per step only: stand-in forward and sampler (bench/step/host_only.py)",
     )
     p.add_argument("--baseline-rev", help="--host-only: also time this git revision, alternately")
     p.add_argument(
@@ -86,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--stand-in-forward-ms",
         type=float,
         help="instead: plain against overlapped steps with a forward that sleeps this long "
-        "(bench/overlap.py)",
+        "(bench/step/overlap.py)",
     )
     return p.parse_args(argv)
 
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for flag, module in modes.items():
         if getattr(args, flag) not in (None, False):
-            return int(importlib.import_module(f"bench.{module}").main(args))
+            return int(importlib.import_module(f"bench.step.{module}").main(args))
     if args.sampler == "triton" and not args.device.startswith("cuda"):
         import os
 
