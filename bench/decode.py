@@ -44,6 +44,7 @@ import random
 import statistics
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 from bench.checkpoints import add_model_flags, resolve_model
@@ -219,13 +220,25 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     threads = set_threads(args.threads)
     model_dir, dtype = resolve_model(args)
-    import torch
+    engine, cfg = build_engine(args, model_dir, dtype)
+    probe = probe_machine(args, engine, cfg, dtype)
+    log(
+        f"decode on {model_dir.name}: weights {probe['weights'] / 2**20:.1f} MiB, KV "
+        f"{probe['per_token']} B/token, copy bandwidth {probe['bandwidth'] / 1e9:.1f} GB/s, "
+        f"{threads} threads"
+    )
+    results = measure(args, engine, probe)
+    emit_result(summarize(args, dtype, threads, engine, probe, results))
+    return 0
 
+
+def build_engine(args: argparse.Namespace, model_dir: Path, dtype: str) -> tuple[Any, Any]:
+    """(LLMEngine, model config) with room for the largest batch at its full context and for
+    the op count's rows."""
     from engine import EngineConfig, LLMEngine
     from engine.models.hf_config import load_model_config
 
     cfg = load_model_config(model_dir)
-    itemsize = getattr(torch, dtype).itemsize
     page_size = 16
     tokens_per_req = args.context + new_tokens_per_request(args, max(args.batches)) + 2
     op_pages = args.op_rows * -(-(min(args.context, 64) + 24) // page_size)
@@ -245,15 +258,23 @@ def main(argv: list[str] | None = None) -> int:
             overlap_steps=args.overlap_steps,
         )
     )
-    on_cuda = args.device.startswith("cuda")
-    mib = args.bandwidth_mib or (2048 if on_cuda else 512)
-    bandwidth = copy_bandwidth(args.device, mib)
-    weights = weight_bytes(engine.model)
-    per_token = kv_bytes_per_token(cfg, itemsize)
-    log(
-        f"decode on {model_dir.name}: weights {weights / 2**20:.1f} MiB, KV "
-        f"{per_token} B/token, copy bandwidth {bandwidth / 1e9:.1f} GB/s, {threads} threads"
-    )
+    return engine, cfg
+
+
+def probe_machine(args: argparse.Namespace, engine: Any, cfg: Any, dtype: str) -> dict[str, Any]:
+    """What the roofline needs: copy bandwidth, weight bytes and KV bytes per token."""
+    import torch
+
+    mib = args.bandwidth_mib or (2048 if args.device.startswith("cuda") else 512)
+    return {
+        "bandwidth": copy_bandwidth(args.device, mib),
+        "weights": weight_bytes(engine.model),
+        "per_token": kv_bytes_per_token(cfg, getattr(torch, dtype).itemsize),
+    }
+
+
+def measure(args: argparse.Namespace, engine: Any, probe: dict[str, Any]) -> dict[str, Any]:
+    """The op count outside the forward, then each batch's step time against its roofline."""
 
     def sync() -> None:
         _sync(args.device)
@@ -263,35 +284,28 @@ def main(argv: list[str] | None = None) -> int:
         f"ops per decode step outside the forward at {ops['rows']} rows: "
         f"greedy {ops['greedy']}, RL {ops['rl']} ({type(engine.runner.sampler).__name__})"
     )
-    rows = []
     results = []
     for batch in args.batches:
         r = measure_batch(engine, batch, args, sync)
-        step_bytes = weights + per_token * r["context_mean"] * batch
+        step_bytes = probe["weights"] + probe["per_token"] * r["context_mean"] * batch
         r["bytes_per_step"] = step_bytes
-        r["roofline_ms"] = step_bytes / bandwidth * 1e3
+        r["roofline_ms"] = step_bytes / probe["bandwidth"] * 1e3
         r["roofline_fraction"] = r["roofline_ms"] / r["step_ms_median"]
         results.append(r)
         parts = r["instrumented_ms"] or defaultdict(lambda: float("nan"))
-        rows.append(
-            [
-                batch,
-                r["step_ms_median"],
-                r["decode_tokens_per_s"],
-                r["roofline_ms"],
-                r["roofline_fraction"],
-                parts["step"],
-                parts["forward"],
-                parts["schedule"],
-                parts["prepare_inputs"],
-                parts["sampling"],
-                parts["to_host"],
-                parts["postprocess"],
-                f"{parts['host_fraction']:.0%}",
-            ]
-        )
         log(f"batch {batch}: {r['step_ms_median']:.2f} ms/step, host {parts['host_fraction']:.0%}")
-    result = {
+    return {"ops": ops, "batches": results}
+
+
+def summarize(
+    args: argparse.Namespace,
+    dtype: str,
+    threads: int,
+    engine: Any,
+    probe: dict[str, Any],
+    measured: dict[str, Any],
+) -> dict[str, Any]:
+    return {
         "benchmark": "decode",
         "model": args.shape if args.model is None else str(args.model),
         "device": args.device,
@@ -300,33 +314,36 @@ def main(argv: list[str] | None = None) -> int:
         "context": args.context,
         "steps": args.steps,
         "temperature": args.temperature,
-        "copy_bandwidth_bytes_per_s": bandwidth,
-        "weight_bytes": weights,
-        "kv_bytes_per_token": per_token,
+        "copy_bandwidth_bytes_per_s": probe["bandwidth"],
+        "weight_bytes": probe["weights"],
+        "kv_bytes_per_token": probe["per_token"],
         "sampler": type(engine.runner.sampler).__name__,
         "compile": args.compile,
         "overlap_steps": args.overlap_steps,
-        "ops_per_step_outside_forward": ops,
-        "batches": results,
+        "ops_per_step_outside_forward": measured["ops"],
+        "batches": measured["batches"],
         "machine": machine(),
     }
-    header = [
-        "batch",
-        "step ms",
-        "tok/s",
-        "roofline ms",
-        "of roofline",
-        "timed step",
-        "forward",
-        "schedule",
-        "inputs",
-        "sampling",
-        "to host",
-        "post",
-        "host",
-    ]
-    emit(result, header, rows)
-    return 0
+
+
+HEADER = [
+    "batch", "step ms", "tok/s", "roofline ms", "of roofline", "timed step", "forward",
+    "schedule", "inputs", "sampling", "to host", "post", "host",
+]  # fmt: skip
+
+
+def emit_result(result: dict[str, Any]) -> None:
+    """The JSON on stdout; per batch, step time, roofline and the timed parts on stderr."""
+    rows = []
+    for r in result["batches"]:
+        parts = r["instrumented_ms"] or defaultdict(lambda: float("nan"))
+        rows.append(
+            [r["batch"], r["step_ms_median"], r["decode_tokens_per_s"], r["roofline_ms"]]
+            + [r["roofline_fraction"], parts["step"], parts["forward"], parts["schedule"]]
+            + [parts["prepare_inputs"], parts["sampling"], parts["to_host"]]
+            + [parts["postprocess"], f"{parts['host_fraction']:.0%}"]
+        )
+    emit(result, HEADER, rows)
 
 
 if __name__ == "__main__":

@@ -212,25 +212,13 @@ def offline_rate(
 ) -> dict[str, Any]:
     """One offline engine run on this workload and settings, in a fresh process (started by
     `spawner` when given: at the priority the benchmark started with)."""
+    # --disable-prefix-cache: bench.throughput.offline's own flag (the server's is --no-enable-...)
     cmd = [
-        sys.executable,
-        "-m",
-        "bench.throughput.offline",
-        "--model",
-        str(model_dir),
-        "--device",
-        args.device,
-        "--dtype",
-        dtype,
-        "--scale",
-        str(args.scale),
-        "--temperature",
-        str(args.temperature),
-        "--max-num-seqs",
-        str(args.max_concurrency),
-        "--skip-hf",
-        "--disable-prefix-cache",  # bench.throughput.offline's own flag (the server's is --no-enable-...)
-    ]
+        sys.executable, "-m", "bench.throughput.offline", "--model", str(model_dir),
+        "--device", args.device, "--dtype", dtype, "--scale", str(args.scale),
+        "--temperature", str(args.temperature), "--max-num-seqs", str(args.max_concurrency),
+        "--skip-hf", "--disable-prefix-cache",
+    ]  # fmt: skip
     if args.num_requests is not None:
         cmd += ["--num-requests", str(args.num_requests)]
     if args.threads:
@@ -241,23 +229,30 @@ def offline_rate(
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    model_dir, dtype = resolve_model(args)
-    from engine.models.hf_config import load_model_config
+@dataclass
+class Measured:
+    """Every phase served and every offline reference run, in the order they ran."""
 
-    vocab = load_model_config(model_dir).vocab_size
-    workload = make_workload(vocab, args.scale, args.num_requests, args.temperature)
+    phases: list[dict[str, Any]] = field(default_factory=list)
+    offline_runs: list[dict[str, Any]] = field(default_factory=list)
+    interleaved: bool = False  # each offline run right before a rate-inf phase
+
+
+def measure(
+    args: argparse.Namespace,
+    model_dir: Path,
+    dtype: str,
+    workload: Workload,
+    spawner: Spawner | None,
+) -> Measured:
+    """The offline reference runs (unless given) and every phase of `--rates`, rate inf
+    `--repeat` times, against the server started here or at `--target`."""
     rates = [float(r) for r in args.rates]
-    offline_runs: list[dict[str, Any]] = []
-
-    # A thread that keeps the starting priority, for the offline runs (--client-niceness).
-    linux = sys.platform.startswith("linux")
-    spawner = Spawner() if args.client_niceness and linux and not args.target else None
+    measured = Measured()
 
     def measure_offline() -> None:
         run = offline_rate(args, model_dir, dtype, spawner)
-        offline_runs.append(run)
+        measured.offline_runs.append(run)
         log(f"offline engine: {run['output_tokens_per_s']:.1f} output tokens/s")
 
     want_offline = args.offline_rate is None and not args.skip_offline
@@ -265,33 +260,19 @@ def main(argv: list[str] | None = None) -> int:
     # idles meanwhile), so that both see the same load from the rest of the machine. On CUDA
     # the server's engine takes most of the device memory: the offline runs come first.
     interleave = want_offline and not args.device.startswith("cuda") and math.inf in rates
+    measured.interleaved = interleave
     if want_offline and not interleave:
         log(f"serve: offline engine rate on {workload.describe()}")
         for _ in range(args.repeat):
             measure_offline()
-
-    phases: list[dict[str, Any]] = []
 
     def run_all(target: str, server_pid: int | None) -> None:
         schedule = [r for rate in rates for r in [rate] * (args.repeat if math.isinf(rate) else 1)]
         for i, rate in enumerate(schedule):
             if interleave and math.isinf(rate):
                 measure_offline()
-            log(f"phase: rate {rate} req/s, max concurrency {args.max_concurrency}")
-            before, start = cpu_seconds(server_pid), time.perf_counter()
-            phase = asyncio.run(
-                run_phase(target, workload, rate, args.max_concurrency, args.seed + i)
-            )
-            wall = time.perf_counter() - start
-            after = cpu_seconds(server_pid)
-            # Cores each process kept busy over the phase (1.0 = one core all the time).
-            phase["cpu_cores"] = {k: (after[k] - before[k]) / wall for k in after if k in before}
-            phases.append(phase)
-            cores = ", ".join(f"{k} {v:.2f}" for k, v in phase["cpu_cores"].items())
-            log(
-                f"  {phase['output_tokens_per_s']:.1f} output tok/s, "
-                f"TTFT p50 {phase['ttft']['p50_ms']:.1f} ms, {phase['failed']} failed; "
-                f"cores busy: {cores}"
+            measured.phases.append(
+                timed_phase(args, workload, target, server_pid, rate, args.seed + i)
             )
 
     if args.target:
@@ -299,7 +280,43 @@ def main(argv: list[str] | None = None) -> int:
     else:
         with server(args, model_dir, dtype, spawner) as (target, pid):
             run_all(target, pid)
+    return measured
 
+
+def timed_phase(
+    args: argparse.Namespace,
+    workload: Workload,
+    target: str,
+    server_pid: int | None,
+    rate: float,
+    seed: int,
+) -> dict[str, Any]:
+    """One phase's summary, with the cores each process kept busy over it."""
+    log(f"phase: rate {rate} req/s, max concurrency {args.max_concurrency}")
+    before, start = cpu_seconds(server_pid), time.perf_counter()
+    phase = asyncio.run(run_phase(target, workload, rate, args.max_concurrency, seed))
+    wall = time.perf_counter() - start
+    after = cpu_seconds(server_pid)
+    # Cores each process kept busy over the phase (1.0 = one core all the time).
+    phase["cpu_cores"] = {k: (after[k] - before[k]) / wall for k in after if k in before}
+    cores = ", ".join(f"{k} {v:.2f}" for k, v in phase["cpu_cores"].items())
+    log(
+        f"  {phase['output_tokens_per_s']:.1f} output tok/s, "
+        f"TTFT p50 {phase['ttft']['p50_ms']:.1f} ms, {phase['failed']} failed; "
+        f"cores busy: {cores}"
+    )
+    return phase
+
+
+def summarize_run(
+    args: argparse.Namespace,
+    dtype: str,
+    workload: Workload,
+    spawner: Spawner | None,
+    measured: Measured,
+) -> dict[str, Any]:
+    """The JSON result: the phases, the best offline run and the served/offline ratios."""
+    phases, offline_runs = measured.phases, measured.offline_runs
     offline: dict[str, Any] | None = None
     if args.offline_rate is not None:
         offline = {"output_tokens_per_s": args.offline_rate, "given": True}
@@ -311,12 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     ratio = pair_ratios = None
     if offline is not None and inf_phase is not None:
         ratio = inf_phase["output_tokens_per_s"] / offline["output_tokens_per_s"]
-    if interleave and len(offline_runs) == len(inf_phases):
+    if measured.interleaved and len(offline_runs) == len(inf_phases):
         pair_ratios = [
             p["output_tokens_per_s"] / o["output_tokens_per_s"]
             for p, o in zip(inf_phases, offline_runs, strict=True)
         ]
-    result = {
+    return {
         "benchmark": "serve",
         "model": args.shape if args.model is None else str(args.model),
         "target": args.target or "started by the benchmark",
@@ -333,28 +350,39 @@ def main(argv: list[str] | None = None) -> int:
         "pair_ratios": pair_ratios,  # each rate-inf phase / the offline run just before it
         "machine": machine(),
     }
+
+
+def emit_result(result: dict[str, Any]) -> None:
+    """The JSON on stdout; a row per phase and the served/offline ratio on stderr."""
     header = ["rate", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99"]
     header += ["ITL p50", "ITL p99", "tok/chunk", "failed"]
     rows = [
-        [
-            p["rate"],
-            p["requests_per_s"],
-            p["output_tokens_per_s"],
-            p["ttft"]["p50_ms"],
-            p["ttft"]["p99_ms"],
-            p["tpot"]["p50_ms"],
-            p["tpot"]["p99_ms"],
-            p["itl"]["p50_ms"],
-            p["itl"]["p99_ms"],
-            p["tokens_per_chunk"],
-            p["failed"],
-        ]
-        for p in phases
+        [p["rate"], p["requests_per_s"], p["output_tokens_per_s"]]
+        + [p[k][q] for k in ("ttft", "tpot", "itl") for q in ("p50_ms", "p99_ms")]
+        + [p["tokens_per_chunk"], p["failed"]]
+        for p in result["phases"]
     ]
     emit(result, header, rows)
-    if ratio is not None:
-        log(f"served/offline output tokens/s at rate inf: {ratio:.2f}")
-    failed = sum(p["failed"] + p["wrong_length"] for p in phases)
+    if result["ratio_served_over_offline"] is not None:
+        log(
+            f"served/offline output tokens/s at rate inf: {result['ratio_served_over_offline']:.2f}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model_dir, dtype = resolve_model(args)
+    from engine.models.hf_config import load_model_config
+
+    vocab = load_model_config(model_dir).vocab_size
+    workload = make_workload(vocab, args.scale, args.num_requests, args.temperature)
+    # A thread that keeps the starting priority, for the offline runs (--client-niceness).
+    linux = sys.platform.startswith("linux")
+    spawner = Spawner() if args.client_niceness and linux and not args.target else None
+    measured = measure(args, model_dir, dtype, workload, spawner)
+    result = summarize_run(args, dtype, workload, spawner, measured)
+    emit_result(result)
+    failed = sum(p["failed"] + p["wrong_length"] for p in result["phases"])
     return 1 if failed else 0
 
 

@@ -62,23 +62,17 @@ def make_adapters(checkpoint: Path, directory: Path, count: int, rank: int) -> l
     return paths
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    threads = set_threads(args.threads)
-    model_dir, dtype = resolve_model(args)
+def build_sides(args: argparse.Namespace, model_dir: Path, dtype: str) -> tuple[list[Any], int]:
+    """(side name, engine, sampling params) per side: the base model alone, the LoRA engine with
+    no adapter in use, then the batch spread over each of SPREADS adapters; and the vocab."""
     from engine import EngineConfig, LLMEngine, SamplingParams
 
     def engine(max_loras: int) -> LLMEngine:
-        return LLMEngine(
-            EngineConfig(
-                model=str(model_dir),
-                device=args.device,
-                dtype=dtype,
-                max_num_seqs=args.batch,
-                max_loras=max_loras,
-                max_lora_rank=args.rank,
-            )
-        )
+        config = EngineConfig(
+            model=str(model_dir), device=args.device, dtype=dtype, max_num_seqs=args.batch,
+            max_loras=max_loras, max_lora_rank=args.rank,
+        )  # fmt: skip
+        return LLMEngine(config)
 
     base, lora = engine(0), engine(max(SPREADS))
     with tempfile.TemporaryDirectory(prefix="sluice-lora-bench-") as tmp:
@@ -87,9 +81,6 @@ def main(argv: list[str] | None = None) -> int:
             lora.load_adapter(f"a{i}", path)
         log(f"{max(SPREADS)} rank-{args.rank} adapters in {time.perf_counter() - start:.1f} s")
     assert len(lora.lora.resident) == max(SPREADS)
-    rng = random.Random(args.seed)
-    top = base.info.vocab_size - 1
-    prompts = [[rng.randint(0, top) for _ in range(args.prompt_len)] for _ in range(args.batch)]
 
     def params(adapters: int) -> list[SamplingParams]:
         return [
@@ -105,10 +96,18 @@ def main(argv: list[str] | None = None) -> int:
     sides: list[tuple[str, Any, list[SamplingParams]]] = [("base", base, params(0))]
     sides.append(("unused", lora, params(0)))
     sides += [(f"adapters_{n}", lora, params(n)) for n in SPREADS]
+    return sides, base.info.vocab_size
+
+
+def measure(args: argparse.Namespace, sides: list[Any], vocab: int) -> list[dict[str, float]]:
+    """Each run's tokens/s per side; sides alternate their order from run to run."""
+    rng = random.Random(args.seed)
+    prompts = [
+        [rng.randint(0, vocab - 1) for _ in range(args.prompt_len)] for _ in range(args.batch)
+    ]
     for _, eng, ps in sides:  # warm-up: every side's code once
         eng.generate(prompts[:2], ps[:2])
     output_tokens = args.batch * args.max_tokens
-    best: dict[str, float] = {}
     runs: list[dict[str, float]] = []
     for run in range(args.repeat):
         rates: dict[str, float] = {}
@@ -121,11 +120,17 @@ def main(argv: list[str] | None = None) -> int:
             if sum(len(r.token_ids) for r in results) != output_tokens:
                 raise RuntimeError(f"{name}: not every request made {args.max_tokens} tokens")
             rates[name] = output_tokens / seconds
-            best[name] = max(best.get(name, 0.0), rates[name])
             log(f"run {run} {name}: {rates[name]:,.0f} tokens/s")
         runs.append(rates)
-    names = [name for name, _, _ in sides]
-    result = {
+    return runs
+
+
+def summarize(
+    args: argparse.Namespace, dtype: str, threads: int, names: list[str], runs: list[Any]
+) -> dict[str, Any]:
+    """Each side's best run, and its ratio over the base model's best."""
+    best = {name: max(r[name] for r in runs) for name in names}
+    return {
         "benchmark": "lora",
         "model": args.model.name if args.model else args.shape,
         "device": args.device,
@@ -134,14 +139,27 @@ def main(argv: list[str] | None = None) -> int:
         "workload": {
             k: getattr(args, k) for k in ("batch", "prompt_len", "max_tokens", "rank", "repeat")
         },
-        "output_tokens": output_tokens,
-        "output_tokens_per_s": {name: best[name] for name in names},
+        "output_tokens": args.batch * args.max_tokens,
+        "output_tokens_per_s": best,
         "over_base": {name: best[name] / best["base"] for name in names},
         "runs": runs,
         "machine": machine(),
     }
-    rows = [[name, best[name], best[name] / best["base"]] for name in names]
+
+
+def emit_result(result: dict[str, Any]) -> None:
+    best = result["output_tokens_per_s"]
+    rows = [[name, rate, result["over_base"][name]] for name, rate in best.items()]
     emit(result, ["side", "best tokens/s", "over base"], rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    threads = set_threads(args.threads)
+    model_dir, dtype = resolve_model(args)
+    sides, vocab = build_sides(args, model_dir, dtype)
+    runs = measure(args, sides, vocab)
+    emit_result(summarize(args, dtype, threads, [name for name, _, _ in sides], runs))
     return 0
 
 

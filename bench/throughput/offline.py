@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -90,16 +91,12 @@ def run_engine(
     from engine import EngineConfig, LLMEngine, SamplingParams
 
     config = EngineConfig(
-        model=str(model_dir),
-        device=device,
-        dtype=dtype,
-        max_num_seqs=max_num_seqs,
+        model=str(model_dir), device=device, dtype=dtype, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         kv_cache_memory=None if kv_cache_gib is None else int(kv_cache_gib * 2**30),
-        enable_prefix_cache=prefix_cache,
-        tensor_parallel_size=tensor_parallel_size,
+        enable_prefix_cache=prefix_cache, tensor_parallel_size=tensor_parallel_size,
         cpu_threads=per_rank if tensor_parallel_size > 1 else None,
-    )
+    )  # fmt: skip
     start = time.perf_counter()
     engine = LLMEngine(config)
     load_s = time.perf_counter() - start
@@ -109,15 +106,7 @@ def run_engine(
     ]
     engine.generate(workload.prompts[:2], [SamplingParams(max_tokens=8, ignore_eos=True)] * 2)
     _sync(torch, device)
-    start, cpu = time.perf_counter(), process_cpu_seconds()
-    results = engine.generate(workload.prompts, params)
-    _sync(torch, device)
-    elapsed = time.perf_counter() - start
-    cpu = process_cpu_seconds() - cpu
-    produced = sum(len(r.token_ids) for r in results)
-    errors = [r.error for r in results if r.error]
-    if errors or produced != workload.output_tokens:
-        raise RuntimeError(f"engine produced {produced} of {workload.output_tokens}: {errors[:3]}")
+    results, produced, elapsed, cpu = _timed_generate(engine, workload, params, torch, device)
     stats = engine.stats()
     engine.close()
     del engine
@@ -138,6 +127,23 @@ def run_engine(
         "tensor_parallel_size": tensor_parallel_size,
     }
     return record, [r.token_ids for r in results]
+
+
+def _timed_generate(
+    engine: Any, workload: Workload, params: list[Any], torch: Any, device: str
+) -> tuple[list[Any], int, float, float]:
+    """(results, output tokens, seconds, CPU seconds) of one generate over the workload; raises
+    unless every request made its output length."""
+    start, cpu = time.perf_counter(), process_cpu_seconds()
+    results = engine.generate(workload.prompts, params)
+    _sync(torch, device)
+    elapsed = time.perf_counter() - start
+    cpu = process_cpu_seconds() - cpu
+    produced = sum(len(r.token_ids) for r in results)
+    errors = [r.error for r in results if r.error]
+    if errors or produced != workload.output_tokens:
+        raise RuntimeError(f"engine produced {produced} of {workload.output_tokens}: {errors[:3]}")
+    return results, produced, elapsed, cpu
 
 
 def run_hf(
@@ -194,6 +200,130 @@ def _free(torch: Any, device: str) -> None:
         torch.cuda.empty_cache()
 
 
+@dataclass
+class Runs:
+    """Every timed run of one invocation, by side; each side's best counts."""
+
+    engine: list[dict[str, Any]] = field(default_factory=list)
+    one_rank: list[dict[str, Any]] = field(default_factory=list)  # --tensor-parallel-size > 1
+    loop: list[dict[str, Any]] = field(default_factory=list)  # --moe-loop
+    hf_by_size: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    engine_tokens: list[list[int]] = field(default_factory=list)  # the last run's
+    hf_tokens: dict[int, list[list[int]]] = field(default_factory=dict)
+
+
+def measure(
+    args: argparse.Namespace, model_dir: Path, dtype: str, threads: int, workload: Workload
+) -> Runs:
+    """Engine and HF runs alternate, `--repeat` times (a shared machine only ever slows a run
+    down, so each side's best counts); every run is kept for the JSON."""
+    runs = Runs(hf_by_size={size: [] for size in args.hf_batch_sizes})
+
+    def engine_run(tp_size: int, keep_tokens: bool = False) -> dict[str, Any]:
+        run, tokens = run_engine(
+            model_dir, workload, args.device, dtype, args.max_num_seqs,
+            args.max_num_batched_tokens, args.kv_cache_gib,
+            prefix_cache=not args.disable_prefix_cache, tensor_parallel_size=tp_size,
+            threads=threads,
+        )  # fmt: skip
+        if keep_tokens:
+            runs.engine_tokens = tokens  # all runs agree when greedy
+        return run
+
+    for _ in range(args.repeat):
+        runs.engine.append(engine_run(args.tensor_parallel_size, keep_tokens=True))
+        log(f"engine: {runs.engine[-1]['output_tokens_per_s']:.1f} output tokens/s")
+        if args.tensor_parallel_size > 1:  # 1 rank, the baseline of the ratio
+            runs.one_rank.append(engine_run(1))
+            log(f"engine, 1 rank: {runs.one_rank[-1]['output_tokens_per_s']:.1f} output tokens/s")
+        if args.moe_loop:
+            from bench.throughput.moe_loop import per_expert_loop
+
+            with per_expert_loop():
+                runs.loop.append(engine_run(1))
+            rate = runs.loop[-1]["output_tokens_per_s"]
+            log(f"engine, per-expert loop: {rate:.1f} output tokens/s")
+        for size in [] if args.skip_hf else args.hf_batch_sizes:
+            run, runs.hf_tokens[size] = run_hf(model_dir, workload, args.device, dtype, size)
+            log(f"hf batch {size}: {run['output_tokens_per_s']:.1f} output tokens/s")
+            runs.hf_by_size[size].append(run)
+    return runs
+
+
+def _ratio(num: dict[str, Any] | None, den: dict[str, Any] | None) -> float | None:
+    if num is None or den is None:
+        return None
+    return float(num["output_tokens_per_s"] / den["output_tokens_per_s"])
+
+
+def summarize(
+    args: argparse.Namespace, dtype: str, threads: int, workload: Workload, runs: Runs
+) -> dict[str, Any]:
+    """The JSON result: each side's best run, the ratios, every run's rate, token identity."""
+    engine = _best(runs.engine)
+    hf_runs = [_best(r) for r in runs.hf_by_size.values() if r]  # best per batch size
+    hf = max(hf_runs, key=lambda r: r["output_tokens_per_s"], default=None)
+    one_rank = _best(runs.one_rank) if runs.one_rank else None
+    loop = _best(runs.loop) if runs.loop else None
+    return {
+        "benchmark": "offline",
+        "model": args.shape if args.model is None else str(args.model),
+        "device": args.device,
+        "dtype": dtype,
+        "threads": threads,
+        "scale": args.scale,
+        "workload": workload.describe(),
+        "repeat": args.repeat,
+        "engine": engine,  # the best of `repeat` runs
+        "hf": hf,  # the fastest HF batch size, best of `repeat` runs
+        "hf_runs": hf_runs,  # the best run of each batch size
+        "all_engine_tokens_per_s": [r["output_tokens_per_s"] for r in runs.engine],
+        "all_hf_tokens_per_s": {
+            size: [r["output_tokens_per_s"] for r in rs] for size, rs in runs.hf_by_size.items()
+        },
+        "ratio_engine_over_hf": _ratio(engine, hf),
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "engine_one_rank": one_rank,  # best of `repeat`; with --tensor-parallel-size > 1
+        "ratio_ranks_over_one_rank": _ratio(engine, one_rank),
+        "engine_per_expert_loop": loop,  # best of `repeat`; with --moe-loop
+        "ratio_grouped_over_loop": _ratio(engine, loop),
+        "hf_reference": "decode loop over the forward, KV cached (bench/hf_reference.py)",
+        # Greedy only: sampled runs draw from different random streams.
+        "token_identity_engine_hf": {
+            size: token_identity(runs.engine_tokens, tokens)
+            for size, tokens in runs.hf_tokens.items()
+        }
+        if workload.temperature == 0
+        else None,
+        "machine": machine(),
+    }
+
+
+def emit_result(result: dict[str, Any]) -> None:
+    """The JSON on stdout; a table of each side's best run and the ratios on stderr."""
+    tp = result["tensor_parallel_size"]
+    sides = [(f"sluice LLMEngine{f', {tp} ranks' if tp > 1 else ''}", result["engine"])]
+    sides.append(("sluice LLMEngine, 1 rank", result["engine_one_rank"]))
+    sides.append(("sluice LLMEngine, per-expert loop", result["engine_per_expert_loop"]))
+    sides += [(f"HF decode loop, batch {r['batch_size']}", r) for r in result["hf_runs"]]
+    rows = [
+        [label, r["seconds"], r["output_tokens_per_s"], r["requests_per_s"]]
+        for label, r in sides
+        if r is not None
+    ]
+    emit(result, ["offline " + result["model"], "seconds", "output tok/s", "req/s"], rows)
+    if result["ratio_engine_over_hf"] is not None:
+        log(f"ratio engine/HF output tokens/s: {result['ratio_engine_over_hf']:.2f}x")
+    for size, identity in (result["token_identity_engine_hf"] or {}).items():
+        log(f"token-identical with HF batch {size}: {identity['identical']}/{identity['of']}")
+    if result["ratio_grouped_over_loop"] is not None:
+        ratio = result["ratio_grouped_over_loop"]
+        log(f"ratio grouped experts / per-expert loop output tokens/s: {ratio:.2f}x")
+    if result["ratio_ranks_over_one_rank"] is not None:
+        ratio = result["ratio_ranks_over_one_rank"]
+        log(f"ratio {tp} ranks / 1 rank output tokens/s: {ratio:.2f}x")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from engine.logs import configure_logging
@@ -207,139 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     vocab = load_model_config(model_dir).vocab_size
     workload = make_workload(vocab, args.scale, args.num_requests, args.temperature)
     log(f"offline: {workload.describe()} on {model_dir.name}, {threads} threads")
-    # Engine and HF runs alternate; each side's best run counts (a shared machine only ever
-    # slows a run down). Every run is in the JSON.
-    engine_runs: list[dict[str, Any]] = []
-    one_rank_runs: list[dict[str, Any]] = []  # with --tensor-parallel-size > 1
-    loop_runs: list[dict[str, Any]] = []  # with --moe-loop
-    hf_by_size: dict[int, list[dict[str, Any]]] = {size: [] for size in args.hf_batch_sizes}
-    engine_tokens: list[list[int]] = []  # the last run's (all runs agree when greedy)
-    hf_tokens: dict[int, list[list[int]]] = {}
-    # With --tensor-parallel-size N > 1, each repeat also runs 1 rank: the baseline of the ratio.
-    sizes = [(args.tensor_parallel_size, engine_runs)]
-    if args.tensor_parallel_size > 1:
-        sizes.append((1, one_rank_runs))
-    for _ in range(args.repeat):
-        for tp_size, runs in sizes:
-            run, tokens = run_engine(
-                model_dir,
-                workload,
-                args.device,
-                dtype,
-                args.max_num_seqs,
-                args.max_num_batched_tokens,
-                args.kv_cache_gib,
-                prefix_cache=not args.disable_prefix_cache,
-                tensor_parallel_size=tp_size,
-                threads=threads,
-            )
-            label = "engine" if runs is engine_runs else "engine, 1 rank"
-            log(f"{label}: {run['output_tokens_per_s']:.1f} output tokens/s")
-            runs.append(run)
-            if runs is engine_runs:
-                engine_tokens = tokens
-        if args.moe_loop:
-            from bench.throughput.moe_loop import per_expert_loop
-
-            with per_expert_loop():
-                run, _ = run_engine(
-                    model_dir, workload, args.device, dtype, args.max_num_seqs,
-                    args.max_num_batched_tokens, args.kv_cache_gib,
-                    prefix_cache=not args.disable_prefix_cache, threads=threads,
-                )  # fmt: skip
-            log(f"engine, per-expert loop: {run['output_tokens_per_s']:.1f} output tokens/s")
-            loop_runs.append(run)
-        for size in [] if args.skip_hf else args.hf_batch_sizes:
-            run, hf_tokens[size] = run_hf(model_dir, workload, args.device, dtype, size)
-            log(f"hf batch {size}: {run['output_tokens_per_s']:.1f} output tokens/s")
-            hf_by_size[size].append(run)
-    engine = _best(engine_runs)
-    hf_runs = [_best(runs) for runs in hf_by_size.values() if runs]  # best per batch size
-    hf = max(hf_runs, key=lambda r: r["output_tokens_per_s"], default=None)
-    ratio = engine["output_tokens_per_s"] / hf["output_tokens_per_s"] if hf else None
-    one_rank = _best(one_rank_runs) if one_rank_runs else None
-    tp_ratio = None
-    if one_rank is not None:
-        tp_ratio = engine["output_tokens_per_s"] / one_rank["output_tokens_per_s"]
-    loop = _best(loop_runs) if loop_runs else None
-    loop_ratio = engine["output_tokens_per_s"] / loop["output_tokens_per_s"] if loop else None
-    result = {
-        "benchmark": "offline",
-        "model": args.shape if args.model is None else str(args.model),
-        "device": args.device,
-        "dtype": dtype,
-        "threads": threads,
-        "scale": args.scale,
-        "workload": workload.describe(),
-        "repeat": args.repeat,
-        "engine": engine,  # the best of `repeat` runs
-        "hf": hf,  # the fastest HF batch size, best of `repeat` runs
-        "hf_runs": hf_runs,  # the best run of each batch size
-        "all_engine_tokens_per_s": [r["output_tokens_per_s"] for r in engine_runs],
-        "all_hf_tokens_per_s": {
-            size: [r["output_tokens_per_s"] for r in runs] for size, runs in hf_by_size.items()
-        },
-        "ratio_engine_over_hf": ratio,
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "engine_one_rank": one_rank,  # best of `repeat`; with --tensor-parallel-size > 1
-        "ratio_ranks_over_one_rank": tp_ratio,
-        "engine_per_expert_loop": loop,  # best of `repeat`; with --moe-loop
-        "ratio_grouped_over_loop": loop_ratio,
-        "hf_reference": "decode loop over the forward, KV cached (bench/hf_reference.py)",
-        # Greedy only: sampled runs draw from different random streams.
-        "token_identity_engine_hf": {
-            size: token_identity(engine_tokens, tokens) for size, tokens in hf_tokens.items()
-        }
-        if workload.temperature == 0
-        else None,
-        "machine": machine(),
-    }
-    ranks = f", {args.tensor_parallel_size} ranks" if args.tensor_parallel_size > 1 else ""
-    rows: list[list[Any]] = [
-        [
-            f"sluice LLMEngine{ranks}",
-            engine["seconds"],
-            engine["output_tokens_per_s"],
-            engine["requests_per_s"],
-        ]
-    ]
-    if one_rank is not None:
-        rows.append(
-            [
-                "sluice LLMEngine, 1 rank",
-                one_rank["seconds"],
-                one_rank["output_tokens_per_s"],
-                one_rank["requests_per_s"],
-            ]
-        )
-    if loop is not None:
-        rows.append(
-            [
-                "sluice LLMEngine, per-expert loop",
-                loop["seconds"],
-                loop["output_tokens_per_s"],
-                loop["requests_per_s"],
-            ]
-        )
-    rows += [
-        [
-            f"HF decode loop, batch {r['batch_size']}",
-            r["seconds"],
-            r["output_tokens_per_s"],
-            r["requests_per_s"],
-        ]
-        for r in hf_runs
-    ]
-    header = ["offline " + result["model"], "seconds", "output tok/s", "req/s"]
-    emit(result, header, rows)
-    if ratio is not None:
-        log(f"ratio engine/HF output tokens/s: {ratio:.2f}x")
-    for size, identity in (result["token_identity_engine_hf"] or {}).items():
-        log(f"token-identical with HF batch {size}: {identity['identical']}/{identity['of']}")
-    if loop_ratio is not None:
-        log(f"ratio grouped experts / per-expert loop output tokens/s: {loop_ratio:.2f}x")
-    if tp_ratio is not None:
-        log(f"ratio {args.tensor_parallel_size} ranks / 1 rank output tokens/s: {tp_ratio:.2f}x")
+    runs = measure(args, model_dir, dtype, threads, workload)
+    emit_result(summarize(args, dtype, threads, workload, runs))
     return 0
 
 
