@@ -221,16 +221,7 @@ def summarize(
         alone += count == 1
         first = first_step[rid] + position
         delays.extend(received - sent_at[k] for k in range(first, first + count))
-    # Low load: each token's time in the service, from its arrival at the router to the
-    # completed write of the event that carried it.
-    written: list[float] = []
-    if writes is not None:
-        arrived: dict[str, float] = writes["arrivals"]
-        for rid, position, count, done in writes["writes"]:
-            if start <= done < end:
-                written.extend(
-                    done - arrived[f"{rid} {k}"] for k in range(position, position + count)
-                )
+    written = _service_delays(writes, start, end)
     seconds = end - start
     engine_tokens = sum(n for t, n in zip(sent_at, steps["sizes"], strict=True) if start <= t < end)
     return {
@@ -263,6 +254,20 @@ def summarize(
     }
 
 
+def _service_delays(writes: dict[str, Any] | None, start: float, end: float) -> list[float]:
+    """Low load: each token's time in the service, from its arrival at the router to the
+    completed write of the event that carried it (none unless recorded)."""
+    written: list[float] = []
+    if writes is not None:
+        arrived: dict[str, float] = writes["arrivals"]
+        for rid, position, count, done in writes["writes"]:
+            if start <= done < end:
+                written.extend(
+                    done - arrived[f"{rid} {k}"] for k in range(position, position + count)
+                )
+    return written
+
+
 def export_revision(rev: str, directory: Path) -> Path:
     """The service, engine and client stubs of revision `rev`, as files under `directory`."""
     directory.mkdir(parents=True)
@@ -275,8 +280,9 @@ def export_revision(rev: str, directory: Path) -> Path:
     return directory
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every phase: each load shape against each tree (the baseline revision first), the whole
+    schedule `--repeat` times."""
     shapes = [(args.streams, ms) for ms in args.step_ms]
     if args.low_streams:
         shapes.insert(0, (args.low_streams, args.low_step_ms))
@@ -294,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
                     phase = run_phase(args, tree, streams, step_ms, label)
                     log(json.dumps(phase))
                     phases.append(phase)
+    return phases
+
+
+def summarize_run(args: argparse.Namespace, phases: list[dict[str, Any]]) -> dict[str, Any]:
     result: dict[str, Any] = {
         "benchmark": "service_ceiling",
         "machine": machine(),
@@ -302,53 +312,31 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.baseline_rev:
         result["ratios"] = ratios(phases, args.baseline_rev)
-    header = [
-        "revision",
-        "rpc",
-        "streams",
-        "offered",
-        "engine sent",
-        "delivered",
-        "tok/msg",
-        "alone",
-        "cores",
-    ]
-    header += [
-        "cpu s/1k tok",
-        "delay p50 ms",
-        "p99",
-        "max",
-        "TTFT p50",
-        "p99",
-        "svc p50",
-        "svc p99",
-    ]
-    header += ["client cores", "engine"]
-    rows = [
-        [
-            p["revision"],
-            p["rpc"],
-            p["streams"],
-            p["offered_tok_s"],
-            p["engine_tok_s"],
-            p["delivered_tok_s"],
-            p["tokens_per_message"],
-            p["messages_alone"],
-            p["service_cores"],
-            p["service_cpu_s_per_1k_tokens"],
-            p["delay_ms_p50"],
-            p["delay_ms_p99"],
-            p["delay_ms_max"],
-            p["ttft_ms_p50"],
-            p["ttft_ms_p99"],
-            p["service_delay_ms_p50"],
-            p["service_delay_ms_p99"],
-            p["client_cores"],
-            p["engine_cores"],
-        ]
-        for p in phases
-    ]
-    emit(result, header, rows)
+    return result
+
+
+# The stderr table: a column per phase key, in this order.
+COLUMNS = [
+    ("revision", "revision"), ("rpc", "rpc"), ("streams", "streams"),
+    ("offered", "offered_tok_s"), ("engine sent", "engine_tok_s"),
+    ("delivered", "delivered_tok_s"), ("tok/msg", "tokens_per_message"),
+    ("alone", "messages_alone"), ("cores", "service_cores"),
+    ("cpu s/1k tok", "service_cpu_s_per_1k_tokens"), ("delay p50 ms", "delay_ms_p50"),
+    ("p99", "delay_ms_p99"), ("max", "delay_ms_max"), ("TTFT p50", "ttft_ms_p50"),
+    ("p99", "ttft_ms_p99"), ("svc p50", "service_delay_ms_p50"),
+    ("svc p99", "service_delay_ms_p99"), ("client cores", "client_cores"),
+    ("engine", "engine_cores"),
+]  # fmt: skip
+
+
+def emit_result(result: dict[str, Any]) -> None:
+    rows = [[p[key] for _, key in COLUMNS] for p in result["phases"]]
+    emit(result, [title for title, _ in COLUMNS], rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    emit_result(summarize_run(args, measure(args)))
     return 0
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from bench.checkpoints import add_model_flags, resolve_model
 from bench.common import emit, log, machine, set_threads
-from bench.workload import make_workload
+from bench.workload import Workload, make_workload
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,23 +35,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    threads = set_threads(args.threads)
-    model_dir, dtype = resolve_model(args)
-    from engine import EngineConfig, LLMEngine, SamplingParams
+SIDES = ("prefill", "scoring", "processed", "sampled")
+
+
+def build_sides(args: argparse.Namespace, engine: Any, workload: Workload) -> dict[str, Any]:
+    """Each side's sampling params, one per workload prompt."""
+    from engine import SamplingParams
     from engine.protocol.messages import LogprobMode
 
-    # No prefix cache: every side computes every prompt (scoring would skip no page anyway).
-    config = EngineConfig(
-        model=str(model_dir), device=args.device, dtype=dtype, enable_prefix_cache=False
-    )
-    engine = LLMEngine(config)
-    workload = make_workload(engine.info.vocab_size, args.scale, args.num_requests)
-    prompts, prompt_tokens = workload.prompts, workload.prompt_tokens
-    k = args.top_logprobs
-    prefill = [SamplingParams(temperature=0.0, max_tokens=1)] * len(prompts)
-    scored = [SamplingParams(max_tokens=0, prompt_logprobs=True, top_logprobs=k)] * len(prompts)
+    n_prompts, k = len(workload.prompts), args.top_logprobs
     processed = [
         SamplingParams(
             temperature=1.0, top_k=args.top_k, top_p=args.top_p, seed=i, max_tokens=n,
@@ -59,43 +51,63 @@ def main(argv: list[str] | None = None) -> int:
         )
         for i, n in enumerate(workload.output_lens)
     ]  # fmt: skip
-    sampled = [
-        replace(p, logprob_mode=LogprobMode.SAMPLED, sampling_support=True) for p in processed
-    ]
-    engine.generate(prompts[:2], prefill[:2])  # warm-up
-    best: dict[str, float] = {}
-    runs: list[dict[str, Any]] = []
+    return {
+        "prefill": [SamplingParams(temperature=0.0, max_tokens=1)] * n_prompts,
+        "scoring": [SamplingParams(max_tokens=0, prompt_logprobs=True, top_logprobs=k)] * n_prompts,
+        "processed": processed,
+        "sampled": [
+            replace(p, logprob_mode=LogprobMode.SAMPLED, sampling_support=True) for p in processed
+        ],
+    }
+
+
+def measure(
+    args: argparse.Namespace, engine: Any, workload: Workload, sides: dict[str, Any]
+) -> list[dict[str, float]]:
+    """Each run's tokens/s per side (prompt tokens for prefill and scoring, output tokens for
+    the rollouts); pairs swap order every other run. Raises if SAMPLED drew other tokens."""
+    prompts = workload.prompts
+    engine.generate(prompts[:2], sides["prefill"][:2])  # warm-up
+    runs: list[dict[str, float]] = []
     tokens: dict[str, list[list[int]]] = {}
-    sides = [("prefill", prefill), ("scoring", scored), ("processed", processed)]
-    sides.append(("sampled", sampled))
     for run in range(args.repeat):
-        order = sides if run % 2 == 0 else [sides[1], sides[0], sides[3], sides[2]]
+        order = SIDES if run % 2 == 0 else ("scoring", "prefill", "sampled", "processed")
         rates: dict[str, float] = {}
-        for name, params in order:
+        for name in order:
             start = time.perf_counter()
-            results = engine.generate(prompts, params)
+            results = engine.generate(prompts, sides[name])
             seconds = time.perf_counter() - start
             errors = [r.error for r in results if r.error]
             if errors:
                 raise RuntimeError(f"{name}: {errors[:3]}")
-            count = prompt_tokens if name in ("prefill", "scoring") else workload.output_tokens
-            rates[name] = count / seconds
-            best[name] = max(best.get(name, 0.0), rates[name])
+            scored = name in ("prefill", "scoring")
+            rates[name] = (workload.prompt_tokens if scored else workload.output_tokens) / seconds
             tokens[name] = [r.token_ids for r in results]
             log(f"run {run} {name}: {rates[name]:,.0f} tokens/s")
         runs.append(rates)
     if tokens["sampled"] != tokens["processed"]:
         raise RuntimeError("SAMPLED mode drew other tokens than PROCESSED")
-    result = {
+    return runs
+
+
+def best_rates(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {name: max(r[name] for r in runs) for name in SIDES}
+
+
+def summarize(
+    args: argparse.Namespace, dtype: str, threads: int, workload: Workload, runs: list[Any]
+) -> dict[str, Any]:
+    best = best_rates(runs)
+    return {
         "benchmark": "rl_outputs",
         "model": args.model.name if args.model else args.shape,
         "dtype": dtype,
         "threads": threads,
         "workload": {
             "num_requests": workload.num_requests,
-            "prompt_tokens": prompt_tokens,
+            "prompt_tokens": workload.prompt_tokens,
             "output_tokens": workload.output_tokens,
-            "top_logprobs": k,
+            "top_logprobs": args.top_logprobs,
             "top_k": args.top_k,
             "top_p": args.top_p,
         },
@@ -104,8 +116,26 @@ def main(argv: list[str] | None = None) -> int:
         "sampled_over_processed": best["sampled"] / best["processed"],
         "machine": machine(),
     }
-    rows = [[name, best[name]] for name, _ in sides]
-    emit(result, ["side", "best tokens/s"], rows)
+
+
+def emit_result(result: dict[str, Any]) -> None:
+    emit(result, ["side", "best tokens/s"], [list(r) for r in best_rates(result["runs"]).items()])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    threads = set_threads(args.threads)
+    model_dir, dtype = resolve_model(args)
+    from engine import EngineConfig, LLMEngine
+
+    # No prefix cache: every side computes every prompt (scoring would skip no page anyway).
+    config = EngineConfig(
+        model=str(model_dir), device=args.device, dtype=dtype, enable_prefix_cache=False
+    )
+    engine = LLMEngine(config)
+    workload = make_workload(engine.info.vocab_size, args.scale, args.num_requests)
+    runs = measure(args, engine, workload, build_sides(args, engine, workload))
+    emit_result(summarize(args, dtype, threads, workload, runs))
     return 0
 
 

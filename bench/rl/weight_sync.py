@@ -77,26 +77,22 @@ def one_round(
     return {"seconds": end - start, "pause_s": pause, "median_gap_s": median_gap}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small", choices=sorted(SHAPES))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--bucket-mib", type=float, default=64.0)
     parser.add_argument("--stream-tokens", type=int, default=400)
     parser.add_argument("--settle", type=float, default=0.5, help="seconds of baseline gaps")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
-    import torch
-    from safetensors.torch import load_file
+
+def measure(args: argparse.Namespace, checkpoint: Path, tensors: dict[str, Any]) -> dict[str, Any]:
+    """Each path's rounds, alternating, against one server started on `checkpoint`."""
     from sluice_client import Client
     from sluice_client.weight_transfer import WeightTransfer
 
-    checkpoint = ensure_checkpoint(args.model)
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(checkpoint.glob("*.safetensors")):
-        tensors |= load_file(file)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    gib = nbytes / 2**30
     with tempfile.TemporaryDirectory() as tmp:
         token_file = Path(tmp) / "admin.token"
         token_file.write_text(TOKEN)
@@ -109,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         ):
             target = wait_listening(proc, path, 300)
             asyncio.run(wait_serving(target, 300))
-            log(f"serving {args.model} ({gib * 1024:.1f} MiB of weights) at {target}")
+            log(f"serving {args.model} ({nbytes / 2**20:.1f} MiB of weights) at {target}")
             bucket = int(args.bucket_mib * 2**20)
             with (
                 Client(target, admin_token=TOKEN) as client,
@@ -122,6 +118,15 @@ def main(argv: list[str] | None = None) -> int:
                     for name in ("process_group", "streamed"):
                         runs[name].append(one_round(name, client, transfer, tensors, args))
                         log(f"round {n + 1} {name}: {runs[name][-1]}")
+    return runs
+
+
+def summarize(
+    args: argparse.Namespace, tensors: dict[str, Any], runs: dict[str, Any]
+) -> dict[str, Any]:
+    """Each path's medians over its rounds, and process group over streamed."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    gib = nbytes / 2**30
     paths = {
         name: {
             "seconds": statistics.median(r["seconds"] for r in rounds),
@@ -133,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, rounds in runs.items()
     }
     pg, st = paths["process_group"], paths["streamed"]
-    result = {
+    return {
         "benchmark": "weight_sync",
         "model": args.model,
         "weights_mib": round(nbytes / 2**20, 2),
@@ -145,11 +150,25 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "revision": revision(),
     }
+
+
+def emit_result(result: dict[str, Any]) -> None:
     rows = [
         [name, p["seconds"], p["seconds_per_gib"], p["pause_s"], p["median_gap_s"]]
-        for name, p in paths.items()
+        for name, p in result["paths"].items()
     ]
     emit(result, ["path", "seconds", "s/GiB", "pause s", "median gap s"], rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from safetensors.torch import load_file
+
+    checkpoint = ensure_checkpoint(args.model)
+    tensors: dict[str, Any] = {}
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        tensors |= load_file(file)
+    emit_result(summarize(args, tensors, measure(args, checkpoint, tensors)))
     return 0
 
 
