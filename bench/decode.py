@@ -130,7 +130,9 @@ def new_tokens_per_request(args: argparse.Namespace, batch: int) -> int:
     return prefill_steps + 1 + args.warmup + 2 * args.steps + 2
 
 
-def measure_batch(engine: Any, batch: int, args: argparse.Namespace, sync: Any) -> dict[str, Any]:
+def start_batch(engine: Any, batch: int, args: argparse.Namespace) -> tuple[list[str], float]:
+    """Adds `batch` requests of `--context` random tokens, prefills them and runs the warm-up
+    steps: (their ids, the prefill's seconds)."""
     from engine import SamplingParams
 
     rng = random.Random(batch)
@@ -153,6 +155,12 @@ def measure_batch(engine: Any, batch: int, args: argparse.Namespace, sync: Any) 
     for _ in range(args.warmup):
         engine.step()
     assert len(engine.scheduler.running) == batch and not engine.scheduler.waiting
+    return ids, prefill_s
+
+
+def measure_batch(engine: Any, batch: int, args: argparse.Namespace, sync: Any) -> dict[str, Any]:
+    """Step times of `batch` decoding requests, plain steps alternating with instrumented ones."""
+    ids, prefill_s = start_batch(engine, batch, args)
 
     # Plain and instrumented steps alternate in rounds, so that a burst of load from another
     # process on a shared machine lands on both alike.

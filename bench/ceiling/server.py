@@ -62,21 +62,7 @@ def ceiling_engine(config: EngineConfig, conn: Connection) -> None:
     model = Path(config.model)
     knobs = json.loads((model / "ceiling.json").read_text())
     interval: float = knobs["step_interval"]
-    info = ModelInfo(
-        model="ceiling",
-        path=str(model),
-        architecture="Ceiling",
-        max_model_len=1 << 20,
-        vocab_size=knobs["vocab_size"],
-        eos_token_ids=[0],
-        device="cpu",
-        dtype="float32",
-        page_size=16,
-        total_pages=1 << 16,
-        policy_version=0,
-        max_num_seqs=4096,
-    )
-    conn.send(Ready(info))
+    conn.send(Ready(_model_info(model, knobs["vocab_size"])))
     running: dict[str, tuple[AddRequest, int]] = {}  # id -> (request, tokens sent)
     ended: list[RequestOutput] = []
     steps: list[float] = []  # when step k was sent
@@ -113,31 +99,58 @@ def ceiling_engine(config: EngineConfig, conn: Connection) -> None:
             conn.send(Heartbeat(EngineStats()))
             continue
         outputs, ended = ended, []
-        for rid, (add, sent) in list(running.items()):
-            prompt = add.prompt_token_ids
-            done = sent + 1 >= (add.params.max_tokens or 1 << 30)
-            if sent == 0:
-                first_step[rid] = len(steps)
-            outputs.append(
-                RequestOutput(
-                    rid,
-                    0,
-                    [prompt[sent % len(prompt)]],
-                    0,
-                    finish_reason=FinishReason.LENGTH if done else None,
-                    prompt_tokens=len(prompt) if sent == 0 else 0,
-                    completion_tokens=sent + 1,
-                )
-            )
-            if done:
-                del running[rid]
-            else:
-                running[rid] = (add, sent + 1)
+        outputs += _one_token_each(running, first_step, len(steps))
         steps.append(time.monotonic())
         sizes.append(sum(1 for o in outputs if o.new_token_ids))
         conn.send(StepOutput(outputs, EngineStats(running=len(running))))
         # A fixed pace, like a GPU's step time; a late step does not make the next one early.
         next_step = max(next_step + interval, time.monotonic())
+
+
+def _model_info(model: Path, vocab_size: int) -> ModelInfo:
+    return ModelInfo(
+        model="ceiling",
+        path=str(model),
+        architecture="Ceiling",
+        max_model_len=1 << 20,
+        vocab_size=vocab_size,
+        eos_token_ids=[0],
+        device="cpu",
+        dtype="float32",
+        page_size=16,
+        total_pages=1 << 16,
+        policy_version=0,
+        max_num_seqs=4096,
+    )
+
+
+def _one_token_each(
+    running: dict[str, tuple[AddRequest, int]], first_step: dict[str, int], step: int
+) -> list[RequestOutput]:
+    """One step's outputs: the next token of every running request (its prompt, cycled), which
+    finishes LENGTH at its max_tokens; updates `running` and each new request's first step."""
+    outputs = []
+    for rid, (add, sent) in list(running.items()):
+        prompt = add.prompt_token_ids
+        done = sent + 1 >= (add.params.max_tokens or 1 << 30)
+        if sent == 0:
+            first_step[rid] = step
+        outputs.append(
+            RequestOutput(
+                rid,
+                0,
+                [prompt[sent % len(prompt)]],
+                0,
+                finish_reason=FinishReason.LENGTH if done else None,
+                prompt_tokens=len(prompt) if sent == 0 else 0,
+                completion_tokens=sent + 1,
+            )
+        )
+        if done:
+            del running[rid]
+        else:
+            running[rid] = (add, sent + 1)
+    return outputs
 
 
 Write = tuple[str, int, int, float]  # request id, position of its first token, tokens, done

@@ -130,9 +130,23 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         engine.generate(workload.prompts, params)
         wall = time.perf_counter() - start
     engine.close()
+    shares, ops = credit_events(prof.events())
+    shares["host (Python, dispatch)"] = max(0.0, wall - sum(shares.values()))
+    return {
+        "wall_s": wall,
+        "unprofiled_s": plain_s,
+        "output_tokens": workload.output_tokens,
+        "shares": dict(shares),
+        "ops": {f"{c} | {n}": s for (c, n), s in ops.items()},
+    }
+
+
+def credit_events(events: Any) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
+    """(seconds per op class, seconds per (class, op)) of the profiler's top-level ops, each
+    credited to the op class of the engine region it ran in; a C region's own time as its own."""
     shares: dict[str, float] = defaultdict(float)
     ops: dict[tuple[str, str], float] = defaultdict(float)
-    for event in prof.events():
+    for event in events:
         if event.name in C_REGIONS:
             shares[C_REGIONS[event.name]] += event.self_cpu_time_total / 1e6
             continue
@@ -151,14 +165,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         seconds = event.cpu_time_total / 1e6
         shares[cls] += seconds
         ops[(cls, event.name)] += seconds
-    shares["host (Python, dispatch)"] = max(0.0, wall - sum(shares.values()))
-    return {
-        "wall_s": wall,
-        "unprofiled_s": plain_s,
-        "output_tokens": workload.output_tokens,
-        "shares": dict(shares),
-        "ops": {f"{c} | {n}": s for (c, n), s in ops.items()},
-    }
+    return shares, ops
 
 
 def main() -> None:

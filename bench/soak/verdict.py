@@ -68,6 +68,18 @@ def _example(
         examples.append({"kind": kind, "canary": canary["canary"], "versions": versions, **more})
 
 
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "minutes": args.minutes,
+        "clients": args.clients,
+        "concurrency": args.concurrency,
+        "seed": args.seed,
+        "update_every_s": args.update_every,
+        "kill_every_s": args.kill_every,
+        "engine_threads": args.threads,
+    }
+
+
 def report(
     args: argparse.Namespace,
     driver: Driver,
@@ -77,13 +89,10 @@ def report(
     pages: dict[str, Any] | None,
     final: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    outcomes: Counter[str] = Counter()
-    by_kind: Counter[str] = Counter()
-    violations: Counter[str] = Counter()
-    cancels: Counter[str] = Counter()
+    errors = [s for s in summaries if "error" in s]
+    outcomes, by_kind, violations, cancels = (Counter[str]() for _ in range(4))
     examples: list[dict[str, Any]] = []
     canaries: list[dict[str, Any]] = []
-    errors = [s for s in summaries if "error" in s]
     for s in summaries:
         if "error" in s:
             continue
@@ -96,24 +105,12 @@ def report(
     duplicated = sum(n for kind, n in violations.items() if kind in DUPLICATES)
     out_of_order = sum(violations.values()) - duplicated
     judged = judge_canaries(canaries, expected, driver.served, driver.busy)
-    server_rss = [s["server_mb"] for s in driver.rss if s["server_mb"] is not None]
-    warm = len(server_rss) // 4  # the first quarter of the run is warm-up
-    growth = None
-    if len(server_rss) > warm + 1:
-        growth = round(server_rss[-1] - server_rss[warm], 1)
+    growth, warm = server_rss_growth(driver.rss)
     engine_growth = engine_rss_growth(driver.rss)
     result: dict[str, Any] = {
         "benchmark": "soak",
         "model": str(args.model) if args.model else "soak tiny llama (random, float32)",
-        "settings": {
-            "minutes": args.minutes,
-            "clients": args.clients,
-            "concurrency": args.concurrency,
-            "seed": args.seed,
-            "update_every_s": args.update_every,
-            "kill_every_s": args.kill_every,
-            "engine_threads": args.threads,
-        },
+        "settings": settings(args),
         "requests": sum(outcomes.values()),
         "by_outcome": dict(outcomes.most_common()),
         "by_kind": dict(sorted(by_kind.items())),
@@ -143,6 +140,16 @@ def report(
         "machine": machine(),
     }
     return result
+
+
+def server_rss_growth(samples: list[dict[str, Any]]) -> tuple[float | None, int]:
+    """(the server's last RSS sample minus its first after warm-up, the warm-up samples): the
+    first quarter of the run is warm-up; None with too few samples."""
+    server_rss = [s["server_mb"] for s in samples if s["server_mb"] is not None]
+    warm = len(server_rss) // 4
+    if len(server_rss) > warm + 1:
+        return round(server_rss[-1] - server_rss[warm], 1), warm
+    return None, warm
 
 
 def engine_rss_growth(samples: list[dict[str, Any]]) -> dict[str, float]:

@@ -154,19 +154,15 @@ def count_shape(
     return result
 
 
-def count_decode_kernels(cfg: Any, device: str, dtype: str, rows: int = 1) -> dict[str, Any]:
-    """Kernels per layer and outside the layers of a decode step of `rows` sequences (padded
-    rows, as the graph runs them) of a model of config `cfg` with random weights."""
+def _random_model(cfg: Any, dev: Any, dtype: str, page_size: int) -> tuple[Any, Any]:
+    """(a Llama of config `cfg` with random weights on `dev`, its Triton attention backend);
+    built as this revision's or an older one's engine takes it (the count runs on both)."""
     import torch
 
     from engine.attention import make_backend
-    from engine.execution.cuda_graph import CUDAGraphRunner
-    from engine.kv_cache.page_pool import PagePool
     from engine.models.llama import LlamaForCausalLM
     from engine.models.rope import RotaryEmbedding
 
-    dev = torch.device(device)
-    page_size, pages = 16, 64
     args: tuple[Any, ...] = (dev, cfg.head_dim**-0.5, page_size)
     if "dtype" in inspect.signature(make_backend).parameters:  # since the cpu backend
         args += (getattr(torch, dtype),)
@@ -183,6 +179,20 @@ def count_decode_kernels(cfg: Any, device: str, dtype: str, rows: int = 1) -> di
     )
     model.rotary.to(dev)  # float32 tables, as engine/weights/loading.py builds them
     model.requires_grad_(False).eval()
+    return model, backend
+
+
+def count_decode_kernels(cfg: Any, device: str, dtype: str, rows: int = 1) -> dict[str, Any]:
+    """Kernels per layer and outside the layers of a decode step of `rows` sequences (padded
+    rows, as the graph runs them) of a model of config `cfg` with random weights."""
+    import torch
+
+    from engine.execution.cuda_graph import CUDAGraphRunner
+    from engine.kv_cache.page_pool import PagePool
+
+    dev = torch.device(device)
+    page_size, pages = 16, 64
+    model, backend = _random_model(cfg, dev, dtype, page_size)
     pool = PagePool(
         pages, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, getattr(torch, dtype), dev
     )
