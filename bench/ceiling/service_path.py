@@ -43,24 +43,34 @@ def best(fn: Any, repeat: int) -> float:
     return min(times)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def measure_pipe(args: argparse.Namespace) -> dict[str, float]:
+    """Seconds per output to pickle and unpickle a step of `--outputs` one-token outputs, and
+    the pickled bytes per output."""
     from multiprocessing.reduction import ForkingPickler
 
     from engine.protocol.messages import EngineStats, RequestOutput, StepOutput
-    from service.text.completion import Completion, OutputSettings
-    from service.text.tokenizer import Tokenizer
-
-    sys.path.insert(0, str(REPO))
-    from tests.support.tiny_models import make_tokenizer
 
     step = StepOutput(
         [RequestOutput(f"req-{i:06d}", 0, [1000 + i], 0) for i in range(args.outputs)],
         EngineStats(),
     )
     data = bytes(ForkingPickler.dumps(step))
-    dumps = best(lambda: ForkingPickler.dumps(step), args.repeat) / args.outputs
-    loads = best(lambda: pickle.loads(data), args.repeat) / args.outputs
+    return {
+        "dumps": best(lambda: ForkingPickler.dumps(step), args.repeat) / args.outputs,
+        "loads": best(lambda: pickle.loads(data), args.repeat) / args.outputs,
+        "bytes": len(data) / args.outputs,
+    }
+
+
+def measure_absorb(args: argparse.Namespace) -> dict[str, float]:
+    """Seconds per token that `Completion.absorb` takes on English text, without and with a
+    stop string."""
+    from engine.protocol.messages import RequestOutput
+    from service.text.completion import Completion, OutputSettings
+    from service.text.tokenizer import Tokenizer
+
+    sys.path.insert(0, str(REPO))
+    from tests.support.tiny_models import make_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         make_tokenizer(8000).save(str(Path(tmp) / "tokenizer.json"))
@@ -80,25 +90,38 @@ def main(argv: list[str] | None = None) -> int:
                 completion.absorb(outputs)
 
     tokens = args.completions * len(calls) * n
-    plain = best(lambda: absorb_all(OutputSettings()), args.repeat) / tokens
-    stops = best(lambda: absorb_all(OutputSettings(stop=("zzz",))), args.repeat) / tokens
+    return {
+        "plain": best(lambda: absorb_all(OutputSettings()), args.repeat) / tokens,
+        "stops": best(lambda: absorb_all(OutputSettings(stop=("zzz",))), args.repeat) / tokens,
+    }
 
-    result = {
+
+def summarize(
+    args: argparse.Namespace, pipe: dict[str, float], absorb: dict[str, float]
+) -> dict[str, Any]:
+    messages = Path(sys.modules["engine.protocol.messages"].__file__ or "")
+    return {
         "benchmark": "service_path",
         "settings": vars(args),
-        "engine_from": str(
-            Path(sys.modules["engine.protocol.messages"].__file__ or "").parent.parent
-        ),
-        "pickle_us_per_output": 1e6 * dumps,
-        "unpickle_us_per_output": 1e6 * loads,
-        "pickled_bytes_per_output": len(data) / args.outputs,
-        "absorb_us_per_token": 1e6 * plain,
-        "absorb_with_stop_strings_us_per_token": 1e6 * stops,
+        "engine_from": str(messages.parents[2]),  # the tree whose engine/ was timed
+        "pickle_us_per_output": 1e6 * pipe["dumps"],
+        "unpickle_us_per_output": 1e6 * pipe["loads"],
+        "pickled_bytes_per_output": pipe["bytes"],
+        "absorb_us_per_token": 1e6 * absorb["plain"],
+        "absorb_with_stop_strings_us_per_token": 1e6 * absorb["stops"],
         "machine": machine(),
     }
+
+
+def emit_result(result: dict[str, Any]) -> None:
     header = ["pickle us/output", "unpickle us/output", "absorb us/token", "with stops"]
-    rows = [[1e6 * dumps, 1e6 * loads, 1e6 * plain, 1e6 * stops]]
-    emit(result, header, rows)
+    keys = ["pickle_us_per_output", "unpickle_us_per_output", "absorb_us_per_token"]
+    emit(result, header, [[result[k] for k in [*keys, "absorb_with_stop_strings_us_per_token"]]])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    emit_result(summarize(args, measure_pipe(args), measure_absorb(args)))
     return 0
 
 

@@ -219,18 +219,10 @@ def hf_check(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    model_dir = args.model or ensure_checkpoint(args.shape, dtype=args.dtype)
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    workload = make_workload(vocab, args.scale, args.num_requests, temperature=0.0)
-    if args.vllm_python is not None:
-        vllm_python = args.vllm_python
-    else:
-        from bench.peers.vllm_venv import ensure_vllm_python
-
-        vllm_python = ensure_vllm_python()
-    log(f"peer_vllm: {workload.describe()} on {model_dir.name}, {args.threads} threads")
+def measure(
+    args: argparse.Namespace, model_dir: Path, workload: Workload, vllm_python: Path
+) -> list[dict[str, Any]]:
+    """`--repeat` runs of both engines, each in a worker process, alternating who goes first."""
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="peer_vllm-") as tmp:
         folder = Path(tmp)
@@ -245,13 +237,22 @@ def main(argv: list[str] | None = None) -> int:
                 run[engine] = run_worker(engine, vllm_python, spec, folder, args.timeout, env)
                 log(f"{engine}: {run[engine]['output_tokens_per_s']:.1f} output tokens/s")
             runs.append(run)
-    summary = summarize(runs)
-    vllm_version = runs[0]["vllm"].get("vllm_version")
+    return runs
+
+
+def summarize_run(
+    args: argparse.Namespace,
+    model_dir: Path,
+    workload: Workload,
+    vllm_python: Path,
+    runs: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The JSON result: settings, the runs' summary, the HF check and each child's environment."""
     envs = {
         engine: worker_env(engine, args.threads, args.kv_cache_gib, vllm_python, extra)
         for engine, extra in (("sluice", args.sluice_env), ("vllm", args.vllm_env))
     }
-    result = {
+    return {
         "benchmark": "peer_vllm",
         "model": args.shape if args.model is None else str(args.model),
         "dtype": args.dtype,
@@ -261,9 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "workload": workload.describe(),
         "repeat": args.repeat,
-        **summary,
+        **summarize(runs),
         "hf_check": hf_check(model_dir, args.dtype, workload, args.hf_check, runs),
-        "vllm_version": vllm_version,
+        "vllm_version": runs[0]["vllm"].get("vllm_version"),
         # what each child's environment sets beyond this process's
         **{
             f"{engine}_env": {k: v for k, v in env.items() if os.environ.get(k) != v}
@@ -271,13 +272,32 @@ def main(argv: list[str] | None = None) -> int:
         },
         "machine": machine(),
     }
+
+
+def emit_result(result: dict[str, Any]) -> None:
     rows = [
         [f"run {i} ({r['first']} first)", r["sluice"]["output_tokens_per_s"],
          r["vllm"]["output_tokens_per_s"], r["ratio_sluice_over_vllm"]]
-        for i, r in enumerate(summary["runs"])
+        for i, r in enumerate(result["runs"])
     ]  # fmt: skip
     emit(result, ["peer_vllm " + result["model"], "sluice tok/s", "vllm tok/s", "ratio"], rows)
-    log(f"median ratio sluice/vllm output tokens/s: {summary['median_ratio']:.2f}x")
+    log(f"median ratio sluice/vllm output tokens/s: {result['median_ratio']:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model_dir = args.model or ensure_checkpoint(args.shape, dtype=args.dtype)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    workload = make_workload(vocab, args.scale, args.num_requests, temperature=0.0)
+    if args.vllm_python is not None:
+        vllm_python = args.vllm_python
+    else:
+        from bench.peers.vllm_venv import ensure_vllm_python
+
+        vllm_python = ensure_vllm_python()
+    log(f"peer_vllm: {workload.describe()} on {model_dir.name}, {args.threads} threads")
+    runs = measure(args, model_dir, workload, vllm_python)
+    emit_result(summarize_run(args, model_dir, workload, vllm_python, runs))
     return 0
 
 

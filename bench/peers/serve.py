@@ -214,6 +214,63 @@ async def http_request(port: int, body: dict[str, Any], holder: RecordHolder) ->
         rec.error = f"{type(exc).__name__}: {exc}"
 
 
+def measure(
+    args: argparse.Namespace,
+    model_dir: Path,
+    workload: Workload,
+    spawner: Spawner,
+    vllm_python: Path,
+) -> list[dict[str, Any]]:
+    """`--repeat` runs, each serving the workload from both engines, alternating who goes first."""
+    runs: list[dict[str, Any]] = []
+    for index in range(args.repeat):
+        order = ENGINES if index % 2 == 0 else ENGINES[::-1]
+        run: dict[str, Any] = {"first": order[0]}
+        for engine in order:
+            if engine == "sluice":
+                run[engine] = sluice_phase(args, model_dir, workload, spawner)
+            else:
+                run[engine] = vllm_phase(args, model_dir, workload, spawner, vllm_python)
+            phase = run[engine]
+            log(f"{engine}: {phase['output_tokens_per_s']:.1f} output tok/s, TPOT p50 "
+                f"{phase['tpot']['p50_ms']:.1f} ms, {phase['failed']} failed")  # fmt: skip
+        run["ratio_sluice_over_vllm"] = (
+            run["sluice"]["output_tokens_per_s"] / run["vllm"]["output_tokens_per_s"]
+        )
+        runs.append(run)
+    return runs
+
+
+def summarize_run(
+    args: argparse.Namespace, workload: Workload, runs: list[dict[str, Any]]
+) -> dict[str, Any]:
+    ratios = [r["ratio_sluice_over_vllm"] for r in runs]
+    return {
+        "benchmark": "peer_serve",
+        "model": args.shape if args.model is None else str(args.model),
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "max_concurrency": args.max_concurrency,
+        "workload": workload.describe(),
+        "runs": runs,
+        "ratios": ratios,
+        "median_ratio": statistics.median(ratios),
+        "sluice_flags": args.sluice_flags,
+        "machine": machine(),
+    }
+
+
+def emit_result(result: dict[str, Any]) -> None:
+    rows = [
+        [f"run {i} ({r['first']} first)", *(r[e]["output_tokens_per_s"] for e in ENGINES),
+         *(r[e]["tpot"]["p50_ms"] for e in ENGINES), r["ratio_sluice_over_vllm"]]
+        for i, r in enumerate(result["runs"])
+    ]  # fmt: skip
+    header = ["peer_serve " + result["model"], "sluice tok/s", "vllm tok/s"]
+    emit(result, header + ["sluice TPOT p50", "vllm TPOT p50", "ratio"], rows)
+    log(f"median ratio sluice/vllm served output tokens/s: {result['median_ratio']:.2f}x")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model_dir = args.model or ensure_checkpoint(args.shape, dtype=args.dtype)
@@ -231,44 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.client_niceness and sys.platform.startswith("linux"):
         lower_priority(args.client_niceness, spare=spawner.native_id)
     log(f"peer_serve: {workload.describe()} on {model_dir.name}, {args.threads} threads")
-    runs: list[dict[str, Any]] = []
-    for index in range(args.repeat):
-        order = ENGINES if index % 2 == 0 else ENGINES[::-1]
-        run: dict[str, Any] = {"first": order[0]}
-        for engine in order:
-            if engine == "sluice":
-                run[engine] = sluice_phase(args, model_dir, workload, spawner)
-            else:
-                run[engine] = vllm_phase(args, model_dir, workload, spawner, vllm_python)
-            phase = run[engine]
-            log(f"{engine}: {phase['output_tokens_per_s']:.1f} output tok/s, TPOT p50 "
-                f"{phase['tpot']['p50_ms']:.1f} ms, {phase['failed']} failed")  # fmt: skip
-        run["ratio_sluice_over_vllm"] = (
-            run["sluice"]["output_tokens_per_s"] / run["vllm"]["output_tokens_per_s"]
-        )
-        runs.append(run)
-    ratios = [r["ratio_sluice_over_vllm"] for r in runs]
-    result = {
-        "benchmark": "peer_serve",
-        "model": args.shape if args.model is None else str(args.model),
-        "dtype": args.dtype,
-        "threads": args.threads,
-        "max_concurrency": args.max_concurrency,
-        "workload": workload.describe(),
-        "runs": runs,
-        "ratios": ratios,
-        "median_ratio": statistics.median(ratios),
-        "sluice_flags": args.sluice_flags,
-        "machine": machine(),
-    }
-    rows = [
-        [f"run {i} ({r['first']} first)", *(r[e]["output_tokens_per_s"] for e in ENGINES),
-         *(r[e]["tpot"]["p50_ms"] for e in ENGINES), r["ratio_sluice_over_vllm"]]
-        for i, r in enumerate(runs)
-    ]  # fmt: skip
-    header = ["peer_serve " + result["model"], "sluice tok/s", "vllm tok/s"]
-    emit(result, header + ["sluice TPOT p50", "vllm TPOT p50", "ratio"], rows)
-    log(f"median ratio sluice/vllm served output tokens/s: {result['median_ratio']:.2f}x")
+    runs = measure(args, model_dir, workload, spawner, vllm_python)
+    emit_result(summarize_run(args, workload, runs))
     failed = sum(r[e]["failed"] + r[e]["wrong_length"] for r in runs for e in ENGINES)
     return 1 if failed else 0
 
