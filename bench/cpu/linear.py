@@ -44,12 +44,64 @@ def weight_shapes(config: dict[str, Any]) -> list[tuple[int, int]]:
     return per_layer * config["num_hidden_layers"] + [(config["vocab_size"], hidden)]
 
 
+def measure(
+    args: argparse.Namespace, weights: list[Any], max_rows: int, gen: Any
+) -> list[dict[str, Any]]:
+    """Per row count, the median ms of a pass over every weight through oneDNN and through the
+    AMX kernel, the two sides alternating twice; inputs drawn from `gen`."""
+    import torch
+
+    import engine.layers.linear as linear_module
+    from engine.layers import cpu_gemm
+
+    megabytes = sum(w.numel() for w in weights) * 2 / 1e6
+    results = []
+    for rows in args.rows:
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen) for w in weights}
+        inputs = {k: x.bfloat16() for k, x in inputs.items()}
+        ms: dict[str, list[float]] = {"onednn": [], "amx": []}
+        for side in ("onednn", "amx", "onednn", "amx"):
+            cpu_gemm.MAX_ROWS = 1 << 30 if side == "amx" else 0  # each side at every count
+            for _ in range(args.iters):
+                start = time.perf_counter()
+                for w in weights:
+                    linear_module.linear(inputs[w.shape[1]], w, None)
+                ms[side].append((time.perf_counter() - start) * 1e3)
+        cpu_gemm.MAX_ROWS = max_rows
+        med = {side: statistics.median(times) for side, times in ms.items()}
+        results.append(
+            {
+                "rows": rows,
+                "onednn_ms": med["onednn"],
+                "amx_ms": med["amx"],
+                "onednn_gb_s": megabytes / med["onednn"],
+                "amx_gb_s": megabytes / med["amx"],
+                "ratio_onednn_over_amx": med["onednn"] / med["amx"],
+                "engine_runs_amx": rows <= max_rows,
+            }
+        )
+        log(f"{rows} rows: oneDNN {med['onednn']:.2f} ms, AMX {med['amx']:.2f} ms")
+    return results
+
+
+def emit_result(record: dict[str, Any]) -> None:
+    table = [
+        [
+            r["rows"],
+            f"{r['onednn_ms']:.2f}",
+            f"{r['amx_ms']:.2f}",
+            f"{r['ratio_onednn_over_amx']:.2f}",
+        ]
+        for r in record["results"]
+    ]
+    emit(record, ["rows", "oneDNN ms", "AMX ms", "oneDNN / AMX"], table)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     threads = set_threads(args.threads)
     import torch
 
-    import engine.layers.linear as linear_module
     from engine.layers import cpu_gemm
 
     if cpu_gemm._lib() is None:
@@ -57,45 +109,18 @@ def main(argv: list[str] | None = None) -> int:
     shapes = weight_shapes(SHAPES[args.shape].config)
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(shape, generator=gen).bfloat16() * 0.02 for shape in shapes]
-    megabytes = sum(w.numel() for w in weights) * 2 / 1e6
     max_rows = cpu_gemm.MAX_ROWS
-    results, table = [], []
     with torch.inference_mode():
-        for rows in args.rows:
-            inputs = {k: torch.randn(rows, k, generator=gen).bfloat16() for _, k in shapes}
-            ms: dict[str, list[float]] = {"onednn": [], "amx": []}
-            for side in ("onednn", "amx", "onednn", "amx"):
-                cpu_gemm.MAX_ROWS = 1 << 30 if side == "amx" else 0  # each side at every count
-                for _ in range(args.iters):
-                    start = time.perf_counter()
-                    for w in weights:
-                        linear_module.linear(inputs[w.shape[1]], w, None)
-                    ms[side].append((time.perf_counter() - start) * 1e3)
-            cpu_gemm.MAX_ROWS = max_rows
-            med = {side: statistics.median(times) for side, times in ms.items()}
-            ratio = med["onednn"] / med["amx"]
-            results.append(
-                {
-                    "rows": rows,
-                    "onednn_ms": med["onednn"],
-                    "amx_ms": med["amx"],
-                    "onednn_gb_s": megabytes / med["onednn"],
-                    "amx_gb_s": megabytes / med["amx"],
-                    "ratio_onednn_over_amx": ratio,
-                    "engine_runs_amx": rows <= max_rows,
-                }
-            )
-            log(f"{rows} rows: oneDNN {med['onednn']:.2f} ms, AMX {med['amx']:.2f} ms")
-            table.append([rows, f"{med['onednn']:.2f}", f"{med['amx']:.2f}", f"{ratio:.2f}"])
+        results = measure(args, weights, max_rows, gen)
     record = {
         "benchmark": "cpu_linear",
         "shape": args.shape,
-        "weights_mb": megabytes,
+        "weights_mb": sum(w.numel() for w in weights) * 2 / 1e6,
         "max_rows": max_rows,
         "results": results,
         "machine": machine() | {"torch_threads": threads},
     }
-    emit(record, ["rows", "oneDNN ms", "AMX ms", "oneDNN / AMX"], table)
+    emit_result(record)
     return 0
 
 

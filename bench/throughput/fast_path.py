@@ -137,16 +137,14 @@ def _sync(engine: Any) -> None:
         torch.cuda.synchronize()
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def measure(args: argparse.Namespace, bandwidth: float, began: float) -> list[dict[str, Any]]:
+    """Every (shape, configuration) run within `--deadline` of `began`, each batch's rate
+    beside its roofline at the mean context."""
     import torch
 
     from engine.models.hf_config import load_model_config
 
-    began = time.monotonic()
-    bandwidth = copy_bandwidth(args.device, 2048 if args.device == "cuda" else 256)
-    log(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s")
-    results, rows = [], []
+    results = []
     for shape in args.shapes:
         model_dir = ensure_checkpoint(shape, dtype=args.dtype, device=args.device)
         cfg = load_model_config(model_dir)
@@ -164,30 +162,37 @@ def main(argv: list[str] | None = None) -> int:
                 run |= {"shape": shape, "roofline_tokens_per_s": roofline}
                 run["roofline_fraction"] = run["decode_tokens_per_s"] / roofline
                 results.append(run)
-                rows.append(
-                    [
-                        f"{shape}, {run['batch']}",
-                        name,
-                        run["tokens_per_s"],
-                        run["decode_tokens_per_s"],
-                        roofline,
-                        f"{run['roofline_fraction']:.0%}",
-                    ]
-                )
-    speedups = _graph_speedups(results)
+    return results
+
+
+def emit_result(result: dict[str, Any]) -> None:
+    rows = [
+        [f"{r['shape']}, {r['batch']}", r["config"], r["tokens_per_s"], r["decode_tokens_per_s"]]
+        + [r["roofline_tokens_per_s"], f"{r['roofline_fraction']:.0%}"]
+        for r in result["runs"]
+    ]
+    header = ["shape, batch", "config", "tok/s", "decode tok/s", "roofline tok/s", "fraction"]
+    emit(result, header, rows)
+    for key, ratio in result["graphs_over_eager"].items():
+        log(f"graphs / eager {key}: {ratio:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    began = time.monotonic()
+    bandwidth = copy_bandwidth(args.device, 2048 if args.device == "cuda" else 256)
+    log(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s")
+    results = measure(args, bandwidth, began)
     result = {
         "benchmark": "gpu_decode",
         "workload": f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy",
         "dtype": args.dtype,
         "copy_bandwidth_bytes_per_s": bandwidth,
         "runs": results,
-        "graphs_over_eager": speedups,
+        "graphs_over_eager": _graph_speedups(results),
         "machine": machine(),
     }
-    header = ["shape, batch", "config", "tok/s", "decode tok/s", "roofline tok/s", "fraction"]
-    emit(result, header, rows)
-    for key, ratio in speedups.items():
-        log(f"graphs / eager {key}: {ratio:.2f}x")
+    emit_result(result)
     return 0
 
 
