@@ -96,8 +96,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """A warm-up round, then one timed round of every stream against a spawned bare server:
+    the messages read, the wall time, each side's CPU seconds and every tick -> written delay."""
     ctx = multiprocessing.get_context("spawn")
     port_out, delays_out = ctx.Queue(), ctx.Queue()
     server = ctx.Process(
@@ -124,24 +125,38 @@ def main(argv: list[str] | None = None) -> int:
         delays = [d for _ in range(args.streams) for d in delays_out.get(timeout=60)]
     finally:
         server.kill()
-    result = {
+    return {"messages": messages, "wall": wall, "client": client, "server": server_cpu,
+            "delays": delays}  # fmt: skip
+
+
+def summarize(args: argparse.Namespace, m: dict[str, Any]) -> dict[str, Any]:
+    messages, wall = m["messages"], m["wall"]
+    return {
         "benchmark": "grpc_floor",
         "streams": args.streams,
         "step_ms": args.step_ms,
         "messages": messages,
         "messages_per_s": messages / wall,
-        "server_us_per_message": 1e6 * server_cpu / messages,
-        "client_us_per_message": 1e6 * client / messages,
-        "server_cores": server_cpu / wall,
-        "write_ms_p50": 1000 * percentile(delays, 50),
-        "write_ms_p99": 1000 * percentile(delays, 99),
+        "server_us_per_message": 1e6 * m["server"] / messages,
+        "client_us_per_message": 1e6 * m["client"] / messages,
+        "server_cores": m["server"] / wall,
+        "write_ms_p50": 1000 * percentile(m["delays"], 50),
+        "write_ms_p99": 1000 * percentile(m["delays"], 99),
         "machine": machine(),
     }
+
+
+def emit_result(result: dict[str, Any]) -> None:
     header = ["streams", "step ms", "msg/s", "server us/msg", "client us/msg"]
     header += ["tick -> written p50 ms", "p99"]
-    row = [args.streams, args.step_ms, messages / wall]
+    row = [result["streams"], result["step_ms"], result["messages_per_s"]]
     row += [result["server_us_per_message"], result["client_us_per_message"]]
     emit(result, header, [[*row, result["write_ms_p50"], result["write_ms_p99"]]])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    emit_result(summarize(args, measure(args)))
     return 0
 
 

@@ -189,46 +189,55 @@ def decode(libs: list[Any], vocab: list[bytes], text: bytes) -> dict[str, dict[s
     return times
 
 
+def measure_vocab(size: int, text: bytes, repeat: int) -> dict[str, Any]:
+    """Both libraries on a synthetic vocabulary of `size` ids: tokenizer setup, then `repeat`
+    alternating decodes of `text`, each library's run with the lowest mean mask time."""
+    vocab = synthetic_vocab(size - 1) + [b"<|eos|>"]  # the last id ends a sequence
+    eos = len(vocab) - 1
+    setup: dict[str, float] = {}
+    libs: list[Any] = []
+    for cls in (Xgrammar, Llguidance):
+        start = time.perf_counter()
+        libs.append(cls(vocab, eos))
+        setup[cls.name] = (time.perf_counter() - start) * 1e3
+    best: dict[str, dict[str, Any]] = {}
+    for run in range(repeat):
+        times = decode(libs if run % 2 == 0 else libs[::-1], vocab, text)
+        for name, t in times.items():
+            summary = {
+                "compile_ms": t["compile_ms"],
+                "mask_us_p50": statistics.median(t["mask_us"]),
+                "mask_us_mean": statistics.fmean(t["mask_us"]),
+                "accept_us_mean": statistics.fmean(t["accept_us"]),
+                "tokens": len(t["mask_us"]),
+            }
+            if name not in best or summary["mask_us_mean"] < best[name]["mask_us_mean"]:
+                best[name] = summary
+    ratio = best["llguidance"]["mask_us_mean"] / best["xgrammar"]["mask_us_mean"]
+    log(f"vocab {size}: mask mean llguidance / xgrammar {ratio:.2f}")
+    return {
+        "vocab_size": size,
+        "tokenizer_setup_ms": setup,
+        "libraries": best,
+        "mask_mean_llguidance_over_xgrammar": ratio,
+        "compile_llguidance_over_xgrammar": best["llguidance"]["compile_ms"]
+        / best["xgrammar"]["compile_ms"],
+    }
+
+
+def emit_result(result: dict[str, Any]) -> None:
+    rows = [
+        [r["vocab_size"], name, s["compile_ms"], s["mask_us_p50"], s["mask_us_mean"]]
+        for r in result["results"]
+        for name, s in r["libraries"].items()
+    ]
+    emit(result, ["vocab", "library", "compile ms", "mask us p50", "mask us mean"], rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     text = json.dumps(DOCUMENT).encode()
-    results, rows = [], []
-    for size in args.vocab_sizes:
-        vocab = synthetic_vocab(size - 1) + [b"<|eos|>"]  # the last id ends a sequence
-        eos = len(vocab) - 1
-        setup: dict[str, float] = {}
-        libs: list[Any] = []
-        for cls in (Xgrammar, Llguidance):
-            start = time.perf_counter()
-            libs.append(cls(vocab, eos))
-            setup[cls.name] = (time.perf_counter() - start) * 1e3
-        best: dict[str, dict[str, Any]] = {}
-        for run in range(args.repeat):
-            times = decode(libs if run % 2 == 0 else libs[::-1], vocab, text)
-            for name, t in times.items():
-                summary = {
-                    "compile_ms": t["compile_ms"],
-                    "mask_us_p50": statistics.median(t["mask_us"]),
-                    "mask_us_mean": statistics.fmean(t["mask_us"]),
-                    "accept_us_mean": statistics.fmean(t["accept_us"]),
-                    "tokens": len(t["mask_us"]),
-                }
-                if name not in best or summary["mask_us_mean"] < best[name]["mask_us_mean"]:
-                    best[name] = summary
-        ratio = best["llguidance"]["mask_us_mean"] / best["xgrammar"]["mask_us_mean"]
-        log(f"vocab {size}: mask mean llguidance / xgrammar {ratio:.2f}")
-        results.append(
-            {
-                "vocab_size": size,
-                "tokenizer_setup_ms": setup,
-                "libraries": best,
-                "mask_mean_llguidance_over_xgrammar": ratio,
-                "compile_llguidance_over_xgrammar": best["llguidance"]["compile_ms"]
-                / best["xgrammar"]["compile_ms"],
-            }
-        )
-        for name, s in best.items():
-            rows.append([size, name, s["compile_ms"], s["mask_us_p50"], s["mask_us_mean"]])
+    results = [measure_vocab(size, text, args.repeat) for size in args.vocab_sizes]
     result = {
         "benchmark": "structured_libs",
         "versions": _versions(),
@@ -237,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
         "machine": machine(),
     }
-    emit(result, ["vocab", "library", "compile ms", "mask us p50", "mask us mean"], rows)
+    emit_result(result)
     return 0
 
 
