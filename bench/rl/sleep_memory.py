@@ -52,14 +52,18 @@ def ensure_checkpoint(path: Path) -> None:
     )
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path)
-    args = parser.parse_args()
-    ensure_checkpoint(args.checkpoint)
+    return parser.parse_args(argv)
+
+
+def measure(checkpoint: Path) -> dict[str, Any]:
+    """The timed decode's wall and CPU seconds and tokens, the sizes around each Sleep and
+    Wake, each level's Sleep result, and the tokens before and after."""
     torch.set_num_threads(1)
     config = EngineConfig(
-        model=str(args.checkpoint), device="cpu", dtype="float32", kv_cache_memory=256 * MIB
+        model=str(checkpoint), device="cpu", dtype="float32", kv_cache_memory=256 * MIB
     )
     engine = LLMEngine(config)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
@@ -68,7 +72,6 @@ def main() -> None:
     wall, cpu = time.perf_counter(), time.process_time()
     before = [r.token_ids for r in engine.generate(prompts, params)]
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    tokens = sum(map(len, before))
     sizes = {"awake": vm()}
     level1 = engine.sleep(level=1)
     sizes["level 1"] = vm()
@@ -79,26 +82,42 @@ def main() -> None:
     engine.wake_up()
     sizes["woken again"] = vm()
     after = [r.token_ids for r in engine.generate(prompts, params)]
-    result: dict[str, Any] = {
+    return {"wall": wall, "cpu": cpu, "tokens": sum(map(len, before)), "sizes": sizes,
+            "levels": (level1, level2), "same_tokens": before == after}  # fmt: skip
+
+
+def summarize(m: dict[str, Any]) -> dict[str, Any]:
+    level1, level2 = m["levels"]
+    return {
         "machine": machine(),
-        "decode_tok_s": round(tokens / wall, 1),
-        "cpu_ms_per_token": round(cpu * 1000 / tokens, 3),
+        "decode_tok_s": round(m["tokens"] / m["wall"], 1),
+        "cpu_ms_per_token": round(m["cpu"] * 1000 / m["tokens"], 3),
         "released_mib": {
             "level 1": level1.released_bytes // MIB,
             "level 2": level2.released_bytes // MIB,
         },
-        "sizes_mib": sizes,
-        "same_tokens": before == after,
+        "sizes_mib": m["sizes"],
+        "same_tokens": m["same_tokens"],
     }
+
+
+def emit_result(result: dict[str, Any]) -> None:
+    sizes, released = result["sizes_mib"], result["released_mib"]
     drops = [
-        ("level 1", sizes["awake"], sizes["level 1"], level1.released_bytes // MIB),
-        ("level 2", sizes["woken"], sizes["level 2"], level2.released_bytes // MIB),
+        ("level 1", sizes["awake"], sizes["level 1"], released["level 1"]),
+        ("level 2", sizes["woken"], sizes["level 2"], released["level 2"]),
     ]
     rows = [
         (name, freed, a["VmRSS"] - s["VmRSS"], a["VmSize"] - s["VmSize"])
         for name, a, s, freed in drops
     ]
     emit(result, ("sleep", "released MiB", "RSS drop MiB", "VmSize drop MiB"), rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    ensure_checkpoint(args.checkpoint)
+    emit_result(summarize(measure(args.checkpoint)))
 
 
 if __name__ == "__main__":
