@@ -13,6 +13,7 @@ compute path), service/ (serving over gRPC), ceiling/ (one service process's cei
 (detokenization, stop strings), structured/, rl/ (RL outputs, weight sync, Sleep), peers/
 (against vLLM) and soak/.
 
-May import: engine, service, sluice_client, tests.support; the top-level modules import no
-folder of bench except where `decode` hands a mode to step/.
+May import: engine, service, sluice_client, tests.support. A folder imports the top-level
+modules and, where its __init__ says so, another folder; of the top-level modules only `decode`
+imports a folder (step/: its modes, op count and timers).
 """

@@ -61,8 +61,9 @@ async def measure(target: str, args: argparse.Namespace) -> list[float]:
     return seconds
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def measure_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per niceness, `--repeat` times alternating: a fresh server under load, its health
+    checks' latency percentiles."""
     sys.path.insert(0, str(REPO))
     from tests.support.server_process import server_process
     from tests.support.tiny_models import make_checkpoint
@@ -86,14 +87,24 @@ def main(argv: list[str] | None = None) -> int:
                         "health_ms_max": max(ms),
                     }
                 )
-    result = {"benchmark": "health_under_load", "settings": vars(args), "runs": runs}
-    result["machine"] = machine()
+    return runs
+
+
+def emit_result(result: dict[str, Any]) -> None:
     header = ["niceness", "p50 ms", "p95 ms", "max ms"]
     rows = [
         [r["service_niceness"], r["health_ms_p50"], r["health_ms_p95"], r["health_ms_max"]]
-        for r in runs
+        for r in result["runs"]
     ]
     emit(result, header, rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    runs = measure_runs(args)
+    result = {"benchmark": "health_under_load", "settings": vars(args), "runs": runs}
+    result["machine"] = machine()
+    emit_result(result)
     return 0
 
 
