@@ -2,8 +2,8 @@
 # The CPU benchmark suite (docs/benchmarks.md) on random-weight checkpoints built on first use.
 #   bash bench/run_cpu.sh            # the full suite: 268 s measured on 2 idle cores
 #                                    # (docs/benchmarks.md), 8 min 42 s on 2 busy ones
-#   bash bench/run_cpu.sh --smoke    # the CI smoke (bench/smoke.sh): 149 s measured on 2 cores
-#                                    # at a load average of 9-12; exits 1 if a benchmark fails
+#   bash bench/run_cpu.sh --smoke    # the CI smoke (bench/smoke.sh): 136-202 s measured on 2
+#                                    # cores at a load average of 5-11; exits 1 if one fails
 # One JSON file per benchmark under $OUT (default bench/results/cpu-<mode>-<time>), tables on
 # stderr; `python -m bench.report $OUT` renders the markdown of docs/benchmarks.md.
 # Timings on a shared 2-core machine are noisy: the load average is printed and recorded; every
