@@ -83,7 +83,7 @@ SHAPES: dict[str, Shape] = {
         },
         "the demo model's size (4 layers, hidden 256), 4096 positions",
     ),
-    # Against vLLM's CPU build (bench/peer_vllm.py), whose CPU attention needs head_dim >= 32.
+    # Against vLLM's CPU build (bench/peers/offline.py), whose CPU attention needs head_dim >= 32.
     "tiny-hd32": Shape(
         "llama",
         {
@@ -253,6 +253,22 @@ def ensure_checkpoint(
     return directory
 
 
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", default="tiny", choices=sorted(SHAPES), help="built if missing")
+    p.add_argument("--model", type=Path, help="a checkpoint directory (overrides --shape)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+
+
+def resolve_model(args: argparse.Namespace) -> tuple[Path, str]:
+    """(checkpoint directory, dtype name) for the model flags."""
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if args.model is not None:
+        return args.model, dtype
+    return ensure_checkpoint(args.shape, dtype=dtype, device=args.device), dtype
+
+
 def write_checkpoint(
     directory: Path, shape: Shape, dtype: str = "float32", device: str = "cpu", seed: int = 0
 ) -> Path:
@@ -262,7 +278,7 @@ def write_checkpoint(
 
     transformers.utils.logging.disable_progress_bar()
     directory.mkdir(parents=True, exist_ok=True)
-    tok = _tiny_models().make_tokenizer()
+    tok = tiny_models().make_tokenizer()
     _fill_vocabulary(tok, shape.vocab_size)
     tok.save(str(directory / "tokenizer.json"))
     bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
@@ -289,7 +305,7 @@ def write_checkpoint(
 
 
 @functools.cache
-def _tiny_models() -> Any:
+def tiny_models() -> Any:
     """tests/support/tiny_models.py, loaded by path: `tests` is not a package, and the name may be
     taken by a stray site-packages `tests` on other machines."""
     spec = importlib.util.spec_from_file_location(

@@ -11,11 +11,11 @@ engine's `step()` is timed while every request decodes one token per step. Repor
   (+ LM head), sampling (building the per-row tensors, then the sampler), the device-to-host
   copy, and postprocessing (appending tokens, stop checks, outputs). Host time = step - forward.
   On CUDA each timer synchronizes, so device work is charged to the method that queued it.
-  The timers are bench/step_timers.py's.
+  The timers are bench/step/timers.py's.
 - the ops a decode step dispatches outside the model forward (and LM head), counted with a
   TorchDispatchMode around `step()` at `--op-rows` rows, greedy and in the RL setting
   (temperature 1, top-p 0.9, top-k 50, logprobs with top-5, repetition penalty 1.1)
-  (bench/op_count.py); each launch of one of the fused sampler's kernels counts as one op. On
+  (bench/step/op_count.py); each launch of one of the fused sampler's kernels counts as one op. On
   CUDA each op is a kernel launch or more.
   `--sampler triton` on the CPU runs the fused kernel under Triton's interpreter: op counts
   only, its times mean nothing.
@@ -23,17 +23,17 @@ engine's `step()` is timed while every request decodes one token per step. Repor
     python -m bench.decode --shape tiny --batches 1 8 64 256 --context 256 --threads 2
 
 With `--count-kernels` it only counts the kernels of one graphed decode step, per layer and
-outside the layers, and prints that JSON document (bench/kernel_count.py):
+outside the layers, and prints that JSON document (bench/step/kernel_count.py):
 
     python -m bench.decode --shape qwen2.5-0.5b --count-kernels
 
-`--host-only` times only the host's work per step (bench/host_only.py), for this tree and, with
+`--host-only` times only the host's work per step (bench/step/host_only.py), for this tree and, with
 `--baseline-rev REV`, for REV's, alternating `--rounds` times:
 
     python -m bench.decode --host-only --batches 64 256 --baseline-rev 832212e
 
 With `--stand-in-forward-ms MS` it measures plain against overlapped steps with a forward that
-sleeps MS (bench/overlap.py).
+sleeps MS (bench/step/overlap.py).
 """
 
 from __future__ import annotations
@@ -44,12 +44,13 @@ import random
 import statistics
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
+from bench.checkpoints import add_model_flags, resolve_model
 from bench.common import emit, log, machine, process_cpu_seconds, set_threads
-from bench.offline import add_model_flags, resolve_model
-from bench.op_count import count_step_ops
-from bench.step_timers import Timers, breakdown, instrument
+from bench.step.op_count import count_step_ops
+from bench.step.timers import Timers, breakdown, instrument
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--host-only",
         action="store_true",
-        help="host time per step only: stand-in forward and sampler (bench/host_only.py)",
+        help="host time per step only: stand-in forward and sampler (bench/step/host_only.py)",
     )
     p.add_argument("--baseline-rev", help="--host-only: also time this git revision, alternately")
     p.add_argument(
@@ -86,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--stand-in-forward-ms",
         type=float,
         help="instead: plain against overlapped steps with a forward that sleeps this long "
-        "(bench/overlap.py)",
+        "(bench/step/overlap.py)",
     )
     return p.parse_args(argv)
 
@@ -129,7 +130,9 @@ def new_tokens_per_request(args: argparse.Namespace, batch: int) -> int:
     return prefill_steps + 1 + args.warmup + 2 * args.steps + 2
 
 
-def measure_batch(engine: Any, batch: int, args: argparse.Namespace, sync: Any) -> dict[str, Any]:
+def start_batch(engine: Any, batch: int, args: argparse.Namespace) -> tuple[list[str], float]:
+    """Adds `batch` requests of `--context` random tokens, prefills them and runs the warm-up
+    steps: (their ids, the prefill's seconds)."""
     from engine import SamplingParams
 
     rng = random.Random(batch)
@@ -152,6 +155,12 @@ def measure_batch(engine: Any, batch: int, args: argparse.Namespace, sync: Any) 
     for _ in range(args.warmup):
         engine.step()
     assert len(engine.scheduler.running) == batch and not engine.scheduler.waiting
+    return ids, prefill_s
+
+
+def measure_batch(engine: Any, batch: int, args: argparse.Namespace, sync: Any) -> dict[str, Any]:
+    """Step times of `batch` decoding requests, plain steps alternating with instrumented ones."""
+    ids, prefill_s = start_batch(engine, batch, args)
 
     # Plain and instrumented steps alternate in rounds, so that a burst of load from another
     # process on a shared machine lands on both alike.
@@ -211,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for flag, module in modes.items():
         if getattr(args, flag) not in (None, False):
-            return int(importlib.import_module(f"bench.{module}").main(args))
+            return int(importlib.import_module(f"bench.step.{module}").main(args))
     if args.sampler == "triton" and not args.device.startswith("cuda"):
         import os
 
@@ -219,13 +228,25 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     threads = set_threads(args.threads)
     model_dir, dtype = resolve_model(args)
-    import torch
+    engine, cfg = build_engine(args, model_dir, dtype)
+    probe = probe_machine(args, engine, cfg, dtype)
+    log(
+        f"decode on {model_dir.name}: weights {probe['weights'] / 2**20:.1f} MiB, KV "
+        f"{probe['per_token']} B/token, copy bandwidth {probe['bandwidth'] / 1e9:.1f} GB/s, "
+        f"{threads} threads"
+    )
+    results = measure(args, engine, probe)
+    emit_result(summarize(args, dtype, threads, engine, probe, results))
+    return 0
 
+
+def build_engine(args: argparse.Namespace, model_dir: Path, dtype: str) -> tuple[Any, Any]:
+    """(LLMEngine, model config) with room for the largest batch at its full context and for
+    the op count's rows."""
     from engine import EngineConfig, LLMEngine
     from engine.models.hf_config import load_model_config
 
     cfg = load_model_config(model_dir)
-    itemsize = getattr(torch, dtype).itemsize
     page_size = 16
     tokens_per_req = args.context + new_tokens_per_request(args, max(args.batches)) + 2
     op_pages = args.op_rows * -(-(min(args.context, 64) + 24) // page_size)
@@ -245,15 +266,23 @@ def main(argv: list[str] | None = None) -> int:
             overlap_steps=args.overlap_steps,
         )
     )
-    on_cuda = args.device.startswith("cuda")
-    mib = args.bandwidth_mib or (2048 if on_cuda else 512)
-    bandwidth = copy_bandwidth(args.device, mib)
-    weights = weight_bytes(engine.model)
-    per_token = kv_bytes_per_token(cfg, itemsize)
-    log(
-        f"decode on {model_dir.name}: weights {weights / 2**20:.1f} MiB, KV "
-        f"{per_token} B/token, copy bandwidth {bandwidth / 1e9:.1f} GB/s, {threads} threads"
-    )
+    return engine, cfg
+
+
+def probe_machine(args: argparse.Namespace, engine: Any, cfg: Any, dtype: str) -> dict[str, Any]:
+    """What the roofline needs: copy bandwidth, weight bytes and KV bytes per token."""
+    import torch
+
+    mib = args.bandwidth_mib or (2048 if args.device.startswith("cuda") else 512)
+    return {
+        "bandwidth": copy_bandwidth(args.device, mib),
+        "weights": weight_bytes(engine.model),
+        "per_token": kv_bytes_per_token(cfg, getattr(torch, dtype).itemsize),
+    }
+
+
+def measure(args: argparse.Namespace, engine: Any, probe: dict[str, Any]) -> dict[str, Any]:
+    """The op count outside the forward, then each batch's step time against its roofline."""
 
     def sync() -> None:
         _sync(args.device)
@@ -263,35 +292,28 @@ def main(argv: list[str] | None = None) -> int:
         f"ops per decode step outside the forward at {ops['rows']} rows: "
         f"greedy {ops['greedy']}, RL {ops['rl']} ({type(engine.runner.sampler).__name__})"
     )
-    rows = []
     results = []
     for batch in args.batches:
         r = measure_batch(engine, batch, args, sync)
-        step_bytes = weights + per_token * r["context_mean"] * batch
+        step_bytes = probe["weights"] + probe["per_token"] * r["context_mean"] * batch
         r["bytes_per_step"] = step_bytes
-        r["roofline_ms"] = step_bytes / bandwidth * 1e3
+        r["roofline_ms"] = step_bytes / probe["bandwidth"] * 1e3
         r["roofline_fraction"] = r["roofline_ms"] / r["step_ms_median"]
         results.append(r)
         parts = r["instrumented_ms"] or defaultdict(lambda: float("nan"))
-        rows.append(
-            [
-                batch,
-                r["step_ms_median"],
-                r["decode_tokens_per_s"],
-                r["roofline_ms"],
-                r["roofline_fraction"],
-                parts["step"],
-                parts["forward"],
-                parts["schedule"],
-                parts["prepare_inputs"],
-                parts["sampling"],
-                parts["to_host"],
-                parts["postprocess"],
-                f"{parts['host_fraction']:.0%}",
-            ]
-        )
         log(f"batch {batch}: {r['step_ms_median']:.2f} ms/step, host {parts['host_fraction']:.0%}")
-    result = {
+    return {"ops": ops, "batches": results}
+
+
+def summarize(
+    args: argparse.Namespace,
+    dtype: str,
+    threads: int,
+    engine: Any,
+    probe: dict[str, Any],
+    measured: dict[str, Any],
+) -> dict[str, Any]:
+    return {
         "benchmark": "decode",
         "model": args.shape if args.model is None else str(args.model),
         "device": args.device,
@@ -300,33 +322,36 @@ def main(argv: list[str] | None = None) -> int:
         "context": args.context,
         "steps": args.steps,
         "temperature": args.temperature,
-        "copy_bandwidth_bytes_per_s": bandwidth,
-        "weight_bytes": weights,
-        "kv_bytes_per_token": per_token,
+        "copy_bandwidth_bytes_per_s": probe["bandwidth"],
+        "weight_bytes": probe["weights"],
+        "kv_bytes_per_token": probe["per_token"],
         "sampler": type(engine.runner.sampler).__name__,
         "compile": args.compile,
         "overlap_steps": args.overlap_steps,
-        "ops_per_step_outside_forward": ops,
-        "batches": results,
+        "ops_per_step_outside_forward": measured["ops"],
+        "batches": measured["batches"],
         "machine": machine(),
     }
-    header = [
-        "batch",
-        "step ms",
-        "tok/s",
-        "roofline ms",
-        "of roofline",
-        "timed step",
-        "forward",
-        "schedule",
-        "inputs",
-        "sampling",
-        "to host",
-        "post",
-        "host",
-    ]
-    emit(result, header, rows)
-    return 0
+
+
+HEADER = [
+    "batch", "step ms", "tok/s", "roofline ms", "of roofline", "timed step", "forward",
+    "schedule", "inputs", "sampling", "to host", "post", "host",
+]  # fmt: skip
+
+
+def emit_result(result: dict[str, Any]) -> None:
+    """The JSON on stdout; per batch, step time, roofline and the timed parts on stderr."""
+    rows = []
+    for r in result["batches"]:
+        parts = r["instrumented_ms"] or defaultdict(lambda: float("nan"))
+        rows.append(
+            [r["batch"], r["step_ms_median"], r["decode_tokens_per_s"], r["roofline_ms"]]
+            + [r["roofline_fraction"], parts["step"], parts["forward"], parts["schedule"]]
+            + [parts["prepare_inputs"], parts["sampling"], parts["to_host"]]
+            + [parts["postprocess"], f"{parts['host_fraction']:.0%}"]
+        )
+    emit(result, HEADER, rows)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 # The CPU benchmark suite (docs/benchmarks.md) on random-weight checkpoints built on first use.
 #   bash bench/run_cpu.sh            # the full suite: 268 s measured on 2 idle cores
 #                                    # (docs/benchmarks.md), 8 min 42 s on 2 busy ones
-#   bash bench/run_cpu.sh --smoke    # the CI smoke (bench/smoke.sh): 149 s measured on 2 cores
-#                                    # at a load average of 9-12; exits 1 if a benchmark fails
+#   bash bench/run_cpu.sh --smoke    # the CI smoke (bench/smoke.sh): 136-202 s measured on 2
+#                                    # cores at a load average of 5-11; exits 1 if one fails
 # One JSON file per benchmark under $OUT (default bench/results/cpu-<mode>-<time>), tables on
 # stderr; `python -m bench.report $OUT` renders the markdown of docs/benchmarks.md.
 # Timings on a shared 2-core machine are noisy: the load average is printed and recorded; every
@@ -43,49 +43,49 @@ echo "== $MODE CPU suite into $OUT; $(nproc) cores; load average: $(cut -d' ' -f
 if [[ $MODE == smoke ]]; then
   # The serving benchmark reuses the offline engine rate of the same workload and settings
   # (one torch process fewer: most of the smoke's time is interpreter and torch start-up).
-  run offline bench.offline --shape tiny --num-requests 8 --scale 0.05 --hf-batch-sizes 8 \
+  run offline bench.throughput.offline --shape tiny --num-requests 8 --scale 0.05 --hf-batch-sizes 8 \
     --max-num-seqs 4 --threads 1
   # prefill in 16-token chunks: the first requests decode while the last ones still prefill
   run decode bench.decode --shape tiny --batches 1 8 --context 32 --steps 4 --bandwidth-mib 32 \
     --max-num-batched-tokens 16 --threads 1
   rate=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["engine"]["output_tokens_per_s"])' \
     "$OUT/offline.json" 2>/dev/null)
-  run serve bench.serve --shape tiny --num-requests 8 --scale 0.05 --rates inf 20 \
+  run serve bench.service.serve --shape tiny --num-requests 8 --scale 0.05 --rates inf 20 \
     --max-concurrency 4 --threads 1 ${rate:+--offline-rate "$rate"}
-  run prefix bench.prefix --shape tiny --groups 2 --waves 2 --prefix-len 64 --max-tokens 2 \
+  run prefix bench.throughput.prefix --shape tiny --groups 2 --waves 2 --prefix-len 64 --max-tokens 2 \
     --threads 1
   # 18 s of mixed traffic: a checkpoint update, an inline update, then an engine kill -9.
-  run soak bench.soak --minutes 0.3 --update-every 8 --kill-every 15
+  run soak bench.soak.run --minutes 0.3 --update-every 8 --kill-every 15
   # The service in front of an instant stand-in engine, over GenerateStream (about 8 s).
-  run service_ceiling bench.service_ceiling --streams 16 --step-ms 10 --low-streams 2 \
+  run service_ceiling bench.ceiling.run --streams 16 --step-ms 10 --low-streams 2 \
     --seconds 1 --warmup 0.5 --clients 1 --rpc stream
   # Detokenization per token, tables against DecodeStream (about 2 s).
-  run detokenize bench.detokenize --vocab 2000 --corpus-mb 0.3 --tokens 2000 --repeat 1 \
+  run detokenize bench.text.detokenize --vocab 2000 --corpus-mb 0.3 --tokens 2000 --repeat 1 \
     --load-vocab 5000
   # Prompt scoring beside prefill, SAMPLED logprobs and supports beside PROCESSED (about 3 s).
-  run rl_outputs bench.rl_outputs --shape tiny --num-requests 8 --scale 0.05 --repeat 1 \
+  run rl_outputs bench.rl.outputs --shape tiny --num-requests 8 --scale 0.05 --repeat 1 \
     --threads 1
   # A batch under a JSON schema beside the same batch free (about 5 s: xgrammar's import).
-  run structured bench.structured --shape tiny --batch 8 --max-tokens 16 --repeat 1 --threads 1
+  run structured bench.structured.batch --shape tiny --batch 8 --max-tokens 16 --repeat 1 --threads 1
   # A batch over 1, 4 and 8 LoRA adapters beside the base model (about 6 s: peft's import).
-  run lora bench.lora --shape tiny --batch 8 --prompt-len 16 --max-tokens 8 --repeat 1 --threads 1
+  run lora bench.throughput.lora --shape tiny --batch 8 --prompt-len 16 --max-tokens 8 --repeat 1 --threads 1
 else
   # --repeat: engine and HF runs alternate and each side's best counts; likewise the serving
   # benchmark's offline reference runs and its rate-inf phases (a busy machine only slows runs).
-  run offline bench.offline --shape tiny --scale 0.5 --hf-batch-sizes 16 64 --repeat 2 \
+  run offline bench.throughput.offline --shape tiny --scale 0.5 --hf-batch-sizes 16 64 --repeat 2 \
     --threads "$THREADS"
   run decode bench.decode --shape tiny --batches 1 8 64 256 --context 256 --steps 20 \
     --threads "$THREADS"
-  run serve bench.serve --shape tiny --scale 0.5 --rates inf 8 4 --max-concurrency 64 \
+  run serve bench.service.serve --shape tiny --scale 0.5 --rates inf 8 4 --max-concurrency 64 \
     --repeat 3 --threads "$THREADS"
-  run prefix bench.prefix --shape tiny --groups 8 --waves 4 --prefix-len 512 --threads "$THREADS"
-  run service_ceiling bench.service_ceiling --seconds 4 --warmup 1.5
-  run service_ceiling_stream bench.service_ceiling --seconds 4 --warmup 1.5 --rpc stream
-  run detokenize bench.detokenize
-  run rl_outputs bench.rl_outputs --shape tiny --scale 0.5 --repeat 2 --threads "$THREADS"
-  run structured bench.structured --shape tiny --batch 32 --max-tokens 256 --repeat 3 \
+  run prefix bench.throughput.prefix --shape tiny --groups 8 --waves 4 --prefix-len 512 --threads "$THREADS"
+  run service_ceiling bench.ceiling.run --seconds 4 --warmup 1.5
+  run service_ceiling_stream bench.ceiling.run --seconds 4 --warmup 1.5 --rpc stream
+  run detokenize bench.text.detokenize
+  run rl_outputs bench.rl.outputs --shape tiny --scale 0.5 --repeat 2 --threads "$THREADS"
+  run structured bench.structured.batch --shape tiny --batch 32 --max-tokens 256 --repeat 3 \
     --threads "$THREADS"
-  run lora bench.lora --shape tiny --batch 32 --prompt-len 64 --max-tokens 128 --repeat 3 \
+  run lora bench.throughput.lora --shape tiny --batch 32 --prompt-len 64 --max-tokens 128 --repeat 3 \
     --threads "$THREADS"
 fi
 

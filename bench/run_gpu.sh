@@ -77,7 +77,7 @@ fi
 # sampler, the service's ceiling and qwen2.5-0.5b's decode, offline and served rates): the
 # sampler, the decode step eager and compiled, the larger shapes, then the rest again.
 # The fused sampler against the torch one on a Llama 3 vocabulary (fails on a different token).
-step sampler 90 bench.sampler --device cuda --batches 64 256 --vocab 128256 --variants
+step sampler 90 bench.sampler.fused --device cuda --batches 64 256 --vocab 128256 --variants
 CK="bench.checkpoints --dtype bfloat16 --device cuda"
 DEV="--device cuda --dtype bfloat16"
 step checkpoints 60 $CK qwen2.5-0.5b
@@ -95,23 +95,23 @@ rm -f "$OUT/checkpoints-more.json"
 step decode-llama-3-8b 90 bench.decode --shape llama-3-8b $DEV --batches 1 8 64 256
 step decode-qwen3-0.6b 45 bench.decode --shape qwen3-0.6b $DEV --batches 1 64 256
 step decode-llama-3.2-1b 45 bench.decode --shape llama-3.2-1b $DEV --batches 1 64 256
-step serve-qwen2.5-0.5b 100 bench.serve --shape qwen2.5-0.5b $DEV --scale 0.5 --rates inf 16 \
+step serve-qwen2.5-0.5b 100 bench.service.serve --shape qwen2.5-0.5b $DEV --scale 0.5 --rates inf 16 \
   --max-concurrency 64
-step offline-qwen2.5-0.5b 200 bench.offline --shape qwen2.5-0.5b $DEV --hf-batch-sizes 256 \
+step offline-qwen2.5-0.5b 200 bench.throughput.offline --shape qwen2.5-0.5b $DEV --hf-batch-sizes 256 \
   --kv-cache-gib 16
 # Structured output on a 152k vocabulary: a batch under a JSON schema beside the same batch
 # free (needs xgrammar: scripts/device_wheels.sh fetches it).
-step structured-qwen2.5-0.5b 90 bench.structured --shape qwen2.5-0.5b $DEV --batch 32 \
+step structured-qwen2.5-0.5b 90 bench.structured.batch --shape qwen2.5-0.5b $DEV --batch 32 \
   --max-tokens 128 --repeat 2
 # Mixture of experts (issue 29): Qwen3-30B-A3B's layer shape with 4 of its 48 layers (about 3B
 # parameters, 6 GB in bfloat16), the grouped-GEMM experts beside a per-expert loop and HF, one run.
 # Alone: ONLY="gpu-tests checkpoints-moe offline-qwen3-30b-a3b-4l" bash bench/run_gpu.sh
 step checkpoints-moe 90 $CK qwen3-30b-a3b-4l
 rm -f "$OUT/checkpoints-moe.json"
-step offline-qwen3-30b-a3b-4l 150 bench.offline --shape qwen3-30b-a3b-4l $DEV --scale 0.25 \
+step offline-qwen3-30b-a3b-4l 150 bench.throughput.offline --shape qwen3-30b-a3b-4l $DEV --scale 0.25 \
   --hf-batch-sizes 64 --kv-cache-gib 16 --moe-loop
 # The service's ceiling in front of an instant stand-in engine (no GPU needed, the host's cores).
-CEIL="bench.service_ceiling --streams 256 --step-ms 5 2.5 --clients 8 --seconds 4"
+CEIL="bench.ceiling.run --streams 256 --step-ms 5 2.5 --clients 8 --seconds 4"
 step service-ceiling 45 $CEIL
 step service-ceiling-stream 45 $CEIL --rpc stream
 step service-ceiling-interval 45 $CEIL --stream-interval 0.05

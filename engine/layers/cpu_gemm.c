@@ -3,7 +3,7 @@
  * A decode step's linear layers are bound by reading their weights: a step has 1-100 rows,
  * and each weight is read from memory once per step. On a 2-core AMX Xeon, oneDNN's bfloat16
  * GEMM on its packed weights read llama-75m's 150 MB in 7.6-9.3 ms at 1-32 rows and 11.4 ms at
- * 64; this kernel in 5.9-7.2 and 9.5 ms (bench/cpu_linear.py, docs/benchmarks.md;
+ * 64; this kernel in 5.9-7.2 and 9.5 ms (bench/cpu/linear.py, docs/benchmarks.md;
  * engine/layers/cpu_gemm.py says where it runs).
  *
  * Layouts. x: [M, K] bfloat16, rows `x_stride` elements apart. The weight is packed once

@@ -3,7 +3,7 @@
 A decode step multiplies a few rows by every weight, so its GEMMs are bound by reading the
 weights. On weights packed once into AMX tiles, cpu_gemm.c runs llama-75m's linear layers
 1.0-1.3x as fast as oneDNN's bfloat16 GEMM on its own packed weights from 1 to 96 rows
-(bench/cpu_linear.py, docs/benchmarks.md); from about 128 rows on (prefill) oneDNN is as fast
+(bench/cpu/linear.py, docs/benchmarks.md); from about 128 rows on (prefill) oneDNN is as fast
 or faster, and `usable` leaves those to it.
 
 It runs where the CPU has AMX-BF16 (and the kernel library built with it: engine/layers/native.py

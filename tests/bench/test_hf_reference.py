@@ -1,4 +1,4 @@
-"""The HF reference of the benchmarks (bench/hf_reference.py) and bench/offline.py's use of it."""
+"""The HF reference of the benchmarks (bench/hf_reference.py) and bench/throughput/offline.py's use of it."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import offline
 from bench.hf_reference import decode_loop, token_identity
+from bench.throughput import offline
 from tests.support.tiny_models import load_hf_model
 
 PROMPTS = [[0, 5, 9, 33, 7], [0, 100], [0, 17, 250, 3, 3, 3, 80, 41, 12]]  # left padding needed

@@ -1,6 +1,6 @@
 """The graphed decode step launches at most 12 kernels per layer and 4 outside the layers.
 
-A count, not a timing (bench/kernel_count.py): the function a CUDA graph captures, run eagerly
+A count, not a timing (bench/step/kernel_count.py): the function a CUDA graph captures, run eagerly
 with the Triton attention backend and layer kernels (under Triton's interpreter on the CPU),
 in bfloat16 so that every dtype cast a real step makes is counted. Tiny Qwen2 (q/k/v bias,
 tied embeddings) and Llama configs: a layer's kernel count does not depend on its width.
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import engine.layers.linear as linear_module
-from bench.kernel_count import count_decode_kernels
+from bench.step.kernel_count import count_decode_kernels
 from engine.models.hf_config import parse_model_config
 from tests.support.tiny_models import ARCH_DEFAULTS, BASE_CONFIG
 from tests.support.triton_interpreter import use_triton
@@ -59,7 +59,7 @@ def test_a_graphed_decode_step_launches_few_kernels(arch: str, rows: int) -> Non
 
 
 def test_the_count_sees_views_as_free_and_casts_as_kernels() -> None:
-    from bench.kernel_count import KernelCounter
+    from bench.step.kernel_count import KernelCounter
 
     counter = KernelCounter()
     x = torch.ones(4, 8)

@@ -1,4 +1,4 @@
-"""bench/moe_loop.py's per-expert loop (bench.offline --moe-loop) computes what the engine's
+"""bench/throughput/moe_loop.py's per-expert loop (bench.throughput.offline --moe-loop) computes what the engine's
 grouped experts compute, and only inside its `with`; the MoE bench shapes are the architectures
 the engine serves; bench/run_gpu.sh (with its MoE steps) parses."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from bench.checkpoints import SHAPES
-from bench.moe_loop import per_expert_loop
+from bench.throughput.moe_loop import per_expert_loop
 from engine.models.hf_config import MoeConfig
 from engine.models.moe import QWEN_PARTS, StackedExperts, route
 

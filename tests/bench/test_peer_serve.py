@@ -1,4 +1,4 @@
-"""bench/peer_serve.py's vLLM side without vLLM: its HTTP client (bench/http_stream.py) and
+"""bench/peers/serve.py's vLLM side without vLLM: its HTTP client (bench/peers/http_stream.py) and
 load generator against a stand-in OpenAI completions server on 127.0.0.1 that streams
 server-sent events in a chunked body, with events split across chunks and several tokens in
 one event, as a loaded server sends them."""
@@ -9,8 +9,8 @@ import asyncio
 import json
 from typing import Any
 
-from bench.peer_serve import http_request, run_http_phase
-from bench.serve import RecordHolder
+from bench.peers.serve import http_request, run_http_phase
+from bench.service.serve import RecordHolder
 from bench.workload import Workload
 
 

@@ -1,4 +1,4 @@
-"""bench/peer_vllm.py's parts that need no vLLM: the shared workload, the children's commands and
+"""bench/peers/offline.py's parts that need no vLLM: the shared workload, the children's commands and
 environment, the JSON summary, and the Sluice worker against the HF argmax loop."""
 
 from __future__ import annotations
@@ -8,17 +8,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench import peer_vllm, peer_workers, report
+from bench import report
 from bench.hf_reference import decode_loop
+from bench.peers import offline, workers
 from bench.workload import make_workload
 from tests.support.tiny_models import load_hf_model
 
 
 def test_greedy_workload_is_the_same_for_both_workers() -> None:
-    args = peer_vllm.parse_args(["--num-requests", "6", "--scale", "0.05", "--threads", "2"])
+    args = offline.parse_args(["--num-requests", "6", "--scale", "0.05", "--threads", "2"])
     first = make_workload(320, args.scale, args.num_requests, temperature=0.0)
     again = make_workload(320, args.scale, args.num_requests, temperature=0.0)
-    spec = peer_vllm.spec_for(args, Path("/m"), first)
+    spec = offline.spec_for(args, Path("/m"), first)
     assert (spec["prompts"], spec["output_lens"]) == (again.prompts, again.output_lens)
     assert spec["max_model_len"] == max(
         len(p) + n for p, n in zip(first.prompts, first.output_lens, strict=True)
@@ -31,17 +32,17 @@ def test_greedy_workload_is_the_same_for_both_workers() -> None:
 
 
 def test_vllm_worker_runs_by_path_isolated_and_gets_cores_and_kv_cache() -> None:
-    command = peer_vllm.worker_command("vllm", Path("/v/bin/python"), Path("s"), Path("o"))
-    assert command[:2] == ["/v/bin/python", "-P"] and command[2].endswith("bench/peer_workers.py")
-    assert peer_vllm.worker_command("sluice", Path("/v"), Path("s"), Path("o"))[:3] == [
+    command = offline.worker_command("vllm", Path("/v/bin/python"), Path("s"), Path("o"))
+    assert command[:2] == ["/v/bin/python", "-P"] and command[2].endswith("bench/peers/workers.py")
+    assert offline.worker_command("sluice", Path("/v"), Path("s"), Path("o"))[:3] == [
         sys.executable,
         "-m",
-        "bench.peer_workers",
+        "bench.peers.workers",
     ]
-    env = peer_vllm.worker_env("vllm", 2, 1, Path("/v/bin/python"), ["VLLM_X=a=b"])
+    env = offline.worker_env("vllm", 2, 1, Path("/v/bin/python"), ["VLLM_X=a=b"])
     assert (env["VLLM_CPU_KVCACHE_SPACE"], env["VLLM_CPU_OMP_THREADS_BIND"]) == ("1", "0-1")
     assert env["VLLM_X"] == "a=b"
-    sluice = peer_vllm.worker_env("sluice", 2, 1, Path("/v"), ["OMP_WAIT_POLICY=PASSIVE"])
+    sluice = offline.worker_env("sluice", 2, 1, Path("/v"), ["OMP_WAIT_POLICY=PASSIVE"])
     assert "VLLM_CPU_KVCACHE_SPACE" not in sluice and sluice["OMP_WAIT_POLICY"] == "PASSIVE"
 
 
@@ -57,7 +58,7 @@ def test_summary_has_each_runs_ratio_the_median_and_token_identity() -> None:
         {"first": "vllm", "sluice": record(200.0, a), "vllm": record(200.0, b)},
         {"first": "sluice", "sluice": record(150.0, a), "vllm": record(100.0, [[1, 2], [3, 4]])},
     ]
-    summary = peer_vllm.summarize(runs)
+    summary = offline.summarize(runs)
     assert summary["ratios"] == [3.0, 1.0, 1.5]
     assert summary["median_ratio"] == 1.5
     assert summary["runs"][1]["first"] == "vllm"
@@ -75,10 +76,10 @@ def test_summary_has_each_runs_ratio_the_median_and_token_identity() -> None:
 
 def test_sluice_worker_output_is_the_hf_argmax_loop(tiny_llama: Path, tmp_path: Path) -> None:
     workload = make_workload(320, 0.02, 3, temperature=0.0)
-    args = peer_vllm.parse_args(["--threads", "1", "--kv-cache-gib", "1"])
-    spec = {**peer_vllm.spec_for(args, tiny_llama, workload), "kv_cache_gib": 0.01}
+    args = offline.parse_args(["--threads", "1", "--kv-cache-gib", "1"])
+    spec = {**offline.spec_for(args, tiny_llama, workload), "kv_cache_gib": 0.01}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    peer_workers.main(["sluice", str(tmp_path / "spec.json"), str(tmp_path / "out.json")])
+    workers.main(["sluice", str(tmp_path / "spec.json"), str(tmp_path / "out.json")])
     out = json.loads((tmp_path / "out.json").read_text())
     model = load_hf_model(tiny_llama)
     expected = [
@@ -99,7 +100,7 @@ def test_report_renders_each_run_the_median_and_identity() -> None:
     workload = make_workload(320, 0.05, 2, temperature=0.0).describe()
     result = {"model": "tiny-hd32", "dtype": "float32", "threads": 2, "kv_cache_gib": 1,
               "max_num_seqs": 128, "max_num_batched_tokens": 2048, "workload": workload,
-              "vllm_version": "0.32.0", "hf_check": hf, **peer_vllm.summarize(runs)}  # fmt: skip
+              "vllm_version": "0.32.0", "hf_check": hf, **offline.summarize(runs)}  # fmt: skip
     text = report.peer_vllm(result)
     assert "| 0 | sluice | 300 | 100 | 3.00 |" in text and "| 1 | vllm | 100 | 200 | 0.50 |" in text
     assert "median sluice / vLLM: **1.75x**" in text

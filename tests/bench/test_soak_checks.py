@@ -1,6 +1,6 @@
 """The soak benchmark's own judgement: what counts as duplicated, refused, lost or mismatched.
 
-bench/soak.py gates on these counts, so they are specified here on hand-made events, without a
+bench/soak/run.py gates on these counts, so they are specified here on hand-made events, without a
 server.
 """
 
@@ -10,9 +10,9 @@ import math
 
 from sluice_client import pb
 
-from bench.soak_checks import Record, RequestCheck
-from bench.soak_driver import Served
-from bench.soak_verdict import judge_canaries
+from bench.soak.checks import Record, RequestCheck
+from bench.soak.driver import Served
+from bench.soak.verdict import judge_canaries
 
 
 def started(rid: str = "r") -> pb.GenerateResponse:
