@@ -162,8 +162,8 @@ def count_decode_kernels(cfg: Any, device: str, dtype: str, rows: int = 1) -> di
     from engine.attention import make_backend
     from engine.execution.cuda_graph import CUDAGraphRunner
     from engine.kv_cache.page_pool import PagePool
+    from engine.layers.rope import RotaryEmbedding
     from engine.models.llama import LlamaForCausalLM
-    from engine.models.rope import RotaryEmbedding
 
     dev = torch.device(device)
     page_size, pages = 16, 64

@@ -39,7 +39,6 @@ from engine.execution.launched_step import (
     to_host_async,
 )
 from engine.execution.prompt_scoring import ScoredRows, follow_scored_rows, score_rows
-from engine.execution.routed_experts import host_rows, routing_record, row_routing
 from engine.execution.step_inputs import StepArrays, StepInputs, forward_inputs
 from engine.execution.step_rows import PreparedStep, lm_head_rows
 from engine.kv_cache.block_table import BlockTable
@@ -48,7 +47,8 @@ from engine.lora.adapter_file import AdapterFile
 from engine.lora.adapter_slots import share_slot
 from engine.lora.lora_weights import LoraStep
 from engine.lora.registry import AdapterRegistry
-from engine.models.llama import LlamaForCausalLM
+from engine.models.base import CausalLM
+from engine.moe.routed_experts import host_rows, routing_record, row_routing
 from engine.parallel.step_channel import Op, StepChannel, StepHeader
 from engine.sampling.sampler import SamplerOutput, SamplingBatch
 from engine.sampling.sampler_choice import make_sampler
@@ -60,7 +60,7 @@ from engine.scheduling.scheduler import ScheduledBatch
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         pool: PagePool,
         device: torch.device,
         eos_token_ids: tuple[int, ...],
@@ -166,7 +166,8 @@ class ModelRunner:
             lora = self.adapters.step(batch.requests, batch.query_lens, self.device)
         # A decode step replays a graph, unless it scores prompt positions (a 1-token chunk)
         # or runs LoRA adapters (the graphs hold the base model only).
-        routing = routing_record(self.model, batch.requests)
+        asked = any([r.params.routed_experts for r in batch.requests])
+        routing = routing_record(self.model.config.moe, asked)
         decode = batch.num_tokens == num_seqs and graphs is not None and lora is None
         if decode and any([r.prompt_scores is not None for r in batch.requests]):
             decode = False
