@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.models.llama_family import VARIANTS
+from engine.models.llama_family import PLAIN, VARIANTS
 from engine.models.registry import ARCHITECTURES
 from engine.moe.config import MoeConfig
 
@@ -66,7 +66,7 @@ def parse_model_config(
     raw: dict[str, Any], generation: dict[str, Any], max_model_len: int | None = None
 ) -> ModelConfig:
     architecture = _architecture(raw)
-    variant = VARIANTS[architecture]
+    variant = VARIANTS.get(architecture, PLAIN)  # another family: its config says it all
     qkv_bias, o_bias, qk_norm = variant.qkv_bias, variant.o_bias, variant.qk_norm
     attention_bias = bool(raw.get("attention_bias", False))
     if architecture == "Qwen2MoeForCausalLM":

@@ -108,10 +108,10 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, shard, tp)
         # Registered under the checkpoint's name: `mlp`, or Mixtral's `block_sparse_moe`.
-        variant = VARIANTS[cfg.architecture]
         self.mlp_name = "mlp"
         mlp: nn.Module
         if cfg.moe is not None and index in cfg.moe.sparse_layers:
+            variant = VARIANTS[cfg.architecture]  # its checkpoints' names for the block
             self.mlp_name = variant.moe_block
             mlp = SparseMoeBlock(
                 cfg.hidden_size,

@@ -26,6 +26,10 @@ class LlamaVariant:
     expert_parts: tuple[str, str, str] = QWEN_PARTS  # each expert's (gate, up, down) names
 
 
+# A registered architecture outside these rows: biases from `attention_bias`, no q/k norm, no
+# experts (what a config that states its own biases reads as).
+PLAIN = LlamaVariant(None, None, False)
+
 VARIANTS = {
     "LlamaForCausalLM": LlamaVariant(None, None, False),
     "MistralForCausalLM": LlamaVariant(False, False, False),
