@@ -1,9 +1,10 @@
 """CausalLM: what the model runner, the weight loader and the LoRA slots need of a model.
 
 A family's model (engine/models/llama.py for the Llama family) subclasses it, and the registry
-(engine/models/registry.py) names the class for each architecture (`model_class` below). Everything outside models/
-holds a model through this interface: nothing there names a family, its modules or its weight
-names. The contract:
+(engine/models/registry.py) names the class for each architecture (`model_class` below).
+Everything outside models/ holds a model through this interface: nothing there names a family,
+its modules or its weight names (nano-vllm's and mini-sglang's runners likewise know a model by
+its forward and its weight names only). The contract:
 
 - built as `cls(cfg, backend, tp, triton_kernels)`, possibly on the meta device (the loader
   then calls `init_buffers` on the real device before it fills `checkpoint_tensors`);
@@ -69,6 +70,13 @@ class CausalLM(nn.Module, ABC):
         (engine/layers/kernel_choice.py says when); else their torch reference code."""
         super().__init__()
 
+    @classmethod
+    @abstractmethod
+    def shard_layout(cls, cfg: ModelConfig, rank: int, size: int) -> ShardLayout:
+        """Rank `rank` of `size`'s slices of `cfg`'s checkpoint tensors (the family's table);
+        raises ValueError naming the config key when `size` does not divide what it splits,
+        before any model or worker is built."""
+
     @abstractmethod
     def forward(
         self,
@@ -104,7 +112,9 @@ class CausalLM(nn.Module, ABC):
 
     @abstractmethod
     def lora_targets(self) -> dict[str, LoraTarget]:
-        """The projections an adapter may change, by their module's checkpoint name."""
+        """The projections an adapter may change, by module name (a merged projection's
+        parts are its parent's projections: `...self_attn.qkv_proj` holds q_proj, k_proj,
+        v_proj), in module order."""
 
     @abstractmethod
     def init_buffers(self, device: torch.device) -> None:

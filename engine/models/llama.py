@@ -183,7 +183,7 @@ class LlamaForCausalLM(CausalLM):
         self.config = cfg
         self.backend = backend
         self.tp = tp or TensorParallel()
-        self.sharding: Sharding = Sharding(cfg, self.tp.rank, self.tp.size)
+        self.sharding: Sharding = self.shard_layout(cfg, self.tp.rank, self.tp.size)
         self.model = LlamaModel(cfg, self.sharding, self.tp)
         self.lm_head = None
         if not cfg.tie_word_embeddings:
@@ -194,6 +194,10 @@ class LlamaForCausalLM(CausalLM):
         for module in self.modules():
             if isinstance(module, RMSNorm | SiluAndMul | StackedExperts):
                 module.triton = triton_kernels
+
+    @classmethod
+    def shard_layout(cls, cfg: ModelConfig, rank: int, size: int) -> Sharding:
+        return Sharding(cfg, rank, size)
 
     def forward(
         self,

@@ -10,10 +10,10 @@ import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.models.base import CausalLM, model_class
-from engine.models.hf_config import UnsupportedModelError, load_model_config
+from engine.models.hf_config import UnsupportedModelError, load_model_config, parse_model_config
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import ARCHITECTURES
-from tests.support.tiny_models import make_checkpoint, prompts
+from tests.support.tiny_models import BASE_CONFIG, make_checkpoint, prompts
 
 
 class ToyForCausalLM(LlamaForCausalLM):
@@ -29,6 +29,15 @@ class ToyForCausalLM(LlamaForCausalLM):
 def test_every_registered_architecture_resolves_to_a_causal_lm():
     for architecture in ARCHITECTURES:
         assert issubclass(model_class(architecture), CausalLM), architecture
+
+
+def test_a_family_checks_a_tensor_parallel_size_before_building_anything():
+    raw = {**BASE_CONFIG, "architectures": ["Qwen2ForCausalLM"], "vocab_size": 320}
+    cfg = parse_model_config(raw, {})
+    layout = model_class(cfg.architecture).shard_layout(cfg, 1, 2)
+    assert layout.full_shape("model.layers.0.self_attn.q_proj.weight", (32, 64)) == (64, 64)
+    with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide"):
+        model_class(cfg.architecture).shard_layout(cfg, 0, 3)
 
 
 def test_an_unregistered_architecture_is_refused_naming_the_supported_ones(tmp_path: Path):
