@@ -42,8 +42,8 @@ from engine.layers.kernel_choice import use_triton_kernels
 from engine.logs import logs_to_stderr
 from engine.lora.registry import AdapterRegistry, LoadedAdapter
 from engine.models.hf_config import load_model_config
+from engine.models.sharding import Sharding
 from engine.overlap import OverlappedSteps, overlap_enabled
-from engine.parallel.sharding import Sharding
 from engine.parallel.tensor_parallel import TensorParallel
 from engine.parallel.worker_group import WorkerGroup
 from engine.postprocess import append_sampled, publish_pages

@@ -57,8 +57,8 @@ def mark_regions() -> None:
     from engine.attention.cpu_paged import CpuPagedAttention
     from engine.attention.torch_ref import TorchRefAttention
     from engine.layers import cpu_ops
+    from engine.layers.rope import RotaryEmbedding
     from engine.models.llama import LlamaForCausalLM
-    from engine.models.rope import RotaryEmbedding
     from engine.sampling.sampler import Sampler
 
     _label(LlamaForCausalLM, "forward", "#forward")

@@ -161,7 +161,11 @@ def _random_model(cfg: Any, dev: Any, dtype: str, page_size: int) -> tuple[Any, 
 
     from engine.attention import make_backend
     from engine.models.llama import LlamaForCausalLM
-    from engine.models.rope import RotaryEmbedding
+
+    try:
+        from engine.layers.rope import RotaryEmbedding
+    except ImportError:  # a revision from before the model interface
+        from engine.models.rope import RotaryEmbedding  # type: ignore[no-redef]
 
     args: tuple[Any, ...] = (dev, cfg.head_dim**-0.5, page_size)
     if "dtype" in inspect.signature(make_backend).parameters:  # since the cpu backend

@@ -1,7 +1,7 @@
 """A bench-only variant of the MoE layer: the per-expert loop, for bench/throughput/offline.py's
 `--moe-loop`.
 
-The engine's torch path (engine/models/moe.py, StackedExperts) sorts the (token, choice) pairs
+The engine's torch path (engine/moe/experts.py, StackedExperts) sorts the (token, choice) pairs
 by expert once, gathers the tokens once, runs one GEMM per expert over a contiguous slice and
 adds everything back with one index_add. This variant is the loop transformers runs (and the
 engine would without grouping): for every expert, find its (token, choice) pairs with a mask,
@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 
 from engine.layers.linear import linear
-from engine.models.moe import StackedExperts
+from engine.moe.experts import StackedExperts
 
 
 @contextmanager

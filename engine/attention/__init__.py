@@ -1,31 +1,31 @@
 """Attention backends and the choice between them.
 
-`torch_ref` runs anywhere and is the correctness reference; `triton` (paged kernels) is the
-fast path on CUDA; `cpu` is torch_ref with decode attention in a C kernel of its own, built on
-first use with the system's C compiler (engine/attention/cpu_kernels.py). `auto` picks triton
-on CUDA when it can be imported; on the CPU, cpu for float32 and bfloat16 when the kernel
-builds; torch_ref elsewhere.
-May import `engine.layers` (the Triton backend's rotary and KV-write kernel).
+`backend` (AttentionBackend: what a model's attention layers call; KVCache, one layer's pages),
+`metadata` (a step's AttentionMetadata). `torch_ref` runs anywhere and is the correctness
+reference; `triton` (paged kernels) is the fast path on CUDA; `cpu` is torch_ref with decode
+attention in a C kernel of its own, built on first use with the system's C compiler
+(engine/attention/cpu_kernels.py). `auto` picks triton on CUDA when it can be imported; on the
+CPU, cpu for float32 and bfloat16 when the kernel builds; torch_ref elsewhere.
+
+May import: engine.layers
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from engine.attention import cpu_kernels
+from engine.attention.backend import AttentionBackend, KVCache
 from engine.attention.cpu_paged import CpuPagedAttention
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_ref import TorchRefAttention
 from engine.layers.kernel_choice import triton_available
 
-if TYPE_CHECKING:
-    from engine.models.llama import AttentionBackend
-
 __all__ = [
+    "AttentionBackend",
     "AttentionMetadata",
     "CpuPagedAttention",
+    "KVCache",
     "TorchRefAttention",
     "make_backend",
     "resolve_backend",

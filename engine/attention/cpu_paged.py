@@ -21,7 +21,7 @@ from engine.attention.metadata import DecodeGroup
 from engine.attention.torch_ref import TorchRefAttention
 
 if TYPE_CHECKING:
-    from engine.models.rope import RotaryEmbedding
+    from engine.layers.rope import RotaryEmbedding
 
 
 class CpuPagedAttention(TorchRefAttention):

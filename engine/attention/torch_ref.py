@@ -1,7 +1,7 @@
 """The reference attention backend: gather a sequence's pages, run SDPA. Any device.
 
 The packed batch is a list of sequences, each contributing `query_len` new tokens: q and k
-are rotated at the tokens' positions (engine/models/rope.py), the keys and values written into
+are rotated at the tokens' positions (engine/layers/rope.py), the keys and values written into
 the paged cache with `index_copy_`, and then each query attends causally to its
 sequence's whole context (cached prefix + new tokens). Decode rows (one query each) are
 sorted by context length and batched into a few padded SDPA calls (on the CPU in a reduced
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from engine.attention.metadata import AttentionMetadata, DecodeGroup
 
 if TYPE_CHECKING:
-    from engine.models.rope import RotaryEmbedding
+    from engine.layers.rope import RotaryEmbedding
 
 __all__ = ["AttentionMetadata", "TorchRefAttention"]
 

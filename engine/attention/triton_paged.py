@@ -34,7 +34,7 @@ from engine.layers.kernel_choice import interpreting
 from engine.layers.rotary_kv import rotary_kv
 
 if TYPE_CHECKING:
-    from engine.models.rope import RotaryEmbedding
+    from engine.layers.rope import RotaryEmbedding
 
 __all__ = ["TritonPagedAttention", "interpreting"]
 

@@ -8,9 +8,9 @@ function (embed -> layers -> norm -> LM head) reads only the static buffers in `
 block tables are padded to the widest sequence the model allows, so shapes never change.
 
 Mixture-of-experts models are captured with their experts' grouped-GEMM kernel (the torch path
-reads per-expert counts on the host: engine/models/moe.py), and their graphs always record every
+reads per-expert counts on the host: engine/moe/experts.py), and their graphs always record every
 row's routed experts as a second output, so a step whose requests ask for them
-(engine/execution/routed_experts.py) replays a graph too.
+(engine/moe/routed_experts.py) replays a graph too.
 
 With `capture=False` the same padded step runs eagerly: on the CPU that checks the padding
 and the capture-safe forward; with `compile=True` the step is `torch.compile`d either way.
@@ -24,11 +24,12 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from engine.attention.backend import KVCache
 from engine.attention.metadata import AttentionMetadata
-from engine.execution.routed_experts import stack_routing
 from engine.execution.step_inputs import StepArrays, StepInputs
 from engine.kv_cache.page_pool import PagePool
-from engine.models.llama import KVCache, LlamaForCausalLM
+from engine.models.base import CausalLM
+from engine.moe.routed_experts import stack_routing
 
 MAX_GRAPH_BATCH = 512  # decode batches above this run eagerly
 
@@ -65,7 +66,7 @@ class CUDAGraphRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_caches: list[KVCache],
         pool: PagePool,
         max_batch: int,

@@ -19,11 +19,13 @@ from typing import TypeVar
 
 import torch
 
+from engine.attention.backend import KVCache
 from engine.attention.metadata import AttentionMetadata
 from engine.execution.cuda_graph import CUDAGraphRunner, GraphOutput
 from engine.execution.prompt_scoring import ScoredRows
 from engine.execution.step_inputs import StepArrays, StepInputs
-from engine.models.llama import KVCache, LlamaForCausalLM, LoraPass
+from engine.layers.parallel_linear import LoraPass
+from engine.models.base import CausalLM
 from engine.sampling.sampler import SamplerOutput
 from engine.scheduling.request import Request
 
@@ -45,7 +47,7 @@ class Sampled:
     # Per row when asked for: the ids it could have drawn ([]: every token; None: more tie at
     # the k-th logit than the sampler returned)
     support: list[list[int] | None] | None = None
-    # Per row when some row asked (engine/execution/routed_experts.py): each MoE layer's expert
+    # Per row when some row asked (engine/moe/routed_experts.py): each MoE layer's expert
     # ids at the position the row sampled from, flattened [MoE layer, k]
     routed_experts: list[list[int]] | None = None
     # The routed experts of the prompt positions scored, when recorded: as prompt_scores
@@ -151,7 +153,7 @@ def graph_outputs(
 
 
 def eager_hidden(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     kv_caches: list[KVCache],
     inputs: tuple[torch.Tensor, torch.Tensor, AttentionMetadata],
     rows: torch.Tensor | None,

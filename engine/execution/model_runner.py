@@ -19,7 +19,6 @@ the same forward (and LM head) on its shard, and samples nothing.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -39,8 +38,13 @@ from engine.execution.launched_step import (
     to_host_async,
 )
 from engine.execution.prompt_scoring import ScoredRows, follow_scored_rows, score_rows
-from engine.execution.routed_experts import host_rows, routing_record, row_routing
-from engine.execution.step_inputs import StepArrays, StepInputs, forward_inputs
+from engine.execution.step_inputs import (
+    StepArrays,
+    StepInputs,
+    fill_decode,
+    fill_packed,
+    forward_inputs,
+)
 from engine.execution.step_rows import PreparedStep, lm_head_rows
 from engine.kv_cache.block_table import BlockTable
 from engine.kv_cache.page_pool import PagePool
@@ -48,7 +52,8 @@ from engine.lora.adapter_file import AdapterFile
 from engine.lora.adapter_slots import share_slot
 from engine.lora.lora_weights import LoraStep
 from engine.lora.registry import AdapterRegistry
-from engine.models.llama import LlamaForCausalLM
+from engine.models.base import CausalLM
+from engine.moe.routed_experts import host_rows, routing_record, row_routing
 from engine.parallel.step_channel import Op, StepChannel, StepHeader
 from engine.sampling.sampler import SamplerOutput, SamplingBatch
 from engine.sampling.sampler_choice import make_sampler
@@ -60,7 +65,7 @@ from engine.scheduling.scheduler import ScheduledBatch
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         pool: PagePool,
         device: torch.device,
         eos_token_ids: tuple[int, ...],
@@ -157,27 +162,25 @@ class ModelRunner:
         without waiting for the device (engine/execution/launched_step.py). Rows listed in
         `pending` read their input token from the previous step's samples, on the device."""
         if self._slots:
-            self._use_slot(*self._slots[1 if self.host is self._slots[0][0] else 0])
+            # The CPU's step tensors are the host buffers: switch both to the other pair.
+            self.host, self.arrays = self._slots[1 if self.host is self._slots[0][0] else 0]
+            self.inputs = self.host
         num_seqs = len(batch.requests)
         width = max([len(r.pages) for r in batch.requests])  # the widest row the step reads
-        graphs = self.graphs
         lora = None
         if self.adapters is not None:
             lora = self.adapters.step(batch.requests, batch.query_lens, self.device)
-        # A decode step replays a graph, unless it scores prompt positions (a 1-token chunk)
-        # or runs LoRA adapters (the graphs hold the base model only).
-        routing = routing_record(self.model, batch.requests)
-        decode = batch.num_tokens == num_seqs and graphs is not None and lora is None
-        if decode and any([r.prompt_scores is not None for r in batch.requests]):
-            decode = False
-        size = graphs.bucket(num_seqs) if graphs is not None and decode else None
+        size = self._graph_size(batch, lora)
         step = self._prepare(batch, width, graph_rows=size)
-        if not step.sampling and not step.scoring:
-            routing = None
+        routing = None
+        if step.sampling or step.scoring:
+            asked = any([r.params.routed_experts for r in batch.requests])
+            routing = routing_record(self.model.config.moe, asked)
         self._send(step, size or 0, None if lora is None else batch.requests)
-        sampling = (
-            self._sampling_batch(step.sampling, _block_table(batch)) if step.sampling else None
-        )
+        sampling = None
+        if step.sampling:  # the step's SamplingBatch, in the buffers this launch fills
+            args = (_block_table(batch), self.host, self.arrays, self.inputs)
+            sampling = self.sampling_inputs.batch(step.sampling, *args)
         scoring = ScoredRows.build(step.scoring, self.device) if step.scoring else None
         lm_head = sampling is not None or scoring is not None
         rows = self._sample_rows(step) if lm_head and not step.rows_are_tokens else None
@@ -185,46 +188,80 @@ class ModelRunner:
             pending.upload(self.device)
         # NOTE: the work may run on the device thread after the next launch has switched
         # buffers: it reads only what is bound here, never self.host or self.arrays.
-        if graphs is not None and size is not None:  # a decode step with a graph to replay
-            args = (self.host, self.arrays, num_seqs, width, rows, pending, self._record_upload)
-            outputs_of = graph_outputs(graphs, *args)
-
-            def work() -> StepResult | None:
-                logits, routed = outputs_of()  # routed: an MoE model's, always recorded
-                if sampling is None:
-                    return None
-                routed = None if routing is None else routed  # copied to the host when asked
-                return to_host_async(sampling_of(logits), None, routed)
-
+        if size is not None:  # a decode step with a graph to replay
+            work = self._graphed_work(num_seqs, width, rows, pending, sampling, routing)
         else:
-            self._upload(step)
-            inputs = forward_inputs(self.inputs, self.arrays, *_shape(step))
-            model, caches = self.model, self.kv_caches
-            hidden_of = eager_hidden(model, caches, inputs, rows, pending, lora, routing)
-            num_sampled, num_rows = step.num_rows, step.num_rows + step.num_scored
-
-            def work() -> StepResult | None:
-                hidden = hidden_of()  # [sampled rows, then scored rows, hidden] with lm_head
-                if not lm_head:
-                    return None
-                out = scores = routed = None
-                if sampling is not None:
-                    out = sampling_of(self.model.compute_logits(hidden[:num_sampled]))
-                if scoring is not None:
-                    scores = score_rows(self.model, hidden[num_sampled:], scoring)
-                if routing is not None:
-                    routed = row_routing(routing, rows, num_rows)
-                return to_host_async(out, scores, routed)
-
-        def sampling_of(logits: torch.Tensor) -> SamplerOutput:
-            assert sampling is not None
-            return self.sampler(logits, sampling)
-
+            work = self._eager_work(step, rows, pending, lora, routing, sampling, scoring)
         submit = self.device_thread.submit if self.device_thread is not None else run_now
         launched = LaunchedStep(step.sampling, submit(work), scoring)
         if sampling is not None and sampling.grammar is not None:
             sampling.grammar.fill()  # while the forward runs (unless the sampler did already)
         return launched
+
+    def _graph_size(self, batch: ScheduledBatch, lora: LoraStep | None) -> int | None:
+        """The graph bucket a decode step replays; None: the step runs eagerly. A decode step
+        replays a graph unless it scores prompt positions (a 1-token chunk) or runs LoRA
+        adapters (the graphs hold the base model only)."""
+        graphs, num_seqs = self.graphs, len(batch.requests)
+        if graphs is None or lora is not None or batch.num_tokens != num_seqs:
+            return None
+        if any([r.prompt_scores is not None for r in batch.requests]):
+            return None
+        return graphs.bucket(num_seqs)
+
+    def _graphed_work(
+        self,
+        num_seqs: int,
+        width: int,
+        rows: torch.Tensor | None,
+        pending: PendingInputs | None,
+        sampling: SamplingBatch | None,
+        routing: list[torch.Tensor] | None,
+    ) -> Callable[[], StepResult | None]:
+        assert self.graphs is not None
+        args = (self.host, self.arrays, num_seqs, width, rows, pending, self._record_upload)
+        outputs_of = graph_outputs(self.graphs, *args)
+        sampler = self.sampler
+
+        def work() -> StepResult | None:
+            logits, routed = outputs_of()  # routed: an MoE model's, always recorded
+            if sampling is None:
+                return None
+            routed = None if routing is None else routed  # copied to the host when asked
+            return to_host_async(sampler(logits, sampling), None, routed)
+
+        return work
+
+    def _eager_work(
+        self,
+        step: PreparedStep,
+        rows: torch.Tensor | None,
+        pending: PendingInputs | None,
+        lora: LoraStep | None,
+        routing: list[torch.Tensor] | None,
+        sampling: SamplingBatch | None,
+        scoring: ScoredRows | None,
+    ) -> Callable[[], StepResult | None]:
+        self._upload(step)
+        inputs = forward_inputs(self.inputs, self.arrays, *_shape(step))
+        model, sampler = self.model, self.sampler
+        hidden_of = eager_hidden(model, self.kv_caches, inputs, rows, pending, lora, routing)
+        num_sampled, num_rows = step.num_rows, step.num_rows + step.num_scored
+
+        def work() -> StepResult | None:
+            hidden = hidden_of()  # [sampled rows, then scored rows, hidden] with an LM head
+            if sampling is None and scoring is None:
+                return None
+            out = scores = routed = None
+            if sampling is not None:
+                out = sampler(model.compute_logits(hidden[:num_sampled]), sampling)
+            if scoring is not None:
+                scores = score_rows(model, hidden[num_sampled:], scoring)
+            if routing is not None:
+                routed = row_routing(routing, rows, num_rows)
+            return to_host_async(out, scores, routed)
+
+        return work
 
     def collect(self, launched: LaunchedStep) -> Sampled:
         """Wait for a launched step and bring its samples to the host."""
@@ -248,10 +285,6 @@ class ModelRunner:
                     sampled.prompt_routing.append((req, span.first, scored))
                 row += span.count
         return sampled
-
-    def _use_slot(self, host: StepInputs, arrays: StepArrays) -> None:
-        self.host = self.inputs = host  # the CPU's step tensors are the host buffers
-        self.arrays = arrays
 
     def _send(self, step: PreparedStep, graph_size: int, lora: list[Request] | None) -> None:
         if self.channel is None:
@@ -343,9 +376,9 @@ class ModelRunner:
         reqs, table = batch.requests, _block_table(batch)
         slots = np.array([r.slot for r in reqs], dtype=np.int64)
         if batch.num_tokens == len(reqs):
-            self._fill_decode(reqs, table.pages, slots)
+            fill_decode(self.arrays, self.page_size, reqs, table.pages, slots)
         else:
-            self._fill_packed(reqs, batch.query_lens, table.pages, slots)
+            fill_packed(self.arrays, self.page_size, reqs, batch.query_lens, table.pages, slots)
         if graph_rows is None:
             tables = self.arrays.block_table(len(reqs), width)
         else:
@@ -353,46 +386,6 @@ class ModelRunner:
         # Entries past a row's pages are whatever the slot held: valid ids, never attended.
         tables[...] = table.pages[slots, :width]
         return lm_head_rows(batch, self.arrays, width)
-
-    def _fill_decode(self, reqs: list[Request], pages: np.ndarray, slots: np.ndarray) -> None:
-        """One token per sequence: two list comprehensions, the rest in numpy."""
-        a, size, num_seqs = self.arrays, self.page_size, len(reqs)
-        a.input_ids[:num_seqs] = [r.token_ids[r.num_computed_tokens] for r in reqs]
-        positions = a.positions[:num_seqs]
-        positions[:] = [r.num_computed_tokens for r in reqs]
-        # int64 before the multiply: page * page_size may pass int32 in a large pool.
-        page = pages[slots, positions // size].astype(np.int64)
-        a.slot_mapping[:num_seqs] = page * size + positions % size
-        np.add(positions, 1, out=a.seq_lens[:num_seqs], casting="unsafe")
-        a.query_start_loc[: num_seqs + 1] = np.arange(num_seqs + 1)
-
-    def _fill_packed(
-        self, reqs: list[Request], query_lens: list[int], pages: np.ndarray, slots: np.ndarray
-    ) -> None:
-        """Any mix of prefill chunks and decodes: every token's position and slot in numpy."""
-        a, size, num_seqs = self.arrays, self.page_size, len(reqs)
-        starts = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
-        lens = np.asarray(query_lens, dtype=np.int64)
-        num_tokens = int(lens.sum())
-        a.query_start_loc[0] = 0
-        np.cumsum(lens, out=a.query_start_loc[1 : num_seqs + 1])
-        seq = np.repeat(np.arange(num_seqs), lens)  # each token's sequence
-        first = a.query_start_loc[:num_seqs].astype(np.int64)
-        positions = starts[seq] + np.arange(num_tokens) - first[seq]
-        a.input_ids[:num_tokens] = list(
-            itertools.chain.from_iterable(
-                r.token_ids[s : s + n]
-                for r, s, n in zip(reqs, starts.tolist(), query_lens, strict=True)
-            )
-        )
-        a.positions[:num_tokens] = positions
-        page = pages[slots[seq], positions // size].astype(np.int64)  # int64: see _fill_decode
-        a.slot_mapping[:num_tokens] = page * size + positions % size
-        a.seq_lens[:num_seqs] = starts + lens
-
-    def _sampling_batch(self, reqs: list[Request], table: BlockTable) -> SamplingBatch:
-        """The step's SamplingBatch, in the buffers this launch fills."""
-        return self.sampling_inputs.batch(reqs, table, self.host, self.arrays, self.inputs)
 
 
 def _block_table(batch: ScheduledBatch) -> BlockTable:

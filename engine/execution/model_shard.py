@@ -19,8 +19,8 @@ from engine.execution.model_runner import ModelRunner
 from engine.kv_cache.page_pool import PagePool
 from engine.layers.kernel_choice import use_triton_kernels
 from engine.layers.linear import prepack
+from engine.models.base import CausalLM
 from engine.models.hf_config import ModelConfig
-from engine.models.llama import LlamaForCausalLM
 from engine.parallel.tensor_parallel import TensorParallel
 from engine.protocol.config import EngineConfig
 from engine.protocol.messages import ModelInfo
@@ -32,7 +32,7 @@ CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on the CPU
 
 @dataclass
 class ModelShard:
-    model: LlamaForCausalLM
+    model: CausalLM
     pool: PagePool
     runner: ModelRunner
 
@@ -58,14 +58,14 @@ def load_shard(
         model = build_model(cfg, path, backend, device, dtype, tp, triton_kernels)
         for weight in model.linear_weights():
             prepack(weight)  # the CPU's packed copies, made at load, not by the first steps
-        kv_heads = model.sharding.num_kv_heads
-        pages = kv_pages(config, cfg, kv_heads, dtype, device)
+        kv = model.kv_layout
+        pages = kv_pages(config, cfg, kv.num_kv_heads, dtype, device)
         if tp.enabled:
             count = torch.tensor([pages], dtype=torch.int64)
             dist.all_reduce(count, op=dist.ReduceOp.MIN, group=tp.control)
             pages = int(count.item())
         pool = PagePool(
-            pages, config.page_size, cfg.num_layers, kv_heads, cfg.head_dim, dtype, device
+            pages, config.page_size, kv.num_layers, kv.num_kv_heads, kv.head_dim, dtype, device
         )
     runner = ModelRunner(
         model,
@@ -77,7 +77,7 @@ def load_shard(
         make_sampler(config.sampler, device),
     )
     # NOTE: an MoE model is captured only with its grouped-GEMM kernel: the torch MoE layer
-    # reads its per-expert token counts on the host (engine/models/moe.py).
+    # reads its per-expert token counts on the host (engine/moe/experts.py).
     capturable = cfg.moe is None or triton_kernels
     if device.type == "cuda" and not config.enforce_eager and capturable:
         runner.attach_graphs(capture=True, compile=config.compile)

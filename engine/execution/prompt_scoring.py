@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.models.llama import LlamaForCausalLM
+from engine.models.base import CausalLM
 from engine.protocol.messages import LogprobMode
 from engine.sampling.sampling_math import top_ids
 from engine.scheduling.prompt_scores import ScoreSpan
@@ -63,7 +63,7 @@ class ScoredRows:
         )
 
 
-def score_rows(model: LlamaForCausalLM, hidden: torch.Tensor, rows: ScoredRows) -> torch.Tensor:
+def score_rows(model: CausalLM, hidden: torch.Tensor, rows: ScoredRows) -> torch.Tensor:
     """[rows, 1 + 2k] float64: per scored row (its hidden state in `hidden`), the target's
     logprob, then the k top ids, then their logprobs."""
     k, parts = rows.num_top, []
@@ -80,15 +80,13 @@ def score_rows(model: LlamaForCausalLM, hidden: torch.Tensor, rows: ScoredRows) 
     return torch.cat(parts)
 
 
-def follow_scored_rows(model: LlamaForCausalLM, hidden: torch.Tensor) -> None:
+def follow_scored_rows(model: CausalLM, hidden: torch.Tensor) -> None:
     """A worker rank's part of score_rows: the same LM-head calls, results unused."""
     for _ in _sliced_logits(model, hidden):
         pass
 
 
-def _sliced_logits(
-    model: LlamaForCausalLM, hidden: torch.Tensor
-) -> Iterator[tuple[int, torch.Tensor]]:
+def _sliced_logits(model: CausalLM, hidden: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
     step = max(1, SLICE_ELEMENTS // model.config.vocab_size)
     for start in range(0, hidden.shape[0], step):
         yield start, model.compute_logits(hidden[start : start + step])

@@ -7,12 +7,14 @@ copy of its own whose addresses never change, because its captured graphs read t
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.scheduling.request import Request
 
 
 @dataclass
@@ -129,3 +131,50 @@ def forward_inputs(
         decode_only=num_tokens == num_seqs,
     )
     return inputs.input_ids[:num_tokens], inputs.positions[:num_tokens], meta
+
+
+def fill_decode(
+    a: StepArrays, size: int, reqs: list[Request], pages: np.ndarray, slots: np.ndarray
+) -> None:
+    """A decode step's inputs (one token per sequence) into `a`, for pages of `size` tokens:
+    two list comprehensions, the rest in numpy. `pages`: the block table's rows, `slots`:
+    each request's row."""
+    num_seqs = len(reqs)
+    a.input_ids[:num_seqs] = [r.token_ids[r.num_computed_tokens] for r in reqs]
+    positions = a.positions[:num_seqs]
+    positions[:] = [r.num_computed_tokens for r in reqs]
+    # int64 before the multiply: page * page_size may pass int32 in a large pool.
+    page = pages[slots, positions // size].astype(np.int64)
+    a.slot_mapping[:num_seqs] = page * size + positions % size
+    np.add(positions, 1, out=a.seq_lens[:num_seqs], casting="unsafe")
+    a.query_start_loc[: num_seqs + 1] = np.arange(num_seqs + 1)
+
+
+def fill_packed(
+    a: StepArrays,
+    size: int,
+    reqs: list[Request],
+    query_lens: list[int],
+    pages: np.ndarray,
+    slots: np.ndarray,
+) -> None:
+    """Any mix of prefill chunks and decodes: every token's position and slot in numpy."""
+    num_seqs = len(reqs)
+    starts = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
+    lens = np.asarray(query_lens, dtype=np.int64)
+    num_tokens = int(lens.sum())
+    a.query_start_loc[0] = 0
+    np.cumsum(lens, out=a.query_start_loc[1 : num_seqs + 1])
+    seq = np.repeat(np.arange(num_seqs), lens)  # each token's sequence
+    first = a.query_start_loc[:num_seqs].astype(np.int64)
+    positions = starts[seq] + np.arange(num_tokens) - first[seq]
+    a.input_ids[:num_tokens] = list(
+        itertools.chain.from_iterable(
+            r.token_ids[s : s + n]
+            for r, s, n in zip(reqs, starts.tolist(), query_lens, strict=True)
+        )
+    )
+    a.positions[:num_tokens] = positions
+    page = pages[slots[seq], positions // size].astype(np.int64)  # int64: see fill_decode
+    a.slot_mapping[:num_tokens] = page * size + positions % size
+    a.seq_lens[:num_seqs] = starts + lens

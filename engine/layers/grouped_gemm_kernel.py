@@ -1,5 +1,5 @@
 """The experts' GEMMs for (token, choice) pairs grouped by expert, one Triton launch per
-projection; engine/models/moe.py's loop over the experts (StackedExperts, torch path) is the
+projection; engine/moe/experts.py's loop over the experts (StackedExperts, torch path) is the
 reference it equals.
 
 `out[r] = a[rows[r]] @ weight[e].T` for every grouped pair r, e being the expert whose group

@@ -1,7 +1,7 @@
 """Rotary on q and k, and K and V into the paged KV cache, as one Triton kernel.
 
 The Triton attention backend's first step in every layer. Its torch reference is the
-torch_ref backend's: engine/models/rope.py's `RotaryEmbedding` (q * cos + rotate_half(q) *
+torch_ref backend's: engine/layers/rope.py's `RotaryEmbedding` (q * cos + rotate_half(q) *
 sin, the tables cast to the model dtype first) and an `index_copy_` of K and V into the slots
 of `meta.slot_mapping`. The cache layout is the PagePool's: per layer [pages, page_size,
 kv_heads, head_dim], contiguous, so slot s of head h starts at (s * kv_heads + h) * head_dim.

@@ -11,8 +11,5 @@ adapter is resident in which slot), adapter_update.py (an adapter updated in pla
 policy version, and what its requests do then), lora_kernel.py (the step's segmented LoRA
 matmul on Triton, CUDA only).
 
-May import `engine.models` (the projections the weights attach to), `engine.scheduling`
-(a step's requests; the scheduler whose requests a replace moves), `engine.protocol.messages`,
-`engine.parallel.step_channel` (what rank 0 tells the other ranks) and
-`engine.layers.grouped_gemm_kernel` (the shrink).
+May import: engine.layers, engine.models.base, engine.parallel.step_channel, engine.protocol, engine.scheduling
 """

@@ -3,12 +3,13 @@
 Every tensor-parallel rank holds its own: rank 0's AdapterRegistry decides what goes in which
 slot, and every rank writes the same adapter into the same slot (the workers when rank 0 tells
 them, below). A rank keeps its slice of each adapter,
-cut as the base weight it attaches to is cut (engine/parallel/sharding.py):
+cut as the base weight it attaches to is cut (engine/models/sharding.py):
 - column-parallel parts (q/k/v, gate/up): B's rows of this rank's output columns, A whole, so
   the delta lands in the rank's own columns;
 - row-parallel projections (o_proj, down_proj): A's columns of this rank's input slice, B
   whole; each rank adds its partial delta `B(A_r x_r)` to its partial output before the
-  projection's all-reduce, which sums them: `sum_r B(A_r x_r) = B(A x)` (engine/models/llama.py).
+  projection's all-reduce, which sums them: `sum_r B(A_r x_r) = B(A x)`
+(engine/layers/parallel_linear.py).
 With one rank nothing is cut. `share_slot` and `follow_slot` carry a slot's write from rank 0
 to the others (Op.LORA on the StepChannel, then the adapter's whole tensors, each rank cutting
 its own); `followed_step` builds a worker's LoRA pass from the slots a STEP carries.
@@ -22,16 +23,15 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine.layers.merged_linear import MergedLinear
 from engine.lora.adapter_file import AdapterFile
 from engine.lora.lora_weights import LoraStep, ProjectionLora
-from engine.models.llama import LlamaForCausalLM, RowParallelLinear
-from engine.models.merged_linear import MergedLinear
-from engine.models.moe import SparseMoeBlock
+from engine.models.base import CausalLM
 from engine.parallel.step_channel import Op, StepChannel, StepHeader
 
 
 class AdapterSlots:
-    def __init__(self, model: LlamaForCausalLM, slots: int, max_rank: int) -> None:
+    def __init__(self, model: CausalLM, slots: int, max_rank: int) -> None:
         self.sharding = model.sharding
         self.weights: dict[nn.Module, ProjectionLora] = {}
         # Each target by its checkpoint module name -> (its projection's weights, part index).
@@ -40,20 +40,14 @@ class AdapterSlots:
         if slots:
             self._allocate(model, slots, max_rank)
 
-    def _allocate(self, model: LlamaForCausalLM, slots: int, max_rank: int) -> None:
-        param = model.model.embed_tokens.weight
-        # An MoE block's projections (its shared expert's) take no adapter: not targets.
-        moe = tuple(f"{p}." for p, m in model.named_modules() if isinstance(m, SparseMoeBlock))
-        for prefix, module in model.named_modules():
+    def _allocate(self, model: CausalLM, slots: int, max_rank: int) -> None:
+        param = next(model.parameters())  # the weights' device and dtype
+        for prefix, module in model.lora_targets().items():
             parent, _, own = prefix.rpartition(".")
-            if moe and prefix.startswith(moe):
-                continue
             if isinstance(module, MergedLinear):
                 parts = module.parts
-            elif isinstance(module, RowParallelLinear):
+            else:  # row-parallel
                 parts = {own: module.weight.shape[0]}
-            else:
-                continue
             in_features = module.weight.shape[1]  # this rank's
             lora = ProjectionLora(parts, in_features, slots, max_rank, param.device, param.dtype)
             self.weights[module] = lora

@@ -36,7 +36,7 @@ import torch
 from engine.lora.adapter_file import TARGETS, AdapterFile, read_adapter
 from engine.lora.adapter_slots import AdapterSlots
 from engine.lora.lora_weights import LoraStep
-from engine.models.llama import LlamaForCausalLM
+from engine.models.base import CausalLM
 from engine.scheduling.request import Request
 
 
@@ -73,7 +73,7 @@ class _WriteNow:
 class AdapterRegistry:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         max_loras: int,
         max_rank: int,
         writer: SlotWriter | None = None,

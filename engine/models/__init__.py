@@ -1,7 +1,11 @@
-"""Models: the Llama family as Hugging Face configs describe it (and its mixture-of-experts kin:
-Mixtral, Qwen2-MoE, Qwen3-MoE), its config, RoPE, the merged (q/k/v, gate/up) projections and
-the MoE block.
+"""Models: what the runner needs of a model, the registry of families, and the Llama family.
 
-May import `engine.attention.metadata`, `engine.layers` (the norms and the activation) and
-`engine.parallel` (tensor_parallel, sharding).
+`base` (CausalLM: the interface every family implements; `model_class` resolves an
+architecture to its class), `registry` (architecture name -> the module and class that build
+it), `hf_config` (a checkpoint's config.json read into ModelConfig), and the Llama family:
+`llama` (the model: Llama, Mistral, Qwen2/3 and their MoE kin Mixtral, Qwen2-MoE, Qwen3-MoE),
+`llama_family` (one row per member: biases, q/k norm, MoE checkpoint names) and `sharding` (its
+sharding table: which slice of each of its checkpoint tensors a rank holds).
+
+May import: engine.attention, engine.layers, engine.moe, engine.parallel.tensor_parallel, engine.parallel.shard_layout
 """

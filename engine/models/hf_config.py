@@ -15,40 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = {
-    # architecture -> (q/k/v bias, o bias, q/k norm); None = read `attention_bias` from config
-    "LlamaForCausalLM": (None, None, False),
-    "MistralForCausalLM": (False, False, False),
-    "Qwen2ForCausalLM": (True, False, False),
-    "Qwen3ForCausalLM": (None, None, True),
-    "MixtralForCausalLM": (False, False, False),
-    "Qwen2MoeForCausalLM": (True, False, False),  # read from `qkv_bias` (default true)
-    "Qwen3MoeForCausalLM": (None, None, True),
-}
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+from engine.models.llama_family import PLAIN, VARIANTS
+from engine.models.registry import ARCHITECTURES
+from engine.moe.config import MoeConfig
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 class UnsupportedModelError(ValueError):
     """The checkpoint needs something this engine does not implement."""
-
-
-@dataclass(frozen=True)
-class MoeConfig:
-    """The sparse feed-forward of a mixture-of-experts checkpoint (engine/models/moe.py).
-
-    Routing as transformers computes it: softmax over the router logits in float32, the top-k,
-    renormalised to sum to 1 when `norm_topk_prob`; the weights are then cast to the model's
-    dtype (Qwen) or kept in float32 (Mixtral: `weights_in_float32`) for the weighted sum.
-    """
-
-    num_experts: int
-    top_k: int
-    expert_intermediate_size: int
-    norm_topk_prob: bool
-    weights_in_float32: bool
-    shared_expert_intermediate_size: int  # 0: no shared expert (Qwen2-MoE has a gated one)
-    sparse_layers: tuple[int, ...]  # the layers whose MLP is the MoE block; the rest are dense
 
 
 @dataclass(frozen=True)
@@ -91,7 +66,8 @@ def parse_model_config(
     raw: dict[str, Any], generation: dict[str, Any], max_model_len: int | None = None
 ) -> ModelConfig:
     architecture = _architecture(raw)
-    qkv_bias, o_bias, qk_norm = SUPPORTED_ARCHITECTURES[architecture]
+    variant = VARIANTS.get(architecture, PLAIN)  # another family: its config says it all
+    qkv_bias, o_bias, qk_norm = variant.qkv_bias, variant.o_bias, variant.qk_norm
     attention_bias = bool(raw.get("attention_bias", False))
     if architecture == "Qwen2MoeForCausalLM":
         qkv_bias = bool(raw.get("qkv_bias", True))  # 4.x checkpoints lack the key: always bias
@@ -133,18 +109,18 @@ def parse_model_config(
         qk_norm=qk_norm,
         eos_token_ids=eos_ids,
         checkpoint_dtype=raw.get("dtype") or raw.get("torch_dtype"),
-        moe=_moe(raw, architecture) if architecture in MOE_ARCHITECTURES else None,
+        moe=_moe(raw, architecture) if variant.moe else None,
     )
 
 
 def _architecture(raw: dict[str, Any]) -> str:
     archs = raw.get("architectures") or []
     for arch in archs:
-        if arch in SUPPORTED_ARCHITECTURES:
+        if arch in ARCHITECTURES:
             return str(arch)
     named = ", ".join(archs) if archs else f"model_type={raw.get('model_type')!r}"
     raise UnsupportedModelError(
-        f"architecture {named} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        f"architecture {named} is not supported; supported: {', '.join(ARCHITECTURES)}"
     )
 
 

@@ -3,15 +3,16 @@
 Llama 2/3/3.1/3.2 (rope scaling linear / llama3), Mistral, Qwen2/2.5 (q/k/v bias),
 Qwen3 (q/k RMSNorm per head, explicit head_dim); grouped-query attention; tied or untied
 embeddings; and their mixture-of-experts kin Mixtral, Qwen2-MoE and Qwen3-MoE, whose sparse
-layers' MLP is an MoE block (engine/models/moe.py). Module and parameter names equal the
+layers' MLP is an MoE block (engine/moe/block.py); engine/models/llama_family.py has one row
+per member. Module and parameter names equal the
 checkpoint's, except that q/k/v are merged into one `qkv_proj`, gate/up into one `gate_up_proj`
-(engine/models/merged_linear.py) and the experts into stacked tensors: `checkpoint_tensors()`
+(engine/layers/merged_linear.py) and the experts into stacked tensors: `checkpoint_tensors()`
 names every tensor by its checkpoint name, so weights load by name.
 
 The forward pass takes a packed batch: every sequence's new tokens concatenated into one
 [tokens] vector, with positions and attention metadata saying where each sequence's KV lives.
 
-Tensor parallelism (engine/parallel/sharding.py says which slice each rank holds): the modules
+Tensor parallelism (engine/models/sharding.py says which slice each rank holds): the modules
 are built at their local sizes, and each layer runs two all-reduces (after o_proj and after
 down_proj); the embedding runs one, and the LM head one all-gather of the vocabulary slices.
 With one rank these collectives are the identity and every module is whole.
@@ -23,111 +24,25 @@ partial output, before their all-reduce); the base model's steps pass None.
 
 from __future__ import annotations
 
-import math
-from typing import Protocol
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine.attention.backend import AttentionBackend, KVCache
 from engine.attention.metadata import AttentionMetadata
 from engine.layers.linear import linear
+from engine.layers.merged_linear import MergedLinear
+from engine.layers.parallel_linear import LoraPass, RowParallelLinear
 from engine.layers.rms_norm import RMSNorm
+from engine.layers.rope import RotaryEmbedding
 from engine.layers.silu_and_mul import SiluAndMul
+from engine.layers.vocab_embedding import VocabParallelEmbedding
+from engine.models.base import CausalLM, KVLayout, LoraTarget
 from engine.models.hf_config import ModelConfig
-from engine.models.merged_linear import MergedLinear
-from engine.models.moe import SparseMoeBlock, StackedExperts, block_name
-from engine.models.rope import RotaryEmbedding
-from engine.parallel.sharding import Sharding
+from engine.models.llama_family import VARIANTS
+from engine.models.sharding import Sharding
+from engine.moe.block import SparseMoeBlock
+from engine.moe.experts import StackedExperts
 from engine.parallel.tensor_parallel import TensorParallel
-
-KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V pages of one layer
-
-
-class AttentionBackend(Protocol):
-    """Paged attention: `prepare` once per step, then `forward` in every layer.
-
-    `forward` rotates q and k at `positions` (`rotary`'s tables), writes k and v into the
-    layer's cache at `meta.slot_mapping`, then returns each query's attention over its
-    sequence's context; without a cache, over the new tokens only. The Triton backend does the
-    first two in one kernel; torch_ref, the reference, calls `rotary` and `index_copy_`. A
-    decode-only step must be capturable in a CUDA graph: no host syncs and no shapes that
-    depend on tensor contents.
-    """
-
-    name: str
-
-    def prepare(self, meta: AttentionMetadata) -> None: ...
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
-        cache: KVCache | None,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor: ...
-
-
-class LoraPass(Protocol):
-    """A step's LoRA adapters (engine/lora/): `add` adds to a projection's output `y`, in
-    place, the deltas of the tokens whose adapter targets that projection (`x` its input).
-    A step without adapters passes None and runs none of it."""
-
-    def add(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None: ...
-
-
-class RowParallelLinear(nn.Module):
-    """A linear layer whose input dim is split over the ranks: partial products, summed by one
-    all-reduce; the (whole) bias is added once, after it."""
-
-    def __init__(self, in_local: int, out: int, bias: bool, tp: TensorParallel) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out, in_local))
-        self.bias = nn.Parameter(torch.empty(out)) if bias else None
-        self.tp = tp
-        # As nn.Linear initialises (and draws from the RNG): the demo model trains identically.
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        if self.bias is not None:
-            bound = 1 / math.sqrt(in_local)
-            nn.init.uniform_(self.bias, -bound, bound)
-
-    def forward(self, x: torch.Tensor, lora: LoraPass | None = None) -> torch.Tensor:
-        """`lora`: the step's adapters, whose deltas are added to this rank's partial output
-        before the all-reduce (each rank's A holds its slice of the input columns, so the
-        all-reduce sums their partial deltas into the whole one: no collective of its own)."""
-        if not self.tp.enabled:
-            y = linear(x, self.weight, self.bias)
-            if lora is not None:
-                lora.add(self, x, y)
-            return y
-        y = linear(x, self.weight, None)
-        if lora is not None:
-            lora.add(self, x, y)
-        y = self.tp.all_reduce(y)
-        return y if self.bias is None else y + self.bias
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Rows [start, start + weight rows) of the embedding; other ids embed as zeros, and one
-    all-reduce sums each token's single non-zero row."""
-
-    def __init__(self, vocab_local: int, hidden: int, start: int, tp: TensorParallel) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_local, hidden))
-        self.start = start
-        self.tp = tp
-        nn.init.normal_(self.weight)  # as nn.Embedding (see RowParallelLinear)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [tokens] -> [tokens, hidden]
-        if not self.tp.enabled:
-            return F.embedding(ids, self.weight)
-        local = ids - self.start
-        inside = (local >= 0) & (local < self.weight.shape[0])  # no host sync: graph-safe
-        h = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
-        return self.tp.all_reduce(h * inside.unsqueeze(-1).to(h.dtype))
 
 
 class LlamaAttention(nn.Module):
@@ -193,9 +108,21 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, shard, tp)
         # Registered under the checkpoint's name: `mlp`, or Mixtral's `block_sparse_moe`.
-        sparse = cfg.moe is not None and index in cfg.moe.sparse_layers
-        self.mlp_name = block_name(cfg.architecture) if sparse else "mlp"
-        mlp = SparseMoeBlock(cfg, shard, tp) if sparse else LlamaMLP(cfg, shard, tp)
+        self.mlp_name = "mlp"
+        mlp: nn.Module
+        if cfg.moe is not None and index in cfg.moe.sparse_layers:
+            variant = VARIANTS[cfg.architecture]  # its checkpoints' names for the block
+            self.mlp_name = variant.moe_block
+            mlp = SparseMoeBlock(
+                cfg.hidden_size,
+                cfg.moe,
+                shard.expert_intermediate_size,
+                shard.shared_expert_intermediate_size,
+                variant.expert_parts,
+                tp,
+            )
+        else:
+            mlp = LlamaMLP(cfg, shard, tp)
         self.add_module(self.mlp_name, mlp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -241,7 +168,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     def __init__(
         self,
         cfg: ModelConfig,
@@ -252,11 +179,11 @@ class LlamaForCausalLM(nn.Module):
         """`triton_kernels`: the norms, the activation and the experts' grouped GEMMs run
         engine/layers' Triton kernels (engine/layers/kernel_choice.py says when); else their
         torch reference code."""
-        super().__init__()
+        super().__init__(cfg, backend, tp, triton_kernels)
         self.config = cfg
         self.backend = backend
         self.tp = tp or TensorParallel()
-        self.sharding = Sharding(cfg, self.tp.rank, self.tp.size)
+        self.sharding: Sharding = self.shard_layout(cfg, self.tp.rank, self.tp.size)
         self.model = LlamaModel(cfg, self.sharding, self.tp)
         self.lm_head = None
         if not cfg.tie_word_embeddings:
@@ -267,6 +194,10 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm | SiluAndMul | StackedExperts):
                 module.triton = triton_kernels
+
+    @classmethod
+    def shard_layout(cls, cfg: ModelConfig, rank: int, size: int) -> Sharding:
+        return Sharding(cfg, rank, size)
 
     def forward(
         self,
@@ -310,6 +241,27 @@ class LlamaForCausalLM(nn.Module):
                 local = {name: p.detach() for name, p in module.named_parameters(recurse=False)}
             tensors |= {f"{prefix}.{name}".lstrip("."): t for name, t in local.items()}
         return tensors
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return KVLayout(self.config.num_layers, self.sharding.num_kv_heads, self.config.head_dim)
+
+    def init_buffers(self, device: torch.device) -> None:
+        cfg = self.config  # the rotary tables in float32, whatever the weights' dtype
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling
+        ).to(device)
+
+    def lora_targets(self) -> dict[str, LoraTarget]:
+        """The attention projections and the dense MLPs' (an MoE block's, its shared
+        expert's included, take no adapter)."""
+        moe = tuple(f"{p}." for p, m in self.named_modules() if isinstance(m, SparseMoeBlock))
+        return {
+            name: module
+            for name, module in self.named_modules()
+            if isinstance(module, MergedLinear | RowParallelLinear)
+            and not (moe and name.startswith(moe))
+        }
 
     @property
     def head_weight(self) -> torch.Tensor:

@@ -16,11 +16,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from engine.execution.step_inputs import StepArrays
 from engine.parallel.tensor_parallel import TensorParallel
 
 HEADER_SIZE = 10
@@ -57,10 +57,23 @@ class StepHeader:
         return (self.graph_size or self.num_seqs) * self.width
 
 
+class StepBuffers(Protocol):
+    """The host int buffers a step's forward reads (engine/execution/step_inputs.py's
+    StepArrays), each allocated at the largest step: the channel sends their used prefixes."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    seq_lens: np.ndarray
+    query_start_loc: np.ndarray
+    block_tables: np.ndarray
+    sample_rows: np.ndarray
+
+
 class StepChannel:
     """Rank 0 `send`s, every other rank `receive`s, into the same host StepArrays."""
 
-    def __init__(self, tp: TensorParallel, arrays: StepArrays, max_copies: int) -> None:
+    def __init__(self, tp: TensorParallel, arrays: StepBuffers, max_copies: int) -> None:
         self.tp = tp
         self.arrays = arrays
         self.header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
@@ -144,7 +157,7 @@ class StepChannel:
         return parts
 
 
-def _int_arrays(a: StepArrays) -> list[np.ndarray]:
+def _int_arrays(a: StepBuffers) -> list[np.ndarray]:
     return [
         a.input_ids,
         a.positions,

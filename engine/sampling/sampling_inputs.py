@@ -3,24 +3,41 @@
 The per-row numbers are gathered into the step's buffers and the batch's flags are the OR of
 the rows' bits (engine/sampling/sampling_slots.py); what varies with the tokens (the token
 histories penalties read, the stop ids banned below min_tokens, the sampling surface's
-masks: engine/execution/surface_rows.py) becomes a tensor of its own,
+masks: engine/sampling/surface_rows.py) becomes a tensor of its own,
 only when some row needs it; structured-output rows get a GrammarMask, filled while the step
 runs (engine/structured/grammar_mask.py).
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
+import numpy as np
 import torch
 
-from engine.execution.step_inputs import StepArrays, StepInputs
-from engine.execution.surface_rows import surface_tensors
 from engine.kv_cache.block_table import BlockTable
 from engine.protocol.messages import SUPPORT_TIES, LogprobMode
 from engine.sampling import sampling_slots as slot_bits
 from engine.sampling.sampler import SamplingBatch
 from engine.sampling.sampling_slots import SamplingSlots
+from engine.sampling.surface_rows import surface_tensors
 from engine.scheduling.request import Request
 from engine.structured.grammar_mask import GrammarMask
+
+
+class HostRows(Protocol):
+    """The host's numpy views of a step's sampling rows (engine/execution/step_inputs.py's
+    StepArrays): [max_rows, 6] float32 and [max_rows, 5] int64."""
+
+    sampling_floats: np.ndarray
+    sampling_ints: np.ndarray
+
+
+class StepRows(Protocol):
+    """A step's sampling-row tensors, on the host or the device (StepInputs)."""
+
+    sampling_floats: torch.Tensor
+    sampling_ints: torch.Tensor
 
 
 class SamplingInputs:
@@ -36,9 +53,9 @@ class SamplingInputs:
         self,
         reqs: list[Request],
         table: BlockTable,
-        host: StepInputs,
-        arrays: StepArrays,
-        inputs: StepInputs,
+        host: StepRows,
+        arrays: HostRows,
+        inputs: StepRows,
     ) -> SamplingBatch:
         """Per-row sampling inputs: each row's numbers gathered from SamplingSlots (written
         once per request) into the step buffers (`host`, its numpy `arrays`; then `inputs`,

@@ -30,14 +30,14 @@ from engine.execution.host_malloc import mapped_allocations
 from engine.execution.model_runner import ModelRunner
 from engine.kv_cache.page_pool import PagePool
 from engine.layers.linear import prepack
-from engine.models.llama import LlamaForCausalLM
-from engine.models.moe import StackedExperts
+from engine.models.base import CausalLM
+from engine.moe.experts import StackedExperts
 
 Released = list[tuple[torch.UntypedStorage, int]]  # each storage, with its size before
 
 
 class ModelMemory:
-    def __init__(self, model: LlamaForCausalLM, pool: PagePool, runner: ModelRunner) -> None:
+    def __init__(self, model: CausalLM, pool: PagePool, runner: ModelRunner) -> None:
         self.model = model
         self.pool = pool
         self.runner = runner

@@ -1,10 +1,12 @@
 """Weights: loading a checkpoint at start, and swapping new weights in while serving.
 
-`loading` (safetensors checkpoints into the model by name), `checks` (what an update's source
-can be refused for before anything pauses), `staging` (read and validate, then swap),
-`sharded_update` (the same over every tensor-parallel rank), `transfer_group` (a trainer's
-process group, for distributed updates; `group_join` joins it beside the engine loop),
-`buckets` (their layout), `distributed` (staging
-them) and `weight_updater` (the update state machine of one engine). May import `models`,
-`parallel`, `scheduling` and `engine.protocol.messages`.
+`loading` (safetensors checkpoints into the registry's model by name), `checks` (what an
+update's source can be refused for before anything pauses), `staging` (read and validate, then
+swap), `sharded_update` (the same over every tensor-parallel rank), `transfer_group` (a
+trainer's process group, for distributed updates; `group_join` joins it beside the engine
+loop), `buckets` (their layout), `distributed` (staging them) and `weight_updater` (the update
+state machine of one engine). Tensors are cut through the model's ShardLayout, by checkpoint
+name: nothing here names a family's weights.
+
+May import: engine.attention.backend, engine.kv_cache, engine.models.base, engine.models.hf_config, engine.parallel, engine.protocol, engine.scheduling
 """

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.parallel.sharding import Sharding
+from engine.parallel.shard_layout import ShardLayout
 from engine.protocol.messages import TensorSpec
 from engine.weights.loading import IGNORED_SUFFIXES, checkpoint_files
 from engine.weights.sharded_update import UpdateSource
@@ -39,7 +39,7 @@ class UpdateSize:
 
 def check_update(
     params: Mapping[str, torch.Tensor],
-    sharding: Sharding,
+    sharding: ShardLayout,
     source: UpdateSource,
     tensors: Mapping[str, torch.Tensor] | None,
 ) -> UpdateSize:
@@ -60,7 +60,7 @@ def check_update(
 
 
 def _check_tensors(
-    params: Mapping[str, torch.Tensor], sharding: Sharding, tensors: Mapping[str, torch.Tensor]
+    params: Mapping[str, torch.Tensor], sharding: ShardLayout, tensors: Mapping[str, torch.Tensor]
 ) -> list[str]:
     for name, tensor in tensors.items():
         param = check_tensor(params, sharding, name, tuple(tensor.shape))
@@ -70,7 +70,7 @@ def _check_tensors(
 
 
 def _check_specs(
-    params: Mapping[str, torch.Tensor], sharding: Sharding, specs: tuple[TensorSpec, ...]
+    params: Mapping[str, torch.Tensor], sharding: ShardLayout, specs: tuple[TensorSpec, ...]
 ) -> list[str]:
     """A distributed update's list: each tensor once, with the served shape and dtype."""
     if not specs:
@@ -90,7 +90,7 @@ def _check_specs(
 
 
 def _check_tensor_file(
-    params: Mapping[str, torch.Tensor], sharding: Sharding, source: UpdateSource
+    params: Mapping[str, torch.Tensor], sharding: ShardLayout, source: UpdateSource
 ) -> list[str]:
     path = source.tensor_file
     assert path is not None
@@ -114,7 +114,7 @@ def _check_tensor_file(
 
 
 def _check_checkpoint(
-    params: Mapping[str, torch.Tensor], sharding: Sharding, directory: str
+    params: Mapping[str, torch.Tensor], sharding: ShardLayout, directory: str
 ) -> list[str]:
     try:
         headers = [(file, _header(file)) for file in checkpoint_files(Path(directory))]

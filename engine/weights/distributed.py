@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
-from engine.parallel.sharding import Sharding
+from engine.parallel.shard_layout import ShardLayout
 from engine.protocol.messages import DistributedTensors
 from engine.weights.buckets import bucket_layout
 from engine.weights.staging import DTYPES, Progress, StagedWeights, WeightUpdateError
@@ -22,7 +22,7 @@ from engine.weights.transfer_group import TransferGroup
 
 def stage_distributed(
     params: Mapping[str, torch.Tensor],
-    sharding: Sharding | None,
+    sharding: ShardLayout | None,
     transfer: TransferGroup,
     source: DistributedTensors,
     progress: Progress,

@@ -1,6 +1,6 @@
 """Loads Hugging Face safetensors checkpoints (single file or sharded) into the model by name.
 
-Names are the checkpoint's (`LlamaForCausalLM.checkpoint_tensors`): each tensor is copied into
+Names are the checkpoint's (`CausalLM.checkpoint_tensors`: engine/models/base.py): each tensor is copied into
 its part of the model's parameters, a merged projection's rows included.
 
 A tensor-parallel rank reads only its slice of each tensor (safetensors' `get_slice`), so no
@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.attention.backend import AttentionBackend
+from engine.models.base import CausalLM, model_class
 from engine.models.hf_config import ModelConfig
-from engine.models.llama import AttentionBackend, LlamaForCausalLM
-from engine.models.rope import RotaryEmbedding
 from engine.parallel.tensor_parallel import TensorParallel
 
 # Present in some checkpoints, recomputed by us (rotary tables), never loaded.
@@ -46,23 +46,20 @@ def build_model(
     dtype: torch.dtype,
     tp: TensorParallel | None = None,
     triton_kernels: bool = False,
-) -> LlamaForCausalLM:
-    """Construct the model (this rank's shard) without initialising it, then fill every
-    parameter from the files. `triton_kernels`: see LlamaForCausalLM."""
+) -> CausalLM:
+    """Construct the model (this rank's shard) of `cfg.architecture` (the registry's class)
+    without initialising it, then fill every parameter from the files. `triton_kernels`: see
+    CausalLM."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend, tp, triton_kernels)
+        model = model_class(cfg.architecture)(cfg, backend, tp, triton_kernels)
     model = model.to(dtype).to_empty(device=device)
-    # Rotary tables are computed, not loaded: rebuild them in float32 on the device.
-    model.rotary = RotaryEmbedding(
-        cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling
-    )
-    model.rotary.to(device)
+    model.init_buffers(device)  # computed, not loaded (rotary tables)
     load_weights(model, directory)
     # Inference only: no autograd state, and in-place updates (live_weights) just work.
     return model.requires_grad_(False).eval()
 
 
-def load_weights(model: LlamaForCausalLM, directory: Path) -> None:
+def load_weights(model: CausalLM, directory: Path) -> None:
     """Fill every checkpoint tensor of `model` (this rank's slices) from the files."""
     sharding = model.sharding
     params = model.checkpoint_tensors()

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.models.llama import LlamaForCausalLM
-from engine.parallel.sharding import Sharding
+from engine.models.base import CausalLM
+from engine.parallel.shard_layout import ShardLayout
 from engine.parallel.step_channel import Op, StepChannel, StepHeader
 from engine.protocol.messages import DistributedTensors, TensorRef
 from engine.weights.distributed import stage_distributed
@@ -49,7 +49,7 @@ class UpdateSource:
 
 
 def stage(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     source: UpdateSource,
     progress: Progress,
     tensors: Mapping[str, torch.Tensor] | None = None,
@@ -87,7 +87,7 @@ def stage(
     return staged
 
 
-def follow_stage(model: LlamaForCausalLM, transfer: TransferGroup) -> None:
+def follow_stage(model: CausalLM, transfer: TransferGroup) -> None:
     """A worker, after Op.STAGE: stage with rank 0, and swap if every rank succeeded."""
     source: UpdateSource = model.tp.broadcast_object()
     try:
@@ -99,7 +99,7 @@ def follow_stage(model: LlamaForCausalLM, transfer: TransferGroup) -> None:
 
 def _stage_here(
     params: Mapping[str, torch.Tensor],
-    sharding: Sharding,
+    sharding: ShardLayout,
     source: UpdateSource,
     progress: Progress,
     tensors: Mapping[str, torch.Tensor] | None,
@@ -118,7 +118,7 @@ def _stage_here(
 
 
 def _stage_broadcast(
-    model: LlamaForCausalLM, source: UpdateSource, tensors: Mapping[str, torch.Tensor] | None
+    model: CausalLM, source: UpdateSource, tensors: Mapping[str, torch.Tensor] | None
 ) -> StagedWeights:
     """In-process tensors: rank 0 broadcasts each whole tensor; every rank stages its slice.
     NOTE: every tensor is broadcast even after a bad one: the ranks must make the same
@@ -159,14 +159,14 @@ def describe(
 
 
 def gather_parameters(
-    model: LlamaForCausalLM, channel: StepChannel | None = None
+    model: CausalLM, channel: StepChannel | None = None
 ) -> dict[str, torch.Tensor]:
     """Rank 0: every checkpoint tensor whole (copies, by checkpoint name), assembled from every
     rank's shard; a worker (after Op.GATHER) sends its shards and gets {}."""
     tp = model.tp
     if tp.rank == 0 and channel is not None:
         channel.send(StepHeader(Op.GATHER))
-    shards = [Sharding(model.config, r, tp.size) for r in range(tp.size)]
+    shards = [model.sharding.for_rank(r) for r in range(tp.size)]
     whole: dict[str, torch.Tensor] = {}
     for name, param in model.checkpoint_tensors().items():
         local = param.to("cpu").contiguous()

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from engine.parallel.sharding import Sharding
+from engine.parallel.shard_layout import ShardLayout
 from engine.protocol.messages import TensorRef
 from engine.weights.loading import IGNORED_SUFFIXES, checkpoint_files
 
@@ -45,7 +45,7 @@ def invalid(message: str) -> WeightUpdateError:
 
 def check_tensor(
     params: Mapping[str, torch.Tensor],
-    sharding: Sharding,
+    sharding: ShardLayout,
     name: str,
     shape: tuple[int, ...],
     where: str = "",
@@ -65,9 +65,9 @@ class StagedWeights:
     """New values for some of the model's parameters (this rank's slices), validated, on the
     host."""
 
-    def __init__(self, params: Mapping[str, torch.Tensor], sharding: Sharding | None) -> None:
+    def __init__(self, params: Mapping[str, torch.Tensor], sharding: ShardLayout | None) -> None:
         self.params = params
-        self.sharding = sharding or Sharding.whole()
+        self.sharding = sharding or ShardLayout()
         self.tensors: dict[str, torch.Tensor] = {}
 
     def add(self, name: str, source: Any, shape: tuple[int, ...], cast: bool) -> None:
@@ -91,7 +91,7 @@ class StagedWeights:
 
 def stage_checkpoint(
     params: Mapping[str, torch.Tensor],
-    sharding: Sharding | None,
+    sharding: ShardLayout | None,
     directory: str,
     progress: Progress,
 ) -> StagedWeights:
@@ -125,7 +125,7 @@ def stage_checkpoint(
 
 def stage_tensor_file(
     params: Mapping[str, torch.Tensor],
-    sharding: Sharding | None,
+    sharding: ShardLayout | None,
     path: str,
     refs: tuple[TensorRef, ...],
     progress: Progress,
@@ -158,7 +158,7 @@ def stage_tensor_file(
 
 def stage_tensors(
     params: Mapping[str, torch.Tensor],
-    sharding: Sharding | None,
+    sharding: ShardLayout | None,
     tensors: Mapping[str, torch.Tensor],
 ) -> StagedWeights:
     """In-memory tensors from a trainer in the same process (dtype must be the served one)."""

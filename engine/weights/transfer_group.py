@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from engine.models.llama import LlamaForCausalLM
+from engine.models.base import CausalLM
 from engine.parallel.step_channel import Op, StepChannel, StepHeader
 from engine.protocol.messages import TransferGroupSpec
 from engine.weights.group_join import MAX_ABANDONED, GroupJoin
@@ -97,7 +97,7 @@ class TransferGroup:
 
 
 def begin_all(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     transfer: TransferGroup,
     spec: TransferGroupSpec,
     channel: StepChannel | None,
@@ -110,9 +110,7 @@ def begin_all(
     transfer.begin(spec, model.tp.rank, _device(model))
 
 
-def finish_all(
-    model: LlamaForCausalLM, transfer: TransferGroup, channel: StepChannel | None
-) -> None:
+def finish_all(model: CausalLM, transfer: TransferGroup, channel: StepChannel | None) -> None:
     """Rank 0, once its join has settled: every rank finishes its join; if any failed, every
     rank leaves and rank 0 raises that rank's WeightUpdateError."""
     failure = _finish_here(model, transfer, 0.0)
@@ -123,9 +121,7 @@ def finish_all(
     _agree(model, transfer, failure)
 
 
-def leave_all(
-    model: LlamaForCausalLM, transfer: TransferGroup, channel: StepChannel | None
-) -> None:
+def leave_all(model: CausalLM, transfer: TransferGroup, channel: StepChannel | None) -> None:
     """Rank 0: every rank leaves the group (and abandons a join under way)."""
     if model.tp.enabled:
         assert channel is not None
@@ -134,7 +130,7 @@ def leave_all(
     transfer.leave()
 
 
-def follow_join(model: LlamaForCausalLM, transfer: TransferGroup) -> None:
+def follow_join(model: CausalLM, transfer: TransferGroup) -> None:
     """A worker, after Op.JOIN: start joining (or leave) with rank 0."""
     spec: TransferGroupSpec | None = model.tp.broadcast_object()
     if spec is None:
@@ -143,7 +139,7 @@ def follow_join(model: LlamaForCausalLM, transfer: TransferGroup) -> None:
         transfer.begin(spec, model.tp.rank, _device(model))
 
 
-def follow_joined(model: LlamaForCausalLM, transfer: TransferGroup) -> None:
+def follow_joined(model: CausalLM, transfer: TransferGroup) -> None:
     """A worker, after Op.JOINED: rank 0 joined (wait for this rank's join, at most its
     deadline) or gave up (give up too), then agree."""
     rank0_joined: bool = model.tp.broadcast_object()
@@ -154,7 +150,7 @@ def follow_joined(model: LlamaForCausalLM, transfer: TransferGroup) -> None:
 
 
 def _finish_here(
-    model: LlamaForCausalLM, transfer: TransferGroup, wait: float
+    model: CausalLM, transfer: TransferGroup, wait: float
 ) -> tuple[int, str, str] | None:
     try:
         transfer.finish(wait)
@@ -163,9 +159,7 @@ def _finish_here(
     return None
 
 
-def _agree(
-    model: LlamaForCausalLM, transfer: TransferGroup, failure: tuple[int, str, str] | None
-) -> None:
+def _agree(model: CausalLM, transfer: TransferGroup, failure: tuple[int, str, str] | None) -> None:
     tp = model.tp
     failures = [f for f in tp.all_gather_object(failure) if f is not None] if tp.enabled else []
     failures = failures or ([failure] if failure is not None else [])
@@ -175,5 +169,5 @@ def _agree(
         raise WeightUpdateError(code, message if rank == 0 else f"rank {rank}: {message}")
 
 
-def _device(model: LlamaForCausalLM) -> torch.device:
+def _device(model: CausalLM) -> torch.device:
     return next(model.parameters()).device

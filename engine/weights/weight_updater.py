@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.kv_cache.prefix_cache import PrefixCache
-from engine.models.llama import LlamaForCausalLM
+from engine.models.base import CausalLM
 from engine.parallel.step_channel import StepChannel
 from engine.protocol.messages import (
     MAX_POLICY_VERSION,
@@ -87,7 +87,7 @@ class PendingUpdate:
 class WeightUpdater:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         scheduler: Scheduler,
         cache: PrefixCache,
         abort: Abort,

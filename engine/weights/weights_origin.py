@@ -14,7 +14,7 @@ the same version. The service checks its fingerprints (ReplayLog.changed) before
 
 from __future__ import annotations
 
-from engine.models.llama import LlamaForCausalLM
+from engine.models.base import CausalLM
 from engine.parallel.step_channel import StepChannel
 from engine.weights.sharded_update import UpdateSource, stage
 
@@ -40,7 +40,7 @@ class WeightsOrigin:
         """The served weights changed in a way nothing can read again."""
         self.sources = None
 
-    def reload(self, model: LlamaForCausalLM, channel: StepChannel | None) -> None:
+    def reload(self, model: CausalLM, channel: StepChannel | None) -> None:
         """Fill every parameter from the origin, in order; WeightUpdateError if a source is
         unreadable (what was already copied is then partial: the caller must not serve it)."""
         assert self.sources is not None, "reload() of an unknown origin"

@@ -11,8 +11,9 @@ import torch
 
 from bench.checkpoints import SHAPES
 from bench.throughput.moe_loop import per_expert_loop
-from engine.models.hf_config import MoeConfig
-from engine.models.moe import QWEN_PARTS, StackedExperts, route
+from engine.models.llama_family import QWEN_PARTS
+from engine.moe.config import MoeConfig
+from engine.moe.experts import StackedExperts, route
 
 REPO = Path(__file__).resolve().parents[2]
 

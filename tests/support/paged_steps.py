@@ -7,7 +7,7 @@ import random
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.models.rope import RotaryEmbedding
+from engine.layers.rope import RotaryEmbedding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -97,7 +97,7 @@ class Step:
         return out, k_cache, v_cache
 
     def rotated(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """q and k rotated at their positions by the torch reference (engine/models/rope.py)."""
+        """q and k rotated at their positions by the torch reference (engine/layers/rope.py)."""
         return self.rotary(self.positions, self.q, self.k)
 
 

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.execution.cuda_graph import GraphOutput
-from engine.models.moe import StackedExperts
+from engine.moe.experts import StackedExperts
 from tests.support.tiny_models import make_checkpoint, prompts
 from tests.support.triton_interpreter import use_triton
 

@@ -1,5 +1,5 @@
 """The experts' grouped-GEMM kernel (engine/layers/grouped_gemm_kernel.py) equals the torch path
-of engine/models/moe.py (one GEMM per expert) in float32: compiled on CUDA, else on the CPU
+of engine/moe/experts.py (one GEMM per expert) in float32: compiled on CUDA, else on the CPU
 through Triton's interpreter (float32 only: the interpreter computes bfloat16 dots wrongly).
 
 Shapes are tiny (the interpreter is slow) but cover what the kernel's indexing must: experts
@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.models.hf_config import MoeConfig
-from engine.models.moe import QWEN_PARTS, StackedExperts, route
+from engine.models.llama_family import QWEN_PARTS
+from engine.moe.config import MoeConfig
+from engine.moe.experts import StackedExperts, route
 from tests.support.tiny_models import make_checkpoint, prompts
 from tests.support.triton_interpreter import use_triton
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from engine.layers.rms_norm import rms_norm_ref
+from engine.layers.rope import RotaryEmbedding
 from engine.layers.silu_and_mul import silu_and_mul_ref
-from engine.models.rope import RotaryEmbedding
 from tests.support.triton_interpreter import use_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -10,8 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.attention.torch_ref import TorchRefAttention
+from engine.layers.merged_linear import MergedLinear
 from engine.models.hf_config import load_model_config
-from engine.models.merged_linear import MergedLinear
 from engine.weights.loading import build_model
 from tests.support.tiny_models import make_checkpoint
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.models.hf_config import UnsupportedModelError, load_model_config
-from engine.models.moe import SparseMoeBlock
+from engine.moe.block import SparseMoeBlock
 from engine.protocol.messages import WeightsPhase
 from tests.support.tiny_models import hf_greedy, load_hf_model, make_checkpoint, prompts
 

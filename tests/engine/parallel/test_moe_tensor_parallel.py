@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.models.hf_config import load_model_config
-from engine.parallel.sharding import Sharding
+from engine.models.sharding import Sharding
 from engine.protocol.messages import WeightsPhase
 from tests.support.tiny_models import hf_greedy, load_hf_model, make_checkpoint, prompts
 

@@ -7,7 +7,7 @@ the projections apart, so `checkpoint_tensors` names each part by its checkpoint
 view of its rows: loading, weight updates and live_weights copy into these views, and the
 merged parameter changes with them.
 
-Column-parallel: each part is built at this rank's local size (engine/parallel/sharding.py says
+Column-parallel: each part is built at this rank's local size (engine/models/sharding.py says
 which rows of the checkpoint tensor that is), so a rank's weight is its q, k and v (or gate and
 up) slices stacked, in that order.
 """

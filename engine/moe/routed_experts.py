@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.llama import LlamaForCausalLM
-from engine.scheduling.request import Request
+from engine.moe.config import MoeConfig
 
 
-def routing_record(model: LlamaForCausalLM, requests: list[Request]) -> list[torch.Tensor] | None:
-    """A list for the forward to append each MoE layer's expert ids to, when one of
-    `requests` asks for its routed experts (a dense model has none to give); else None."""
-    if model.config.moe is None or not any([r.params.routed_experts for r in requests]):
-        return None
-    return []
+def routing_record(moe: MoeConfig | None, asked: bool) -> list[torch.Tensor] | None:
+    """A list for the forward to append each MoE layer's expert ids to, when a request of the
+    step `asked` for its routed experts and the model has experts (`moe`; a dense model has
+    none to give); else None."""
+    return [] if moe is not None and asked else None
 
 
 def row_routing(routing: list[torch.Tensor], rows: torch.Tensor | None, count: int) -> torch.Tensor:

@@ -1,15 +1,14 @@
-"""The mixture-of-experts feed-forward of Qwen2-MoE, Qwen3-MoE and Mixtral, as transformers
-computes it.
+"""The experts of a mixture-of-experts feed-forward (Qwen2-MoE, Qwen3-MoE, Mixtral), and the
+routing that picks them, as transformers computes it.
 
-A router (`gate`, [experts, hidden]) scores every token; each token goes to its top-k experts
-(`route`), and its output is the routing-weighted sum of theirs; Qwen2-MoE adds a shared expert
-that every token runs, scaled by sigmoid(`shared_expert_gate`).
+A router (`gate`, [experts, hidden]: engine/moe/block.py) scores every token; each token goes
+to its top-k experts (`route`), and its output is the routing-weighted sum of theirs.
 
 Expert weights are stacked at load time: `StackedExperts.gate_up_proj` [experts, 2 * inter,
 hidden] (each expert's gate rows, then its up rows, as MergedLinear stacks a dense MLP's) and
 `down_proj` [experts, hidden, inter]. Checkpoints name each expert apart
-(`mlp.experts.3.gate_proj.weight`; Mixtral `block_sparse_moe.experts.3.w1.weight`), so
-`checkpoint_tensors` names each expert's part by its checkpoint name, as a view of the stack:
+(`mlp.experts.3.gate_proj.weight`; Mixtral `block_sparse_moe.experts.3.w1.weight`: the family
+passes its names), so `checkpoint_tensors` names each expert's part by its checkpoint name, as a view of the stack:
 loading and weight updates write through these views.
 
 The forward groups the (token, choice) pairs by expert (one sort) and runs each expert that has
@@ -20,10 +19,10 @@ each projection for every expert in one grouped-GEMM launch (engine/layers/group
 whose grid depends on the token count alone: no host sync, so decode steps of MoE models are
 CUDA-graph captured with it (engine/execution/cuda_graph.py).
 
-Tensor parallelism: every expert (and the shared expert) is split on its intermediate dimension
-(engine/parallel/sharding.py); each rank's partial sum of routed and shared outputs is summed by
-one all-reduce per MoE layer, as a dense MLP's down_proj is. The routing weights and the shared
-gate are per-token scalars that every rank computes whole, so scaling before the sum is exact.
+Tensor parallelism: every expert is split on its intermediate dimension (the family's sharding
+table: engine/models/sharding.py); the block sums the ranks' partial outputs. The routing
+weights are per-token scalars that every rank computes whole, so scaling before the sum is
+exact.
 """
 
 from __future__ import annotations
@@ -31,27 +30,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.linear import linear
 from engine.layers.silu_and_mul import SiluAndMul
-from engine.models.hf_config import ModelConfig, MoeConfig
-from engine.models.merged_linear import MergedLinear
-from engine.parallel.sharding import Sharding
-from engine.parallel.tensor_parallel import TensorParallel
-
-# Checkpoint names: the MoE block's module name in a decoder layer, and each expert's
-# (gate, up, down) projections.
-MIXTRAL = "MixtralForCausalLM"
-BLOCK_NAMES = {MIXTRAL: "block_sparse_moe"}
-EXPERT_PARTS = {MIXTRAL: ("w1", "w3", "w2")}
-QWEN_PARTS = ("gate_proj", "up_proj", "down_proj")
-
-
-def block_name(architecture: str) -> str:
-    """The decoder layer's name for its MoE block in `architecture`'s checkpoints."""
-    return BLOCK_NAMES.get(architecture, "mlp")
+from engine.moe.config import MoeConfig
 
 
 def route(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,55 +141,3 @@ class StackedExperts(nn.Module):
             down = list(self.down_proj.detach().unbind(0))
             self._views = (key, gate_up, down)
         return self._views[1], self._views[2]
-
-
-class SharedExpert(nn.Module):
-    """Qwen2-MoE's shared expert: a dense MLP (this rank's slice) whose down projection is not
-    all-reduced here; SparseMoeBlock sums it with the routed experts' partial sums."""
-
-    def __init__(self, hidden: int, inter: int) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedLinear(hidden, {"gate_proj": inter, "up_proj": inter}, False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-        self.act = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return linear(self.act(gate, up), self.down_proj.weight, None)
-
-
-class SparseMoeBlock(nn.Module):
-    """A decoder layer's MoE feed-forward: router, stacked experts, optional shared expert.
-    Module names are the checkpoint's (`gate`, `experts`, `shared_expert`,
-    `shared_expert_gate`)."""
-
-    def __init__(self, cfg: ModelConfig, shard: Sharding, tp: TensorParallel) -> None:
-        super().__init__()
-        assert cfg.moe is not None, "an MoE block needs the checkpoint's MoE config"
-        self.moe = cfg.moe
-        self.tp = tp
-        hidden = cfg.hidden_size
-        self.gate = nn.Linear(hidden, cfg.moe.num_experts, bias=False)  # replicated
-        parts = EXPERT_PARTS.get(cfg.architecture, QWEN_PARTS)
-        self.experts = StackedExperts(
-            cfg.moe.num_experts, hidden, shard.expert_intermediate_size, parts
-        )
-        self.shared_expert: SharedExpert | None = None
-        self.shared_expert_gate: nn.Linear | None = None
-        if cfg.moe.shared_expert_intermediate_size:
-            self.shared_expert = SharedExpert(hidden, shard.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
-
-    def forward(
-        self, x: torch.Tensor, routing: list[torch.Tensor] | None = None
-    ) -> torch.Tensor:  # [tokens, hidden] -> same
-        """`routing`, when given, gains this layer's expert ids [tokens, top_k] (the routed
-        experts a request asked for: engine/execution/routed_experts.py)."""
-        weights, ids = route(linear(x, self.gate.weight, None), self.moe)
-        if routing is not None:
-            routing.append(ids)
-        out = self.experts(x, weights, ids)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            scale = F.sigmoid(linear(x, self.shared_expert_gate.weight, None))  # [tokens, 1]
-            out = out + scale * self.shared_expert(x)
-        return self.tp.all_reduce(out)

@@ -1,4 +1,5 @@
-"""Which slice of each checkpoint tensor one tensor-parallel rank holds (Megatron-style).
+"""The Llama family's sharding table: which slice of each of its checkpoint tensors one
+tensor-parallel rank holds (Megatron-style), by the names its checkpoints use.
 
 Column-parallel (the output dim is split): q/k/v and gate/up projections, with their biases.
 Row-parallel (the input dim is split, one all-reduce after): o_proj and down_proj; their biases
@@ -9,7 +10,7 @@ one weight over head_dim, shared by every head) are replicated.
 With fewer KV heads than ranks, each KV head is replicated on the ranks whose query heads use
 it (rank r holds KV head r // (ranks / kv_heads)). With one rank every tensor is whole.
 
-Mixture-of-experts layers (engine/models/moe.py) split every expert as a dense MLP is split:
+Mixture-of-experts layers (engine/moe/) split every expert as a dense MLP is split:
 each rank holds a slice of each expert's intermediate dimension (gate/up rows, down columns;
 Mixtral's w1/w3 and w2), and of the shared expert's; the router and the shared-expert gate are
 replicated. Which intermediate size a gate/up/down tensor splits is told by its name
@@ -17,15 +18,14 @@ replicated. Which intermediate size a gate/up/down tensor splits is told by its 
 
 Slices are decided by checkpoint name: a rank's merged qkv_proj (gate_up_proj) stacks its
 slices of q, k and v (gate and up), each found by its own name
-(LlamaForCausalLM.checkpoint_tensors).
+(LlamaForCausalLM.checkpoint_tensors). The generic part (a Split, a whole layout, shapes
+and slices from `split`) is engine/parallel/shard_layout.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 from engine.models.hf_config import ModelConfig
+from engine.parallel.shard_layout import ShardLayout, Split
 
 # Parameter name suffix -> (split dim, which size is split).
 COLUMN = {
@@ -47,20 +47,7 @@ COLUMN = {
 ROW = {"o_proj.weight": "q", "down_proj.weight": "mlp", "w2.weight": "expert"}
 
 
-@dataclass(frozen=True)
-class Split:
-    """This rank holds [start, stop) of dimension `dim`, whose full size is `full`."""
-
-    dim: int
-    start: int
-    stop: int
-    full: int
-
-    def index(self) -> tuple[slice, ...]:
-        return (*[slice(None)] * self.dim, slice(self.start, self.stop))
-
-
-class Sharding:
+class Sharding(ShardLayout):
     """The local sizes and tensor slices of rank `rank` of `size` for one model config.
 
     Raises ValueError at construction when `size` does not divide what it must split.
@@ -68,6 +55,7 @@ class Sharding:
 
     def __init__(self, cfg: ModelConfig, rank: int = 0, size: int = 1) -> None:
         _check_divisible(cfg, size)
+        self.config = cfg
         self.rank, self.size = rank, size
         self.num_heads = cfg.num_heads // size
         self.num_kv_heads = max(1, cfg.num_kv_heads // size)
@@ -92,15 +80,7 @@ class Sharding:
         self._ranges["expert"] = (rank * (expert // size), expert // size, expert)
         self._ranges["shared_expert"] = (rank * (shared // size), shared // size, shared)
 
-    @classmethod
-    def whole(cls) -> Sharding:
-        """One rank: every tensor whole (needs no model config)."""
-        shard = cls.__new__(cls)
-        shard.rank, shard.size, shard._ranges = 0, 1, {}
-        return shard
-
     def split(self, name: str) -> Split | None:
-        """This rank's slice of parameter `name`; None when every rank holds it whole."""
         if self.size == 1:
             return None
         suffix = ".".join(name.split(".")[-2:])
@@ -114,20 +94,8 @@ class Sharding:
         start, length, full = self._ranges[kind]
         return Split(dim, start, start + length, full)
 
-    def full_shape(self, name: str, local: tuple[int, ...]) -> tuple[int, ...]:
-        """The checkpoint shape of a parameter whose shard on this rank has shape `local`."""
-        split = self.split(name)
-        if split is None:
-            return tuple(local)
-        shape = list(local)
-        shape[split.dim] = split.full
-        return tuple(shape)
-
-    def take(self, name: str, source: Any) -> Any:
-        """This rank's part of a whole tensor: `source` is anything indexable like a tensor
-        (a torch tensor, a safetensors slice, which then reads only these rows or columns)."""
-        split = self.split(name)
-        return source[:] if split is None else source[split.index()]
+    def for_rank(self, rank: int) -> Sharding:
+        return Sharding(self.config, rank, self.size)
 
 
 def _check_divisible(cfg: ModelConfig, size: int) -> None:
