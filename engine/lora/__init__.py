@@ -11,8 +11,8 @@ adapter is resident in which slot), adapter_update.py (an adapter updated in pla
 policy version, and what its requests do then), lora_kernel.py (the step's segmented LoRA
 matmul on Triton, CUDA only).
 
-May import `engine.models` (the projections the weights attach to), `engine.scheduling`
-(a step's requests; the scheduler whose requests a replace moves), `engine.protocol.messages`,
-`engine.parallel.step_channel` (what rank 0 tells the other ranks) and
-`engine.layers.grouped_gemm_kernel` (the shrink).
+Of the rest of the engine it uses the projections the weights attach to (models), a step's
+requests and the scheduler whose requests a replace moves (scheduling), what rank 0 tells the
+other ranks (parallel.step_channel) and the grouped GEMM for the shrink.
+May import: engine.models, engine.scheduling, engine.protocol.messages, engine.parallel.step_channel, engine.layers.grouped_gemm_kernel
 """

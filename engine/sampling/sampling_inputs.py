@@ -3,24 +3,46 @@
 The per-row numbers are gathered into the step's buffers and the batch's flags are the OR of
 the rows' bits (engine/sampling/sampling_slots.py); what varies with the tokens (the token
 histories penalties read, the stop ids banned below min_tokens, the sampling surface's
-masks: engine/execution/surface_rows.py) becomes a tensor of its own,
+masks: engine/sampling/surface_rows.py) becomes a tensor of its own,
 only when some row needs it; structured-output rows get a GrammarMask, filled while the step
 runs (engine/structured/grammar_mask.py).
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
+import numpy as np
 import torch
 
-from engine.execution.step_inputs import StepArrays, StepInputs
-from engine.execution.surface_rows import surface_tensors
 from engine.kv_cache.block_table import BlockTable
 from engine.protocol.messages import SUPPORT_TIES, LogprobMode
 from engine.sampling import sampling_slots as slot_bits
 from engine.sampling.sampler import SamplingBatch
 from engine.sampling.sampling_slots import SamplingSlots
+from engine.sampling.surface_rows import surface_tensors
 from engine.scheduling.request import Request
 from engine.structured.grammar_mask import GrammarMask
+
+
+class SamplingColumns(Protocol):
+    """Where a step's per-row sampling numbers go: SamplingBatch.floats' and .ints' columns,
+    as the step buffers hold them (engine/execution/step_inputs.py: StepInputs' tensors,
+    StepArrays' numpy views of the host ones)."""
+
+    @property
+    def sampling_floats(self) -> torch.Tensor: ...
+
+    @property
+    def sampling_ints(self) -> torch.Tensor: ...
+
+
+class SamplingArrays(Protocol):
+    @property
+    def sampling_floats(self) -> np.ndarray: ...
+
+    @property
+    def sampling_ints(self) -> np.ndarray: ...
 
 
 class SamplingInputs:
@@ -36,9 +58,9 @@ class SamplingInputs:
         self,
         reqs: list[Request],
         table: BlockTable,
-        host: StepInputs,
-        arrays: StepArrays,
-        inputs: StepInputs,
+        host: SamplingColumns,
+        arrays: SamplingArrays,
+        inputs: SamplingColumns,
     ) -> SamplingBatch:
         """Per-row sampling inputs: each row's numbers gathered from SamplingSlots (written
         once per request) into the step buffers (`host`, its numpy `arrays`; then `inputs`,

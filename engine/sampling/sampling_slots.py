@@ -6,7 +6,7 @@ it runs. They are written into the row of its BlockTable slot when the slot chan
 (its epoch moves: a new request, or the same one re-admitted after preemption) and a step
 gathers its rows with one numpy index; only the noise counter (the output index) is
 per-step. Its sampling surface (logit bias, allowed and banned ids) is kept as a RowSurface
-(engine/execution/surface_rows.py) beside the row. A row without a slot (a sibling of n > 1
+(engine/sampling/surface_rows.py) beside the row. A row without a slot (a sibling of n > 1
 sampling its first token from its leader's prompt, before it forks) is filled on its own,
 every time.
 """
@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine.execution.surface_rows import RowSurface, has_long_bad_words, row_surface
 from engine.kv_cache.block_table import BlockTable
 from engine.protocol.messages import LogprobMode
+from engine.sampling.surface_rows import RowSurface, has_long_bad_words, row_surface
 from engine.scheduling.request import Request
 
 # Bits of a row's `flags`: what the row asks of the sampler.
