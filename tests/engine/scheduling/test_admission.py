@@ -122,3 +122,34 @@ def test_no_admission_while_admitting_is_off() -> None:
     assert not step(sched)
     sched.admitting = True
     assert step(sched).requests == [req]
+
+
+def test_an_admitted_request_shares_the_cached_pages_of_an_earlier_prompt() -> None:
+    sched = make_scheduler()
+    prefix = list(range(100, 100 + 2 * PAGE))
+    first = make_request("first", 0, seed=0, tokens=prefix + [1, 2])
+    sched.add(first)
+    step(sched)  # computes and publishes its two full pages
+    second = make_request("second", 0, seed=1, tokens=prefix + [3, 4, 5])
+    sched.add(second)
+    batch = step(sched)
+    assert second.pages[:2] == first.pages[:2]
+    assert [sched.cache.pool.ref_counts[p] for p in second.pages[:2]] == [2, 2]
+    assert batch.query_lens[-1] == 3 and second.num_computed_tokens == 2 * PAGE + 3
+    assert second.num_cached_tokens == 2 * PAGE and sched.prefix_hits == 2 * PAGE
+    assert_pages_accounted(sched)
+
+
+def test_a_prompt_found_whole_in_the_cache_still_computes_its_last_page() -> None:
+    sched = make_scheduler()
+    prompt = list(range(100, 100 + 2 * PAGE))
+    first = make_request("first", 0, seed=0, tokens=prompt)
+    sched.add(first)
+    step(sched)
+    again = make_request("again", 0, seed=1, tokens=list(prompt))
+    sched.add(again)
+    batch = step(sched)
+    # The last token's logits must be computed to sample from: its page is not taken whole.
+    assert again.pages[0] == first.pages[0] and again.pages[1] != first.pages[1]
+    assert batch.query_lens[-1] == PAGE and again.num_cached_tokens == PAGE
+    assert_pages_accounted(sched)
