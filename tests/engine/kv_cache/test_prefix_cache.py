@@ -139,6 +139,15 @@ def test_a_disabled_cache_neither_publishes_nor_matches() -> None:
     assert cache.num_cached == 0 and cache.match(0, [1, 2, 3, 4, 5], 4, []) == []
 
 
+def test_eviction_takes_the_least_recently_released_page_first() -> None:
+    cache = make_cache(pages=2, page_size=2)
+    [old], [new] = fill(cache, [1, 2]), fill(cache, [3, 4])
+    [hit] = cache.match(0, [1, 2, 9], 2, [])  # used again, then released: now the newest
+    cache.release(hit)
+    assert cache.allocate() == new
+    assert cache.match(0, [1, 2, 9], 2, []) == [old]
+
+
 @pytest.fixture(scope="module")
 def engines(tiny_llama: Path) -> tuple[LLMEngine, LLMEngine]:
     def make(enable: bool) -> LLMEngine:

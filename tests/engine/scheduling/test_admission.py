@@ -113,6 +113,21 @@ def test_a_leader_reserves_the_places_of_its_pending_siblings() -> None:
     assert_pages_accounted(sched)
 
 
+def test_a_running_leader_keeps_the_places_of_its_pending_siblings() -> None:
+    sched = make_scheduler(max_seqs=3, budget=8)
+    leader = make_request("pair", 12, seed=0)  # its prompt takes two steps of 8
+    sibling = make_request("pair", 12, seed=0)
+    sibling.index, sibling.status = 1, RequestStatus.FORK_PENDING
+    leader.pending_forks = [sibling]
+    sched.add(leader)
+    step(sched)
+    singles = [make_request(f"single-{k}", 2, seed=k + 1) for k in range(2)]
+    for req in singles:
+        sched.add(req)
+    batch = step(sched)
+    assert batch.requests == [leader, singles[0]] and sched.waiting == [singles[1]]
+
+
 def test_no_admission_while_admitting_is_off() -> None:
     # A weight update drains the running requests: waiting ones stay waiting until it ends.
     sched = make_scheduler()
