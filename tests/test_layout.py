@@ -35,7 +35,10 @@ CLIENT = REPO / "clients" / "python"
 PACKAGES = ("engine", "service")
 # Where each top-level package's source lives; the stubs (sluice) are import targets only.
 SOURCES = {"engine": REPO, "service": REPO, "sluice_client": CLIENT, "sluice": CLIENT}
+ALL = tuple(SOURCES)
 RULED = ("engine", "service", "sluice_client")  # every package below these states its rule
+RULE = re.compile(r"^May import: (.*)$", re.MULTILINE)
+NAME = re.compile(r"[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)*")
 
 # What service/ may import from engine/: the pipe protocol and the config (with the setting
 # fields the config is made of), the process entry (a spawn target that imports torch only
@@ -179,11 +182,6 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
             if cycle:
                 return cycle
     return None
-
-
-ALL = tuple(SOURCES)
-RULE = re.compile(r"^May import: (.*)$", re.MULTILINE)
-NAME = re.compile(r"[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)*")
 
 
 @functools.cache
