@@ -2,6 +2,10 @@
 
 Importing `engine` (or `engine.protocol.config` / `engine.protocol.messages`) does not import torch; `LLMEngine`
 is loaded on first use so that the service process can share the plain-data modules.
+
+Each package below states what it may import of the rest; the engine as a whole imports nothing
+of the service or the client (tests/test_layout.py checks every such line).
+May import: nothing
 """
 
 from __future__ import annotations

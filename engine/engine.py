@@ -92,10 +92,10 @@ class LLMEngine:
         tp = TensorParallel()
         if size > 1:
             Sharding(cfg, 0, size)  # a size that does not divide the model fails here, alone
-            from engine.tp_worker import rank_threads
+            from engine.tp_worker import rank_threads, worker_main
 
             torch.set_num_threads(rank_threads(config))
-            self.workers = WorkerGroup(config, path, self.device)
+            self.workers = WorkerGroup(config, path, self.device, worker_main)
             tp = self.workers.tp
         shard = load_shard(config, cfg, path, tp, self.device, self.dtype)
         self.model, self.pool, self.runner = shard.model, shard.pool, shard.runner

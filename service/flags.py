@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sluice_client.cli import parse_bytes, read_token
+from sluice_client.verb_flags import parse_bytes, read_token
 
 from engine.protocol.settings import GROUPS, is_setting
 from service.config import ServiceConfig

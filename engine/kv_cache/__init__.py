@@ -1,3 +1,6 @@
 """The paged KV cache's bookkeeping: the page pool, the prefix cache over it, and each
-request's block table. Plain Python (no tensors): the pages' memory is the model runner's.
+request's block table. Plain Python except the pool's K and V tensors, which the model runner
+reads and writes. The scheduler drives all three; the block table knows a request only as a
+`PageHolder` (its pages and slot), so this package sits below scheduling.
+May import: nothing
 """

@@ -12,9 +12,20 @@ rewriting every row from each request's page list every step.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 
-from engine.scheduling.request import Request
+
+class PageHolder(Protocol):
+    """What the table needs of a request (engine/scheduling/request.py's Request): its pages,
+    and the slot the table gives it, kept on the request."""
+
+    slot: int | None
+    pages: list[int]
+
+    @property
+    def key(self) -> tuple[str, int]: ...
 
 
 class BlockTable:
@@ -28,7 +39,7 @@ class BlockTable:
     def num_slots(self) -> int:
         return self.pages.shape[0]
 
-    def assign(self, req: Request) -> None:
+    def assign(self, req: PageHolder) -> None:
         """Give a request that just got its pages (admitted, forked) a slot holding them."""
         assert req.slot is None, f"{req.key} already holds slot {req.slot}"
         if not self.free:
@@ -39,7 +50,7 @@ class BlockTable:
         self.num_pages[slot] = 0
         self.extend(req)
 
-    def extend(self, req: Request) -> None:
+    def extend(self, req: PageHolder) -> None:
         """Append the pages `req` gained since its row was last written."""
         slot = req.slot
         assert slot is not None, f"{req.key} holds pages but no slot"
@@ -49,7 +60,7 @@ class BlockTable:
         self.pages[slot, start:end] = req.pages[start:end]
         self.num_pages[slot] = end
 
-    def release(self, req: Request) -> None:
+    def release(self, req: PageHolder) -> None:
         """Free the slot of a request whose pages were released (no-op without one)."""
         if req.slot is None:
             return
@@ -57,7 +68,7 @@ class BlockTable:
         self.free.append(req.slot)
         req.slot = None
 
-    def row(self, req: Request) -> list[int]:
+    def row(self, req: PageHolder) -> list[int]:
         """The pages the table holds for `req` (what its page list must equal)."""
         assert req.slot is not None
         return self.pages[req.slot, : self.num_pages[req.slot]].tolist()

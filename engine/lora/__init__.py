@@ -11,5 +11,8 @@ adapter is resident in which slot), adapter_update.py (an adapter updated in pla
 policy version, and what its requests do then), lora_kernel.py (the step's segmented LoRA
 matmul on Triton, CUDA only).
 
+Of the rest of the engine it uses the projections the weights attach to (models), a step's
+requests and the scheduler whose requests a replace moves (scheduling), what rank 0 tells the
+other ranks (parallel.step_channel) and the grouped GEMM for the shrink (layers).
 May import: engine.layers, engine.models.base, engine.parallel.step_channel, engine.protocol, engine.scheduling
 """

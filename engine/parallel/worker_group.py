@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
@@ -43,10 +44,11 @@ log = structlog.get_logger("sluice.engine")
 
 
 class WorkerGroup:
-    def __init__(self, config: EngineConfig, path: Path, device: torch.device) -> None:
-        """Spawn ranks 1..N-1 and join the group with them (blocks until all have)."""
-        from engine.tp_worker import worker_main
-
+    def __init__(
+        self, config: EngineConfig, path: Path, device: torch.device, worker_main: Callable
+    ) -> None:
+        """Spawn ranks 1..N-1 running `worker_main` (engine/tp_worker.py's, passed in: the
+        worker sits above this package) and join the group with them (blocks until all have)."""
         size = config.tensor_parallel_size
         store = rendezvous_store(size)
         ctx = multiprocessing.get_context("spawn")

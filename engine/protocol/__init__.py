@@ -2,4 +2,5 @@
 messages), the sampling parameters, the engine's config and settings, and the result types.
 
 Standard library only: the service process imports this package without torch.
+May import: nothing
 """

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.attention import triton_available
+from engine.layers.kernel_choice import interpreting, triton_available
 from engine.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
 
 SamplerFn = Callable[[torch.Tensor, SamplingBatch], SamplerOutput]
@@ -31,7 +31,6 @@ def make_sampler(name: str, device: torch.device) -> SamplerFn:
     which the tests and bench/decode.py's op counts use."""
     if resolve_sampler(name, device) == "torch":
         return Sampler()
-    from engine.attention.triton_paged import interpreting
     from engine.sampling.fused_sampler import FusedSampler
 
     if device.type != "cuda" and not interpreting():

@@ -1,8 +1,7 @@
 """Scheduling: which requests advance each step, and the KV pages they hold.
 
-`request` (a request's state), `scheduler` (continuous batching under a token budget),
-`page_pool` (the paged K/V storage and reference counts), `prefix_cache` (full pages shared
-by hash), `block_table` (every request's pages, a row per slot, kept as they change) and
-`prompt_scores` (a request's prompt logprobs, collected as its prompt is computed). Imports
-only `engine.protocol.messages` and its own modules: no model, no sampler.
+`request` (a request's state), `scheduler` (continuous batching under a token budget, over the
+KV cache's pages: engine/kv_cache/) and `prompt_scores` (a request's prompt logprobs, collected
+as its prompt is computed). No model, no sampler.
+May import: engine.kv_cache, engine.protocol.messages, engine.structured.request_grammar
 """

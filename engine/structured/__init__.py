@@ -6,6 +6,6 @@ pattern_grammar.py: stdlib only, the service runs them at admission too), then m
 (json_schema_grammar.py), in the worker.
 
 xgrammar does the matching; it is imported on first use, on a compile thread and in the
-workers. Imports `scheduling` (the requests), `config`, `messages` and `parent_death`, nothing
-else of the engine; `execution` and the engine import it.
+workers. Nothing else of the engine: scheduling, sampling and the engine import it.
+May import: engine.protocol.messages, engine.protocol.config, engine.parent_death
 """

@@ -7,6 +7,7 @@ CheckConstraint checks),
 `supervisor` (replaces a lost engine; `liveness` judges an idle engine's silence), `routing` (outputs to each request's inbox, metered by
 `buffer_meter`), `replay_log` (updates a restarted engine re-applies) and `replay` (doing
 it), `tensor_file`, `adapter_link` (LoRA loads and their replay), `adapter_spool` (a streamed
-adapter as a PEFT directory) and `checkpoint_fingerprint`. No protobuf, no grpc. May import `engine.protocol.messages`, `engine.protocol.config`,
-`engine.process` (the spawn target), `service.config` and `service.ops.metrics`.
+adapter as a PEFT directory, its config checked by the engine's stdlib check) and
+`checkpoint_fingerprint`. No protobuf, no grpc.
+May import: engine.protocol, engine.process, engine.lora.adapter_config, service.config, service.ops.metrics
 """

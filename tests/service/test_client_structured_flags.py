@@ -7,7 +7,7 @@ import io
 import json
 
 import pytest
-from sluice_client import build_request, cli, pb
+from sluice_client import build_request, cli, pb, verb_flags
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
 GRAMMAR = 'root ::= "yes" | "no"\n'
@@ -33,7 +33,7 @@ class RecordingClient:
 @pytest.fixture
 def client(monkeypatch):
     recording = RecordingClient()
-    monkeypatch.setattr(cli, "connect", lambda args: recording)
+    monkeypatch.setattr(verb_flags, "connect", lambda args: recording)
     return recording
 
 
@@ -95,7 +95,7 @@ def test_two_constraints_are_a_one_line_usage_error(verb, client, files, capsys)
 
 @pytest.mark.parametrize("verb", ["generate", "chat"])
 def test_a_schema_that_is_not_json_is_an_error_before_any_call(verb, files, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "connect", lambda args: pytest.fail("connected"))
+    monkeypatch.setattr(verb_flags, "connect", lambda args: pytest.fail("connected"))
     (files / "bad.json").write_text("{type: object}")
     assert cli.main([*verbs(files)[verb], "--json-schema", str(files / "bad.json")]) == 1
     err = capsys.readouterr().err
@@ -103,13 +103,13 @@ def test_a_schema_that_is_not_json_is_an_error_before_any_call(verb, files, monk
 
 
 def test_a_missing_grammar_file_is_an_error_before_any_call(files, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "connect", lambda args: pytest.fail("connected"))
+    monkeypatch.setattr(verb_flags, "connect", lambda args: pytest.fail("connected"))
     assert cli.main(["generate", "x", "--grammar", str(files / "none.gbnf")]) == 1
     assert capsys.readouterr().err.startswith("error: ")
 
 
 def test_chat_reading_turns_from_stdin_refuses_a_schema_from_stdin(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "connect", lambda args: pytest.fail("connected"))
+    monkeypatch.setattr(verb_flags, "connect", lambda args: pytest.fail("connected"))
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
     assert cli.main(["chat", "--json-schema", "-"]) == 1
     assert "stdin holds the turns" in capsys.readouterr().err

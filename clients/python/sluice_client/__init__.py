@@ -7,6 +7,9 @@ with Client("127.0.0.1:50051") as client:
 
 The names below are imported on first use: `sluice_client.cli` must be importable without
 importing grpc, so that the `sluice` command can set gRPC's log level before gRPC starts.
+
+One flat package: of this repository only the generated stubs, never the server.
+May import: sluice.v1
 """
 
 from __future__ import annotations

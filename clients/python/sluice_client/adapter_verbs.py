@@ -10,10 +10,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from sluice_client.verb_flags import DEFAULT_TARGET, add_tls_flags, reachable_tls, read_token
+
 
 def add_adapter_verbs(verbs: Any) -> None:
     """Add `adapters` (with its three actions) to the `sluice` command's subparsers."""
-    from sluice_client.cli import DEFAULT_TARGET, add_tls_flags
 
     adapters = verbs.add_parser("adapters", help="load, unload or list the server's LoRA adapters")
     actions = adapters.add_subparsers(dest="action", required=True)
@@ -77,7 +78,6 @@ def run_list(args: argparse.Namespace) -> int:
 
 def _client(args: argparse.Namespace) -> Any:
     from sluice_client import Client
-    from sluice_client.cli import reachable_tls, read_token
 
     tls = reachable_tls(args)
     return Client(args.target, admin_token=read_token(args.admin_token_file), tls=tls)

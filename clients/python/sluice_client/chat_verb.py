@@ -17,17 +17,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from sluice_client import verb_flags
+from sluice_client.verb_flags import (
+    UINT32,
+    UINT64,
+    add_affinity_flag,
+    add_client_flags,
+    add_wait_flag,
+    int_in,
+)
+
 
 def add_chat_verb(verbs: Any) -> None:
     """Add `chat` to the `sluice` command's subparsers."""
-    from sluice_client.cli import (
-        UINT32,
-        UINT64,
-        add_affinity_flag,
-        add_client_flags,
-        add_wait_flag,
-        int_in,
-    )
     from sluice_client.structured_flags import add_structured_flags
 
     chat = verbs.add_parser("chat", help="talk to the model through its chat template")
@@ -59,7 +61,6 @@ def add_chat_verb(verbs: Any) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    from sluice_client.cli import connect
     from sluice_client.structured_flags import structured_options
 
     structured = structured_options(args, stdin_free=args.file is not None)
@@ -71,7 +72,7 @@ def run_chat(args: argparse.Namespace) -> int:
         "tools": conversation.get("tools"),
         "template_kwargs": args.template_kwargs or conversation.get("template_kwargs"),
     }
-    with connect(args) as client:
+    with verb_flags.connect(args) as client:
         if args.file:
             if args.render:
                 return _print_render(client, messages, options)

@@ -13,30 +13,30 @@ import argparse
 import itertools
 import json
 import os
-import re
 import sys
 import time
 import typing
-from collections.abc import Callable
 from importlib.metadata import entry_points
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from sluice_client import verb_flags
 from sluice_client.adapter_verbs import add_adapter_verbs
 from sluice_client.chat_verb import add_chat_verb
-from sluice_client.remedies import NoServerError, explain, no_server
-from sluice_client.server_wait import DEFAULT_WAIT_S, reachable, until_started
+from sluice_client.remedies import NoServerError, explain
+from sluice_client.server_wait import until_started
 from sluice_client.sleep_verbs import add_sleep_verbs
 from sluice_client.structured_flags import add_structured_flags, structured_options
 from sluice_client.update_weights_verb import add_update_weights_verb
+from sluice_client.verb_flags import (
+    UINT32,
+    UINT64,
+    add_affinity_flag,
+    add_client_flags,
+    add_wait_flag,
+    client_tls,
+    int_in,
+)
 
-if TYPE_CHECKING:
-    from sluice_client import Client
-    from sluice_client.channels import TlsConfig
-
-UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-DEFAULT_TARGET = "127.0.0.1:50051"
-UINT32, UINT64 = 2**32 - 1, 2**64 - 1
 SERVER_MISSING = (
     "sluice serve: the server is not installed (this is the client package alone); install it "
     "from a checkout of the repository: pip install . (at its root), or bash scripts/setup.sh"
@@ -49,34 +49,6 @@ def quiet_grpc_core() -> None:
     one-JSON-object-per-line stderr. Read when gRPC is imported, so call this before (a
     GRPC_VERBOSITY already set wins)."""
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-
-
-def parse_bytes(text: str) -> int:
-    """'4096', '512M', '2GiB', '1.5g' -> bytes."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
-    if match is None:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 2GiB)")
-    return int(float(match.group(1)) * UNITS[match.group(2)])
-
-
-def int_in(low: int, high: int) -> Callable[[str], int]:
-    """An argparse type: an integer in [low, high], the range the request field takes, so that
-    a bad value is a usage error naming its flag (protobuf's own names no field)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}")
-        return value
-
-    return parse
-
-
-def read_token(path: Path | None) -> str | None:
-    return None if path is None else path.read_text().strip()
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -164,81 +136,11 @@ def run_serve_missing(args: argparse.Namespace) -> int:
     return 1
 
 
-def add_client_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=DEFAULT_TARGET, help="HOST:PORT")
-    p.add_argument("--api-token-file", type=Path)
-    add_tls_flags(p)
-
-
-def add_wait_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--wait-timeout",
-        type=float,
-        default=DEFAULT_WAIT_S,
-        metavar="SECONDS",
-        help="while the server's engine is starting, keep trying this long (default: "
-        f"{DEFAULT_WAIT_S:g}; 0: fail at once)",
-    )
-
-
-def add_affinity_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--affinity",
-        metavar="KEY",
-        help="routing key (x-sluice-affinity) for a load balancer: calls with one key go to one "
-        "replica",
-    )
-
-
-def add_tls_flags(p: argparse.ArgumentParser) -> None:
-    tls = p.add_argument_group("TLS (on when any of these is given)")
-    tls.add_argument("--tls", action="store_true", help="TLS, trusting gRPC's public roots")
-    tls.add_argument(
-        "--tls-ca-file", type=Path, help="PEM roots the server's certificate must chain to"
-    )
-    tls.add_argument("--tls-cert-file", type=Path, help="client certificate (PEM), for mTLS")
-    tls.add_argument("--tls-key-file", type=Path, help="its private key (PEM)")
-    tls.add_argument(
-        "--tls-server-name", help="the name the server's certificate holds, if not the target's"
-    )
-
-
-def connect(args: argparse.Namespace) -> Client:
-    """A Client from the flags of `add_client_flags`; NoServerError where none answers."""
-    from sluice_client import Client
-
-    tls = reachable_tls(args)
-    return Client(args.target, api_token=read_token(args.api_token_file), tls=tls)
-
-
-def reachable_tls(args: argparse.Namespace) -> TlsConfig | None:
-    """The TLS flags' TlsConfig, once a connection to `--target` has been made with it: where
-    none can be, NoServerError says so at once, with what to do, rather than the call failing
-    after the channel's retries (`health` does not call this: it reports in its own words)."""
-    tls = client_tls(args)
-    if not reachable(args.target, tls):
-        raise NoServerError(no_server(args.target, tls is not None))
-    return tls
-
-
-def client_tls(args: argparse.Namespace) -> TlsConfig | None:
-    """The TlsConfig of the TLS flags, None (plaintext) when none is given."""
-    from sluice_client.channels import TlsConfig
-
-    tls = TlsConfig(
-        ca_file=args.tls_ca_file,
-        cert_file=args.tls_cert_file,
-        key_file=args.tls_key_file,
-        server_name=args.tls_server_name,
-    )
-    return tls if args.tls or tls != TlsConfig() else None
-
-
 def run_generate(args: argparse.Namespace) -> int:
     from sluice_client import pb
 
     structured = structured_options(args)  # NOTE: before connecting: a bad file makes no RPC
-    with connect(args) as client:
+    with verb_flags.connect(args) as client:
 
         def opening() -> tuple[Any, Any]:
             events = client.generate(
@@ -285,7 +187,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_info(args: argparse.Namespace) -> int:
     from google.protobuf import json_format
 
-    with connect(args) as client:
+    with verb_flags.connect(args) as client:
         info = client.info()
     # Every field, 0 and empty ones too: a policy version of 0 is a version.
     fields = json_format.MessageToDict(info, always_print_fields_with_no_presence=True)
@@ -294,7 +196,7 @@ def run_info(args: argparse.Namespace) -> int:
 
 
 def run_tokenize(args: argparse.Namespace) -> int:
-    with connect(args) as client:
+    with verb_flags.connect(args) as client:
         ids = client.tokenize(args.text, add_special_tokens=args.add_special_tokens)
     print(json.dumps(ids))
     return 0
@@ -302,7 +204,7 @@ def run_tokenize(args: argparse.Namespace) -> int:
 
 def run_cancel(args: argparse.Namespace) -> int:
     """Prints which ids were cancelled and which the server did not know (finished, or never)."""
-    with connect(args) as client:
+    with verb_flags.connect(args) as client:
         response = client.cancel(args.request_ids, affinity=args.affinity)
     print(
         json.dumps({"cancelled": list(response.cancelled), "not_found": list(response.not_found)})

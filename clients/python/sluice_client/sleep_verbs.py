@@ -8,10 +8,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+from sluice_client.verb_flags import (
+    DEFAULT_TARGET,
+    UINT32,
+    add_tls_flags,
+    int_in,
+    reachable_tls,
+    read_token,
+)
+
 
 def add_sleep_verbs(verbs: Any) -> None:
     """Add `sleep` and `wake` to the `sluice` command's subparsers."""
-    from sluice_client.cli import DEFAULT_TARGET, UINT32, add_tls_flags, int_in
 
     sleep = verbs.add_parser(
         "sleep", help="free the server's KV cache (and weights, level 2) until `wake`"
@@ -59,7 +67,6 @@ def run_wake(args: argparse.Namespace) -> int:
 
 def _admin_client(args: argparse.Namespace) -> Any:
     from sluice_client import Client
-    from sluice_client.cli import reachable_tls, read_token
 
     tls = reachable_tls(args)
     return Client(args.target, admin_token=read_token(args.admin_token_file), tls=tls)

@@ -10,13 +10,23 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sluice_client.verb_flags import (
+    DEFAULT_TARGET,
+    UINT32,
+    UINT64,
+    add_tls_flags,
+    client_tls,
+    int_in,
+    parse_bytes,
+    read_token,
+)
+
 if TYPE_CHECKING:
     from sluice.v1 import admin_pb2
 
 
 def add_update_weights_verb(verbs: Any) -> None:
     """Add `update-weights` to the `sluice` command's subparsers."""
-    from sluice_client.cli import DEFAULT_TARGET, UINT32, UINT64, add_tls_flags, int_in, parse_bytes
 
     update = verbs.add_parser(
         "update-weights", help="swap the served weights live; prints Applied as JSON"
@@ -56,7 +66,6 @@ def run_update_weights(args: argparse.Namespace) -> int:
     """One target: progress on stderr, Applied as JSON. Several: each replica's progress lines
     prefixed with its target, then a JSON list of results; exit 1 when any replica failed."""
     from sluice_client import Client, read_safetensors
-    from sluice_client.cli import DEFAULT_TARGET, client_tls, read_token
 
     targets = args.target or [DEFAULT_TARGET]
     admin_token = read_token(args.admin_token_file)
@@ -84,7 +93,6 @@ def _update_replicas(
     admin_token: str | None,
     tensors: dict[str, tuple[str, list[int], memoryview]] | None,
 ) -> int:
-    from sluice_client.cli import client_tls, read_token
     from sluice_client.replicas import update_all
 
     results = update_all(

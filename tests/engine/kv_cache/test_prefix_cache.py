@@ -75,6 +75,79 @@ def test_eviction_takes_the_least_recently_used_unreferenced_page_only_when_noth
     assert cache.pool.ref_counts[old[0]] == 1
 
 
+def test_a_page_matched_by_two_requests_is_cached_again_only_after_both_release_it() -> None:
+    cache = make_cache()
+    [page] = fill(cache, [1, 2, 3, 4])
+    first = cache.match(0, [1, 2, 3, 4, 5], 4, [])
+    second = cache.match(0, [1, 2, 3, 4, 6], 4, [])
+    assert first == second == [page] and cache.pool.ref_counts[page] == 2
+    assert cache.num_cached == 0  # referenced pages are not evictable
+    cache.release(page)
+    assert cache.num_cached == 0 and cache.pool.ref_counts[page] == 1
+    cache.release(page)
+    assert cache.num_cached == 1 and page not in cache.pool.free
+
+
+def test_an_unpublished_page_is_freed_on_its_last_release_not_cached() -> None:
+    cache = make_cache()
+    page = cache.allocate()
+    cache.release(page)
+    assert cache.num_cached == 0 and page in cache.pool.free
+
+
+def test_an_evicted_page_is_forgotten_and_handed_out_with_one_reference() -> None:
+    cache = make_cache(pages=1, page_size=2)
+    [page] = fill(cache, [1, 2])
+    assert cache.num_available == 1
+    again = cache.allocate()  # nothing free: the cached page is evicted
+    assert again == page and cache.pool.ref_counts[page] == 1
+    assert cache.page_of_hash == {} and cache.hash_of_page == {} and cache.tokens_of_page == {}
+    cache.release(page)
+    assert page in cache.pool.free  # no longer published: freed, not cached
+
+
+def test_one_adapters_pages_never_serve_another_nor_the_base_model() -> None:
+    cache = make_cache()
+    tokens = list(range(8))
+    pages = [cache.allocate() for _ in range(2)]
+    cache.publish(0, tokens, pages, 8, [], adapter=3)
+    for page in pages:
+        cache.release(page)
+    assert cache.match(0, tokens, 8, [], adapter=0) == []
+    assert cache.match(0, tokens, 8, [], adapter=4) == []
+    assert cache.match(0, tokens, 8, [], adapter=3) == pages
+
+
+def test_clear_frees_unreferenced_cached_pages_and_forgets_held_ones() -> None:
+    cache = make_cache()
+    unheld = fill(cache, [1, 2, 3, 4])
+    held = fill(cache, [5, 6, 7, 8])
+    assert cache.match(0, [5, 6, 7, 8, 9], 4, []) == held
+    cache.clear()
+    assert unheld[0] in cache.pool.free and cache.num_cached == 0
+    assert cache.match(0, [1, 2, 3, 4, 9], 4, []) == []  # nothing is found after a clear
+    cache.release(held[0])
+    assert held[0] in cache.pool.free  # forgotten: freed on its last release, not cached
+
+
+def test_a_disabled_cache_neither_publishes_nor_matches() -> None:
+    cache = make_cache()
+    cache.enabled = False
+    pages = [cache.allocate()]
+    cache.publish(0, [1, 2, 3, 4], pages, 4, [])
+    cache.release(pages[0])
+    assert cache.num_cached == 0 and cache.match(0, [1, 2, 3, 4, 5], 4, []) == []
+
+
+def test_eviction_takes_the_least_recently_released_page_first() -> None:
+    cache = make_cache(pages=2, page_size=2)
+    [old], [new] = fill(cache, [1, 2]), fill(cache, [3, 4])
+    [hit] = cache.match(0, [1, 2, 9], 2, [])  # used again, then released: now the newest
+    cache.release(hit)
+    assert cache.allocate() == new
+    assert cache.match(0, [1, 2, 9], 2, []) == [old]
+
+
 @pytest.fixture(scope="module")
 def engines(tiny_llama: Path) -> tuple[LLMEngine, LLMEngine]:
     def make(enable: bool) -> LLMEngine:
