@@ -9,7 +9,7 @@ engine (`replay`), in load order. An adapter replaced in place is replayed as on
 latest directory at its latest version.
 
 Before a load is sent, its `adapter_config.json` is read and checked here
-(service/engine_link/adapter_files.py, engine/lora/adapter_config.py): a config the engine
+(service/engine_link/adapter_files.py, engine/protocol/validation/adapter_config.py): a config the engine
 could not serve is answered INVALID_ARGUMENT, naming the field, and never reaches the engine.
 
 A load is replayed by reading its directory again, so each is recorded with a fingerprint of

@@ -2,7 +2,7 @@
 
 Its bounds (document size, choice count) are checked with the other fields, before anything
 reads the documents; a JSON schema must then be a JSON object, nested at most MAX_DEPTH deep
-(measured before it is parsed), that uses only what is enforced exactly (schema_rules.py: the
+(measured before it is parsed), that uses only what is enforced exactly (engine/protocol/validation/schema_rules.py: the
 same check the engine makes before compiling). What only compiling tells
 (a regex, grammar or schema the compiler refuses) is asked of the engine (CheckConstraint), which
 compiles it off its step loop and keeps it cached for the request: a constraint that does not
@@ -15,7 +15,7 @@ import grpc
 from sluice.v1 import generation_pb2 as pb
 
 from engine.protocol.messages import Constraint
-from engine.structured.schema_rules import SchemaRuleError, check_schema
+from engine.protocol.validation.schema_rules import SchemaRuleError, check_schema
 from service.engine_link.engine_client import EngineClient, EngineUnavailableError
 from service.rpc.refusal import Refusal, engine_status, invalid_argument
 
