@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import Constraint, ConstraintChecked
 from engine.structured.grammars import ConstraintError, Grammars
 
@@ -87,14 +88,14 @@ class StructuredOutputs:
         self.grammars.close()
 
 
-def grammar_error(grammar: Future[Any]) -> tuple[str, str] | None:
-    """(gRPC status name, message) of a compiled grammar that failed, or None."""
+def grammar_error(grammar: Future[Any]) -> tuple[ErrorCode, str] | None:
+    """(error code, message) of a compiled grammar that failed, or None."""
     if grammar.cancelled():  # every waiter left; only a late look at it sees this
-        return "CANCELLED", "structured: its compile was abandoned"
+        return ErrorCode.CANCELLED, "structured: its compile was abandoned"
     exc = grammar.exception()
     if exc is None:
         return None
     if isinstance(exc, ConstraintError):
-        return "INVALID_ARGUMENT", str(exc)
+        return ErrorCode.INVALID_ARGUMENT, str(exc)
     message = f"structured: constraints cannot be compiled for this model: {exc!r}"
-    return "FAILED_PRECONDITION", message
+    return ErrorCode.FAILED_PRECONDITION, message

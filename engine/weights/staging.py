@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from engine.parallel.sharding import Sharding
+from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import TensorRef
 from engine.weights.loading import IGNORED_SUFFIXES, checkpoint_files
 
@@ -33,14 +34,14 @@ Progress = Callable[[int, int], None]  # (bytes done, tensors done)
 class WeightUpdateError(Exception):
     """A refused update; `code` is the grpc.StatusCode name the service answers with."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
 
 
 def invalid(message: str) -> WeightUpdateError:
-    return WeightUpdateError("INVALID_ARGUMENT", message)
+    return WeightUpdateError(ErrorCode.INVALID_ARGUMENT, message)
 
 
 def check_tensor(

@@ -17,7 +17,9 @@ from sluice.v1 import generation_pb2_grpc
 
 from engine.protocol.messages import FinishReason, RequestOutput
 from service.config import MAX_SEND_MESSAGE_BYTES, ServiceConfig
-from service.engine_link.engine_client import EngineClient, EngineState, EngineUnavailableError
+from service.engine_link.engine_client import EngineClient
+from service.engine_link.engine_process import EngineUnavailableError
+from service.engine_link.engine_state import EngineState
 from service.engine_link.routing import Inbox
 from service.ops.metrics import Metrics
 from service.rpc.adapters import adapter_info

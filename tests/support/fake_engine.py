@@ -38,6 +38,7 @@ from pathlib import Path
 
 from engine.parent_death import die_with_parent
 from engine.protocol.config import EngineConfig
+from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import (
     AbortRequests,
     AdapterOutcome,
@@ -238,7 +239,7 @@ class _FakeEngine:
         if msg.policy_version and msg.policy_version <= self.version:
             message = f"policy_version {msg.policy_version} <= served {self.version}"
             yield WeightsProgress(
-                uid, WeightsPhase.FAILED, error_code="FAILED_PRECONDITION", message=message
+                uid, WeightsPhase.FAILED, error_code=ErrorCode.FAILED_PRECONDITION, message=message
             )
             return
         running = list(self.requests)
