@@ -197,9 +197,7 @@ class WeightUpdater:
         self.joining = None
         if joining is None:  # left meanwhile (the engine is closing)
             why = "the engine left the group before the join settled"
-            return WeightTransferJoined(
-                msg.transfer_id, error_code=ErrorCode.UNAVAILABLE, message=why
-            )
+            return WeightTransferJoined(msg.transfer_id, 0, ErrorCode.UNAVAILABLE, why)
         try:
             finish_all(self.model, self.transfer, self.channel)
         except WeightUpdateError as exc:
@@ -265,10 +263,8 @@ class WeightUpdater:
         if self.pending is not None:
             raise WeightUpdateError(ErrorCode.FAILED_PRECONDITION, "an update is in progress")
         if self.weights_missing:
-            raise WeightUpdateError(
-                ErrorCode.FAILED_PRECONDITION,
-                "the weights were released by a level-2 sleep: wake first",
-            )
+            why = "the weights were released by a level-2 sleep: wake first"
+            raise WeightUpdateError(ErrorCode.FAILED_PRECONDITION, why)
         version = policy_version or self.version + 1
         refusal = self._version_refusal(version)
         if refusal is not None:
