@@ -150,10 +150,11 @@ def field_violations(
     if len(req.request_id) > MAX_REQUEST_ID_LENGTH:
         errors.append(("request_id", f"must be at most {MAX_REQUEST_ID_LENGTH} characters"))
     errors += _prompt_violations(req, info, tokenizer, max_chat_messages)
-    if (req.HasField("n") and (why := samples_out_of_range(req.n, info.max_num_seqs))) or (
-        req.stop.HasField("max_tokens") and (why := samples_of_a_score(req.n, req.stop.max_tokens))
-    ):
-        errors.append(("n", why))
+    samples = samples_out_of_range(req.n, info.max_num_seqs) if req.HasField("n") else None
+    if samples is None and req.stop.HasField("max_tokens"):
+        samples = samples_of_a_score(req.n, req.stop.max_tokens)
+    if samples is not None:
+        errors.append(("n", samples))
     errors += _stop_violations(req.stop)
     if why := no_experts(req.output.routed_experts, info.moe_layers > 0):
         errors.append(("output.routed_experts", why))
