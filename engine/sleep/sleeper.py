@@ -42,7 +42,7 @@ from engine.weights.weight_updater import Abort, WeightUpdater
 
 
 class SleepError(Exception):
-    """A refused or failed Sleep or Wake (in-process API); `code` is a grpc.StatusCode name."""
+    """A refused or failed Sleep or Wake (in-process API); `code` says why (an ErrorCode)."""
 
     def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)

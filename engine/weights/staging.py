@@ -32,7 +32,7 @@ Progress = Callable[[int, int], None]  # (bytes done, tensors done)
 
 
 class WeightUpdateError(Exception):
-    """A refused update; `code` is the grpc.StatusCode name the service answers with."""
+    """A refused update; `code` says why (the service answers with its gRPC status)."""
 
     def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
