@@ -48,6 +48,7 @@ from engine.parallel.tensor_parallel import TensorParallel
 from engine.parallel.worker_group import WorkerGroup
 from engine.postprocess import append_sampled, publish_pages
 from engine.protocol.config import EngineConfig
+from engine.protocol.error_code import ErrorCode
 from engine.protocol.generation_result import GenerationResult, generate
 from engine.protocol.messages import (
     EngineStats,
@@ -312,7 +313,7 @@ class LLMEngine:
         with self.lock:
             self._settle()
             if self.sleeper.in_progress:
-                self.updater.refuse(msg, "FAILED_PRECONDITION", "a sleep is draining")
+                self.updater.refuse(msg, ErrorCode.FAILED_PRECONDITION, "a sleep is draining")
                 return
             self.updater.start(msg, tensors)
 

@@ -1,6 +1,6 @@
 """How requests start, and how they end outside a step's samples.
 
-In: a request that engine/request_validation.py refuses ends at once with ERROR (one output per
+In: a request that engine/protocol/validation/request_rules.py refuses ends at once with ERROR (one output per
 index), one that arrives while the engine sleeps (or drains into sleep) with ABORTED. One with a
 structured-output constraint whose grammar is still compiling waits outside the scheduler
 (engine/structured/structured_outputs.py) and starts once it is compiled; a constraint that did
@@ -27,8 +27,8 @@ from engine.overlap import known_tokens
 from engine.postprocess import end_scored
 from engine.protocol.config import EngineConfig
 from engine.protocol.messages import FinishReason, RequestOutput, SamplingParams
+from engine.protocol.validation.request_rules import RequestLimits, request_error
 from engine.request_outputs import error_output, request_output
-from engine.request_validation import request_error
 from engine.scheduling.request import Request, RequestStatus, new_sequences
 from engine.scheduling.scheduler import Scheduler
 from engine.sleep.sleeper import Sleeper
@@ -73,8 +73,13 @@ def add_request(
 ) -> None:
     """LLMEngine.add_request, past the duplicate check."""
     version = engine.lora.version_of(params.adapter) if params.adapter else None
-    limits = (engine.model_config, engine.config.max_num_seqs, version or engine.policy_version)
-    error = request_error(prompt, params, n, min_policy_version, *limits, engine.lora.loaded)
+    model, version = engine.model_config, version or engine.policy_version
+    limits = RequestLimits(
+        model.vocab_size, model.max_model_len, engine.config.max_num_seqs, model.moe is not None
+    )
+    error = request_error(
+        prompt, params, n, min_policy_version, limits, version, engine.lora.loaded
+    )
     refused = error or engine.sleeper.refusing
     if refused is not None:
         reason = FinishReason.ERROR if error is not None else FinishReason.ABORTED

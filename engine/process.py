@@ -32,6 +32,7 @@ import structlog
 from engine.logs import configure_logging
 from engine.parent_death import die_with_parent
 from engine.protocol.config import EngineConfig
+from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import (
     AbandonCheck,
     AbortRequests,
@@ -223,7 +224,8 @@ def adapter_outcome(
 
     from engine.lora.adapter_update import AdapterUpdateError, replace_adapter
 
-    error_code, message = "", ""
+    error_code: ErrorCode | None = None
+    message = ""
     try:
         match msg:
             case LoadAdapter(replace=True):
@@ -253,15 +255,19 @@ def adapter_outcome(
     return AdapterOutcome(msg.action_id, adapters, error_code, message)
 
 
-def _adapter_error(engine: LLMEngine, msg: LoadAdapter | UnloadAdapter | ListAdapters) -> str:
+def _adapter_error(engine: LLMEngine, msg: LoadAdapter | UnloadAdapter | ListAdapters) -> ErrorCode:
     """The status of a failed adapter action, judged on the unchanged registry."""
     registry = engine.lora
     if isinstance(msg, UnloadAdapter):
-        return "NOT_FOUND" if msg.name not in registry.loaded else "FAILED_PRECONDITION"
+        return (
+            ErrorCode.NOT_FOUND
+            if msg.name not in registry.loaded
+            else ErrorCode.FAILED_PRECONDITION
+        )
     assert isinstance(msg, LoadAdapter)
     pinned = sum(a.pinned for a in registry.loaded.values())
     if msg.name and msg.name in registry.loaded and not msg.replace:
-        return "ALREADY_EXISTS"
+        return ErrorCode.ALREADY_EXISTS
     if not registry.max_loras or (msg.pinned and pinned + 1 >= registry.max_loras):
-        return "FAILED_PRECONDITION"  # the engine's capacity, not the adapter
-    return "INVALID_ARGUMENT"
+        return ErrorCode.FAILED_PRECONDITION  # the engine's capacity, not the adapter
+    return ErrorCode.INVALID_ARGUMENT

@@ -21,13 +21,9 @@ from grpc_reflection.v1alpha import reflection
 from sluice.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 from service.config import MAX_SEND_MESSAGE_BYTES, ServiceConfig
-from service.engine_link.engine_client import (
-    EngineClient,
-    EngineStartError,
-    EngineState,
-    EngineTarget,
-)
-from service.engine_link.engine_process import StartProcess
+from service.engine_link.engine_client import EngineClient
+from service.engine_link.engine_process import EngineStartError, EngineTarget, StartProcess
+from service.engine_link.engine_state import EngineState
 from service.ops.connections import ConnectionWatch, connection_options, max_connections
 from service.ops.grpc_core_log import grpc_core_log
 from service.ops.metrics import Gauges, Metrics

@@ -40,10 +40,12 @@ RULED = ("engine", "service", "sluice_client")  # every package below these stat
 RULE = re.compile(r"^May import: (.*)$", re.MULTILINE)
 NAME = re.compile(r"[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)*")
 
-# What service/ may import from engine/: the pipe protocol and the config (with the setting
-# fields the config is made of), the process entry (a spawn target that imports torch only
-# inside it, and parent_death, which it calls first), the logs both processes configure alike,
-# and the package itself (which loads LLMEngine lazily, the plain-data GenerationResult at once).
+# What service/ may import from engine/: the contract (engine/protocol/: the pipe's messages,
+# the config with the setting fields it is made of, the result types and the rules both
+# processes apply to requests, schemas and adapter configs), the process entry (a spawn target
+# that imports torch only inside it, and parent_death, which it calls first), the logs both
+# processes configure alike, and the package itself (which loads LLMEngine lazily, the
+# plain-data GenerationResult at once).
 SHARED = {
     "engine",
     "engine.protocol.generation_result",
@@ -52,14 +54,15 @@ SHARED = {
     "engine.protocol.sampling_params",
     "engine.protocol.admin_messages",
     "engine.protocol.settings",
+    "engine.protocol.error_code",
+    "engine.protocol.validation",
+    "engine.protocol.validation.adapter_config",
+    "engine.protocol.validation.schema_rules",
+    "engine.protocol.validation.pattern_grammar",
+    "engine.protocol.validation.request_rules",
     "engine.process",
     "engine.parent_death",
     "engine.logs",
-    "engine.lora",  # its __init__ is a docstring: importing adapter_config imports nothing else
-    "engine.lora.adapter_config",  # the one check of adapter_config.json, stdlib only
-    "engine.structured",
-    "engine.structured.schema_rules",
-    "engine.structured.pattern_grammar",
 }
 
 

@@ -1,9 +1,8 @@
 """LoRA adapters served beside the base model: read from PEFT directories, resident in stacked
 per-module weights, and added to the projections of the tokens that select them.
 
-adapter_config.py (adapter_config.json read safely, parsed strictly and checked: stdlib only,
-shared with the service, which checks a config with it before the engine sees it),
-adapter_file.py (a PEFT directory read and checked against the model), lora_weights.py (one
+adapter_file.py (a PEFT directory read and checked against the model; its adapter_config.json by
+engine/protocol/validation/adapter_config.py, which the service runs first), lora_weights.py (one
 projection's stacked adapter weights and a step's LoRA pass over them), adapter_slots.py
 (AdapterSlots: one tensor-parallel rank's slices of every projection's slots, and how rank 0's
 slot writes and a step's slots reach the other ranks), registry.py (AdapterRegistry: which

@@ -17,7 +17,12 @@ from pathlib import Path
 
 import torch
 
-from engine.lora.adapter_config import CONFIG_FILE, check_config, parse_config, read_config_bytes
+from engine.protocol.validation.adapter_config import (
+    CONFIG_FILE,
+    check_config,
+    parse_config,
+    read_config_bytes,
+)
 
 # The projections an adapter may target, by the checkpoint's module names.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Protocol
 
 from engine.lora.registry import AdapterRegistry, LoadedAdapter
+from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import MAX_POLICY_VERSION, FinishReason, InflightPolicy
 from engine.scheduling.request import Request
 from engine.scheduling.scheduler import Scheduler
@@ -52,7 +53,7 @@ class Engine(Protocol):
 class AdapterUpdateError(ValueError):
     """A refused replace, with its gRPC status code name; nothing changed."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
 
@@ -85,15 +86,15 @@ def _replace(
     registry, scheduler = engine.lora, engine.scheduler
     current = registry.loaded.get(name)
     if current is None:
-        raise AdapterUpdateError("NOT_FOUND", f"adapter {name!r}: not loaded")
+        raise AdapterUpdateError(ErrorCode.NOT_FOUND, f"adapter {name!r}: not loaded")
     version = policy_version or current.version + 1
     if version > MAX_POLICY_VERSION:
         raise AdapterUpdateError(
-            "OUT_OF_RANGE", f"policy_version {version} exceeds {MAX_POLICY_VERSION}"
+            ErrorCode.OUT_OF_RANGE, f"policy_version {version} exceeds {MAX_POLICY_VERSION}"
         )
     if version <= current.version:
         raise AdapterUpdateError(
-            "FAILED_PRECONDITION",
+            ErrorCode.FAILED_PRECONDITION,
             f"policy_version {version} must exceed the version of adapter {name!r}, "
             f"{current.version}",
         )

@@ -13,6 +13,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from engine.protocol.error_code import ErrorCode
+
 SLEEP_LEVELS = (1, 2)  # 1: the KV cache and the prefix cache are freed; 2: the weights too
 
 
@@ -78,12 +80,12 @@ class InitWeightTransfer:
 
 @dataclass(frozen=True)
 class WeightTransferJoined:
-    """The answer to InitWeightTransfer: `engine_ranks` joined (0: left), or error_code (a
-    grpc.StatusCode name) and message, with no group held."""
+    """The answer to InitWeightTransfer: `engine_ranks` joined (0: left), or error_code and
+    message, with no group held."""
 
     transfer_id: str
     engine_ranks: int = 0
-    error_code: str = ""
+    error_code: ErrorCode | None = None
     message: str = ""
 
 
@@ -112,7 +114,7 @@ class WeightsPhase(enum.StrEnum):
     PAUSED = "paused"  # in-flight handling started (in_flight = requests it concerns)
     LOADING = "loading"  # bytes/tensors read so far
     APPLIED = "applied"  # the new version is live (final)
-    FAILED = "failed"  # nothing changed (final); error_code names the gRPC status
+    FAILED = "failed"  # nothing changed (final); error_code says why
 
 
 @dataclass(frozen=True)
@@ -130,8 +132,8 @@ class WeightsProgress:
     continued: int = 0
     recomputed: int = 0
     seconds: float = 0.0
-    error_code: str = ""  # a grpc.StatusCode name: INVALID_ARGUMENT, FAILED_PRECONDITION,
-    # OUT_OF_RANGE (the version would pass MAX_POLICY_VERSION), ABORTED
+    error_code: ErrorCode | None = None  # FAILED: INVALID_ARGUMENT, FAILED_PRECONDITION,
+    # OUT_OF_RANGE (the version would pass MAX_POLICY_VERSION), ABORTED, UNAVAILABLE
     message: str = ""
     replaced_all: bool = False  # APPLIED: every tensor of the model was replaced
 
@@ -169,7 +171,7 @@ class SleepOutcome:
 
     sleep_id: str
     level: int  # the sleep level now: 0 awake, 1 or 2 asleep
-    error_code: str = ""  # empty when done; else a grpc.StatusCode name, and nothing changed
+    error_code: ErrorCode | None = None  # None when done; else nothing changed
     message: str = ""
     aborted: int = 0  # sequences ended ABORTED (Sleep with ABORT)
     released_bytes: int = 0  # Sleep: bytes freed (KV, and the weights at level 2)
@@ -179,7 +181,7 @@ class SleepOutcome:
 
     @property
     def ok(self) -> bool:
-        return not self.error_code
+        return self.error_code is None
 
 
 # ---- LoRA adapters (engine/lora/): service -> engine LoadAdapter, UnloadAdapter, ListAdapters;
@@ -233,17 +235,17 @@ class ListAdapters:
 @dataclass(frozen=True)
 class AdapterOutcome:
     """The one answer to a LoadAdapter, UnloadAdapter or ListAdapters (same `action_id`):
-    `adapters` loaded after it, in load order; `error_code` (a grpc.StatusCode name) and
-    `message` when it failed, and then nothing changed. INVALID_ARGUMENT: the adapter does not
-    fit the model or the engine; ALREADY_EXISTS: the name is loaded; NOT_FOUND: it is not;
-    FAILED_PRECONDITION: max_loras is 0, pinning would pin every slot, requests run it, or a
-    replace's version does not exceed the adapter's; OUT_OF_RANGE: the version is too big."""
+    `adapters` loaded after it, in load order; `error_code` and `message` when it failed, and
+    then nothing changed. INVALID_ARGUMENT: the adapter does not fit the model or the engine;
+    ALREADY_EXISTS: the name is loaded; NOT_FOUND: it is not; FAILED_PRECONDITION: max_loras is
+    0, pinning would pin every slot, requests run it, or a replace's version does not exceed the
+    adapter's; OUT_OF_RANGE: the version is too big."""
 
     action_id: str
     adapters: tuple[AdapterState, ...] = ()
-    error_code: str = ""
+    error_code: ErrorCode | None = None
     message: str = ""
 
     @property
     def ok(self) -> bool:
-        return not self.error_code
+        return self.error_code is None

@@ -40,6 +40,7 @@ from engine.protocol.admin_messages import (
     WeightsProgress,
     WeightTransferJoined,
 )
+from engine.protocol.error_code import ErrorCode
 from engine.protocol.sampling_params import (
     CONSTRAINT_KINDS,
     GREEDY_TEMPERATURE,
@@ -284,11 +285,11 @@ class StepOutput:
 @dataclass(frozen=True)
 class ConstraintChecked:
     """The answer to a CheckConstraint: `error_code` None when the constraint compiled, else
-    the gRPC status name of what is wrong (INVALID_ARGUMENT: the constraint; FAILED_PRECONDITION:
-    the model's vocabulary cannot be used; UNAVAILABLE: the engine was lost) and `message`."""
+    what is wrong (INVALID_ARGUMENT: the constraint; FAILED_PRECONDITION: the model's vocabulary
+    cannot be used; UNAVAILABLE: the engine was lost) and `message`."""
 
     check_id: str
-    error_code: str | None = None
+    error_code: ErrorCode | None = None
     message: str = ""
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.kv_cache.prefix_cache import PrefixCache
+from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import (
     SLEEP_LEVELS,
     FinishReason,
@@ -41,9 +42,9 @@ from engine.weights.weight_updater import Abort, WeightUpdater
 
 
 class SleepError(Exception):
-    """A refused or failed Sleep or Wake (in-process API); `code` is a grpc.StatusCode name."""
+    """A refused or failed Sleep or Wake (in-process API); `code` says why (an ErrorCode)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
@@ -126,19 +127,24 @@ class Sleeper:
             self.pending = None
             count = len(self.request_ids())
             why = f"drain timed out after {waited:.1f}s with {count} requests in the engine"
-            self._answer(pending.msg.sleep_id, pending.started, error_code="ABORTED", message=why)
+            self._answer(
+                pending.msg.sleep_id, pending.started, error_code=ErrorCode.ABORTED, message=why
+            )
 
-    def _refusal(self, msg: Sleep) -> tuple[str, str] | None:
+    def _refusal(self, msg: Sleep) -> tuple[ErrorCode, str] | None:
         if msg.level not in SLEEP_LEVELS:
-            return "INVALID_ARGUMENT", f"level: must be 1 or 2, not {msg.level}"
+            return ErrorCode.INVALID_ARGUMENT, f"level: must be 1 or 2, not {msg.level}"
         if msg.inflight not in (InflightPolicy.DRAIN, InflightPolicy.ABORT):
-            return "INVALID_ARGUMENT", f"inflight: {msg.inflight.value} is not DRAIN or ABORT"
+            return (
+                ErrorCode.INVALID_ARGUMENT,
+                f"inflight: {msg.inflight.value} is not DRAIN or ABORT",
+            )
         if self.updater.model.tp.enabled:
-            return "FAILED_PRECONDITION", "sleep is not supported with tensor parallelism"
+            return ErrorCode.FAILED_PRECONDITION, "sleep is not supported with tensor parallelism"
         if self.pending is not None:
-            return "FAILED_PRECONDITION", "a sleep is already draining"
+            return ErrorCode.FAILED_PRECONDITION, "a sleep is already draining"
         if self.updater.in_progress:
-            return "FAILED_PRECONDITION", "a weight update is in progress"
+            return ErrorCode.FAILED_PRECONDITION, "a weight update is in progress"
         return None
 
     def _fall_asleep(self, msg: Sleep, started: float, aborted: int) -> None:
@@ -156,7 +162,9 @@ class Sleeper:
         started = time.monotonic()
         if self.pending is not None:
             why = "a sleep is draining: wait for its answer, then Wake"
-            self._answer(msg.sleep_id, started, error_code="FAILED_PRECONDITION", message=why)
+            self._answer(
+                msg.sleep_id, started, error_code=ErrorCode.FAILED_PRECONDITION, message=why
+            )
             return
         if not self.level:
             self._answer(msg.sleep_id, started)  # awake already
@@ -165,7 +173,7 @@ class Sleeper:
         if reloaded:
             failure = self._reload_weights()
             if failure is not None:
-                code = "FAILED_PRECONDITION"
+                code = ErrorCode.FAILED_PRECONDITION
                 self._answer(msg.sleep_id, started, error_code=code, message=failure)
                 return
         self.memory.restore_kv()
@@ -210,6 +218,6 @@ class Sleeper:
         found = [e for e in self.events if e.sleep_id == sleep_id]
         assert len(found) == 1, f"no single answer to {sleep_id}"
         self.events.remove(found[0])
-        if not found[0].ok:
+        if found[0].error_code is not None:
             raise SleepError(found[0].error_code, found[0].message)
         return found[0]

@@ -11,7 +11,7 @@ is refused at once). `on_done`, set by the engine process, runs on a pool thread
 compile: it wakes the engine's loop.
 
 How each kind compiles:
-- json_schema: the schema as schema_rules.py checks and rewrites it (json_schema_grammar.py), no
+- json_schema: the schema as validation/schema_rules.py checks and rewrites it (json_schema_grammar.py), no
   properties beyond the schema's unless it allows them;
 - json_object: the schema {"type": "object"} with any properties;
 - both: compact JSON (", " and ": " between tokens, nothing else) when `json_whitespace` is 0,
@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from engine.protocol.messages import Constraint
+from engine.protocol.validation.schema_rules import SchemaRuleError, check_schema
 from engine.structured.compile_pool import CompileLimits, CompilePool
 from engine.structured.compile_queue import CompileJob
 from engine.structured.constraint_error import ConstraintError
 from engine.structured.json_schema_grammar import json_schema_grammar
-from engine.structured.schema_rules import SchemaRuleError, check_schema
 
 __all__ = ["ConstraintError", "Grammars", "choice_grammar", "compile_with", "tokenizer_info"]
 

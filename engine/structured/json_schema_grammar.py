@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from engine.structured.schema_rules import CheckedSchema
+from engine.protocol.validation.schema_rules import CheckedSchema
 
 _REGEX_RULE = re.compile(r'Regex\("(sluice_string_\d+)"(?:, *json_string=true)?\)')
 

@@ -5,8 +5,9 @@
   ends it with ERROR if the constraint did not compile).
 - The service's CheckConstraint messages are answered once their grammar is compiled
   (`check`, then `verdicts`), so that a bad constraint is refused before its request is sent.
-- A wait that ends early (an AbandonCheck: its caller left; a deferred request aborted) tells
-  grammars.py, which cancels a compile nobody waits for any more.
+- Both wait in a GrammarWaits (grammar_waits.py); a wait that ends early (an AbandonCheck: its
+  caller left; a deferred request aborted) tells grammars.py, which cancels a compile nobody
+  waits for any more.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import Constraint, ConstraintChecked
+from engine.structured.grammar_waits import GrammarWaits
 from engine.structured.grammars import ConstraintError, Grammars
 
 
@@ -33,68 +36,58 @@ class Deferred:
 class StructuredOutputs:
     def __init__(self, grammars: Grammars) -> None:
         self.grammars = grammars
-        self.deferred: dict[str, Deferred] = {}  # request id -> its wait
-        self.checks: dict[str, Future[Any]] = {}  # CheckConstraint id -> its grammar
-        self._checked: dict[str, Constraint] = {}  # CheckConstraint id -> its constraint
+        self.deferred: GrammarWaits[Deferred] = GrammarWaits(grammars)  # by request id
+        self.checks: GrammarWaits[None] = GrammarWaits(grammars)  # by CheckConstraint id
 
     def defer(self, request_id: str, deferred: Deferred) -> None:
-        self.deferred[request_id] = deferred
+        self.deferred.add(request_id, deferred.grammar, deferred.constraint, deferred)
 
     @property
     def ready(self) -> bool:
         """Some deferred request can start, or some check can be answered."""
-        futures = [d.grammar for d in self.deferred.values()] + list(self.checks.values())
-        return any(f.done() for f in futures)
+        return self.deferred.ready or self.checks.ready
 
     def drop(self, request_id: str) -> Deferred | None:
         """Stop waiting for a deferred request's grammar (it was aborted); its wait, if any."""
-        deferred = self.deferred.pop(request_id, None)
-        if deferred is not None:
-            self.grammars.abandon(deferred.constraint)
-        return deferred
+        return self.deferred.abandon(request_id)
 
     def start_ready(self) -> None:
-        done = [rid for rid, d in self.deferred.items() if d.grammar.done()]
-        for request_id in done:
-            self.deferred.pop(request_id).start()
+        for _, wait in self.deferred.take_done():
+            wait.item.start()
 
     def check(self, check_id: str, constraint: Constraint, caller: str = "") -> None:
-        self.checks[check_id] = self.grammars.compile(constraint, caller)
-        self._checked[check_id] = constraint
+        self.checks.add(check_id, self.grammars.compile(constraint, caller), constraint, None)
 
     def abandon_check(self, check_id: str) -> None:
         """The check's caller left: it is not answered, and its compile may be cancelled."""
-        if self.checks.pop(check_id, None) is not None:
-            self.grammars.abandon(self._checked.pop(check_id))
+        self.checks.abandon(check_id)
 
     def verdicts(self) -> list[ConstraintChecked]:
         """The answers of the checks whose grammar is compiled (each once)."""
-        done = [check_id for check_id, f in self.checks.items() if f.done()]
         answers = []
-        for check_id in done:
-            del self._checked[check_id]
-            error = grammar_error(self.checks.pop(check_id))
+        for check_id, wait in self.checks.take_done():
+            error = grammar_error(wait.grammar)
             code, message = error if error is not None else (None, "")
             answers.append(ConstraintChecked(check_id, code, message))
         return answers
 
     def wait(self, timeout: float) -> None:
         """Block until some deferred request's grammar is compiled, at most `timeout` s."""
-        futures = [d.grammar for d in self.deferred.values()]
+        futures = self.deferred.futures()
         concurrent.futures.wait(futures, timeout, concurrent.futures.FIRST_COMPLETED)
 
     def close(self) -> None:
         self.grammars.close()
 
 
-def grammar_error(grammar: Future[Any]) -> tuple[str, str] | None:
-    """(gRPC status name, message) of a compiled grammar that failed, or None."""
+def grammar_error(grammar: Future[Any]) -> tuple[ErrorCode, str] | None:
+    """(error code, message) of a compiled grammar that failed, or None."""
     if grammar.cancelled():  # every waiter left; only a late look at it sees this
-        return "CANCELLED", "structured: its compile was abandoned"
+        return ErrorCode.CANCELLED, "structured: its compile was abandoned"
     exc = grammar.exception()
     if exc is None:
         return None
     if isinstance(exc, ConstraintError):
-        return "INVALID_ARGUMENT", str(exc)
+        return ErrorCode.INVALID_ARGUMENT, str(exc)
     message = f"structured: constraints cannot be compiled for this model: {exc!r}"
-    return "FAILED_PRECONDITION", message
+    return ErrorCode.FAILED_PRECONDITION, message

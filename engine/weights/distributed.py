@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import torch
 
 from engine.parallel.shard_layout import ShardLayout
+from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import DistributedTensors
 from engine.weights.buckets import bucket_layout
 from engine.weights.staging import DTYPES, Progress, StagedWeights, WeightUpdateError
@@ -29,7 +30,7 @@ def stage_distributed(
 ) -> StagedWeights:
     if not transfer.joined:
         raise WeightUpdateError(
-            "FAILED_PRECONDITION", "no weight-transfer group: call InitWeightTransfer first"
+            ErrorCode.FAILED_PRECONDITION, "no weight-transfer group: call InitWeightTransfer first"
         )
     staged = StagedWeights(params, sharding)
     buckets = bucket_layout(source.tensors, source.bucket_bytes)
@@ -41,7 +42,7 @@ def stage_distributed(
         except RuntimeError as exc:
             transfer.leave()
             raise WeightUpdateError(
-                "ABORTED",
+                ErrorCode.ABORTED,
                 f"the weight transfer failed at bucket {n + 1} of {len(buckets)}: {exc}; "
                 "nothing changed, and the engine left the group: call InitWeightTransfer again",
             ) from exc

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import TransferGroupSpec
 from engine.weights.staging import WeightUpdateError
 
@@ -54,7 +55,9 @@ def connect(spec: TransferGroupSpec, rank: int, device: torch.device) -> Members
         else:
             group = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
     except (RuntimeError, ValueError) as exc:  # c10d's timeouts and connection errors
-        raise WeightUpdateError("UNAVAILABLE", _could_not_join(spec, rank, str(exc))) from exc
+        raise WeightUpdateError(
+            ErrorCode.UNAVAILABLE, _could_not_join(spec, rank, str(exc))
+        ) from exc
     return Membership(group, store)
 
 
@@ -147,4 +150,4 @@ class GroupJoin:
         if isinstance(result, WeightUpdateError):
             raise result
         why = "no answer from the store or the other ranks in time"
-        raise WeightUpdateError("UNAVAILABLE", _could_not_join(self.spec, self.rank, why))
+        raise WeightUpdateError(ErrorCode.UNAVAILABLE, _could_not_join(self.spec, self.rank, why))

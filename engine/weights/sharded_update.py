@@ -24,6 +24,7 @@ import torch.distributed as dist
 from engine.models.base import CausalLM
 from engine.parallel.shard_layout import ShardLayout
 from engine.parallel.step_channel import Op, StepChannel, StepHeader
+from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import DistributedTensors, TensorRef
 from engine.weights.distributed import stage_distributed
 from engine.weights.staging import (
@@ -114,7 +115,7 @@ def _stage_here(
         return stage_checkpoint(params, sharding, source.checkpoint_dir, progress)
     if source.tensor_file is not None:
         return stage_tensor_file(params, sharding, source.tensor_file, source.refs, progress)
-    raise WeightUpdateError("INVALID_ARGUMENT", "the update names no source")
+    raise WeightUpdateError(ErrorCode.INVALID_ARGUMENT, "the update names no source")
 
 
 def _stage_broadcast(

@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from engine.parallel.shard_layout import ShardLayout
+from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import TensorRef
 from engine.weights.loading import IGNORED_SUFFIXES, checkpoint_files
 
@@ -31,16 +32,16 @@ Progress = Callable[[int, int], None]  # (bytes done, tensors done)
 
 
 class WeightUpdateError(Exception):
-    """A refused update; `code` is the grpc.StatusCode name the service answers with."""
+    """A refused update; `code` says why (the service answers with its gRPC status)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
 
 
 def invalid(message: str) -> WeightUpdateError:
-    return WeightUpdateError("INVALID_ARGUMENT", message)
+    return WeightUpdateError(ErrorCode.INVALID_ARGUMENT, message)
 
 
 def check_tensor(

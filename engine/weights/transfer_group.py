@@ -24,6 +24,7 @@ import torch
 
 from engine.models.base import CausalLM
 from engine.parallel.step_channel import Op, StepChannel, StepHeader
+from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import TransferGroupSpec
 from engine.weights.group_join import MAX_ABANDONED, GroupJoin
 from engine.weights.staging import WeightUpdateError
@@ -53,11 +54,12 @@ class TransferGroup:
         failed = None
         if spec.backend == "nccl" and device.type != "cuda":
             failed = WeightUpdateError(
-                "INVALID_ARGUMENT", f"backend 'nccl' needs a CUDA engine; this one runs on {device}"
+                ErrorCode.INVALID_ARGUMENT,
+                f"backend 'nccl' needs a CUDA engine; this one runs on {device}",
             )
         elif len(self._abandoned) >= MAX_ABANDONED:
             failed = WeightUpdateError(
-                "UNAVAILABLE",
+                ErrorCode.UNAVAILABLE,
                 f"{len(self._abandoned)} earlier joins are still waiting for their stores to "
                 "answer: try again once they give up (c10d ends them when the peer closes)",
             )

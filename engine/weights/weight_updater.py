@@ -35,6 +35,7 @@ import torch
 from engine.kv_cache.prefix_cache import PrefixCache
 from engine.models.base import CausalLM
 from engine.parallel.step_channel import StepChannel
+from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import (
     MAX_POLICY_VERSION,
     FinishReason,
@@ -123,7 +124,7 @@ class WeightUpdater:
         version or its source (check_update) is bad; ABORT, CONTINUE and RECOMPUTE swap now,
         DRAIN stops admitting and swaps in `advance` once nothing runs."""
         if self.pending is not None:
-            self._failed(msg, "FAILED_PRECONDITION", "an update is in progress")
+            self._failed(msg, ErrorCode.FAILED_PRECONDITION, "an update is in progress")
             return
         version = msg.policy_version or self.version + 1
         refusal = self._version_refusal(version)
@@ -148,7 +149,7 @@ class WeightUpdater:
                 f"the weights were released by a level-2 sleep: an update must set every one of "
                 f"the model's {len(params)} tensors (this one sets {size.tensors}), or Wake first"
             )
-            self._failed(msg, "FAILED_PRECONDITION", why)
+            self._failed(msg, ErrorCode.FAILED_PRECONDITION, why)
             return
         self.pending = PendingUpdate(msg, version, time.monotonic(), size, replaces_all, tensors)
         self._event(WeightsPhase.PAUSED, in_flight=len(self.scheduler.running))
@@ -161,13 +162,13 @@ class WeightUpdater:
         """Refusals that depend on the engine's state rather than on the source."""
         if msg.distributed is not None and not self.transfer.joined:
             raise WeightUpdateError(
-                "FAILED_PRECONDITION",
+                ErrorCode.FAILED_PRECONDITION,
                 "no weight-transfer group: call InitWeightTransfer first (an engine restart or "
                 "a failed transfer leaves the group)",
             )
         if msg.complete and size.tensors != tensors:
             raise WeightUpdateError(
-                "FAILED_PRECONDITION",
+                ErrorCode.FAILED_PRECONDITION,
                 f"this update must replace every tensor of the model ({tensors}), not "
                 f"{size.tensors}: the engine restarted and could not replay weights received "
                 "over a process group",
@@ -178,7 +179,7 @@ class WeightUpdater:
         answer now for a leave or a refusal; else None, and `settle_join` answers later."""
         if self.pending is not None or self.joining is not None:
             busy = "a weight update" if self.pending is not None else "a weight-transfer join"
-            code, message = "FAILED_PRECONDITION", f"{busy} is in progress"
+            code, message = ErrorCode.FAILED_PRECONDITION, f"{busy} is in progress"
             return WeightTransferJoined(msg.transfer_id, error_code=code, message=message)
         if msg.group is None:
             leave_all(self.model, self.transfer, self.channel)
@@ -196,7 +197,7 @@ class WeightUpdater:
         self.joining = None
         if joining is None:  # left meanwhile (the engine is closing)
             why = "the engine left the group before the join settled"
-            return WeightTransferJoined(msg.transfer_id, error_code="UNAVAILABLE", message=why)
+            return WeightTransferJoined(msg.transfer_id, 0, ErrorCode.UNAVAILABLE, why)
         try:
             finish_all(self.model, self.transfer, self.channel)
         except WeightUpdateError as exc:
@@ -225,13 +226,13 @@ class WeightUpdater:
                     # where it would otherwise wait out the group's timeout.
                     leave_all(self.model, self.transfer, self.channel)
                     why += "; the engine left the weight-transfer group: call InitWeightTransfer"
-                self._end(WeightsPhase.FAILED, error_code="ABORTED", message=why)
+                self._end(WeightsPhase.FAILED, error_code=ErrorCode.ABORTED, message=why)
 
     @property
     def weights_missing(self) -> bool:
         return self.storage is not None and self.storage.weights_missing
 
-    def refuse(self, msg: UpdateWeights, code: str, message: str) -> None:
+    def refuse(self, msg: UpdateWeights, code: ErrorCode, message: str) -> None:
         """Fail `msg` at once, as `start` fails a bad update (one FAILED event)."""
         self._failed(msg, code, message)
 
@@ -246,6 +247,7 @@ class WeightUpdater:
         final = self.last_final
         assert final is not None and final.update_id == msg.update_id
         if final.phase is WeightsPhase.FAILED:
+            assert final.error_code is not None  # every FAILED event says why
             raise WeightUpdateError(final.error_code, final.message)
         return final
 
@@ -259,11 +261,10 @@ class WeightUpdater:
         every rank stages its slice of them and all swap (nothing changes if the block raises).
         """
         if self.pending is not None:
-            raise WeightUpdateError("FAILED_PRECONDITION", "an update is in progress")
+            raise WeightUpdateError(ErrorCode.FAILED_PRECONDITION, "an update is in progress")
         if self.weights_missing:
-            raise WeightUpdateError(
-                "FAILED_PRECONDITION", "the weights were released by a level-2 sleep: wake first"
-            )
+            why = "the weights were released by a level-2 sleep: wake first"
+            raise WeightUpdateError(ErrorCode.FAILED_PRECONDITION, why)
         version = policy_version or self.version + 1
         refusal = self._version_refusal(version)
         if refusal is not None:
@@ -279,13 +280,13 @@ class WeightUpdater:
             self.origin.forget()  # mutated in place: no copy of these weights to read again
         self._publish(version, InflightPolicy.CONTINUE)
 
-    def _version_refusal(self, version: int) -> tuple[str, str] | None:
+    def _version_refusal(self, version: int) -> tuple[ErrorCode, str] | None:
         """(error code, why) when `version` cannot be the next served version."""
         if version > MAX_POLICY_VERSION:
-            return "OUT_OF_RANGE", f"policy_version {version} exceeds {MAX_POLICY_VERSION}"
+            return ErrorCode.OUT_OF_RANGE, f"policy_version {version} exceeds {MAX_POLICY_VERSION}"
         if version <= self.version:
             return (
-                "FAILED_PRECONDITION",
+                ErrorCode.FAILED_PRECONDITION,
                 f"policy_version {version} must exceed the served {self.version}",
             )
         return None
@@ -382,7 +383,7 @@ class WeightUpdater:
         self.pending = None
         self.scheduler.admitting = True
 
-    def _failed(self, msg: UpdateWeights, code: str, message: str) -> None:
+    def _failed(self, msg: UpdateWeights, code: ErrorCode, message: str) -> None:
         self._emit(
             WeightsProgress(msg.update_id, WeightsPhase.FAILED, error_code=code, message=message)
         )

@@ -4,7 +4,7 @@ Reading an adapter's `adapter_config.json` (to check it before the engine sees i
 fingerprint the directory for the replay) and writing a streamed adapter's spool touch paths
 and bytes a caller chose. They run here, never on the default executor that tokenizes prompts
 and renders chat templates: a slow disk or a hostile path delays adapter calls only. The
-reads themselves cannot hang or grow without bound (engine/lora/adapter_config.py: regular
+reads themselves cannot hang or grow without bound (engine/protocol/validation/adapter_config.py: regular
 files only, opened without blocking, at most MAX_CONFIG_BYTES).
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from engine.lora.adapter_config import check_config, parse_config, read_config_bytes
+from engine.protocol.validation.adapter_config import check_config, parse_config, read_config_bytes
 from service.engine_link.checkpoint_fingerprint import checkpoint_fingerprint
 
 T = TypeVar("T")

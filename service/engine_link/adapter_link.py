@@ -9,7 +9,7 @@ engine (`replay`), in load order. An adapter replaced in place is replayed as on
 latest directory at its latest version.
 
 Before a load is sent, its `adapter_config.json` is read and checked here
-(service/engine_link/adapter_files.py, engine/lora/adapter_config.py): a config the engine
+(service/engine_link/adapter_files.py, engine/protocol/validation/adapter_config.py): a config the engine
 could not serve is answered INVALID_ARGUMENT, naming the field, and never reaches the engine.
 
 A load is replayed by reading its directory again, so each is recorded with a fingerprint of
@@ -42,6 +42,7 @@ from dataclasses import replace
 
 import structlog
 
+from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import (
     AdapterOutcome,
     AdapterState,
@@ -51,7 +52,7 @@ from engine.protocol.messages import (
     UnloadAdapter,
 )
 from service.engine_link.adapter_files import AdapterFiles
-from service.engine_link.answers import Answers
+from service.engine_link.awaiting_answers import AwaitingAnswers
 from service.engine_link.engine_process import EngineUnavailableError
 
 log = structlog.get_logger("sluice.engine_client")
@@ -70,7 +71,9 @@ class AdapterLink:
         self.states: tuple[AdapterState, ...] = ()
         self._loads: dict[str, tuple[LoadAdapter, str | None]] = {}  # name -> (load, print)
         self._spools: set[str] = set()  # the owned directories: deleted once no load needs them
-        self._answers = Answers(lambda i, m: AdapterOutcome(i, error_code="UNAVAILABLE", message=m))
+        self._answers: AwaitingAnswers[AdapterOutcome] = AwaitingAnswers(
+            lambda i, m: AdapterOutcome(i, error_code=ErrorCode.UNAVAILABLE, message=m)
+        )
 
     @property
     def names(self) -> frozenset[str]:
@@ -99,7 +102,9 @@ class AdapterLink:
                 fingerprint = await self.files.check(msg.path)
             except ValueError as exc:
                 self._forget_spool(msg.path)
-                return AdapterOutcome(msg.action_id, self.states, "INVALID_ARGUMENT", str(exc))
+                return AdapterOutcome(
+                    msg.action_id, self.states, ErrorCode.INVALID_ARGUMENT, str(exc)
+                )
 
             def record(outcome: AdapterOutcome) -> None:
                 state = next(s for s in outcome.adapters if s.name == msg.name)
@@ -158,7 +163,7 @@ class AdapterLink:
         (or fails), also when the caller has gone by then (the answer is shielded from the
         caller's cancellation)."""
         self._send(msg)
-        future = self._answers.add(msg.action_id)
+        future = self._answers.expect(msg.action_id)
 
         def settle(done: asyncio.Future[AdapterOutcome]) -> None:
             outcome = done.result()
@@ -166,7 +171,9 @@ class AdapterLink:
                 on_ok(outcome)
             else:
                 on_failure()
-            if outcome.error_code != "UNAVAILABLE":  # a lost engine's answer reports nothing
+            if (
+                outcome.error_code is not ErrorCode.UNAVAILABLE
+            ):  # a lost engine's answer reports nothing
                 self.states = outcome.adapters
 
         future.add_done_callback(settle)
@@ -195,7 +202,7 @@ class AdapterLink:
                 )
                 continue
             outcome = await self._ask(replace(msg, action_id=uuid.uuid4().hex), lambda _: None)
-            if outcome.error_code == "UNAVAILABLE":
+            if outcome.error_code is ErrorCode.UNAVAILABLE:
                 # NOTE: sent, then the engine was lost before it answered: applying this load
                 # may be what killed it (a replay otherwise re-applies it after every restart,
                 # a crash loop). It goes; the restart is retried without it.

@@ -20,8 +20,8 @@ import shutil
 import struct
 import tempfile
 
-from engine.lora.adapter_config import CONFIG_FILE
 from engine.protocol.messages import TensorRef
+from engine.protocol.validation.adapter_config import CONFIG_FILE
 from service.engine_link.adapter_files import AdapterFiles
 from service.engine_link.tensor_file import TensorFileWriter
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
@@ -22,21 +21,16 @@ import structlog
 
 from engine.process import engine_main
 from engine.protocol.messages import (
-    AbandonCheck,
     AbortRequests,
     AdapterOutcome,
     AddRequest,
-    CheckConstraint,
-    Constraint,
     ConstraintChecked,
     EngineDead,
     EngineStats,
     FinishReason,
     FromEngine,
-    GetState,
     Heartbeat,
     InflightPolicy,
-    InitWeightTransfer,
     ModelInfo,
     Ready,
     Shutdown,
@@ -44,7 +38,6 @@ from engine.protocol.messages import (
     SleepOutcome,
     StepOutput,
     ToEngine,
-    TransferGroupSpec,
     UpdateWeights,
     Wake,
     WeightsPhase,
@@ -53,8 +46,8 @@ from engine.protocol.messages import (
 )
 from service.config import ServiceConfig
 from service.engine_link.adapter_link import AdapterLink
-from service.engine_link.answers import Answers
 from service.engine_link.checkpoint_fingerprint import checkpoint_fingerprint
+from service.engine_link.engine_calls import EngineCalls
 from service.engine_link.engine_process import (
     EngineProcess,
     EngineStartError,
@@ -69,7 +62,6 @@ from service.engine_link.routing import Inbox, RequestRouter
 from service.engine_link.sleep_link import SleepLink
 from service.engine_link.supervisor import Supervisor, log_task_failure
 from service.engine_link.update_route import (
-    UpdateInProgressError,
     UpdateRoute,
     UpdateRoutes,
     deliver,
@@ -77,15 +69,6 @@ from service.engine_link.update_route import (
 from service.ops.metrics import Metrics
 
 log = structlog.get_logger("sluice.engine_client")
-
-__all__ = [
-    "EngineClient",
-    "EngineStartError",
-    "EngineState",
-    "EngineTarget",
-    "EngineUnavailableError",
-    "UpdateInProgressError",
-]
 
 
 class EngineClient:
@@ -117,11 +100,8 @@ class EngineClient:
         self._start_process = start_process
         self._on_state = on_state
         self._updates = UpdateRoutes()
-        # InitWeightTransfer and CheckConstraint sent, not answered yet
-        self._joins = Answers(lambda i, m: WeightTransferJoined(i, 0, "UNAVAILABLE", m))
-        self._checks = Answers(lambda i, m: ConstraintChecked(i, "UNAVAILABLE", m))
+        self.calls = EngineCalls(self._send)  # transfer joins, constraint checks, stats
         self.awaiting_weights = False  # restarted without weights it could not replay
-        self._stats_waiters: list[asyncio.Future[None]] = []
         self._supervisor: asyncio.Task[None] | None = None
 
     # ---- lifecycle ----
@@ -165,8 +145,7 @@ class EngineClient:
         return bool(
             len(self.router)
             or len(self._updates)
-            or len(self._joins)
-            or len(self._checks)
+            or self.calls.busy
             or self.sleep_link.busy
             or self.adapters.busy
         )
@@ -230,27 +209,6 @@ class EngineClient:
     def release_update(self) -> None:
         self._updates.release()
 
-    async def join_weight_transfer(self, group: TransferGroupSpec | None) -> WeightTransferJoined:
-        """Have the engine join a trainer's group (None: leave it); its answer, UNAVAILABLE if
-        the engine is lost meanwhile. Raises EngineUnavailableError if it cannot be sent."""
-        transfer_id = uuid.uuid4().hex
-        self._send(InitWeightTransfer(transfer_id, group))
-        return await self._joins.add(transfer_id)
-
-    async def check_constraint(self, constraint: Constraint, caller: str = "") -> ConstraintChecked:
-        """Have the engine compile a structured-output constraint (cached for the request that
-        follows); its answer (UNAVAILABLE: lost meanwhile), or EngineUnavailableError. `caller`
-        (the gRPC peer) shares compiles out fairly; a caller that leaves abandons its compile."""
-        check_id = uuid.uuid4().hex
-        self._send(CheckConstraint(check_id, constraint, caller))
-        try:
-            return await self._checks.add(check_id)
-        except asyncio.CancelledError:
-            self._checks.discard(check_id)
-            with contextlib.suppress(EngineUnavailableError):  # a lost engine compiles nothing
-                self._send(AbandonCheck(check_id))
-            raise
-
     def update_weights(
         self,
         update: UpdateWeights,
@@ -275,7 +233,7 @@ class EngineClient:
         replay: bool,
     ) -> UpdateRoute:
         self._send(update)
-        return self._updates.add(update, on_final, replay)
+        return self._updates.add(update, on_final, replay, self._progress)
 
     async def replay(self) -> None:
         """Re-apply the replay log to a freshly started engine (service/engine_link/replay.py);
@@ -290,11 +248,7 @@ class EngineClient:
         """Send one update of the replay log: it changes neither the version nor the log."""
         return self._send_update(update, None, replay=True).queue
 
-    def _route_progress(self, progress: WeightsProgress) -> None:
-        route = self._updates.pop_route(progress)
-        if route is None:
-            log.error("engine.unknown_update", update_id=progress.update_id)
-            return
+    def _progress(self, route: UpdateRoute, progress: WeightsProgress) -> None:
         # Published at once: a caller that saw Applied may ask for min_policy_version = the
         # new one, or start the next update.
         if progress.phase is WeightsPhase.APPLIED and not route.replay:
@@ -335,23 +289,14 @@ class EngineClient:
 
     async def refresh_stats(self, timeout: float = 1.0) -> EngineStats:
         """Ask for fresh stats; fall back to the last known ones after `timeout`."""
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        try:
-            self._send(GetState())
-        except EngineUnavailableError:
-            return self.stats
-        self._stats_waiters.append(waiter)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(waiter), timeout)
+        with contextlib.suppress(EngineUnavailableError):
+            await self.calls.fresh_stats(timeout)
         return self.stats
 
     def _update_stats(self, stats: EngineStats) -> None:
         self.stats = stats
         self.metrics.engine_stats(stats)
-        for waiter in self._stats_waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-        self._stats_waiters.clear()
+        self.calls.stats_arrived()
 
     # ---- the engine process ----
 
@@ -400,8 +345,8 @@ class EngineClient:
         self.router.fail_all(message, self.policy_version)
         self._updates.fail_all(message)
         self.sleep_link.fail_all(message)
-        for answers in (self._joins, self._checks, self.adapters):
-            answers.fail_all(message)
+        self.calls.fail_all(message)
+        self.adapters.fail_all(message)
 
     def _send(self, msg: ToEngine) -> None:
         engine = self.engine
@@ -424,14 +369,15 @@ class EngineClient:
                 case Heartbeat(stats=stats):
                     self._update_stats(stats)
                 case WeightsProgress() as progress:
-                    self._route_progress(progress)
+                    if not self._updates.route(progress):
+                        log.error("engine.unknown_update", update_id=progress.update_id)
                 case SleepOutcome() as outcome:
                     self._route_sleep(outcome)
                 case WeightTransferJoined() as joined:
-                    if not self._joins.route(joined.transfer_id, joined):
+                    if not self.calls.joins.route(joined.transfer_id, joined):
                         log.error("engine.unknown_transfer", transfer_id=joined.transfer_id)
                 case ConstraintChecked() as checked:
-                    self._checks.route(checked.check_id, checked)
+                    self.calls.checks.route(checked.check_id, checked)
                 case AdapterOutcome() as outcome:
                     self.adapters.route(outcome)
                 case Ready(info=info):

@@ -11,44 +11,39 @@ from __future__ import annotations
 
 import asyncio
 
+from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import SleepOutcome
+from service.engine_link.awaiting_answers import AwaitingAnswers
 
 
 class SleepLink:
     def __init__(self) -> None:
         self.level = 0
-        self._waiting: dict[str, asyncio.Future[SleepOutcome]] = {}
+        self._waiting: AwaitingAnswers[SleepOutcome] = AwaitingAnswers(
+            lambda sleep_id, why: SleepOutcome(sleep_id, self.level, ErrorCode.UNAVAILABLE, why)
+        )
 
     @property
     def busy(self) -> bool:
-        return bool(self._waiting)
+        return bool(len(self._waiting))
 
     def expect(self, sleep_id: str) -> asyncio.Future[SleepOutcome]:
-        """The future the engine's answer to `sleep_id` resolves."""
-        assert sleep_id not in self._waiting, sleep_id
-        future: asyncio.Future[SleepOutcome] = asyncio.get_running_loop().create_future()
-        self._waiting[sleep_id] = future
-        return future
+        """The future the engine's answer to `sleep_id` resolves; a successful answer sets
+        the level (a lost engine's leaves it)."""
+        return self._waiting.expect(sleep_id, then=self._take_level)
 
     def forget(self, sleep_id: str) -> None:
         """The message was never sent."""
-        self._waiting.pop(sleep_id, None)
+        self._waiting.discard(sleep_id)
 
     def route(self, outcome: SleepOutcome) -> bool:
-        """Resolve the call `outcome` answers and take its level; False if none waits."""
-        future = self._waiting.pop(outcome.sleep_id, None)
-        if future is None:
-            return False
-        if outcome.ok:
-            self.level = outcome.level
-        if not future.done():
-            future.set_result(outcome)
-        return True
+        """Resolve the call `outcome` answers; False if none waits."""
+        return self._waiting.route(outcome.sleep_id, outcome)
 
     def fail_all(self, message: str) -> None:
         """The engine is lost: every waiting call fails UNAVAILABLE; the level stays."""
-        waiting, self._waiting = self._waiting, {}
-        for sleep_id, future in waiting.items():
-            if not future.done():
-                failed = SleepOutcome(sleep_id, self.level, "UNAVAILABLE", message)
-                future.set_result(failed)
+        self._waiting.fail_all(message)
+
+    def _take_level(self, outcome: SleepOutcome) -> None:
+        if outcome.ok:
+            self.level = outcome.level

@@ -12,7 +12,9 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import UpdateWeights, WeightsPhase, WeightsProgress
+from service.engine_link.awaiting_answers import AwaitingAnswers
 
 
 class UpdateInProgressError(RuntimeError):
@@ -33,7 +35,14 @@ class UpdateRoute:
 class UpdateRoutes:
     def __init__(self) -> None:
         self.claimed = False  # the slot: an update being received, sent or applied
-        self._routes: dict[str, UpdateRoute] = {}  # sent to the engine, no final message yet
+        self._live: str | None = None  # the id of the update holding the slot, once sent
+        # sent to the engine, no final message yet
+        self._routes: AwaitingAnswers[WeightsProgress] = AwaitingAnswers(
+            lambda update_id, why: WeightsProgress(
+                update_id, WeightsPhase.FAILED, error_code=ErrorCode.UNAVAILABLE, message=why
+            ),
+            final=lambda progress: progress.final,
+        )
 
     def __len__(self) -> int:
         return len(self._routes)
@@ -46,7 +55,7 @@ class UpdateRoutes:
 
     def release(self) -> None:
         """Free the slot of an update that was never sent."""
-        assert all(r.replay for r in self._routes.values()), "release a sent update"
+        assert self._live is None, "release a sent update"
         self.claimed = False
 
     def add(
@@ -54,32 +63,36 @@ class UpdateRoutes:
         update: UpdateWeights,
         on_final: Callable[[WeightsProgress], None] | None,
         replay: bool,
+        on_progress: Callable[[UpdateRoute, WeightsProgress], None],
     ) -> UpdateRoute:
-        assert update.update_id not in self._routes, update.update_id
+        """Route the progress of a sent update: `on_progress` takes each event (the slot is
+        free by its final one), and delivers it. A lost engine's event is a final FAILED
+        UNAVAILABLE."""
         route = UpdateRoute(update, asyncio.Queue(), on_final, replay)
-        self._routes[update.update_id] = route
+        if not replay:
+            self._live = update.update_id
+        self._routes.add(
+            update.update_id, lambda progress: self._progress(route, progress, on_progress)
+        )
         return route
 
-    def pop_route(self, progress: WeightsProgress) -> UpdateRoute | None:
-        """The route of `progress`, dropped (and the slot freed) if it is final; None if
-        unknown."""
-        route = self._routes.get(progress.update_id)
-        if route is not None and progress.final:
-            del self._routes[progress.update_id]
-            if not route.replay:
-                self.claimed = False
-        return route
+    def route(self, progress: WeightsProgress) -> bool:
+        """Hand `progress` to its update's route; False if no update waits for it."""
+        return self._routes.route(progress.update_id, progress)
 
     def fail_all(self, message: str) -> None:
         """Every update in flight ends FAILED UNAVAILABLE (the engine was lost)."""
-        routes, self._routes = self._routes, {}
-        for update_id, route in routes.items():
-            failed = WeightsProgress(
-                update_id, WeightsPhase.FAILED, error_code="UNAVAILABLE", message=message
-            )
-            if not route.replay:
-                self.claimed = False
-            deliver(route, failed)
+        self._routes.fail_all(message)
+
+    def _progress(
+        self,
+        route: UpdateRoute,
+        progress: WeightsProgress,
+        on_progress: Callable[[UpdateRoute, WeightsProgress], None],
+    ) -> None:
+        if progress.final and not route.replay:
+            self.claimed, self._live = False, None
+        on_progress(route, progress)
 
 
 def deliver(route: UpdateRoute, progress: WeightsProgress) -> None:

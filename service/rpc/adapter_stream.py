@@ -3,7 +3,7 @@
 In order: the header (the first message, INVALID_ARGUMENT naming `header` otherwise); its
 LoadAdapterRequest checked as LoadAdapter checks one (service/rpc/adapters.py; fields named
 `header.request.*`, `path` must be empty) and its adapter_config (at most MAX_CONFIG_BYTES,
-checked as a directory's config is, engine/lora/adapter_config.py: `header.adapter_config`);
+checked as a directory's config is, engine/protocol/validation/adapter_config.py: `header.adapter_config`);
 then every TensorChunk spooled into a private PEFT directory
 (service/engine_link/adapter_spool.py: UpdateWeights' chunk rules and `tensor.*` fields, at
 most MAX_ADAPTER_BYTES in at most MAX_ADAPTER_TENSORS tensors, refused before more is written;
@@ -23,7 +23,7 @@ from typing import NoReturn
 import grpc
 from sluice.v1 import admin_pb2 as pb
 
-from engine.lora.adapter_config import MAX_CONFIG_BYTES, check_config, parse_config
+from engine.protocol.validation.adapter_config import MAX_CONFIG_BYTES, check_config, parse_config
 from service.config import ServiceConfig
 from service.engine_link.adapter_spool import AdapterSpool
 from service.engine_link.engine_client import EngineClient

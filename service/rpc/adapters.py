@@ -22,10 +22,14 @@ import structlog
 from sluice.v1 import admin_pb2 as pb
 from sluice.v1 import generation_pb2 as gen_pb
 
+from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import AdapterOutcome, AdapterState, InflightPolicy, LoadAdapter
 from service.config import MAX_REQUEST_ID_LENGTH
-from service.engine_link.engine_client import EngineClient, EngineState, EngineUnavailableError
-from service.rpc.refusal import Refusal, engine_status
+from service.engine_link.engine_client import EngineClient
+from service.engine_link.engine_process import EngineUnavailableError
+from service.engine_link.engine_state import EngineState
+from service.rpc.engine_status import engine_status
+from service.rpc.refusal import Refusal
 
 log = structlog.get_logger("sluice.admin")
 
@@ -160,7 +164,9 @@ def _raise_failure(
     if outcome.ok:
         return
     log.warning(f"adapter.{action}_failed", code=outcome.error_code, message=outcome.message)
-    if outcome.error_code == "INVALID_ARGUMENT":  # the adapter's content: `path`, or streamed
+    if (
+        outcome.error_code is ErrorCode.INVALID_ARGUMENT
+    ):  # the adapter's content: `path`, or streamed
         _invalid(content_field(outcome.message), outcome.message)
     raise Refusal(engine_status(outcome.error_code), outcome.message)
 

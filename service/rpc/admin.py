@@ -47,18 +47,17 @@ from engine.protocol.messages import (
     WeightsProgress,
 )
 from service.config import ServiceConfig
-from service.engine_link.engine_client import (
-    EngineClient,
-    EngineState,
-    EngineUnavailableError,
-    UpdateInProgressError,
-)
+from service.engine_link.engine_client import EngineClient
+from service.engine_link.engine_process import EngineUnavailableError
+from service.engine_link.engine_state import EngineState
 from service.engine_link.tensor_file import NO_ROOM, ChunkError, TensorFileWriter
+from service.engine_link.update_route import UpdateInProgressError
 from service.ops.metrics import Metrics
 from service.rpc.adapter_stream import load_adapter_stream
 from service.rpc.adapters import INFLIGHT_POLICIES, load_adapter, unload_adapter
 from service.rpc.arriving import arriving_within
-from service.rpc.refusal import Refusal, engine_status
+from service.rpc.engine_status import engine_status
+from service.rpc.refusal import Refusal
 from service.rpc.sleep_wake import sleep_message, sleep_or_wake, sleep_response, wake_response
 from service.rpc.weight_transfer import distributed_tensors, transfer_group
 
@@ -89,7 +88,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             except UpdateInProgressError as exc:
                 raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
             try:
-                joined = await self.engine.join_weight_transfer(group)
+                joined = await self.engine.calls.join_weight_transfer(group)
             except EngineUnavailableError as exc:
                 raise Refusal(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
             finally:

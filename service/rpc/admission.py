@@ -19,6 +19,17 @@ import grpc
 from sluice.v1 import generation_pb2 as pb
 
 from engine.protocol.messages import AddRequest, LogprobMode, ModelInfo, SamplingParams
+from engine.protocol.validation.request_rules import (
+    empty_prompt,
+    newer_than_served,
+    no_experts,
+    no_room,
+    not_loaded,
+    outside_vocabulary,
+    samples_of_a_score,
+    samples_out_of_range,
+    scores_past_the_prompt,
+)
 from service.config import DEFAULT_MAX_CHAT_MESSAGES, MAX_REQUEST_ID_LENGTH
 from service.rpc.chat import chat_violations, no_template, render
 from service.rpc.refusal import Refusal, invalid_argument
@@ -138,28 +149,15 @@ def field_violations(
     errors: list[tuple[str, str]] = []
     if len(req.request_id) > MAX_REQUEST_ID_LENGTH:
         errors.append(("request_id", f"must be at most {MAX_REQUEST_ID_LENGTH} characters"))
-    match req.WhichOneof("prompt"):
-        case None:
-            errors.append(("prompt", "set text, token_ids or chat"))
-        case "chat":
-            errors += chat_violations(req.chat, info, tokenizer, max_chat_messages)
-        case "text" if not req.text:
-            errors.append(("text", "must not be empty"))
-        case "text":
-            errors += text_violations(req.text, info, tokenizer)
-        case "token_ids" if not req.token_ids.ids:
-            errors.append(("token_ids.ids", "must not be empty"))
-        case "token_ids" if len(req.token_ids.ids) >= info.max_model_len:
-            errors.append(("prompt", _no_room(len(req.token_ids.ids), info)))
-        case "token_ids" if max(req.token_ids.ids) >= info.vocab_size:
-            errors.append(("token_ids.ids", f"every id must be in [0, {info.vocab_size})"))
-    if req.HasField("n") and not 1 <= req.n <= info.max_num_seqs:
-        errors.append(("n", f"must be in [1, {info.max_num_seqs}] (max_num_seqs)"))
-    elif req.n > 1 and req.stop.HasField("max_tokens") and req.stop.max_tokens == 0:
-        errors.append(("n", "must be 1 to score a prompt (max_tokens 0)"))
+    errors += _prompt_violations(req, info, tokenizer, max_chat_messages)
+    samples = samples_out_of_range(req.n, info.max_num_seqs) if req.HasField("n") else None
+    if samples is None and req.stop.HasField("max_tokens"):
+        samples = samples_of_a_score(req.n, req.stop.max_tokens)
+    if samples is not None:
+        errors.append(("n", samples))
     errors += _stop_violations(req.stop)
-    if req.output.routed_experts and not info.moe_layers:
-        errors.append(("output.routed_experts", "the model has no mixture-of-experts layers"))
+    if why := no_experts(req.output.routed_experts, info.moe_layers > 0):
+        errors.append(("output.routed_experts", why))
     if req.output.logprob_mode not in LOGPROB_MODES:
         errors.append(("output.logprob_mode", f"unknown mode {req.output.logprob_mode}"))
     surface = surface_violations(req.sampling)  # before the lists are copied
@@ -168,6 +166,28 @@ def field_violations(
     params = sampling_params(req, surface=not surface)
     errors += [(FIELD_PATHS.get(f, f), d) for f, d in params.errors(info.vocab_size)]
     return errors
+
+
+def _prompt_violations(
+    req: pb.GenerateRequest, info: ModelInfo, tokenizer: Tokenizer, max_chat_messages: int
+) -> list[tuple[str, str]]:
+    match req.WhichOneof("prompt"):
+        case None:
+            return [("prompt", "set text, token_ids or chat")]
+        case "chat":
+            return chat_violations(req.chat, info, tokenizer, max_chat_messages)
+        case "text":
+            if why := empty_prompt(len(req.text)):
+                return [("text", why)]
+            return text_violations(req.text, info, tokenizer)
+    ids = req.token_ids.ids
+    if why := empty_prompt(len(ids)):
+        return [("token_ids.ids", why)]
+    if why := no_room(len(ids), info.max_model_len):
+        return [("prompt", why)]
+    if why := outside_vocabulary(ids, info.vocab_size):
+        return [("token_ids.ids", why)]
+    return []
 
 
 def text_violations(text: str, info: ModelInfo, tokenizer: Tokenizer) -> list[tuple[str, str]]:
@@ -216,11 +236,12 @@ async def admit(
     max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES,
     adapters: Mapping[str, int] = MappingProxyType({}),
 ) -> Admission:
-    """Validate and tokenize (a chat prompt rendered with `chat_template` first); raises Refusal. Queue and duplicate checks are the caller's,
-    made right before submitting (no await in between). `retry_after`: the delay suggested to a
-    request refused for weights older than its `min_policy_version`. `adapters`: the LoRA
-    adapters loaded, with their policy versions (one unloaded after this check is the engine's
-    ERROR output); a request that names one compares its `min_policy_version` with that."""
+    """Validate and tokenize (a chat prompt rendered with `chat_template` first); raises
+    Refusal. Queue and duplicate checks are the caller's, made right before submitting (no
+    await in between). `retry_after`: the delay suggested to a request refused for weights
+    older than its `min_policy_version`. `adapters`: the LoRA adapters loaded, with their
+    policy versions (one unloaded after this check is the engine's ERROR output); a request
+    that names one compares its `min_policy_version` with that."""
     if deadline is not None and deadline <= time.time():
         raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline has already passed")
     if req.WhichOneof("prompt") == "chat" and chat_template is None:
@@ -228,13 +249,42 @@ async def admit(
     violations = field_violations(req, info, tokenizer, max_chat_messages)
     if violations:
         raise invalid_argument(violations)
-    if req.adapter and req.adapter not in adapters:
+    if why := not_loaded(req.adapter, adapters):
         raise Refusal(
             grpc.StatusCode.NOT_FOUND,
-            f"adapter: {req.adapter!r} is not loaded (Admin LoadAdapter; ServerInfo.adapters "
-            "lists those that are)",
+            f"adapter: {why} (Admin LoadAdapter; ServerInfo.adapters lists those that are)",
             [("adapter", "no adapter of this name is loaded")],
         )
+    prompt = await _prompt_ids(req, info, tokenizer, chat_template, max_chat_messages)
+    bad_words = await bad_word_ids(list(req.sampling.bad_words), tokenizer)
+    params = sampling_params(req, bad_words=bad_words)
+    if bad_words and (errors := params.errors(info.vocab_size)):  # what the words became
+        raise invalid_argument([(FIELD_PATHS.get(f, f), d) for f, d in errors])
+    if violations := size_violations(req, len(prompt), info, max_message_bytes):
+        raise invalid_argument(violations)
+    served = adapters[req.adapter] if req.adapter else policy_version
+    min_version = req.min_policy_version if req.HasField("min_policy_version") else None
+    if newer_than_served(min_version, served, req.adapter):
+        # UNAVAILABLE with a retry delay, not FAILED_PRECONDITION: the weights it asks for are
+        # on their way (an update in progress here, or already applied on another replica
+        # behind the same balancer), so the clients' retry policy tries again by itself.
+        whose = f"of adapter {req.adapter!r}" if req.adapter else "served"
+        raise Refusal(
+            grpc.StatusCode.UNAVAILABLE,
+            f"min_policy_version {min_version} is newer than the policy version {served} {whose}",
+            retry_after=retry_after,
+        )
+    return _admission(req, prompt, params, deadline, min_version)
+
+
+async def _prompt_ids(
+    req: pb.GenerateRequest,
+    info: ModelInfo,
+    tokenizer: Tokenizer,
+    chat_template: ChatTemplate | None,
+    max_chat_messages: int,
+) -> list[int]:
+    """The prompt's token ids: the text encoded, the chat rendered and encoded, or the ids."""
     if req.WhichOneof("prompt") == "text":
         prompt = await tokenizer.encode(req.text, add_special_tokens=True)
     elif req.WhichOneof("prompt") == "chat":
@@ -243,34 +293,32 @@ async def admit(
         )
     else:
         prompt = list(req.token_ids.ids)
-    if len(prompt) >= info.max_model_len:  # the message of a token ids prompt too long
-        raise invalid_argument([("prompt", _no_room(len(prompt), info))])
-    bad_words = await bad_word_ids(list(req.sampling.bad_words), tokenizer)
-    params = sampling_params(req, bad_words=bad_words)
-    if bad_words and (errors := params.errors(info.vocab_size)):  # what the words became
-        raise invalid_argument([(FIELD_PATHS.get(f, f), d) for f, d in errors])
-    if req.output.prompt_logprobs and (
-        violations := prompt_logprobs_violations(
-            req, len(prompt), max_message_bytes, routed_bytes(info) * req.output.routed_experts
-        )
-    ):
-        raise invalid_argument(violations)
-    if req.output.routed_experts and (
-        violations := routed_experts_violations(req, len(prompt), info, max_message_bytes)
-    ):
-        raise invalid_argument(violations)
-    served = adapters[req.adapter] if req.adapter else policy_version
-    if req.HasField("min_policy_version") and req.min_policy_version > served:
-        # UNAVAILABLE with a retry delay, not FAILED_PRECONDITION: the weights it asks for are
-        # on their way (an update in progress here, or already applied on another replica
-        # behind the same balancer), so the clients' retry policy tries again by itself.
-        whose = f"of adapter {req.adapter!r}" if req.adapter else "served"
-        raise Refusal(
-            grpc.StatusCode.UNAVAILABLE,
-            f"min_policy_version {req.min_policy_version} is newer than the policy version "
-            f"{served} {whose}",
-            retry_after=retry_after,
-        )
+    if why := no_room(len(prompt), info.max_model_len):  # the message of too many token ids
+        raise invalid_argument([("prompt", why)])
+    return prompt
+
+
+def size_violations(
+    req: pb.GenerateRequest, prompt_len: int, info: ModelInfo, max_message_bytes: int
+) -> list[tuple[str, str]]:
+    """What only the tokenized prompt tells: prompt logprobs or routed experts that could not
+    be sent."""
+    if req.output.prompt_logprobs:
+        routed = routed_bytes(info) * req.output.routed_experts
+        if violations := prompt_logprobs_violations(req, prompt_len, max_message_bytes, routed):
+            return violations
+    if req.output.routed_experts:
+        return routed_experts_violations(req, prompt_len, info, max_message_bytes)
+    return []
+
+
+def _admission(
+    req: pb.GenerateRequest,
+    prompt: list[int],
+    params: SamplingParams,
+    deadline: float | None,
+    min_version: int | None,
+) -> Admission:
     request = AddRequest(
         request_id=req.request_id or uuid.uuid4().hex,
         prompt_token_ids=prompt,
@@ -278,7 +326,7 @@ async def admit(
         n=req.n if req.HasField("n") else 1,
         priority=req.priority,
         deadline=deadline,
-        min_policy_version=req.min_policy_version if req.HasField("min_policy_version") else None,
+        min_policy_version=min_version,
     )
     output = OutputSettings(
         stop=tuple(req.stop.stop),
@@ -297,10 +345,8 @@ def prompt_logprobs_violations(
     bytes of a position's routed experts, when asked for)."""
     errors = []
     start = sampling_params(req).prompt_logprobs_start
-    if start > prompt_len:
-        errors.append(
-            ("output.prompt_logprobs_start", f"must be at most the prompt's {prompt_len} tokens")
-        )
+    if why := scores_past_the_prompt(start, prompt_len):
+        errors.append(("output.prompt_logprobs_start", why))
     per_position = PROMPT_SCORE_BYTES + TOP_LOGPROB_BYTES * req.output.top_logprobs + routed
     size = (prompt_len - start) * per_position
     if size > max_message_bytes:
@@ -344,9 +390,3 @@ def routed_bytes(info: ModelInfo) -> int:
     each a varint of up to the largest expert id."""
     id_bytes = (max(info.num_experts - 1, 1).bit_length() + 6) // 7
     return info.moe_layers * info.moe_top_k * id_bytes
-
-
-def _no_room(prompt_tokens: int, info: ModelInfo) -> str:
-    return (
-        f"{prompt_tokens} prompt tokens leave no room in the context of {info.max_model_len} tokens"
-    )

@@ -15,7 +15,7 @@ import grpc
 from sluice.v1 import generation_pb2 as pb
 
 from engine.protocol.messages import ModelInfo
-from engine.structured.schema_rules import MAX_DEPTH, nesting_depth
+from engine.protocol.validation.schema_rules import MAX_DEPTH, nesting_depth
 from service.rpc.refusal import Refusal, invalid_argument
 from service.text.chat_template import (
     RESERVED_VARIABLES,

@@ -11,7 +11,6 @@ import random
 from dataclasses import dataclass
 
 import grpc
-import structlog
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
@@ -23,8 +22,6 @@ PUSHBACK_CODES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.
 # The delay a refusal suggests is retry_after times a random factor in [1, RETRY_JITTER): calls
 # refused in the same instant, all told the same delay, would all come back in the same instant.
 RETRY_JITTER = 1.5
-
-log = structlog.get_logger("sluice.admin")
 
 
 class Refusal(Exception):
@@ -92,13 +89,3 @@ def invalid_argument(violations: list[tuple[str, str]]) -> Refusal:
     """The refusal of a request with these (field, description) violations."""
     description = "; ".join(f"{f}: {d}" for f, d in violations)
     return Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {description}", violations)
-
-
-def engine_status(name: str) -> grpc.StatusCode:
-    """The status an engine answer names (a grpc.StatusCode's name, as WeightsProgress,
-    WeightTransferJoined and SleepOutcome carry it); anything else is a bug: INTERNAL."""
-    code = getattr(grpc.StatusCode, name, None)
-    if not isinstance(code, grpc.StatusCode) or code is grpc.StatusCode.OK:
-        log.error("admin.unknown_status", error_code=name)
-        return grpc.StatusCode.INTERNAL
-    return code

@@ -15,9 +15,11 @@ import structlog
 from sluice.v1 import generation_pb2 as pb
 from sluice.v1 import generation_pb2_grpc
 
-from engine.protocol.messages import FinishReason, RequestOutput
+from engine.protocol.messages import AddRequest, FinishReason, RequestOutput
 from service.config import MAX_SEND_MESSAGE_BYTES, ServiceConfig
-from service.engine_link.engine_client import EngineClient, EngineState, EngineUnavailableError
+from service.engine_link.engine_client import EngineClient
+from service.engine_link.engine_process import EngineUnavailableError
+from service.engine_link.engine_state import EngineState
 from service.engine_link.routing import Inbox
 from service.ops.metrics import Metrics
 from service.rpc.adapters import adapter_info
@@ -309,22 +311,33 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         finally:
             self.engine.detach(rid)
             submitted.inbox.release()  # what it still holds no longer counts against a stream
-            # NOTE: request_id passed explicitly: a generator closed by the garbage collector
-            # runs this in whatever context is current then.
-            if adapter := request.params.adapter:
-                tokens = sum(c.completion_tokens for c in completions.values())
-                self.metrics.adapter_tokens(adapter, tokens)
-            if abandoned is not None:
-                log.info("request.abandoned", request_id=rid, reason=abandoned.value)
-            else:
-                log.info(
-                    "request.finished",
-                    request_id=rid,
-                    finish_reasons=[c.finish_reason for c in completions.values()],
-                    prompt_tokens=len(request.prompt_token_ids),
-                    completion_tokens=sum(c.completion_tokens for c in completions.values()),
-                    seconds=round(time.monotonic() - started_at, 4),
-                )
+            self._ended(request, list(completions.values()), abandoned, started_at)
+
+    def _ended(
+        self,
+        request: AddRequest,
+        completions: list[Completion],
+        abandoned: FinishReason | None,
+        started_at: float,
+    ) -> None:
+        """Count an ended request's adapter tokens and log how it ended."""
+        rid = request.request_id
+        # NOTE: request_id passed explicitly: a generator closed by the garbage collector
+        # runs this in whatever context is current then.
+        if adapter := request.params.adapter:
+            tokens = sum(c.completion_tokens for c in completions)
+            self.metrics.adapter_tokens(adapter, tokens)
+        if abandoned is not None:
+            log.info("request.abandoned", request_id=rid, reason=abandoned.value)
+        else:
+            log.info(
+                "request.finished",
+                request_id=rid,
+                finish_reasons=[c.finish_reason for c in completions],
+                prompt_tokens=len(request.prompt_token_ids),
+                completion_tokens=sum(c.completion_tokens for c in completions),
+                seconds=round(time.monotonic() - started_at, 4),
+            )
 
     def _cancel(self, request_ids: list[str]) -> list[str]:
         found = [rid for rid in request_ids if self.engine.has(rid)]

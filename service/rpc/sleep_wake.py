@@ -19,8 +19,11 @@ import structlog
 from sluice.v1 import admin_pb2 as pb
 
 from engine.protocol.messages import InflightPolicy, Sleep, SleepOutcome, Wake
-from service.engine_link.engine_client import EngineClient, EngineState, EngineUnavailableError
-from service.rpc.refusal import Refusal, engine_status
+from service.engine_link.engine_client import EngineClient
+from service.engine_link.engine_process import EngineUnavailableError
+from service.engine_link.engine_state import EngineState
+from service.rpc.engine_status import engine_status
+from service.rpc.refusal import Refusal
 
 log = structlog.get_logger("sluice.admin")
 

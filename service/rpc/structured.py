@@ -2,7 +2,7 @@
 
 Its bounds (document size, choice count) are checked with the other fields, before anything
 reads the documents; a JSON schema must then be a JSON object, nested at most MAX_DEPTH deep
-(measured before it is parsed), that uses only what is enforced exactly (schema_rules.py: the
+(measured before it is parsed), that uses only what is enforced exactly (engine/protocol/validation/schema_rules.py: the
 same check the engine makes before compiling). What only compiling tells
 (a regex, grammar or schema the compiler refuses) is asked of the engine (CheckConstraint), which
 compiles it off its step loop and keeps it cached for the request: a constraint that does not
@@ -14,10 +14,13 @@ from __future__ import annotations
 import grpc
 from sluice.v1 import generation_pb2 as pb
 
+from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import Constraint
-from engine.structured.schema_rules import SchemaRuleError, check_schema
-from service.engine_link.engine_client import EngineClient, EngineUnavailableError
-from service.rpc.refusal import Refusal, engine_status, invalid_argument
+from engine.protocol.validation.schema_rules import SchemaRuleError, check_schema
+from service.engine_link.engine_client import EngineClient
+from service.engine_link.engine_process import EngineUnavailableError
+from service.rpc.engine_status import engine_status
+from service.rpc.refusal import Refusal, invalid_argument
 
 
 def constraint(req: pb.GenerateRequest) -> Constraint | None:
@@ -50,12 +53,12 @@ async def check_constraint(engine: EngineClient, c: Constraint, caller: str) -> 
     """Have the engine compile the constraint (for `caller`, the gRPC peer: compiles are shared
     out fairly between callers); raises Refusal if it does not."""
     try:
-        checked = await engine.check_constraint(c, caller)
+        checked = await engine.calls.check_constraint(c, caller)
     except EngineUnavailableError as exc:
         raise Refusal(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
     if checked.error_code is None:
         return
-    if checked.error_code == "INVALID_ARGUMENT":
+    if checked.error_code is ErrorCode.INVALID_ARGUMENT:
         field, _, why = checked.message.partition(": ")
         raise invalid_argument([(field, why)])
     raise Refusal(engine_status(checked.error_code), checked.message)

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from engine.parent_death import die_with_parent
 from engine.protocol.config import EngineConfig
+from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import (
     AbortRequests,
     AdapterOutcome,
@@ -201,17 +202,17 @@ class _FakeEngine:
         return True
 
     def adapter_outcome(self, msg: LoadAdapter | UnloadAdapter | ListAdapters) -> AdapterOutcome:
-        error = ("", "")
+        error: tuple[ErrorCode | None, str] = (None, "")
         match msg:
             case LoadAdapter(replace=False) if msg.name in self.adapters:
-                error = ("ALREADY_EXISTS", f"adapter {msg.name!r}: already loaded")
+                error = (ErrorCode.ALREADY_EXISTS, f"adapter {msg.name!r}: already loaded")
             case LoadAdapter():
                 version = msg.policy_version or 1
                 self.adapters[msg.name] = AdapterState(
                     msg.name, msg.path, 8, 2.0, ("q_proj",), msg.pinned, False, version
                 )
             case UnloadAdapter() if self.adapters.pop(msg.name, None) is None:
-                error = ("NOT_FOUND", f"adapter {msg.name!r}: not loaded")
+                error = (ErrorCode.NOT_FOUND, f"adapter {msg.name!r}: not loaded")
         return AdapterOutcome(msg.action_id, tuple(self.adapters.values()), *error)
 
     def advance_update(self) -> bool:
@@ -238,7 +239,7 @@ class _FakeEngine:
         if msg.policy_version and msg.policy_version <= self.version:
             message = f"policy_version {msg.policy_version} <= served {self.version}"
             yield WeightsProgress(
-                uid, WeightsPhase.FAILED, error_code="FAILED_PRECONDITION", message=message
+                uid, WeightsPhase.FAILED, error_code=ErrorCode.FAILED_PRECONDITION, message=message
             )
             return
         running = list(self.requests)

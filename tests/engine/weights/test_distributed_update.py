@@ -97,7 +97,7 @@ def join(engine: LLMEngine, trainer: Trainer) -> None:
     trainer.start(trainer.group.join)
     joined = engine.join_weight_transfer(InitWeightTransfer("join", trainer.spec))
     assert trainer.wait() is None
-    assert (joined.error_code, joined.engine_ranks) == ("", engine.model.tp.size), joined.message
+    assert (joined.error_code, joined.engine_ranks) == (None, engine.model.tp.size), joined.message
 
 
 def update(tensors: dict[str, torch.Tensor], version: int = 0, **fields: Any) -> UpdateWeights:

@@ -20,7 +20,7 @@ from sluice.v1 import admin_pb2_grpc
 from sluice_client import Client
 from test_service_faults import SERVING, engine_pid, wait_until
 
-from engine.lora.adapter_config import CONFIG_FILE
+from engine.protocol.validation.adapter_config import CONFIG_FILE
 from service.engine_link.engine_state import EngineState
 from tests.support.adapter_calls import ADMIN_TOKEN, refusal
 from tests.support.service_harness import health_status, make_fake_model, running_server

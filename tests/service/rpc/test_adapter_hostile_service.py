@@ -21,7 +21,7 @@ from sluice.v1 import admin_pb2 as apb
 from sluice.v1 import admin_pb2_grpc, generation_pb2_grpc
 from sluice.v1 import generation_pb2 as gpb
 
-from engine.lora.adapter_config import CONFIG_FILE
+from engine.protocol.validation.adapter_config import CONFIG_FILE
 from service.engine_link import adapter_spool
 from service.engine_link.adapter_spool import MAX_ADAPTER_TENSORS
 from tests.support.adapter_calls import ADMIN_TOKEN, refusal

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.structured.pattern_grammar import PatternError, PatternGrammar
+from engine.protocol.validation.pattern_grammar import PatternError, PatternGrammar
 
 MAX_DEPTH = 64  # nesting of arrays and objects in the schema's text
 MAX_LENGTH = 2**31 - 1  # of a string's minLength and maxLength

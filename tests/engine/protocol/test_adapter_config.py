@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.lora.adapter_config import (
+from engine.protocol.validation.adapter_config import (
     MAX_CONFIG_BYTES,
     check_config,
     parse_config,

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engine.structured.schema_rules import (
+from engine.protocol.validation.schema_rules import (
     MAX_DEPTH,
     MAX_PATTERN_CHARS,
     SchemaRuleError,
