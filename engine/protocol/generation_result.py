@@ -6,9 +6,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from engine.protocol.messages import FinishReason, PromptLogprobs, RequestOutput, SamplingParams
+
+T = TypeVar("T")
 
 
 class Engine(Protocol):
@@ -45,17 +47,18 @@ class GenerationResult:
     routed_experts: list[list[int]] | None = None  # one per token ([MoE layer, k]), when asked
 
     def add(self, out: RequestOutput) -> None:
-        """Fold in one step's output for this completion (the last one sets finish_reason)."""
-        self.token_ids += out.new_token_ids
-        self.policy_versions += [out.policy_version] * len(out.new_token_ids)
+        """Fold in one step's output for this completion (the last one sets finish_reason).
+        Linear in the output's tokens: the lists grow in place, never copied per token."""
+        self.token_ids.extend(out.new_token_ids)
+        self.policy_versions.extend([out.policy_version] * len(out.new_token_ids))
         if out.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + out.logprobs
+            self.logprobs = _extended(self.logprobs, out.logprobs)
         if out.top_logprobs is not None:
-            self.top_logprobs = (self.top_logprobs or []) + out.top_logprobs
+            self.top_logprobs = _extended(self.top_logprobs, out.top_logprobs)
         if out.sampling_support is not None:
-            self.sampling_support = (self.sampling_support or []) + out.sampling_support
+            self.sampling_support = _extended(self.sampling_support, out.sampling_support)
         if out.routed_experts is not None:
-            self.routed_experts = (self.routed_experts or []) + out.routed_experts
+            self.routed_experts = _extended(self.routed_experts, out.routed_experts)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.prompt_tokens = out.prompt_tokens
@@ -64,6 +67,14 @@ class GenerationResult:
         if out.finished:
             self.finish_reason = out.finish_reason
             self.error = out.error
+
+
+def _extended(values: list[T] | None, more: list[T]) -> list[T]:
+    """`values` extended in place by `more` (a new list the first time)."""
+    if values is None:
+        return list(more)
+    values.extend(more)
+    return values
 
 
 def generate(
