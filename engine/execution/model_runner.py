@@ -119,7 +119,7 @@ class ModelRunner:
         self.graphs.capture()
 
     def enable_overlap(self) -> None:
-        """Overlapped steps (engine/overlap.py): on the CPU, launched work runs on a device
+        """Overlapped steps (engine/core/step_loop.py): on the CPU, launched work runs on a device
         thread and the host buffers are doubled, so the host fills step N+1's while step N
         reads its own. (On CUDA the upload event already guards the pinned buffers.)"""
         if self.device.type != "cpu" or self.device_thread is not None:
@@ -357,7 +357,12 @@ class ModelRunner:
     def _fill_decode(self, reqs: list[Request], pages: np.ndarray, slots: np.ndarray) -> None:
         """One token per sequence: two list comprehensions, the rest in numpy."""
         a, size, num_seqs = self.arrays, self.page_size, len(reqs)
-        a.input_ids[:num_seqs] = [r.token_ids[r.num_computed_tokens] for r in reqs]
+        a.input_ids[:num_seqs] = [
+            r.input_id(r.num_computed_tokens)
+            if r.num_pending
+            else r.token_ids[r.num_computed_tokens]
+            for r in reqs
+        ]
         positions = a.positions[:num_seqs]
         positions[:] = [r.num_computed_tokens for r in reqs]
         # int64 before the multiply: page * page_size may pass int32 in a large pool.
@@ -381,8 +386,7 @@ class ModelRunner:
         positions = starts[seq] + np.arange(num_tokens) - first[seq]
         a.input_ids[:num_tokens] = list(
             itertools.chain.from_iterable(
-                r.token_ids[s : s + n]
-                for r, s, n in zip(reqs, starts.tolist(), query_lens, strict=True)
+                r.input_ids(s, n) for r, s, n in zip(reqs, starts.tolist(), query_lens, strict=True)
             )
         )
         a.positions[:num_tokens] = positions

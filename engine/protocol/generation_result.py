@@ -1,30 +1,14 @@
-"""GenerationResult: one completion of `LLMEngine.generate`, accumulated from step outputs;
-`generate`, which steps an engine until every completion of a batch of prompts has ended."""
+"""GenerationResult: one completion of `LLMEngine.generate`, accumulated from step outputs
+(engine/core/generate.py steps the engine)."""
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
-from engine.protocol.messages import FinishReason, PromptLogprobs, RequestOutput, SamplingParams
+from engine.protocol.messages import FinishReason, PromptLogprobs, RequestOutput
 
 T = TypeVar("T")
-
-
-class Engine(Protocol):
-    """What `generate` uses of LLMEngine."""
-
-    _arrivals: itertools.count[int]
-
-    def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, n: int
-    ) -> None: ...
-
-    def step(self) -> Sequence[RequestOutput]: ...
-
-    def wait_for_grammars(self) -> None: ...
 
 
 @dataclass
@@ -75,32 +59,3 @@ def _extended(values: list[T] | None, more: list[T]) -> list[T]:
         return list(more)
     values.extend(more)
     return values
-
-
-def generate(
-    engine: Engine,
-    prompts: Sequence[Sequence[int]],
-    params: SamplingParams | Sequence[SamplingParams],
-    n: int = 1,
-) -> list[GenerationResult]:
-    """LLMEngine.generate: add the prompts, step until each of their completions has ended
-    (outputs of other callers' requests are skipped); results in prompt order, n per prompt."""
-    per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else params
-    results: dict[tuple[str, int], GenerationResult] = {}
-    ids = []
-    for k, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
-        request_id = f"generate-{next(engine._arrivals)}-{k}"
-        ids.append(request_id)
-        for index in range(n):
-            results[(request_id, index)] = GenerationResult(list(prompt), index)
-        engine.add_request(request_id, prompt, p, n=n)
-    remaining = len(results)
-    while remaining:
-        for out in engine.step():
-            result = results.get((out.request_id, out.index))
-            if result is None:
-                continue
-            result.add(out)
-            remaining -= out.finished
-        engine.wait_for_grammars()  # rather than spin while they compile
-    return [results[(rid, i)] for rid in ids for i in range(n)]
