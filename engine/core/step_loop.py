@@ -206,13 +206,14 @@ class StepLoop:
     def advance(self, batch: ScheduledBatch) -> tuple[list[int], int]:
         """Count the batch's tokens as computed: (each request's computed tokens now, how many
         of the batch's tokens are prompt tokens)."""
-        reqs, lens = batch.requests, batch.query_lens
-        for req, num_tokens in zip(reqs, lens, strict=True):
-            req.num_computed_tokens += num_tokens
-        prompt = [
-            n for r, n in zip(reqs, lens, strict=True) if r.num_computed_tokens <= r.prompt_len
-        ]
-        return [r.num_computed_tokens for r in reqs], sum(prompt)
+        computed: list[int] = []
+        prompt_tokens = 0
+        for req, num_tokens in zip(batch.requests, batch.query_lens, strict=True):
+            done = req.num_computed_tokens = req.num_computed_tokens + num_tokens
+            computed.append(done)
+            if done <= req.prompt_len:
+                prompt_tokens += num_tokens
+        return computed, prompt_tokens
 
     def launch(self, batch: ScheduledBatch, previous: InflightStep | None) -> InflightStep:
         """Enqueue the batch's forward and sampling; each sampling request counts its token as
