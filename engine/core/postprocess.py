@@ -49,7 +49,9 @@ class Postprocessor:
                     self.table.end_scored(req, first)
         if NO_TOKEN in sampled.token_ids:
             sampled = self._end_impossible(sampled, first)
-        if any(r.grammar is not None for r in sampled.requests):
+        if any(
+            [r.grammar is not None for r in sampled.requests]
+        ):  # a list: faster than a generator
             sampled = self._advance_grammars(sampled, first)
         reqs, tokens = sampled.requests, sampled.token_ids
         # NOTE: siblings fork before any token is appended: a leader that stops at its first
