@@ -17,7 +17,7 @@ from engine.protocol.generation_result import GenerationResult
 from engine.protocol.messages import FinishReason, PromptLogprobs, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
-    from engine.engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
 
 __all__ = [
     "EngineConfig",
@@ -32,7 +32,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "LLMEngine":
-        from engine.engine import LLMEngine
+        from engine.core.llm_engine import LLMEngine
 
         return LLMEngine
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -60,7 +60,7 @@ from engine.protocol.messages import (
 )
 
 if TYPE_CHECKING:
-    from engine.engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
 
 HEARTBEAT_INTERVAL_S = 1.0
 
@@ -82,7 +82,7 @@ def engine_main(config: EngineConfig, conn: Connection) -> None:
     try:
         import torch
 
-        from engine.engine import LLMEngine
+        from engine.core.llm_engine import LLMEngine
 
         if config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
@@ -168,9 +168,9 @@ def _idle_wait(engine: LLMEngine) -> float:
 def step_message(outputs: Sequence[RequestOutput], stats: EngineStats) -> StepOutput:
     """A step's outputs for the pipe: the plain rows as columns (TokenColumns) when the step
     ran a forward, which costs the engine a tenth of pickling an object per row."""
-    from engine.step_outputs import StepOutputs  # engine-side only: not a shared module
+    from engine.core.output_columns import OutputColumns  # engine-side only: not a shared module
 
-    if isinstance(outputs, StepOutputs):
+    if isinstance(outputs, OutputColumns):
         objects, columns = outputs.for_pipe()
         return StepOutput(objects, stats, columns)
     return StepOutput(list(outputs), stats)
@@ -222,14 +222,14 @@ def adapter_outcome(
     it. A failure changes nothing and names its gRPC status here, the one place that does."""
     from safetensors import SafetensorError  # a corrupt adapter file: the caller's mistake
 
-    from engine.lora.adapter_update import AdapterUpdateError, replace_adapter
+    from engine.lora.adapter_update import AdapterUpdateError
 
     error_code: ErrorCode | None = None
     message = ""
     try:
         match msg:
             case LoadAdapter(replace=True):
-                replace_adapter(engine, msg.name, msg.path, msg.policy_version, msg.inflight)
+                engine.replace_adapter(msg.name, msg.path, msg.policy_version, msg.inflight)
             case LoadAdapter():
                 engine.load_adapter(msg.name, msg.path, msg.pinned, msg.policy_version or 1)
             case UnloadAdapter():

@@ -124,7 +124,7 @@ class ModelRunner:
         self.graphs.capture()
 
     def enable_overlap(self) -> None:
-        """Overlapped steps (engine/overlap.py): on the CPU, launched work runs on a device
+        """Overlapped steps (engine/core/step_loop.py): on the CPU, launched work runs on a device
         thread and the host buffers are doubled, so the host fills step N+1's while step N
         reads its own. (On CUDA the upload event already guards the pinned buffers.)"""
         if self.device.type != "cpu" or self.device_thread is not None:

@@ -140,7 +140,10 @@ def fill_decode(
     two list comprehensions, the rest in numpy. `pages`: the block table's rows, `slots`:
     each request's row."""
     num_seqs = len(reqs)
-    a.input_ids[:num_seqs] = [r.token_ids[r.num_computed_tokens] for r in reqs]
+    try:
+        a.input_ids[:num_seqs] = [r.token_ids[r.num_computed_tokens] for r in reqs]
+    except IndexError:  # a pending token (overlapped steps): the device writes its id
+        a.input_ids[:num_seqs] = [r.input_id(r.num_computed_tokens) for r in reqs]
     positions = a.positions[:num_seqs]
     positions[:] = [r.num_computed_tokens for r in reqs]
     # int64 before the multiply: page * page_size may pass int32 in a large pool.
@@ -168,12 +171,11 @@ def fill_packed(
     seq = np.repeat(np.arange(num_seqs), lens)  # each token's sequence
     first = a.query_start_loc[:num_seqs].astype(np.int64)
     positions = starts[seq] + np.arange(num_tokens) - first[seq]
-    a.input_ids[:num_tokens] = list(
-        itertools.chain.from_iterable(
-            r.token_ids[s : s + n]
-            for r, s, n in zip(reqs, starts.tolist(), query_lens, strict=True)
-        )
-    )
+    spans = list(zip(reqs, starts.tolist(), query_lens, strict=True))
+    ids = list(itertools.chain.from_iterable(r.token_ids[s : s + n] for r, s, n in spans))
+    if len(ids) < num_tokens:  # pending tokens (overlapped steps): the device writes them
+        ids = list(itertools.chain.from_iterable(r.input_ids(s, n) for r, s, n in spans))
+    a.input_ids[:num_tokens] = ids
     a.positions[:num_tokens] = positions
     page = pages[slots[seq], positions // size].astype(np.int64)  # int64: see fill_decode
     a.slot_mapping[:num_tokens] = page * size + positions % size

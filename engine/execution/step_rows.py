@@ -38,7 +38,7 @@ def lm_head_rows(batch: ScheduledBatch, arrays: StepArrays, width: int) -> Prepa
     reqs, lens = batch.requests, batch.query_lens
     num_seqs, num_tokens = len(reqs), batch.num_tokens
     ends = [
-        r.num_computed_tokens + n == len(r.token_ids) and r.max_tokens > 0
+        r.num_computed_tokens + n == len(r.token_ids) + r.num_pending and r.max_tokens > 0
         for r, n in zip(reqs, lens, strict=True)
     ]
     forks = any([r.pending_forks for r in reqs])

@@ -19,10 +19,8 @@ version does not change.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
 
 from engine.lora.registry import AdapterRegistry, LoadedAdapter
 from engine.protocol.error_code import ErrorCode
@@ -30,24 +28,8 @@ from engine.protocol.messages import MAX_POLICY_VERSION, FinishReason, InflightP
 from engine.scheduling.request import Request
 from engine.scheduling.scheduler import Scheduler
 
-
-class Engine(Protocol):
-    """What a replace needs of LLMEngine."""
-
-    lock: threading.RLock
-    lora: AdapterRegistry
-    scheduler: Scheduler
-    requests: dict[str, list[Request]]
-
-    def abort(
-        self,
-        request_ids: Sequence[str],
-        reason: FinishReason = ...,
-        message: str | None = None,
-        index: int | None = None,
-    ) -> int: ...
-
-    def _settle(self) -> None: ...
+# Ends requests with a reason and a message (the engine's RequestTable.abort).
+Abort = Callable[[Sequence[str], FinishReason, str], int]
 
 
 class AdapterUpdateError(ValueError):
@@ -59,31 +41,21 @@ class AdapterUpdateError(ValueError):
 
 
 def replace_adapter(
-    engine: Engine,
+    registry: AdapterRegistry,
+    scheduler: Scheduler,
+    abort: Abort,
+    seqs: list[Request],
     name: str,
     path: str | Path,
     policy_version: int = 0,
     inflight: InflightPolicy = InflightPolicy.DRAIN,
 ) -> LoadedAdapter:
-    """Update the loaded adapter `name` from `path` to `policy_version` (0: its version + 1).
-    AdapterUpdateError (NOT_FOUND, FAILED_PRECONDITION, OUT_OF_RANGE) or ValueError (the
-    adapter does not fit) with nothing changed."""
-    with engine.lock:
-        engine._settle()  # NOTE: a launched step's tokens must report the version it ran
-        seqs = [s for seqs in engine.requests.values() for s in seqs]
-        engine.lora.sweep({s.adapter_key for s in seqs if not s.is_finished})
-        return _replace(engine, seqs, name, path, policy_version, inflight)
-
-
-def _replace(
-    engine: Engine,
-    seqs: list[Request],
-    name: str,
-    path: str | Path,
-    policy_version: int,
-    inflight: InflightPolicy,
-) -> LoadedAdapter:
-    registry, scheduler = engine.lora, engine.scheduler
+    """Update the loaded adapter `name` from `path` to `policy_version` (0: its version + 1),
+    applying `inflight` to the sequences in `seqs` that hold it. AdapterUpdateError
+    (NOT_FOUND, FAILED_PRECONDITION, OUT_OF_RANGE) or ValueError (the adapter does not fit)
+    with nothing changed. The caller holds the engine's lock with nothing in flight
+    (LLMEngine.replace_adapter)."""
+    registry.sweep({s.adapter_key for s in seqs if not s.is_finished})
     current = registry.loaded.get(name)
     if current is None:
         raise AdapterUpdateError(ErrorCode.NOT_FOUND, f"adapter {name!r}: not loaded")
@@ -107,7 +79,7 @@ def _replace(
         case InflightPolicy.ABORT:
             ids = list(dict.fromkeys(r.request_id for r in holders))
             why = f"aborted by an update of adapter {name!r} to policy version {version}"
-            engine.abort(ids, FinishReason.ABORTED, why)
+            abort(ids, FinishReason.ABORTED, why)
             registry.hand_over(old.key, new.key)
         case InflightPolicy.CONTINUE | InflightPolicy.RECOMPUTE:
             for req in holders:

@@ -47,8 +47,8 @@ from engine.sampling.surface import TokenBitmask, apply_surface
 __all__ = ["NO_TOKEN", "Sampler", "SamplerOutput", "SamplingBatch", "uniform"]
 
 # The id a row gets when no token is possible: every processed logit is -inf (its allowed ids,
-# bans, logit bias, min_tokens and grammar left nothing). Never a token id, nor the overlapped
-# loop's placeholder (-1); the host ends such a row's request with ERROR (engine/postprocess.py).
+# bans, logit bias, min_tokens and grammar left nothing). Never a token id; the host ends such a
+# row's request with ERROR (engine/core/postprocess.py).
 NO_TOKEN = -2
 
 FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition", "frequency", "presence")

@@ -80,7 +80,7 @@ class SamplingSlots:
         for i in slotless:  # rare: the step that ends an n > 1 prompt
             row_floats, row_ints, flags[i], top[i], min_tokens[i] = _row(reqs[i])
             floats[i], ints[i] = row_floats, row_ints
-        num_output = np.array([len(r.token_ids) for r in reqs], dtype=np.int64)
+        num_output = np.array([len(r.token_ids) + r.num_pending for r in reqs], dtype=np.int64)
         num_output -= ints[:rows, 4]  # the prompt length
         ints[:rows, 2] = num_output
         banned = np.flatnonzero(num_output < min_tokens)

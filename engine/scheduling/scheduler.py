@@ -32,6 +32,9 @@ class ScheduledBatch:
     query_lens: list[int] = field(default_factory=list)
     block_table: BlockTable | None = None
     num_tokens: int = field(init=False)  # sum(query_lens), kept as rows come and go
+    admitted: list[Request] = field(default_factory=list)  # from the queue, by this schedule
+    first_admitted: list[Request] = field(default_factory=list)  # ... for the first time
+    preempted: bool = False  # this schedule preempted a running request
 
     def __post_init__(self) -> None:
         self.num_tokens = sum(self.query_lens)
@@ -60,7 +63,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last is the newest
         self.num_preemptions = 0
         self.policy_version = 0  # folded into prefix-cache hashes
-        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache (steps that ran)
         self.prefix_hits = 0  # prompt tokens found there
         self.too_big: list[Request] = []  # requests that alone cannot fit; the engine ends them
         self.admitting = True  # False while a weight update drains the running requests
@@ -126,7 +129,7 @@ class Scheduler:
         decoding: list[Request] = []
         prefilling: list[Request] = []
         for r in [r for r in self.running if r not in hold] if hold else self.running:
-            left = len(r.token_ids) - r.num_computed_tokens
+            left = len(r.token_ids) + r.num_pending - r.num_computed_tokens  # r.num_tokens, inline
             if left == 1:
                 decoding.append(r)
             elif left > 1:
@@ -171,6 +174,7 @@ class Scheduler:
         while total - len(req.pages) > self.cache.num_available:
             victim = self.running[-1]
             self.preempt(victim)
+            batch.preempted = True
             batch.discard(victim)  # it may have been scheduled earlier in this step
             if victim is req:
                 return False
@@ -219,19 +223,31 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             if req.first_scheduled_time is None:  # first admission, not a resume
                 req.num_cached_tokens = num_cached
-                self.prefix_queries += req.prompt_len
-                self.prefix_hits += num_cached
+                batch.first_admitted.append(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             taken += group
             batch.add(req, num_tokens)
+            batch.admitted.append(req)
+
+    def count(self, batch: ScheduledBatch) -> None:
+        """Count a batch's prefix-cache lookups once its step has run (one given back before
+        it ran, engine/core/step_loop.py, is never counted)."""
+        for req in batch.first_admitted:
+            self.prefix_queries += req.prompt_len
+            self.prefix_hits += req.num_cached_tokens
 
     def preempt(self, req: Request) -> None:
         """Release a running request's pages and queue it to recompute; tokens are kept."""
+        self.requeue(req)
+        self.num_preemptions += 1
+
+    def requeue(self, req: Request) -> None:
+        """A running request back to the queue, its pages released, as if never admitted (a
+        step given back: not a preemption)."""
         self.running.remove(req)
         self._release_pages(req)
         req.num_computed_tokens = 0
-        self.num_preemptions += 1
         self.add(req)
 
     def _drop_too_big(self, req: Request) -> None:

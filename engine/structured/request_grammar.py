@@ -1,7 +1,7 @@
 """RequestGrammar: one constrained sequence's matcher: the tokens it accepted, its next mask.
 
 Every sample of a request (n > 1) has its own. Its state follows the tokens appended to the
-request (engine/postprocess.py accepts each), so preemption and recomputation leave it as is.
+request (engine/core/postprocess.py accepts each), so preemption and recomputation leave it as is.
 Used from one thread at a time: the host between steps, the step's mask fill while it runs.
 """
 

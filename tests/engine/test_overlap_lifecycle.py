@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
-from engine.overlap import overlap_enabled
+from engine.core.step_loop import overlap_enabled
 from engine.protocol.messages import InflightPolicy, RequestOutput, UpdateWeights
 from tests.support.overlap_runs import (
     Request,

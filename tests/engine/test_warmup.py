@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.warmup import OUTPUT_TOKENS, warmup_prompts
+from engine.core.warmup import OUTPUT_TOKENS, warmup_prompts
 
 PROMPTS = [[0, 5, 6, 7, 8, 9] * 6, [0, 11, 12], [0, 5, 6, 7, 8, 9] * 6 + [3]]  # a shared prefix
 
@@ -48,11 +48,13 @@ def test_outputs_are_those_of_an_engine_without_it(tiny_llama: Path) -> None:
 
 def test_the_prompts_fit_the_kv_cache_and_the_context(tiny_llama: Path) -> None:
     eng = engine(tiny_llama, False, max_num_seqs=64, max_num_batched_tokens=2048, num_kv_pages=40)
-    prompts = warmup_prompts(eng)
+    prompts = warmup_prompts(eng.config, eng.model_config, eng.pool)
     assert {len(p) for p in prompts} == {2048 // 64}
     assert len(prompts) == 40 // eng.pool.pages_for(2048 // 64 + OUTPUT_TOKENS)
     short = engine(tiny_llama, False, max_num_seqs=1, max_model_len=20)
-    assert [len(p) for p in warmup_prompts(short)] == [20 - OUTPUT_TOKENS]
+    assert [len(p) for p in warmup_prompts(short.config, short.model_config, short.pool)] == [
+        20 - OUTPUT_TOKENS
+    ]
     # And a warm-up on that small cache runs: what does not fit is not asked for.
     small = engine(tiny_llama, True, max_num_seqs=64, num_kv_pages=40)
     assert small.warmup is not None and small.warmup["prompts"] == len(prompts)

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.core.output_columns import OutputColumns
 from engine.protocol.messages import RequestOutput
 from engine.sampling.sampling_slots import _row
-from engine.step_outputs import StepOutputs
 
 SEEDED = SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=12, ignore_eos=True)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -108,7 +108,7 @@ def test_step_outputs_read_later_keep_the_values_of_their_step(tiny_llama: Path)
         if outputs := engine.step():
             produced.append(outputs)
     first, second = produced
-    assert isinstance(first, StepOutputs)
+    assert isinstance(first, OutputColumns)
     for _ in range(3):
         engine.step()
     # Read only now: each still reports its own step's count.

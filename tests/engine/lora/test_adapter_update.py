@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
-from engine.lora.adapter_update import AdapterUpdateError, replace_adapter
+from engine.lora.adapter_update import AdapterUpdateError
 from engine.protocol.messages import InflightPolicy, RequestOutput
 from tests.support.lora_adapters import make_adapter, peft_greedy, peft_model
 from tests.support.tiny_models import prompts
@@ -91,7 +91,7 @@ def test_drain_lets_running_requests_finish_on_the_old_version(
     prompt = prompts(engine.info.vocab_size, 2)[1]
     before = started(engine, prompt)
     first = engine.lora.key_of("x")
-    new = replace_adapter(engine, "x", versions[2], 0, InflightPolicy.DRAIN)
+    new = engine.replace_adapter("x", versions[2], 0, InflightPolicy.DRAIN)
     assert new.version == 2 and engine.lora.version_of("x") == 2
     engine.add_request("after", prompt, greedy())
     seen = run(engine)
@@ -102,7 +102,7 @@ def test_drain_lets_running_requests_finish_on_the_old_version(
     assert [t for t, _ in after] == reference(2, tuple(prompt))
     assert {v for _, v in after} == {2}
     assert seen["after"][0].cached_tokens == 0  # version 1's prompt KV is not reused
-    replace_adapter(engine, "x", versions[1])  # sweeps version 1: no request holds it now
+    engine.replace_adapter("x", versions[1])  # sweeps version 1: no request holds it now
     assert first not in engine.lora.files and first not in engine.lora.slot_of_key
 
 
@@ -112,7 +112,7 @@ def test_abort_ends_running_requests_and_the_new_version_equals_peft(
     engine = make_engine(tiny_llama, versions[1])
     prompt = prompts(engine.info.vocab_size, 2)[1]
     started(engine, prompt)
-    replace_adapter(engine, "x", versions[2], 7, InflightPolicy.ABORT)
+    engine.replace_adapter("x", versions[2], 7, InflightPolicy.ABORT)
     [ended] = engine.step()
     assert ended.request_id == "r" and ended.finish_reason is FinishReason.ABORTED
     [result] = engine.generate([prompt], greedy())
@@ -127,7 +127,7 @@ def test_continue_keeps_the_kv_and_the_versions_switch_at_the_swap(
     engine = make_engine(tiny_llama, versions[1], max_loras=1, overlap_steps=overlap)
     prompt = prompts(engine.info.vocab_size, 2)[1]
     before = started(engine, prompt)
-    replace_adapter(engine, "x", versions[2], 0, InflightPolicy.CONTINUE)
+    engine.replace_adapter("x", versions[2], 0, InflightPolicy.CONTINUE)
     produced = tokens(before + run(engine)["r"])
     assert [v for _, v in produced] == [1] * BEFORE_SWAP + [2] * (NEW_TOKENS - BEFORE_SWAP)
     assert [t for t, _ in produced[:BEFORE_SWAP]] == reference(1, tuple(prompt))[:BEFORE_SWAP]
@@ -143,7 +143,7 @@ def test_recompute_continues_as_the_new_version_would_from_the_same_tokens(
     engine = make_engine(tiny_llama, versions[1], overlap_steps=overlap)
     prompt = prompts(engine.info.vocab_size, 2)[1]
     before = tokens(started(engine, prompt))
-    replace_adapter(engine, "x", versions[2], 0, InflightPolicy.RECOMPUTE)
+    engine.replace_adapter("x", versions[2], 0, InflightPolicy.RECOMPUTE)
     rest = tokens(run(engine)["r"])
     assert {v for _, v in rest} == {2}
     prefix = tuple(prompt + [t for t, _ in before])
@@ -157,14 +157,14 @@ def test_a_failed_replace_changes_nothing(
     before = engine.adapters()
     fits = make_adapter(tiny_llama, tmp_path / "r4", r=4)
     with pytest.raises(ValueError, match=r"no adapter_config\.json"):
-        replace_adapter(engine, "x", tmp_path / "missing", 0, InflightPolicy.ABORT)
+        engine.replace_adapter("x", tmp_path / "missing", 0, InflightPolicy.ABORT)
     with pytest.raises(
         AdapterUpdateError, match="must exceed the version of adapter 'x', 1"
     ) as exc:
-        replace_adapter(engine, "x", fits, 1, InflightPolicy.ABORT)
+        engine.replace_adapter("x", fits, 1, InflightPolicy.ABORT)
     assert exc.value.code == "FAILED_PRECONDITION"
     with pytest.raises(AdapterUpdateError) as missing:
-        replace_adapter(engine, "nobody", fits)
+        engine.replace_adapter("nobody", fits)
     assert missing.value.code == "NOT_FOUND"
     assert engine.adapters() == before and not engine.lora.retired
     prompt = prompts(engine.info.vocab_size, 1)[0]
@@ -181,7 +181,7 @@ def test_min_policy_version_compares_with_the_adapters_version(
     [refused] = engine.step()
     assert refused.finish_reason is FinishReason.ERROR
     assert refused.error == "min_policy_version: 2 > version 1 of adapter 'x'"
-    replace_adapter(engine, "x", versions[2])
+    engine.replace_adapter("x", versions[2])
     engine.add_request("late", prompt, greedy(), min_policy_version=2)
     late = run(engine)["late"]
     assert late[-1].finish_reason is FinishReason.LENGTH

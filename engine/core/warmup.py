@@ -17,63 +17,47 @@ their pages are free, the prefix cache is empty and the engine's counters read z
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
 
-from engine.kv_cache.prefix_cache import PrefixCache
+from engine.kv_cache.page_pool import PagePool
 from engine.models.hf_config import ModelConfig
 from engine.protocol.config import EngineConfig
 from engine.protocol.messages import FinishReason, RequestOutput, SamplingParams
-from engine.scheduling.scheduler import Scheduler
+
+AddRequest = Callable[[str, Sequence[int], SamplingParams], None]
 
 OUTPUT_TOKENS = 2  # one from the prefill step, one from a decode step of every row
 PARAMS = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True, seed=0)
 
 
-class Engine(Protocol):
-    """What warm_up uses of LLMEngine."""
-
-    config: EngineConfig
-    model_config: ModelConfig
-    cache: PrefixCache
-    scheduler: Scheduler
-    prompt_tokens_computed: int
-    tokens_generated: int
-
-    def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> None: ...
-
-    def step(self) -> Sequence[RequestOutput]: ...
-
-    def has_work(self) -> bool: ...
-
-
-def warm_up(engine: Engine) -> dict[str, float]:
-    """Run the throwaway requests to completion on an engine with nothing in flight, then
-    reset what they touched. Returns how many prompts, their tokens and the seconds it took."""
-    prompts = warmup_prompts(engine)
+def warm_up(
+    add_request: AddRequest,
+    step: Callable[[], Sequence[RequestOutput]],
+    has_work: Callable[[], bool],
+    prompts: list[list[int]],
+) -> dict[str, float]:
+    """Run the throwaway `prompts` to completion on an engine with nothing in flight (the
+    caller then resets what they touched: the prefix cache, the counters). Returns how many
+    prompts, their tokens and the seconds it took."""
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"warmup-{i}", prompt, PARAMS)
-    while engine.has_work():
-        for out in engine.step():
+        add_request(f"warmup-{i}", prompt, PARAMS)
+    while has_work():
+        for out in step():
             if out.finish_reason is FinishReason.ERROR:
                 raise RuntimeError(f"the start-up warm-up failed: {out.error}")
     seconds = time.perf_counter() - start
-    engine.cache.clear()
-    scheduler = engine.scheduler
-    scheduler.prefix_queries = scheduler.prefix_hits = scheduler.num_preemptions = 0
-    engine.prompt_tokens_computed = engine.tokens_generated = 0
     return {"prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "seconds": seconds}
 
 
-def warmup_prompts(engine: Engine) -> list[list[int]]:
+def warmup_prompts(
+    config: EngineConfig, model_config: ModelConfig, pool: PagePool
+) -> list[list[int]]:
     """min(max_num_seqs, max_num_batched_tokens) equal prompts that fill the token budget,
     fewer where the KV cache or the context length cannot hold them all."""
-    budget, pool = engine.config.max_num_batched_tokens, engine.cache.pool
-    count = min(engine.config.max_num_seqs, budget)
-    length = min(budget // count, engine.model_config.max_model_len - OUTPUT_TOKENS)
+    budget = config.max_num_batched_tokens
+    count = min(config.max_num_seqs, budget)
+    length = min(budget // count, model_config.max_model_len - OUTPUT_TOKENS)
     if length < 1:
         return []
     count = min(count, pool.num_pages // pool.pages_for(length + OUTPUT_TOKENS))

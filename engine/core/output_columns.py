@@ -1,4 +1,4 @@
-"""StepOutputs: what one engine step produced, as columns, read as a list of RequestOutputs.
+"""OutputColumns: what one engine step produced, as columns, read as a list of RequestOutputs.
 
 Postprocessing records a step's sampled rows as columns (the request, its token, its output
 count after the token) instead of building an object per row; a RequestOutput is built for a
@@ -19,15 +19,15 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
+from engine.core.request_output import request_output
 from engine.protocol.messages import PromptLogprobs, RequestOutput, TokenColumns
-from engine.request_outputs import request_output
 from engine.scheduling.request import Request
 
 if TYPE_CHECKING:
     from engine.execution.launched_step import Sampled
 
 
-class StepOutputs(Sequence[RequestOutput]):
+class OutputColumns(Sequence[RequestOutput]):
     def __init__(
         self, first: list[RequestOutput], sampled: Sampled, counts: list[int], policy_version: int
     ) -> None:
@@ -101,7 +101,7 @@ class StepOutputs(Sequence[RequestOutput]):
         """Row `row`'s sampling support, if its request asked for it."""
         if not req.params.sampling_support or self.support is None:
             return None
-        return [self.support[row] or []]  # (an overflow ends the request: Engine)
+        return [self.support[row] or []]  # (an overflow ends the request: Postprocessor)
 
     def row_routed(self, req: Request, row: int) -> list[list[int]] | None:
         """Row `row`'s routed experts, if its request asked for them."""
@@ -188,14 +188,14 @@ class StepOutputs(Sequence[RequestOutput]):
         return iter(self.outputs())
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, StepOutputs):
+        if isinstance(other, OutputColumns):
             return self.outputs() == other.outputs()
         if isinstance(other, list):
             return self.outputs() == other
         return NotImplemented
 
     def __repr__(self) -> str:
-        return f"StepOutputs({self.outputs()!r})"
+        return f"OutputColumns({self.outputs()!r})"
 
     def __reduce__(self) -> tuple[Any, ...]:
         return list, (self.outputs(),)

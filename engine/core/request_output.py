@@ -1,7 +1,7 @@
 """What a request reports after a step: its RequestOutput, and whether its last token ended it.
 
-Plain functions over a Request (engine/scheduling/request.py) for LLMEngine, which owns the
-requests; the served policy version is the caller's to pass (a request running an adapter
+Plain functions over a Request (engine/scheduling/request.py) for the RequestTable and the
+Postprocessor; the served policy version is the caller's to pass (a request running an adapter
 reports its adapter's version instead).
 """
 
