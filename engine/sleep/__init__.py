@@ -4,5 +4,5 @@
 the freed memory back to the system) and `sleeper` (the sleep state machine of one engine:
 levels, in-flight policies, wake). They reach into the KV pool and prefix cache, the model's weights (and the
 prepacked CPU linears rebuilt on wake), the runner's buffers and a weight update in flight.
-May import: engine.execution, engine.models, engine.moe, engine.layers, engine.kv_cache, engine.weights, engine.protocol.messages
+May import: engine.execution, engine.models, engine.moe, engine.layers, engine.kv_cache, engine.weights, engine.protocol
 """

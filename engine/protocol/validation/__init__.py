@@ -4,6 +4,7 @@ ends one that reaches it anyway with ERROR), a JSON schema (schema_rules.py, wit
 pattern_grammar.py: the service checks it at admission, the engine before compiling it) and a
 LoRA adapter's adapter_config.json (adapter_config.py: read safely, parsed strictly, checked).
 
-Standard library only, like the rest of engine/protocol/. May import `engine.protocol` and
-nothing else of the engine: a rule that needs the model's limits takes them as plain values.
+Standard library only, like the rest of engine/protocol/: a rule that needs the model's limits
+takes them as plain values.
+May import: engine.protocol
 """
