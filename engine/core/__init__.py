@@ -1,6 +1,7 @@
 """The engine core: who owns a request and who owns a step.
 
-`llm_engine` (LLMEngine, the facade: requests in, steps, stats, admin calls), `request_table`
+`llm_engine` (LLMEngine, the facade: requests in, steps, stats; its admin calls in
+`weight_calls` (weights, sleep) and `adapter_calls` (LoRA adapters)), `request_table`
 (RequestTable: the requests in flight, the outputs made outside a step, the seed rng and the
 arrival counter; every way a request starts or ends), `step_loop` (StepLoop: schedule, launch,
 collect, postprocess; the plain and the overlapped loop side by side), `postprocess`

@@ -54,23 +54,34 @@ class ScheduledBatch:
             del self.requests[i], self.query_lens[i]
 
 
+# Whether a waiting request's LoRA adapter (its key) holds a slot, given one if it can be, with
+# these requests running (engine/lora/registry.py); None without adapters. A request whose
+# adapter cannot have a slot waits, and so do those behind it.
+AdapterGate = Callable[[int, list[Request]], bool]
+
+
 class Scheduler:
-    def __init__(self, cache: PrefixCache, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        cache: PrefixCache,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy_version: int = 0,
+        adapter_gate: AdapterGate | None = None,
+    ) -> None:
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Request] = []  # sorted by Request.sort_key
         self.running: list[Request] = []  # admission order: the last is the newest
         self.num_preemptions = 0
-        self.policy_version = 0  # folded into prefix-cache hashes
+        self.policy_version = policy_version  # folded into prefix-cache hashes
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache (steps that ran)
         self.prefix_hits = 0  # prompt tokens found there
         self.too_big: list[Request] = []  # requests that alone cannot fit; the engine ends them
         self.admitting = True  # False while a weight update drains the running requests
         self.block_table = BlockTable(max_num_seqs)  # every page change goes through it
-        # Whether a waiting request's LoRA adapter holds a slot, given one if it can be
-        # (engine/lora/registry.py); None without adapters. One that cannot waits, in order.
-        self.adapter_gate: Callable[[Request], bool] | None = None
+        self.adapter_gate = adapter_gate
 
     @property
     def pool_pages(self) -> int:
@@ -200,7 +211,8 @@ class Scheduler:
                 self.waiting.pop(0)
                 self._drop_too_big(req)
                 continue
-            if req.adapter_key and self.adapter_gate is not None and not self.adapter_gate(req):
+            gate = self.adapter_gate
+            if req.adapter_key and gate is not None and not gate(req.adapter_key, self.running):
                 break  # every slot's adapter runs requests: its turn comes when they end
             # The cache may not supply a position whose prompt logprob is still to be scored.
             limit = req.num_tokens - 1

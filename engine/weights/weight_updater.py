@@ -94,10 +94,11 @@ class WeightUpdater:
         abort: Abort,
         channel: StepChannel | None = None,
         origin: WeightsOrigin | None = None,
+        storage: WeightStorage | None = None,
     ) -> None:
         self.model = model
         self.origin = origin  # where the served weights come from (None: not tracked)
-        self.storage: WeightStorage | None = None  # set by an engine that can sleep
+        self.storage = storage  # the parameters' storage of an engine that can sleep
         self.channel = channel  # rank 0 of a tensor-parallel group: reaches the workers
         self.scheduler = scheduler  # holds the served policy version (it hashes prefixes)
         self.cache = cache

@@ -78,7 +78,8 @@ def advance(sched: Scheduler, batch: ScheduledBatch) -> None:
     """What the engine does with a step's batch: marks its requests scheduled (a later
     admission is then a resume), counts the fed tokens as computed, publishes the full pages
     of each to the prefix cache, and appends a sampled token to each request whose computed
-    tokens reached its end."""
+    tokens reached its end; and has the scheduler count the step's prefix-cache lookups."""
+    sched.count(batch)
     for req, n in zip(batch.requests, batch.query_lens, strict=True):
         if req.first_scheduled_time is None:
             req.first_scheduled_time = 0.0
