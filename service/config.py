@@ -26,6 +26,39 @@ MIN_MESSAGE_BYTES = 64 * 1024  # below this even ordinary requests and weight ch
 # with prompt logprobs (requests whose scores could pass it are refused). The clients accept it.
 MAX_SEND_MESSAGE_BYTES = 64 * 1024 * 1024
 TLS_FILES = ("tls_cert_file", "tls_key_file", "tls_client_ca_file")
+# The fields __post_init__ checks alike, by rule.
+AT_LEAST_ONE = (
+    "max_waiting",
+    "max_pipe_backlog_bytes",
+    "max_concurrent_rpcs",
+    "max_stream_requests",
+    "max_stream_buffer_bytes",
+    "max_chat_messages",
+)
+AT_LEAST_ONE_WHEN_SET = (
+    "max_generate_streams_per_connection",
+    "max_concurrent_streams",
+    "max_connections",
+)
+POSITIVE_DURATIONS = (
+    "update_idle_timeout",
+    "stream_idle_timeout",
+    "keepalive_time",
+    "keepalive_timeout",
+    "keepalive_min_ping_interval",
+    "handshake_timeout",
+)
+NON_NEGATIVE_DURATIONS = (
+    "shutdown_grace",
+    "ready_timeout",
+    "heartbeat_timeout",
+    "stall_timeout",
+    "restart_backoff",
+    "restart_backoff_max",
+    "retry_after",
+    "engine_exit_timeout",
+    "stream_interval",
+)
 
 
 @dataclass(frozen=True)
@@ -261,6 +294,12 @@ class ServiceConfig:
     )
 
     def __post_init__(self) -> None:
+        self._check_endpoints()
+        self._check_limits()
+        self._check_durations()
+
+    def _check_endpoints(self) -> None:
+        """Ports, tokens, TLS files and the niceness."""
         if not 0 <= self.port <= 65535:
             raise ValueError("port: must be in [0, 65535]")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -274,54 +313,28 @@ class ServiceConfig:
             raise ValueError("tls_client_ca_file: needs tls_cert_file and tls_key_file")
         if not 0 <= self.service_niceness <= 19:
             raise ValueError("service_niceness: must be in [0, 19]")
-        if self.max_waiting < 1:
-            raise ValueError("max_waiting: must be at least 1")
-        if self.max_pipe_backlog_bytes < 1:
-            raise ValueError("max_pipe_backlog_bytes: must be at least 1")
-        if self.max_concurrent_rpcs < 1:
-            raise ValueError("max_concurrent_rpcs: must be at least 1")
-        if (
-            self.max_generate_streams_per_connection is not None
-            and self.max_generate_streams_per_connection < 1
-        ):
-            raise ValueError("max_generate_streams_per_connection: must be at least 1 when set")
-        if self.max_stream_requests < 1:
-            raise ValueError("max_stream_requests: must be at least 1")
-        if self.max_stream_buffer_bytes < 1:
-            raise ValueError("max_stream_buffer_bytes: must be at least 1")
-        if self.max_concurrent_streams is not None and self.max_concurrent_streams < 1:
-            raise ValueError("max_concurrent_streams: must be at least 1 when set")
-        if self.max_connections is not None and self.max_connections < 1:
-            raise ValueError("max_connections: must be at least 1 when set")
-        if self.max_chat_messages < 1:
-            raise ValueError("max_chat_messages: must be at least 1")
-        if self.chat_template == "":
-            raise ValueError("chat_template: must not be empty when set")
-        if self.served_model_name == "":
-            raise ValueError("served_model_name: must not be empty when set")
+
+    def _check_limits(self) -> None:
+        """Counts and sizes: each at least 1 (when set), the message size at least its floor."""
+        for name in AT_LEAST_ONE:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be at least 1")
+        for name in AT_LEAST_ONE_WHEN_SET:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be at least 1 when set")
+        for name in ("chat_template", "served_model_name"):
+            if getattr(self, name) == "":
+                raise ValueError(f"{name}: must not be empty when set")
         if self.max_message_bytes < MIN_MESSAGE_BYTES:
             raise ValueError(f"max_message_bytes: must be at least {MIN_MESSAGE_BYTES}")
-        for name in (
-            "update_idle_timeout",
-            "stream_idle_timeout",
-            "keepalive_time",
-            "keepalive_timeout",
-            "keepalive_min_ping_interval",
-            "handshake_timeout",
-        ):
+
+    def _check_durations(self) -> None:
+        """Timeouts and intervals: positive, or not negative; the liveness ones above the
+        engine's heartbeat interval."""
+        for name in POSITIVE_DURATIONS:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0")
-        for name in (
-            "shutdown_grace",
-            "ready_timeout",
-            "heartbeat_timeout",
-            "stall_timeout",
-            "restart_backoff",
-            "restart_backoff_max",
-            "retry_after",
-            "engine_exit_timeout",
-            "stream_interval",
-        ):
+        for name in NON_NEGATIVE_DURATIONS:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0")
         for name in ("heartbeat_timeout", "stall_timeout"):

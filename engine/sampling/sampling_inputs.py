@@ -94,17 +94,7 @@ class SamplingInputs:
         if flags & slot_bits.SUPPORT:
             bound = max(r.params.support_bound for r in reqs if r.params.sampling_support)
             batch.support_width = min(self.vocab_size, bound + SUPPORT_TIES)
-        if batch.use_penalties:
-            # Only penalised rows need their history (empty ones change no logit); another
-            # row's may end in an overlapped step's pending token (-1), no id to count.
-            histories = [r.token_ids if slot_bits.uses_penalties(r) else [] for r in reqs]
-            batch.context_ids = self._padded(histories)
-        if len(banned):  # rows still below their min_tokens: their stop ids are banned
-            stop_ids: list[tuple[int, ...]] = [()] * rows
-            for row in banned.tolist():
-                stop_ids[row] = self._stop_ids(reqs[row])
-            if any(stop_ids):
-                batch.suppress_ids = self._padded([list(b) for b in stop_ids])
+        self._token_lists(batch, reqs, banned)
         if flags & slot_bits.SURFACE:
             surfaces = self.slots.row_surfaces(reqs)
             tensors = surface_tensors(reqs, surfaces, self.vocab_size, self.device)
@@ -113,6 +103,20 @@ class SamplingInputs:
             grammars = [(row, r.grammar) for row, r in enumerate(reqs) if r.grammar is not None]
             batch.grammar = GrammarMask(grammars, rows, self.vocab_size, self.device)
         return batch
+
+    def _token_lists(self, batch: SamplingBatch, reqs: list[Request], banned: np.ndarray) -> None:
+        """The rows' token lists as padded tensors, when some row needs them: penalised rows'
+        histories, and the stop ids of `banned` rows (still below their min_tokens)."""
+        if batch.use_penalties:
+            # Only penalised rows need their history (empty ones change no logit).
+            histories = [r.token_ids if slot_bits.uses_penalties(r) else [] for r in reqs]
+            batch.context_ids = self._padded(histories)
+        if len(banned):
+            stop_ids: list[tuple[int, ...]] = [()] * len(reqs)
+            for row in banned.tolist():
+                stop_ids[row] = self._stop_ids(reqs[row])
+            if any(stop_ids):
+                batch.suppress_ids = self._padded([list(b) for b in stop_ids])
 
     def _rows_in(self, modes: list[LogprobMode], mode: LogprobMode) -> torch.Tensor:
         return torch.tensor([m is mode for m in modes], device=self.device)
