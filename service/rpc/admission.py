@@ -47,7 +47,7 @@ MAX_STOP_STRING_CHARS = 256
 # turn markers are a handful.
 MAX_STOP_TOKEN_IDS = 256
 
-# engine.messages.SamplingParams field -> the proto field path callers see.
+# engine.protocol.messages.SamplingParams field -> the proto field path callers see.
 FIELD_PATHS = {
     **{
         name: f"sampling.{name}"
