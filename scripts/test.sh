@@ -2,6 +2,11 @@
 # The README's test command: set up .venv with the dev tools, check lint, types and the
 # generated stubs, then run the whole test suite. Extra arguments go to pytest. At the end it
 # prints why each skipped test skipped (pytest -rs) and how long the whole run took.
+#
+# pytest runs on every core (pytest-xdist, `-n auto`): most tests wait on a server or engine
+# process, so two workers nearly halve the run on two cores. `--dist loadfile` keeps a test
+# file on one worker, so its module-scoped servers and engines start once. `-n 0` as an extra
+# argument runs the tests in one process, in order (the last -n given wins).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
@@ -10,4 +15,4 @@ bash scripts/setup.sh dev
 echo "== ruff" && .venv/bin/ruff check . && .venv/bin/ruff format --check .
 echo "== mypy" && .venv/bin/mypy
 echo "== stubs" && bash scripts/gen_protos.sh && git diff --exit-code -- clients/python/sluice/
-echo "== pytest" && .venv/bin/python -m pytest -q -rs "$@"
+echo "== pytest" && .venv/bin/python -m pytest -q -rs -n auto --dist loadfile "$@"
