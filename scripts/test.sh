@@ -3,10 +3,11 @@
 # generated stubs, then run the whole test suite. Extra arguments go to pytest. At the end it
 # prints why each skipped test skipped (pytest -rs) and how long the whole run took.
 #
-# pytest runs on every core (pytest-xdist, `-n auto`): most tests wait on a server or engine
-# process, so two workers nearly halve the run on two cores. `--dist loadfile` keeps a test
-# file on one worker, so its module-scoped servers and engines start once. `-n 0` as an extra
-# argument runs the tests in one process, in order (the last -n given wins).
+# pytest runs on every core (pytest-xdist, `-n auto`): one process keeps about one core busy
+# (the suite is ~13 min of CPU time), so two workers use both cores of a two-core machine.
+# `--dist loadfile` keeps a test file on one worker, so its module-scoped servers and engines
+# start once. `-n 0` as an extra argument runs the tests in one process, in order (the last -n
+# given wins).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
