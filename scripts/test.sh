@@ -16,4 +16,9 @@ bash scripts/setup.sh dev
 echo "== ruff" && .venv/bin/ruff check . && .venv/bin/ruff format --check .
 echo "== mypy" && .venv/bin/mypy
 echo "== stubs" && bash scripts/gen_protos.sh && git diff --exit-code -- clients/python/sluice/
+# Idle OpenMP threads sleep instead of spinning (torch's libgomp spins by default): with two
+# workers and their engine processes on two cores, a spinning pool burns the core another
+# process needs. Ten test files on two workers at a load average of 4: 33 s (44 s of CPU)
+# instead of 73 s (83 s of CPU); on a quiet machine the same wall time and 22% less CPU.
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 echo "== pytest" && .venv/bin/python -m pytest -q -rs -n auto --dist loadfile "$@"
