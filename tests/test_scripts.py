@@ -75,6 +75,6 @@ def test_the_test_script_prints_skip_reasons_and_its_duration(tmp_path: Path) ->
     )
     assert run.returncode == 0, run.stderr
     calls = (root / ".venv/calls").read_text().splitlines()
-    assert "python -m pytest -q -rs -k x" in calls
+    assert "python -m pytest -q -rs -n auto --dist loadfile -k x" in calls
     assert run.stdout.splitlines()[-1].startswith("== scripts/test.sh: ")
     assert run.stdout.splitlines()[-1].endswith(" s in all")

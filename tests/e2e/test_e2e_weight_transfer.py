@@ -35,7 +35,7 @@ PROMPTS = [[0, 17, 42, 99, 123, 7], [0, 5, 6, 7, 8, 9, 10, 11]]
 MAX_TOKENS = 8
 BUCKET = 16 * 1024  # several buckets; the embeddings are larger than one
 REPO = Path(__file__).resolve().parents[2]
-TRAINER = REPO / "tests" / "weight_trainer.py"
+TRAINER = REPO / "tests" / "support" / "weight_trainer.py"
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from sluice.v1 import admin_pb2 as apb
 from sluice_client import AsyncClient, Client, build_request
 
 from tests.support.service_harness import running_server
-from tests.support.silent_listener import SilentListener, free_port
+from tests.support.silent_listener import SilentListener, refused_port
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
@@ -86,9 +86,10 @@ async def test_a_silent_trainer_fails_the_join_at_its_timeout_while_generation_g
 async def test_nothing_listening_fails_the_join_at_its_timeout(target) -> None:
     server, t = target
     pid = server.engine.engine.pid
-    began = time.monotonic()
-    error = await init_weight_transfer(t, join_request(free_port(), 2000))
-    call_s = time.monotonic() - began
+    with refused_port() as port:
+        began = time.monotonic()
+        error = await init_weight_transfer(t, join_request(port, 2000))
+        call_s = time.monotonic() - began
     assert error.code() is grpc.StatusCode.UNAVAILABLE, error.details()
     assert 2.0 <= call_s < 2.0 + SLACK_S, call_s
     assert server.engine.engine.pid == pid

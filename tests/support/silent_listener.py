@@ -6,6 +6,7 @@ of weight-transfer join tests (c10d's TCPStore client waits on it for ever).
         listener.accepted.wait(10)  # a client has connected
 
 `close_connections` hangs up on every client (their waits then fail); leaving closes all.
+`refused_port()` is the opposite peer: a port held where every connection is refused.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+from collections.abc import Iterator
 from types import TracebackType
 
 
@@ -63,7 +65,11 @@ class SilentListener:
         self._thread.join(5)
 
 
-def free_port() -> int:
-    """A port nothing listens on (bound, then released)."""
-    with socket.create_server(("127.0.0.1", 0)) as probe:
-        return int(probe.getsockname()[1])
+@contextlib.contextmanager
+def refused_port() -> Iterator[int]:
+    """A port of 127.0.0.1 that refuses every connection while the block runs: bound and never
+    listened on. Held, not released: a released port may be taken meanwhile by a server of
+    another test (pytest-xdist runs tests side by side)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        yield int(probe.getsockname()[1])

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -37,8 +39,25 @@ GRAMMAR = 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9] | "x"'
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_llama: Path) -> LLMEngine:
-    return make_engine(tiny_llama, overlap=False)
+def engine(tiny_llama: Path) -> Iterator[LLMEngine]:
+    engine = make_engine(tiny_llama, overlap=False)
+    yield engine
+    engine.close()  # its compile workers
+
+
+@pytest.fixture
+def new_engine(tiny_llama: Path) -> Iterator[Callable[..., LLMEngine]]:
+    """make_engine for one test; each engine it made is closed after the test (its compile
+    workers with it)."""
+    made: list[LLMEngine] = []
+
+    def make(**options: Any) -> LLMEngine:
+        made.append(make_engine(tiny_llama, **options))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +155,7 @@ def test_raw_logprobs_are_the_models(engine, tiny_llama, prompt) -> None:  # typ
     torch.testing.assert_close(torch.tensor(result.logprobs), expected, atol=1e-4, rtol=0)
 
 
-def test_constrained_and_free_requests_share_steps(tiny_llama, prompt) -> None:  # type: ignore[no-untyped-def]
+def test_constrained_and_free_requests_share_steps(new_engine, prompt) -> None:  # type: ignore[no-untyped-def]
     """Mixed in one batch, with the overlapped loop, preemption (a small KV pool) and the
     prefix cache, every request gets what it gets alone in a plain engine."""
     requests = [
@@ -152,9 +171,9 @@ def test_constrained_and_free_requests_share_steps(tiny_llama, prompt) -> None: 
     ]
     alone = {}
     for r in requests:
-        alone.update(run(make_engine(tiny_llama, overlap=False), [r]))
+        alone.update(run(new_engine(overlap=False), [r]))
     # 16 pages of 8 tokens hold any one of them (at most 18 + 21 + 60 tokens), not all four.
-    busy = make_engine(tiny_llama, overlap=True, num_kv_pages=16, page_size=8)
+    busy = new_engine(overlap=True, num_kv_pages=16, page_size=8)
     for r in requests:  # compiled first, as the service's check does: all four start together
         if r.params.structured is not None:
             busy.structured.grammars.compile(r.params.structured).result()
@@ -187,10 +206,10 @@ def test_no_token_can_continue_ends_the_request_with_error(engine, tokenizer, pr
     assert engine.pool.num_free == engine.pool.num_pages - engine.cache.num_cached
 
 
-def test_a_request_waits_for_its_grammar_while_the_others_run(tiny_llama, prompt) -> None:  # type: ignore[no-untyped-def]
+def test_a_request_waits_for_its_grammar_while_the_others_run(new_engine, prompt) -> None:  # type: ignore[no-untyped-def]
     """A grammar still compiling holds up its own request only: the free one runs to its end,
     then the constrained one starts once its grammar is there."""
-    engine = make_engine(tiny_llama, overlap=False)
+    engine = new_engine(overlap=False)
     c = Constraint("regex", REGEX)
     compiled = engine.structured.grammars.compile(c).result()
     slow: Future[object] = Future()
@@ -228,10 +247,10 @@ def run_until(engine: LLMEngine, done) -> dict[tuple[str, int], Seen]:  # type: 
     raise AssertionError(f"not done after 500 steps: {seen}")
 
 
-def test_a_weight_update_mid_request_keeps_the_text_valid(tiny_llama, tokenizer, prompt) -> None:  # type: ignore[no-untyped-def]
+def test_a_weight_update_mid_request_keeps_the_text_valid(new_engine, tokenizer, prompt) -> None:  # type: ignore[no-untyped-def]
     """Weights change under a constrained request (in place, CONTINUE): its grammar state
     follows its tokens, so the text stays in the language."""
-    engine = make_engine(tiny_llama, overlap=True)
+    engine = new_engine(overlap=True)
     engine.add_request("r", prompt, sampled(Constraint("json_schema", json.dumps(SCHEMA))))
     seen = run_until(engine, lambda s: len(s.get(("r", 0), Seen()).token_ids) >= 3)
     with engine.live_weights(policy_version=1) as params:

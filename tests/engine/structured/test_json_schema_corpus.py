@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,11 @@ REFUSAL = re.compile(r"^structured\.json_schema: .+ at #\S*( |$)")
 
 
 @pytest.fixture(scope="module")
-def grammars(tiny_llama: Path) -> Grammars:
+def grammars(tiny_llama: Path) -> Iterator[Grammars]:
     cfg = load_model_config(tiny_llama, None)
-    return Grammars(tiny_llama, cfg.vocab_size, cfg.eos_token_ids)
+    grammars = Grammars(tiny_llama, cfg.vocab_size, cfg.eos_token_ids)
+    yield grammars
+    grammars.close()  # its compile workers
 
 
 def compact(value: Any) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
@@ -62,9 +63,11 @@ STRINGS = [
 
 
 @pytest.fixture(scope="module")
-def grammars(tiny_llama: Path) -> Grammars:
+def grammars(tiny_llama: Path) -> Iterator[Grammars]:
     cfg = load_model_config(tiny_llama, None)
-    return Grammars(tiny_llama, cfg.vocab_size, cfg.eos_token_ids)
+    grammars = Grammars(tiny_llama, cfg.vocab_size, cfg.eos_token_ids)
+    yield grammars
+    grammars.close()  # its compile workers
 
 
 def accepts(grammars: Grammars, schema: dict[str, object], text: str) -> bool:

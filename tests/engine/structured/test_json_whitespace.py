@@ -5,6 +5,7 @@ N allows any JSON whitespace in runs of at most N characters."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,13 +33,17 @@ def accepts(grammars: Grammars, constraint: Constraint, text: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def compact(tiny_llama: Path) -> Grammars:
-    return make_grammars(tiny_llama, 0)
+def compact(tiny_llama: Path) -> Iterator[Grammars]:
+    grammars = make_grammars(tiny_llama, 0)
+    yield grammars
+    grammars.close()  # its compile workers
 
 
 @pytest.fixture(scope="module")
-def loose(tiny_llama: Path) -> Grammars:
-    return make_grammars(tiny_llama, 3)
+def loose(tiny_llama: Path) -> Iterator[Grammars]:
+    grammars = make_grammars(tiny_llama, 3)
+    yield grammars
+    grammars.close()
 
 
 @pytest.mark.parametrize("kind", ["json_schema", "json_object"])

@@ -12,7 +12,7 @@ import pytest
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.protocol.messages import InitWeightTransfer, TransferGroupSpec
 from engine.weights.group_join import MAX_ABANDONED
-from tests.support.silent_listener import SilentListener, free_port
+from tests.support.silent_listener import SilentListener, refused_port
 
 PROMPT = [0, 17, 42, 99, 123, 7]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -89,9 +89,10 @@ def test_a_store_that_never_answers_fails_the_join_at_its_timeout_while_requests
 
 def test_nothing_listening_fails_the_join_at_its_timeout_not_twice_it(one_rank) -> None:
     engine = one_rank
-    began = time.monotonic()
-    joined = engine.join_weight_transfer(InitWeightTransfer("j", spec(free_port(), 1.0)))
-    elapsed = time.monotonic() - began
+    with refused_port() as port:
+        began = time.monotonic()
+        joined = engine.join_weight_transfer(InitWeightTransfer("j", spec(port, 1.0)))
+        elapsed = time.monotonic() - began
     assert joined.error_code == "UNAVAILABLE" and 1.0 <= elapsed < 1.0 + SLACK_S, (joined, elapsed)
 
 
