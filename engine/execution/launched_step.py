@@ -122,7 +122,11 @@ class PendingInputs:
         assert result is not None and result.token_ids is not None, "it sampled nothing"
         assert self._indices is not None, "scatter before upload"
         positions, rows = self._indices
-        input_ids.index_copy_(0, positions, result.token_ids.index_select(0, rows))
+        # NOTE: a row with no possible token sampled NO_TOKEN: read as id 0, in a row that is
+        # discarded (its request ends with ERROR when the previous step is collected). Clamped
+        # here, on the overlapped loop's path only: the plain loop pays nothing for it.
+        ids = result.token_ids.index_select(0, rows).clamp_(min=0)
+        input_ids.index_copy_(0, positions, ids)
 
 
 def graph_outputs(
@@ -176,11 +180,9 @@ def eager_hidden(
 
 
 def sampled_ids(out: SamplerOutput) -> torch.Tensor:
-    """[rows] int64 token ids of a sampler output (column 0 when logprobs are packed in), as
-    input ids for the next step: a row with no possible token (NO_TOKEN) reads id 0 there, in
-    a row that is discarded (its request ends with ERROR when this step is collected)."""
-    ids = out.values if out.values.dim() == 1 else out.values[:, 0].to(torch.int64)
-    return ids.clamp(min=0)
+    """[rows] int64 token ids of a sampler output (column 0 when logprobs are packed in); a row
+    with no possible token holds NO_TOKEN (PendingInputs.scatter reads it as id 0)."""
+    return out.values if out.values.dim() == 1 else out.values[:, 0].to(torch.int64)
 
 
 def to_host_async(
