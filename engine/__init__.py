@@ -1,7 +1,7 @@
 """Sluice engine: the model, the paged KV cache, the scheduler and the sampler.
 
-Importing `engine` (or `engine.protocol.config` / `engine.protocol.messages`) does not import torch; `LLMEngine`
-is loaded on first use so that the service process can share the plain-data modules.
+Importing `engine` (or anything of `engine.protocol`) does not import torch; `LLMEngine` is
+loaded on first use so that the service process can share the plain-data modules.
 
 Each package below states what it may import of the rest; the engine as a whole imports nothing
 of the service or the client (tests/test_layout.py checks every such line).
