@@ -165,7 +165,9 @@ def record_writes(servicer_class: Any, router_class: Any) -> tuple[list[Write], 
     message: low load only."""
     writes: list[Write] = []
     arrivals: dict[str, float] = {}
-    run, route = servicer_class._run, router_class.route
+    # The generator is `events` since the OpenAI and worker-protocol fronts share it; `_run` before.
+    events_name = "events" if hasattr(servicer_class, "events") else "_run"
+    run, route = getattr(servicer_class, events_name), router_class.route
 
     def timed_route(self: Any, output: Any) -> Any:
         # The stand-in numbers tokens by completion_tokens: this output's is the last.
@@ -183,7 +185,7 @@ def record_writes(servicer_class: Any, router_class: Any) -> tuple[list[Write], 
                     writes.append((request_id, position, count, time.monotonic()))
                     position += count
 
-    servicer_class._run = timed_run
+    setattr(servicer_class, events_name, timed_run)
     router_class.route = timed_route
     return writes, arrivals
 

@@ -46,7 +46,9 @@ SERVING_STATES = {
 
 
 @dataclass(frozen=True)
-class _Submitted:
+class Submitted:
+    """An admitted request in the engine: `GenerationServicer.events` turns it into events."""
+
     admission: Admission
     inbox: Inbox
     deadline: float | None
@@ -67,16 +69,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         # NOTE: grpc.aio runs each call in a task of its own, so this binding is this call's
-        # alone; _submit rebinds it to the id the server assigns when the caller gave none.
+        # alone; submit rebinds it to the id the server assigns when the caller gave none.
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
         deadline = _deadline(context)
         try:
-            submitted = await self._submit(request, deadline, context.peer())
+            submitted = await self.submit(request, deadline, context.peer())
         except Refusal as refusal:
             log.info("request.refused", code=refusal.code.name, message=refusal.message)
             await context.abort_with_status(refusal.to_status())
             return
-        async for event in self._run(submitted):
+        async for event in self.events(submitted):
             yield event
 
     async def GenerateStream(
@@ -91,10 +93,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         deadline = _deadline(context)
 
         async def start(request: pb.GenerateRequest) -> Admitted:
-            submitted = await self._submit(request, deadline, context.peer())
+            submitted = await self.submit(request, deadline, context.peer())
             submitted.inbox.meter = call.meter  # no await since submit: nothing arrived yet
             added = submitted.admission.request
-            events = self._run(submitted)
+            events = self.events(submitted)
             return Admitted(added.request_id, added.n, len(added.prompt_token_ids), events)
 
         limits = StreamLimits(
@@ -102,7 +104,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             max_buffer_bytes=self.config.max_stream_buffer_bytes,
             idle_timeout=self.config.stream_idle_timeout,
         )
-        call = GenerateStreamCall(start, self._cancel, limits)
+        call = GenerateStreamCall(start, self.cancel, limits)
         async for event in call.run(request_iterator):
             yield event
         if call.failure is not None:
@@ -112,7 +114,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: pb.CancelRequest, context: grpc.aio.ServicerContext
     ) -> pb.CancelResponse:
         ids = list(dict.fromkeys(request.request_ids))
-        cancelled = self._cancel(ids)
+        cancelled = self.cancel(ids)
         not_found = [rid for rid in ids if rid not in cancelled]
         return pb.CancelResponse(cancelled=cancelled, not_found=not_found)
 
@@ -197,11 +199,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     # ---- admission and streaming ----
 
-    async def _submit(
+    async def submit(
         self, req: pb.GenerateRequest, deadline: float | None, caller: str
-    ) -> _Submitted:
+    ) -> Submitted:
         """Admit a request and hand it to the engine, or raise Refusal. `caller`: the gRPC
-        peer (its connection), whose constraint compiles are shared out fairly."""
+        peer (its connection), whose constraint compiles are shared out fairly.
+
+        The one admission path: the OpenAI front and the vLLM worker protocol translate their
+        requests to a sluice.v1 GenerateRequest and come here too, then read `events`."""
         self._check_available()
         assert self.tokenizer is not None and self.engine.info is not None
         admission = await admit(
@@ -236,7 +241,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise self._unavailable(str(exc)) from exc
         if adapter := admission.request.params.adapter:
             self.metrics.adapter_request(adapter)
-        return _Submitted(admission, inbox, deadline)
+        return Submitted(admission, inbox, deadline)
 
     def _check_available(self) -> None:
         if self.draining:
@@ -256,7 +261,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         (a draining server's). It carries the same retry delay as an overload refusal."""
         return Refusal(grpc.StatusCode.UNAVAILABLE, message, retry_after=self.config.retry_after)
 
-    async def _run(self, submitted: _Submitted) -> AsyncGenerator[pb.GenerateResponse, None]:
+    async def events(self, submitted: Submitted) -> AsyncGenerator[pb.GenerateResponse, None]:
         """Events of one admitted request: `started`, chunks, one `finished` per index, last.
 
         Each wake-up sends every output waiting in the queue as one chunk (coalescing): the
@@ -339,7 +344,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 seconds=round(time.monotonic() - started_at, 4),
             )
 
-    def _cancel(self, request_ids: list[str]) -> list[str]:
+    def cancel(self, request_ids: list[str]) -> list[str]:
         found = [rid for rid in request_ids if self.engine.has(rid)]
         self.engine.abort(found, FinishReason.CANCELLED)
         return found

@@ -17,7 +17,7 @@ from service.engine_link.routing import Inbox
 from service.ops.metrics import Metrics
 from service.rpc.admission import Admission
 from service.rpc.generate_stream import Admitted, GenerateStreamCall, StreamLimits
-from service.rpc.servicer import GenerationServicer, _Submitted
+from service.rpc.servicer import GenerationServicer, Submitted
 from service.text.completion import OutputSettings
 from service.text.tokenizer import Tokenizer
 from tests.support.service_harness import make_fake_model
@@ -65,7 +65,7 @@ def servicer(tmp_path: Path) -> GenerationServicer:
 def submit(servicer: GenerationServicer, rid: str) -> tuple[Inbox, Admitted]:
     request = AddRequest(rid, [5, 6, 7], SamplingParams(max_tokens=len(IDS)))
     queue = Inbox()
-    events = servicer._run(_Submitted(Admission(request, OutputSettings()), queue, None))
+    events = servicer.events(Submitted(Admission(request, OutputSettings()), queue, None))
     return queue, Admitted(rid, 1, 3, events)
 
 
@@ -204,7 +204,7 @@ async def test_generate_with_an_interval_sends_the_first_token_alone_then_the_re
 ):
     request = AddRequest("r", [5, 6, 7], SamplingParams(max_tokens=len(IDS)))
     inbox = Inbox(interval=60.0)
-    events = servicer._run(_Submitted(Admission(request, OutputSettings()), inbox, None))
+    events = servicer.events(Submitted(Admission(request, OutputSettings()), inbox, None))
     inbox.put_nowait(output("r", 0))
     assert (await anext(events)).WhichOneof("event") == "started"
     assert tokens(await anext(events)) == IDS[:1]

@@ -17,7 +17,7 @@ from engine.protocol.messages import FinishReason, RequestOutput
 from service.engine_link.routing import Inbox
 from service.ops.metrics import Metrics
 from service.rpc.admission import AddRequest, Admission, SamplingParams
-from service.rpc.servicer import GenerationServicer, _Submitted
+from service.rpc.servicer import GenerationServicer, Submitted
 from service.text.completion import OutputSettings
 from service.text.tokenizer import Tokenizer
 from tests.support.service_harness import make_fake_model, running_server
@@ -389,7 +389,7 @@ async def test_every_waiting_token_goes_out_as_one_chunk(model_dir):
             )
         )
     admission = Admission(AddRequest("r", [0, 36], SamplingParams(max_tokens=3)), OutputSettings())
-    events = [e async for e in servicer._run(_Submitted(admission, queue, None))]
+    events = [e async for e in servicer.events(Submitted(admission, queue, None))]
     assert [e.WhichOneof("event") for e in events] == ["started", "tokens", "finished"]
     assert list(events[1].tokens.token_ids) == [36, 66, 71]
 
