@@ -15,7 +15,7 @@ trap 'echo "== scripts/test.sh: $((SECONDS - started)) s in all"' EXIT
 bash scripts/setup.sh dev
 echo "== ruff" && .venv/bin/ruff check . && .venv/bin/ruff format --check .
 echo "== mypy" && .venv/bin/mypy
-echo "== stubs" && bash scripts/gen_protos.sh && git diff --exit-code -- clients/python/sluice/
+echo "== stubs" && bash scripts/gen_protos.sh && git diff --exit-code -- clients/python/sluice/ service/vllm_worker/pb/
 # Idle OpenMP threads sleep instead of spinning (torch's libgomp spins by default): with two
 # workers and their engine processes on two cores, a spinning pool burns the core another
 # process needs. Ten test files on two workers at a load average of 4: 33 s (44 s of CPU)
