@@ -223,6 +223,9 @@ class SluiceServer:
             policy_version=self.engine.policy_version,
             serving_state=state.removeprefix("SERVING_STATE_").lower(),
             engine_up=self.engine.state is EngineState.SERVING,
+            max_loras=self.config.engine.max_loras,
+            running_adapters=stats.running_adapters,
+            waiting_adapters=stats.waiting_adapters,
         )
 
     def _on_engine_state(self, state: EngineState) -> None:

@@ -38,7 +38,7 @@ postprocessed. A step whose schedule preempted a request cannot be given back: i
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.core.output_columns import OutputColumns
@@ -110,6 +110,7 @@ class StepLoop:
     def stats(self) -> EngineStats:
         """What the engine reports of its requests, pages, steps and admin state."""
         scheduler, cache = self.scheduler, self.scheduler.cache
+        lora = scheduler.adapter_gate is not None  # LoRA is on: name the requests' adapters
         return EngineStats(
             running=len(scheduler.running),
             waiting=len(scheduler.waiting) + len(self.structured.deferred),
@@ -124,6 +125,8 @@ class StepLoop:
             preemptions=scheduler.num_preemptions,
             updating_weights=self.updater.in_progress,
             sleep_level=self.sleeper.level,
+            running_adapters=_adapters(scheduler.running) if lora else (),
+            waiting_adapters=_adapters(scheduler.waiting) if lora else (),
         )
 
     def reset_counts(self) -> None:
@@ -285,3 +288,8 @@ def pending_inputs(batch: ScheduledBatch, previous: InflightStep | None) -> Pend
                 rows.append(row)
         start += num_tokens
     return PendingInputs(previous.launched, positions, rows) if positions else None
+
+
+def _adapters(requests: Iterable[Request]) -> tuple[str, ...]:
+    """The distinct LoRA adapter names of `requests`, sorted."""
+    return tuple(sorted({r.params.adapter for r in requests if r.params.adapter}))

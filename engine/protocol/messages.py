@@ -159,6 +159,10 @@ class EngineStats:
     preemptions: int = 0  # cumulative
     updating_weights: bool = False  # a weight update is pending or being applied
     sleep_level: int = 0  # 0 awake; 1 or 2 asleep (see Sleep)
+    # The LoRA adapters of the running and the waiting requests, by name, sorted (always empty
+    # when LoRA is off): what a router reads to send an adapter's requests where it is loaded.
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
 
     @property
     def prefix_hit_ratio(self) -> float:

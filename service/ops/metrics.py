@@ -14,6 +14,7 @@ docs/metrics.md describes every metric; keep the two in step.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -53,6 +54,9 @@ class Gauges:
     policy_version: int
     serving_state: str  # one of SERVING_STATES
     engine_up: bool
+    max_loras: int = 0  # adapter slots (--max-loras); 0: LoRA is off
+    running_adapters: tuple[str, ...] = ()  # adapters of running requests
+    waiting_adapters: tuple[str, ...] = ()  # adapters of waiting requests
 
 
 class Metrics:
@@ -302,6 +306,23 @@ class _GaugeCollector:
         for name in SERVING_STATES:
             state.add_metric([name], float(name == g.serving_state))
         yield state
+        if g.max_loras:
+            yield _lora_requests_info(g)
+
+
+def _lora_requests_info(g: Gauges) -> GaugeMetricFamily:
+    """vLLM's `lora_requests_info` shape, which routers (llm-d's inference scheduler) read: one
+    series whose labels name the running and waiting requests' adapters (comma-separated) and
+    the adapter slots; its value is when it was read (a router keeps the newest series)."""
+    info = GaugeMetricFamily(
+        "sluice_lora_requests_info",
+        "LoRA adapters of the running and waiting requests (labels, comma-separated) and the "
+        "adapter slots; the value is the Unix time it was read.",
+        labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+    )
+    labels = [",".join(g.running_adapters), ",".join(g.waiting_adapters), str(g.max_loras)]
+    info.add_metric(labels, time.time())
+    return info
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

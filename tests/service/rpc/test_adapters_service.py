@@ -192,6 +192,32 @@ async def test_unload_while_a_request_runs_the_adapter_is_failed_precondition(
     assert "a" in await asyncio.to_thread(listed, target)
 
 
+async def test_the_lora_info_gauge_names_the_running_requests_adapter(server, adapter_dirs) -> None:  # type: ignore[no-untyped-def]
+    """sluice_lora_requests_info: what llm-d's scheduler reads as vLLM's lora_requests_info."""
+    running, target = server
+    await asyncio.to_thread(_ensure_loaded, target, adapter_dirs, "a")
+    registry = running.metrics.registry
+
+    def info(adapters: str) -> float | None:
+        labels = {"running_lora_adapters": adapters, "waiting_lora_adapters": ""}
+        return registry.get_sample_value("sluice_lora_requests_info", labels | {"max_lora": "2"})
+
+    request = build_request(PROMPT, max_tokens=400, ignore_eos=True, adapter="a")
+    async with grpc.aio.insecure_channel(target) as channel:
+        call = generation_pb2_grpc.GenerationStub(channel).Generate(request)
+        assert (await call.read()).WhichOneof("event") == "started"
+        await call.read()  # a token: a step ran it, and its stats name the adapter
+        async with asyncio.timeout(10):  # the next step's message says so
+            while running.engine.stats.running_adapters != ("a",):
+                await asyncio.sleep(0.01)
+        assert info("a") is not None and info("a") > time.time() - 60
+        call.cancel()
+    async with asyncio.timeout(10):
+        while running.engine.stats.running:
+            await asyncio.sleep(0.01)
+    assert info("") is not None  # no adapter runs now
+
+
 @pytest.mark.parametrize("token", [None, "wrong"])
 async def test_adapter_calls_need_the_admin_token(server, adapter_dirs, token) -> None:  # type: ignore[no-untyped-def]
     _, target = server
