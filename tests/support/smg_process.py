@@ -20,7 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,18 +47,27 @@ class SmgProcess:
     """`python -m smg launch --backend vllm --policy POLICY --worker-urls grpc://W ...`."""
 
     def __init__(
-        self, log_path: Path, workers: list[str], *flags: str, policy: str = "cache_aware"
+        self,
+        log_path: Path,
+        workers: list[str],
+        *flags: str,
+        policy: str = "cache_aware",
+        popen: Callable[..., subprocess.Popen[bytes]] = subprocess.Popen,
+        niceness: int = 0,
     ) -> None:
-        """`workers`: "host:port" of each Sluice worker; `flags`: more `smg launch` flags."""
+        """`workers`: "host:port" of each Sluice worker; `flags`: more `smg launch` flags;
+        `popen`: what starts the process, `niceness` added to its priority (a benchmark runs
+        the gateway beside the engine as it runs the service: a few nice levels below it)."""
         self.log_path = log_path
         self.port = free_port()
         self.metrics_port = free_port()
-        command = [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1"]
+        command = ["nice", "-n", str(niceness)] if niceness else []
+        command += [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1"]
         command += ["--port", str(self.port), "--prometheus-host", "127.0.0.1"]
         command += ["--prometheus-port", str(self.metrics_port), "--backend", "vllm"]
         command += ["--policy", policy, "--worker-urls", *[f"grpc://{w}" for w in workers]]
         self._log = log_path.open("w")
-        self.proc = subprocess.Popen(
+        self.proc = popen(
             [*command, *FAST_CLOCKS, *flags],
             env={**os.environ, "NO_COLOR": "1"},
             stdin=subprocess.DEVNULL,
