@@ -5,14 +5,15 @@ Everything here is plain data (dataclasses of builtins) so it pickles across the
 
 Service -> engine: AddRequest, AbortRequests, UpdateWeights, InitWeightTransfer, Sleep, Wake,
 CheckConstraint, AbandonCheck, GetState, Shutdown, LoadAdapter, UnloadAdapter, ListAdapters,
-FlushCache.
-Engine -> service: Ready, StepOutput (one per engine step), WeightsProgress (for an
+FlushCache. Engine -> service: Ready, StepOutput (one per engine step), WeightsProgress (for an
 UpdateWeights), WeightTransferJoined (for an InitWeightTransfer), SleepOutcome (for a Sleep or a
 Wake), ConstraintChecked (for a CheckConstraint), Heartbeat (while idle, and in answer to
 GetState), AdapterOutcome (for each adapter message), CacheFlushed (for a FlushCache),
 EngineDead (the last message of a dying engine). StepOutput and Heartbeat carry the prefix
-cache's events since the last one (engine/protocol/kv_events.py). The admin messages (weight updates and transfers, sleep and wake, adapters) live in
-engine/protocol/admin_messages.py, SamplingParams in engine/protocol/sampling_params.py; both are re-exported here.
+cache's events since the last one. The admin messages (weight updates and transfers, sleep and
+wake, adapters) live in engine/protocol/admin_messages.py, the cache's events and FlushCache in
+engine/protocol/kv_events.py, SamplingParams in engine/protocol/sampling_params.py; all are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -395,8 +396,4 @@ __all__ = [
     "UnloadAdapter",
     "ListAdapters",
     "AdapterOutcome",
-    # the prefix cache
-    "KvEvent",
-    "FlushCache",
-    "CacheFlushed",
 ]
