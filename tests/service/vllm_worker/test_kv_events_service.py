@@ -13,10 +13,10 @@ import pytest
 import pytest_asyncio
 from sluice_client import AsyncClient
 
-from engine.protocol.kv_events import BlockRemoved
+from engine.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from service.engine_link.engine_client import EngineClient
-from service.engine_link.kv_event_log import KvEventLog
-from service.vllm_worker.cache_calls import CacheCalls
+from service.engine_link.kv_event_log import KvEventBatch, KvEventLog
+from service.vllm_worker.cache_calls import CacheCalls, batch_proto
 from service.vllm_worker.pb import common_pb2, vllm_engine_pb2_grpc
 from tests.support.service_harness import running_server
 
@@ -151,3 +151,24 @@ async def test_a_slow_subscriber_is_dropped_with_data_loss(served, stub):
         assert "fell behind" in (error.value.details() or "")
     finally:
         engine.kv_events = kept
+
+
+async def test_a_batch_becomes_the_protocols_message_field_for_field():
+    events = [
+        BlockStored([11, 12], 10, [(1, 2), (3, 4)], adapter=3),
+        BlockRemoved([10, 9]),
+        AllBlocksCleared(),
+    ]
+    proto = batch_proto(KvEventBatch(7, 1.5, range(20, 23), events), page_size=2)
+    assert (proto.sequence_number, proto.timestamp) == (7, 1.5)
+    assert [e.event_id for e in proto.events] == [20, 21, 22]
+    stored, removed, cleared = proto.events
+    assert stored.stored.parent_block_hash == 10
+    assert [
+        (b.block_hash, list(b.token_ids), b.block_size, b.lora_id) for b in stored.stored.blocks
+    ] == [
+        (11, [1, 2], 2, 3),
+        (12, [3, 4], 2, 3),
+    ]
+    assert list(removed.removed.block_hashes) == [10, 9]
+    assert cleared.WhichOneof("data") == "cleared"
