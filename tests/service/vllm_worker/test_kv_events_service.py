@@ -5,6 +5,8 @@ AllBlocksCleared, and the bounds (an expired cursor, a slow subscriber, a bad ti
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -151,6 +153,25 @@ async def test_a_slow_subscriber_is_dropped_with_data_loss(served, stub):
         assert "fell behind" in (error.value.details() or "")
     finally:
         engine.kv_events = kept
+
+
+async def test_a_restarted_engine_begins_with_all_blocks_cleared_numbered_on(served, stub):
+    engine, target, _ = served
+    await generate(target, [11, *PROMPT])
+    before = engine.kv_events.last_sequence
+    call = subscribe(stub, before)
+    await call.initial_metadata()
+    lost = engine.engine
+    assert lost is not None and lost.pid is not None
+    os.kill(lost.pid, signal.SIGKILL)
+    batches = await read_until(call, "cleared")  # the new engine's first batch
+    assert engine.engine is not lost
+    assert [b.sequence_number for b in batches] == list(
+        range(before + 1, before + 1 + len(batches))
+    )
+    await generate(target, PROMPT)  # it serves, and publishes again
+    assert await read_until(call, "stored")
+    call.cancel()
 
 
 async def test_a_batch_becomes_the_protocols_message_field_for_field():
