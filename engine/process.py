@@ -3,7 +3,10 @@
 Started by the service with the 'spawn' context as `engine_main(config, conn)`. The loop:
 1. drain the pipe (block only when idle, until a message or a compiled grammar), 2. step,
 3. publish one StepOutput per step (and the answers of constraints checked meanwhile).
-Adapter messages (LoadAdapter, UnloadAdapter, ListAdapters) are answered as they are drained.
+Adapter messages (LoadAdapter, UnloadAdapter, ListAdapters) and FlushCache are answered as they
+are drained. The prefix cache records its events from the start of the loop (the warm-up's are
+not sent: the cache is empty after it, and the first event of every engine is an
+AllBlocksCleared); each StepOutput and Heartbeat carries those recorded since the last.
 This module imports torch only inside `engine_main`, so the service can name it as a target.
 
 The service declares the engine hung when nothing arrives for its stall timeout while work is
@@ -33,16 +36,19 @@ from engine.logs import configure_logging
 from engine.parent_death import die_with_parent
 from engine.protocol.config import EngineConfig
 from engine.protocol.error_code import ErrorCode
+from engine.protocol.kv_events import AllBlocksCleared
 from engine.protocol.messages import (
     AbandonCheck,
     AbortRequests,
     AdapterOutcome,
     AdapterState,
     AddRequest,
+    CacheFlushed,
     CheckConstraint,
     EngineDead,
     EngineStats,
     FinishReason,
+    FlushCache,
     GetState,
     Heartbeat,
     InitWeightTransfer,
@@ -61,6 +67,7 @@ from engine.protocol.messages import (
 
 if TYPE_CHECKING:
     from engine.core.llm_engine import LLMEngine
+    from engine.protocol.kv_events import KvEvent
 
 HEARTBEAT_INTERVAL_S = 1.0
 
@@ -134,6 +141,8 @@ def _serve(engine: LLMEngine, conn: Connection) -> None:
 
     engine.structured.grammars.on_done = on_done
     engine.updater.transfer.on_done = on_done  # a weight-transfer join settled: answer it
+    if engine.cache.enabled:  # a new engine's cache holds nothing: say so first
+        engine.cache.events = [AllBlocksCleared()]
     while True:
         # 1. Drain every waiting message; block (up to a heartbeat, or a join's deadline)
         # only when idle.
@@ -144,7 +153,7 @@ def _serve(engine: LLMEngine, conn: Connection) -> None:
             msg: ToEngine = conn.recv()
             if isinstance(msg, Shutdown):
                 engine.abort_all(FinishReason.ABORTED, "the server is shutting down")
-                conn.send(step_message(engine.step(), engine.stats()))
+                conn.send(step_message(engine.step(), engine.stats(), engine.cache.take_events()))
                 return
             _handle(engine, conn, msg)
         for verdict in engine.structured.verdicts():
@@ -153,11 +162,12 @@ def _serve(engine: LLMEngine, conn: Connection) -> None:
         if joined is not None:
             conn.send(joined)
         if not engine.can_step():
-            conn.send(Heartbeat(engine.stats()))
+            conn.send(Heartbeat(engine.stats(), engine.cache.take_events()))
             continue
         # 2. Step, 3. publish: one StepOutput per step, even an empty one (it is also the
         # engine's sign of life while it works).
-        conn.send(step_message(engine.step(), engine.stats()))
+        outputs = engine.step()
+        conn.send(step_message(outputs, engine.stats(), engine.cache.take_events()))
 
 
 def _idle_wait(engine: LLMEngine) -> float:
@@ -165,15 +175,17 @@ def _idle_wait(engine: LLMEngine) -> float:
     return HEARTBEAT_INTERVAL_S if due is None else min(HEARTBEAT_INTERVAL_S, due)
 
 
-def step_message(outputs: Sequence[RequestOutput], stats: EngineStats) -> StepOutput:
+def step_message(
+    outputs: Sequence[RequestOutput], stats: EngineStats, kv_events: list[KvEvent] | None = None
+) -> StepOutput:
     """A step's outputs for the pipe: the plain rows as columns (TokenColumns) when the step
     ran a forward, which costs the engine a tenth of pickling an object per row."""
     from engine.core.output_columns import OutputColumns  # engine-side only: not a shared module
 
     if isinstance(outputs, OutputColumns):
         objects, columns = outputs.for_pipe()
-        return StepOutput(objects, stats, columns)
-    return StepOutput(list(outputs), stats)
+        return StepOutput(objects, stats, columns, kv_events)
+    return StepOutput(list(outputs), stats, None, kv_events)
 
 
 def _handle(engine: LLMEngine, conn: Connection, msg: ToEngine) -> None:
@@ -206,7 +218,12 @@ def _handle(engine: LLMEngine, conn: Connection, msg: ToEngine) -> None:
             if answer is not None:
                 conn.send(answer)
         case GetState():
-            conn.send(Heartbeat(engine.stats()))
+            conn.send(Heartbeat(engine.stats(), engine.cache.take_events()))
+        case FlushCache():
+            freed = engine.flush_cache()
+            # Its AllBlocksCleared first: once FlushCache is answered, the service has it.
+            conn.send(Heartbeat(engine.stats(), engine.cache.take_events()))
+            conn.send(CacheFlushed(msg.flush_id, freed))
         case LoadAdapter() | UnloadAdapter() | ListAdapters():
             # NOTE: a load reads the adapter's file in the loop (megabytes: well within the
             # stall timeout); running requests are not disturbed.

@@ -84,6 +84,20 @@ class LLMEngine(WeightAndSleepCalls, AdapterCalls):
         self.loop.reset_counts()
         return done
 
+    def flush_cache(self) -> int:
+        """Forget every prefix-cache entry now (FlushCache); the unreferenced pages it freed.
+
+        Running requests keep their pages (nothing is preempted) but no longer share them, and
+        publish none of their later pages either: the index after a flush holds only what was
+        computed after it, as the AllBlocksCleared it records says.
+        """
+        with self.lock:
+            freed = self.cache.num_cached
+            self.cache.clear()
+            for req in self.scheduler.running:
+                req.publish_pages = False
+            return freed
+
     def close(self) -> None:
         """Stop the tensor-parallel workers (none with one rank); the engine is unusable after."""
         self.loop.drain()

@@ -7,6 +7,11 @@ ids (hashes can collide) and shares the page by reference count. Folding the pol
 into the hash means pages computed by older weights are never reused; folding the adapter's
 key (engine/lora/registry.py; 0 for the base model) means one adapter's KV never serves
 another's requests, nor the base model's.
+
+With `events` a list (the engine process sets one; None records nothing), the cache records
+what changes in its index (engine/protocol/kv_events.py): pages published, as one BlockStored
+per chain a publish() registers; hashed pages evicted (BlockRemoved); clear()
+(AllBlocksCleared). The owner takes the list and puts a fresh one in its place.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from engine.kv_cache.page_pool import PagePool
+from engine.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 
 class PrefixCache:
@@ -26,6 +32,7 @@ class PrefixCache:
         self.evictable: OrderedDict[int, None] = (
             OrderedDict()
         )  # unreferenced cached pages, LRU first
+        self.events: list[KvEvent] | None = None  # None: nobody reads them
 
     @property
     def num_available(self) -> int:
@@ -41,7 +48,9 @@ class PrefixCache:
         if self.pool.num_free:
             return self.pool.take_free()
         page, _ = self.evictable.popitem(last=False)
-        self._forget(page)
+        key = self._forget(page)
+        if self.events is not None:
+            self._removed(key)
         assert self.pool.ref_counts[page] == 0, f"evicted page {page} is referenced"
         self.pool.ref_counts[page] = 1
         return page
@@ -103,29 +112,61 @@ class PrefixCache:
             return
         size = self.pool.page_size
         root = _root(version, adapter)
+        events, run = self.events, None
         for i in range(len(hashes), num_tokens // size):
             tokens = tuple(token_ids[i * size : (i + 1) * size])
-            key = hash((hashes[-1] if hashes else root, tokens))
+            parent = hashes[-1] if hashes else None
+            key = hash((root if parent is None else parent, tokens))
             hashes.append(key)
             page = pages[i]
             if page not in self.hash_of_page and key not in self.page_of_hash:
                 self.page_of_hash[key] = page
                 self.hash_of_page[page] = key
                 self.tokens_of_page[page] = tokens
+                if events is None:
+                    continue
+                # One event per unbroken chain of pages this call registers.
+                if run is not None and run.block_hashes[-1] == parent:
+                    run.block_hashes.append(key)
+                    run.token_ids.append(tokens)
+                else:
+                    run = BlockStored([key], parent, [tokens], adapter)
+                    events.append(run)
 
     def clear(self) -> None:
-        """Forget every entry (after a weight update); unreferenced cached pages become free."""
+        """Forget every entry (a weight update, a sleep, a flush); unreferenced cached pages
+        become free, referenced ones go back to the free list when released."""
         for page in list(self.evictable):
             del self.evictable[page]
             self.pool.put_free(page)
         self.page_of_hash.clear()
         self.hash_of_page.clear()
         self.tokens_of_page.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
 
-    def _forget(self, page: int) -> None:
+    def take_events(self) -> list[KvEvent] | None:
+        """The events recorded since the last take, oldest first (None: none, or not
+        recording); recording goes on."""
+        events = self.events
+        if not events:
+            return None
+        self.events = []
+        return events
+
+    def _forget(self, page: int) -> int:
         key = self.hash_of_page.pop(page)
         del self.page_of_hash[key]
         del self.tokens_of_page[page]
+        return key
+
+    def _removed(self, key: int) -> None:
+        assert self.events is not None
+        last = self.events[-1] if self.events else None
+        if isinstance(last, BlockRemoved):  # an allocation burst evicts many: one event
+            last.block_hashes.append(key)
+        else:
+            self.events.append(BlockRemoved([key]))
 
 
 def _root(version: int, adapter: int) -> int | tuple[int, int]:

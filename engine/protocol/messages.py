@@ -4,13 +4,16 @@ Standard library only: both sides import this module, and the service never impo
 Everything here is plain data (dataclasses of builtins) so it pickles across the pipe.
 
 Service -> engine: AddRequest, AbortRequests, UpdateWeights, InitWeightTransfer, Sleep, Wake,
-CheckConstraint, AbandonCheck, GetState, Shutdown, LoadAdapter, UnloadAdapter, ListAdapters.
-Engine -> service: Ready, StepOutput (one per engine step), WeightsProgress (for an
+CheckConstraint, AbandonCheck, GetState, Shutdown, LoadAdapter, UnloadAdapter, ListAdapters,
+FlushCache. Engine -> service: Ready, StepOutput (one per engine step), WeightsProgress (for an
 UpdateWeights), WeightTransferJoined (for an InitWeightTransfer), SleepOutcome (for a Sleep or a
 Wake), ConstraintChecked (for a CheckConstraint), Heartbeat (while idle, and in answer to
-GetState), AdapterOutcome (for each adapter message), EngineDead (the last message of a dying
-engine). The admin messages (weight updates and transfers, sleep and wake, adapters) live in
-engine/protocol/admin_messages.py, SamplingParams in engine/protocol/sampling_params.py; both are re-exported here.
+GetState), AdapterOutcome (for each adapter message), CacheFlushed (for a FlushCache),
+EngineDead (the last message of a dying engine). StepOutput and Heartbeat carry the prefix
+cache's events since the last one. The admin messages (weight updates and transfers, sleep and
+wake, adapters) live in engine/protocol/admin_messages.py, the cache's events and FlushCache in
+engine/protocol/kv_events.py, SamplingParams in engine/protocol/sampling_params.py; all are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from engine.protocol.admin_messages import (
     WeightTransferJoined,
 )
 from engine.protocol.error_code import ErrorCode
+from engine.protocol.kv_events import CacheFlushed, FlushCache, KvEvent
 from engine.protocol.sampling_params import (
     CONSTRAINT_KINDS,
     GREEDY_TEMPERATURE,
@@ -281,6 +285,7 @@ class StepOutput:
     outputs: list[RequestOutput]
     stats: EngineStats
     columns: TokenColumns | None = None
+    kv_events: list[KvEvent] | None = None  # the prefix cache's, in order (None: none)
 
     def all_outputs(self) -> list[RequestOutput]:
         return (self.outputs + self.columns.outputs()) if self.columns else self.outputs
@@ -300,6 +305,7 @@ class ConstraintChecked:
 @dataclass(frozen=True)
 class Heartbeat:
     stats: EngineStats
+    kv_events: list[KvEvent] | None = None  # as StepOutput's
 
 
 @dataclass(frozen=True)
@@ -322,6 +328,7 @@ ToEngine = (
     | LoadAdapter
     | UnloadAdapter
     | ListAdapters
+    | FlushCache
 )
 FromEngine = (
     Ready
@@ -333,6 +340,7 @@ FromEngine = (
     | Heartbeat
     | EngineDead
     | AdapterOutcome
+    | CacheFlushed
 )
 __all__ = [
     "FinishReason",

@@ -1,9 +1,10 @@
 """EngineCalls: the engine's one-answer calls that no other link owns.
 
 A weight-transfer join (InitWeightTransfer, answered by WeightTransferJoined), a constraint
-check (CheckConstraint, answered by ConstraintChecked) and a request for fresh stats (GetState,
-answered by the next Heartbeat or StepOutput). The first two wait in AwaitingAnswers: a lost
-engine answers them UNAVAILABLE. A stats request needs no such answer: its caller falls back to
+check (CheckConstraint, answered by ConstraintChecked), a prefix-cache flush (FlushCache,
+answered by CacheFlushed) and a request for fresh stats (GetState, answered by the next
+Heartbeat or StepOutput). The first three wait in AwaitingAnswers: a lost engine answers them
+UNAVAILABLE (a flush: with its `error` set). A stats request needs no such answer: its caller falls back to
 the last known stats.
 """
 
@@ -17,9 +18,11 @@ from collections.abc import Callable
 from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import (
     AbandonCheck,
+    CacheFlushed,
     CheckConstraint,
     Constraint,
     ConstraintChecked,
+    FlushCache,
     GetState,
     InitWeightTransfer,
     ToEngine,
@@ -39,12 +42,35 @@ class EngineCalls:
         self.checks: AwaitingAnswers[ConstraintChecked] = AwaitingAnswers(
             lambda i, m: ConstraintChecked(i, ErrorCode.UNAVAILABLE, m)
         )
+        self.flushes: AwaitingAnswers[CacheFlushed] = AwaitingAnswers(
+            lambda i, m: CacheFlushed(i, error=m)
+        )
         self._stats_waiters: list[asyncio.Future[None]] = []
 
     @property
     def busy(self) -> bool:
-        """A join or a check awaits its answer."""
-        return bool(len(self.joins) or len(self.checks))
+        """A join, a check or a flush awaits its answer."""
+        return bool(len(self.joins) or len(self.checks) or len(self.flushes))
+
+    def route(self, answer: ConstraintChecked | CacheFlushed) -> None:
+        """Hand a check's or a flush's answer to its waiter (none when its caller left)."""
+        match answer:
+            case ConstraintChecked():
+                self.checks.route(answer.check_id, answer)
+            case CacheFlushed():
+                self.flushes.route(answer.flush_id, answer)
+
+    async def flush_cache(self) -> CacheFlushed:
+        """Have the engine forget its prefix cache now; its answer (`error` set: the engine was
+        lost meanwhile), or EngineUnavailableError if it cannot be sent. The cache's
+        AllBlocksCleared reaches the event log before the answer."""
+        flush_id = uuid.uuid4().hex
+        self._send(FlushCache(flush_id))
+        try:
+            return await self.flushes.expect(flush_id)
+        except asyncio.CancelledError:
+            self.flushes.discard(flush_id)  # the flush still happens; nobody hears of it
+            raise
 
     async def join_weight_transfer(self, group: TransferGroupSpec | None) -> WeightTransferJoined:
         """Have the engine join a trainer's group (None: leave it); its answer, UNAVAILABLE if
@@ -83,6 +109,7 @@ class EngineCalls:
         self._stats_waiters.clear()
 
     def fail_all(self, message: str) -> None:
-        """The engine is lost: every join and check is answered UNAVAILABLE."""
+        """The engine is lost: every join, check and flush is answered UNAVAILABLE."""
         self.joins.fail_all(message)
         self.checks.fail_all(message)
+        self.flushes.fail_all(message)

@@ -24,6 +24,7 @@ from engine.protocol.messages import (
     AbortRequests,
     AdapterOutcome,
     AddRequest,
+    CacheFlushed,
     ConstraintChecked,
     EngineDead,
     EngineStats,
@@ -56,16 +57,13 @@ from service.engine_link.engine_process import (
     StartProcess,
 )
 from service.engine_link.engine_state import EngineState
+from service.engine_link.kv_event_log import KvEventLog
 from service.engine_link.replay import replay
 from service.engine_link.replay_log import ReplayLog
 from service.engine_link.routing import Inbox, RequestRouter
 from service.engine_link.sleep_link import SleepLink
 from service.engine_link.supervisor import Supervisor, log_task_failure
-from service.engine_link.update_route import (
-    UpdateRoute,
-    UpdateRoutes,
-    deliver,
-)
+from service.engine_link.update_route import UpdateRoute, UpdateRoutes, deliver
 from service.ops.metrics import Metrics
 
 log = structlog.get_logger("sluice.engine_client")
@@ -100,7 +98,8 @@ class EngineClient:
         self._start_process = start_process
         self._on_state = on_state
         self._updates = UpdateRoutes()
-        self.calls = EngineCalls(self._send)  # transfer joins, constraint checks, stats
+        self.calls = EngineCalls(self._send)  # transfer joins, constraint checks, flushes, stats
+        self.kv_events = KvEventLog()  # the prefix cache's events, for SubscribeKvEvents
         self.awaiting_weights = False  # restarted without weights it could not replay
         self._supervisor: asyncio.Task[None] | None = None
 
@@ -293,10 +292,11 @@ class EngineClient:
             await self.calls.fresh_stats(timeout)
         return self.stats
 
-    def _update_stats(self, stats: EngineStats) -> None:
-        self.stats = stats
-        self.metrics.engine_stats(stats)
+    def _update_stats(self, msg: StepOutput | Heartbeat) -> None:
+        self.stats = msg.stats
+        self.metrics.engine_stats(msg.stats)
         self.calls.stats_arrived()
+        self.kv_events.add(msg.kv_events)
 
     # ---- the engine process ----
 
@@ -359,15 +359,15 @@ class EngineClient:
             if engine.lost.is_set():
                 return
             match msg:
-                case StepOutput(stats=stats):
-                    self._update_stats(stats)
+                case StepOutput():
+                    self._update_stats(msg)
                     for output in msg.all_outputs():  # the columns' rows built here
                         if self.router.route(output):
                             self.metrics.request_started(output.prompt_tokens)
                         if output.metrics is not None:
                             self.metrics.request_ended(output)
-                case Heartbeat(stats=stats):
-                    self._update_stats(stats)
+                case Heartbeat():
+                    self._update_stats(msg)
                 case WeightsProgress() as progress:
                     if not self._updates.route(progress):
                         log.error("engine.unknown_update", update_id=progress.update_id)
@@ -376,8 +376,8 @@ class EngineClient:
                 case WeightTransferJoined() as joined:
                     if not self.calls.joins.route(joined.transfer_id, joined):
                         log.error("engine.unknown_transfer", transfer_id=joined.transfer_id)
-                case ConstraintChecked() as checked:
-                    self.calls.checks.route(checked.check_id, checked)
+                case ConstraintChecked() | CacheFlushed():
+                    self.calls.route(msg)
                 case AdapterOutcome() as outcome:
                     self.adapters.route(outcome)
                 case Ready(info=info):
