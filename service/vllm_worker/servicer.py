@@ -100,7 +100,7 @@ class VllmEngineServicer(CacheCalls, vllm_engine_pb2_grpc.VllmEngineServicer):
         if state in HEALTHY_STATES and self.generation.tokenizer is None:
             name = "starting"  # the engine is up; its tokenizer is still loading
         healthy = state in HEALTHY_STATES and name != "starting"
-        message = name if healthy else f"not serving: the server is {name}"
+        message = "serving" if healthy else f"not serving: the server is {name}"
         return vllm_engine_pb2.HealthCheckResponse(healthy=healthy, message=message)
 
     async def GetModelInfo(

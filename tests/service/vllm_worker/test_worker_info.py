@@ -17,9 +17,8 @@ import transformers
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from sluice.v1 import admin_pb2 as apb
-from sluice.v1 import admin_pb2_grpc
+from sluice.v1 import admin_pb2_grpc, generation_pb2_grpc
 from sluice.v1 import generation_pb2 as pb
-from sluice.v1 import generation_pb2_grpc
 from tokenizers import Tokenizer
 
 from engine.protocol.config import EngineConfig
@@ -126,7 +125,8 @@ async def test_server_info_and_loads_follow_a_request_in_flight(channel, server)
 
 async def test_the_tokenizer_bundle_is_the_checkpoints_files(channel, server, tiny_llama) -> None:
     chunks = [
-        c async for c in engine_stub(channel).GetTokenizer(
+        c
+        async for c in engine_stub(channel).GetTokenizer(
             common_pb2.GetTokenizerRequest(), metadata=AUTH
         )
     ]
@@ -136,7 +136,9 @@ async def test_the_tokenizer_bundle_is_the_checkpoints_files(channel, server, ti
     with zipfile.ZipFile(io.BytesIO(data)) as bundle:
         names = set(bundle.namelist())
         assert names == {"tokenizer.json", "tokenizer_config.json", "config.json"} | (
-            {"generation_config.json"} if (tiny_llama / "generation_config.json").exists() else set()
+            {"generation_config.json"}
+            if (tiny_llama / "generation_config.json").exists()
+            else set()
         )
         for name in names:
             assert bundle.read(name) == (tiny_llama / name).read_bytes()
