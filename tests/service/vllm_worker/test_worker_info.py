@@ -36,6 +36,7 @@ API, ADMIN = "api-t0ken", "adm1n-t0ken"
 AUTH = (("authorization", f"Bearer {API}"),)
 SERVICE = "vllm.grpc.engine.VllmEngine"
 PAGES = 96
+VERSION = 5  # the served policy version (--policy-version)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -43,7 +44,7 @@ async def server(tiny_llama: Path):
     async with running_server(
         tiny_llama,
         fake=False,
-        engine={"num_kv_pages": PAGES},
+        engine={"num_kv_pages": PAGES, "policy_version": VERSION},
         api_token=API,
         admin_token=ADMIN,
         served_model_name="tiny",
@@ -82,7 +83,9 @@ async def test_every_call_but_health_check_needs_the_api_token(channel) -> None:
 
 
 async def test_model_info_is_the_checkpoints(channel, server, tiny_llama) -> None:
-    info = await engine_stub(channel).GetModelInfo(vpb.GetModelInfoRequest(), metadata=AUTH)
+    call = engine_stub(channel).GetModelInfo(vpb.GetModelInfoRequest(), metadata=AUTH)
+    info = await call
+    assert dict(await call.initial_metadata())["sluice-policy-version"] == str(VERSION)
     config = json.loads((tiny_llama / "config.json").read_text())
     engine = server[0].engine.info
     assert info.model_path == str(tiny_llama) == info.tokenizer_path
@@ -115,7 +118,9 @@ async def test_server_info_and_loads_follow_a_request_in_flight(channel, server)
     call = stub.Generate(request, metadata=AUTH)
     assert (await call.read()).WhichOneof("response") == "chunk"
     busy = (await stub.GetLoads(vpb.GetLoadsRequest(), metadata=AUTH)).loads[0]
-    info = await stub.GetServerInfo(vpb.GetServerInfoRequest(), metadata=AUTH)
+    info_call = stub.GetServerInfo(vpb.GetServerInfoRequest(), metadata=AUTH)
+    info = await info_call
+    assert dict(await info_call.initial_metadata())["sluice-policy-version"] == str(VERSION)
     await stub.Abort(vpb.AbortRequest(request_ids=["held"]), metadata=AUTH)
     assert busy.num_running_reqs == 1 and busy.num_used_tokens >= 48  # 37 prompt tokens: 3 pages
     assert busy.token_usage == busy.num_used_tokens / busy.max_total_num_tokens
