@@ -229,6 +229,9 @@ UNSUPPORTED = [
     # Refused by sluice.v1's admission, named as the worker protocol names the field.
     ("sampling_params.top_p", {"sampling_params": {"top_p": 1.5}}),
     ("tokenized.input_ids", {"tokenized": vpb.TokenizedInput(input_ids=[10**6])}),
+    ("sampling_params.json_schema", {"sampling_params": {"json_schema": "{not json"}}),
+    ("sampling_params.regex", {"sampling_params": {"regex": "(unclosed"}}),
+    ("sampling_params.stop", {"sampling_params": {"stop": [""]}}),
 ]
 
 
