@@ -1,4 +1,5 @@
-"""The gRPC server: Generation, Admin, grpc.health.v1, reflection, auth; startup and shutdown.
+"""The gRPC server: Generation, Admin, the vLLM worker protocol (VllmEngine), grpc.health.v1,
+reflection, auth; startup and shutdown.
 
 `create_server(config) -> (server, port)` builds and binds everything without starting it;
 `serve(config)` runs it until SIGTERM/SIGINT. Never imports torch (a test asserts it).
@@ -38,12 +39,22 @@ from service.rpc.decoding import DecodingInterceptor
 from service.rpc.servicer import GenerationServicer
 from service.text.chat_template import ChatTemplate
 from service.text.tokenizer import Tokenizer
+from service.vllm_worker.pb import vllm_engine_pb2_grpc
+from service.vllm_worker.servicer import SERVICE_NAME as VLLM_ENGINE_SERVICE
+from service.vllm_worker.servicer import VllmEngineServicer
 
 log = structlog.get_logger("sluice.server")
 
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
-HEALTH_SERVICES = ("", GENERATION_SERVICE)
+HEALTH_SERVICES = ("", GENERATION_SERVICE, VLLM_ENGINE_SERVICE)
+REFLECTED_SERVICES = (
+    GENERATION_SERVICE,
+    ADMIN_SERVICE,
+    VLLM_ENGINE_SERVICE,
+    health.SERVICE_NAME,
+    reflection.SERVICE_NAME,
+)
 FINAL_FLUSH_S = 2.0  # after the engine stops: time for handlers to send their final events
 # NOTE: gRPC core keeps calls that no handler has picked up yet in a pending queue. Past 1,000 of
 # them (certainly past 3,000) it cancels new ones at random, and it cancels any that waited
@@ -86,6 +97,7 @@ class SluiceServer:
         self.admin = AdminServicer(
             config, self.engine, self.metrics, lambda: self.servicer.draining
         )
+        self.vllm_engine = VllmEngineServicer(config, self.servicer)
         self.metrics.watch(self._gauges)
         self.metrics_http: MetricsHttpServer | None = None  # bound by bind() when configured
         self.health = health.aio.HealthServicer()
@@ -114,11 +126,9 @@ class SluiceServer:
         )
         generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.grpc)
         admin_pb2_grpc.add_AdminServicer_to_server(self.admin, self.grpc)
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.vllm_engine, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        reflection.enable_server_reflection(
-            (GENERATION_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
-            self.grpc,
-        )
+        reflection.enable_server_reflection(REFLECTED_SERVICES, self.grpc)
         self.ready = asyncio.Event()
         self._startup: asyncio.Task[None] | None = None
         self._health_updates: set[asyncio.Task[None]] = set()

@@ -4,8 +4,11 @@ A call over the bound ends at once with RESOURCE_EXHAUSTED and google.rpc.RetryI
 logged. Without this bound a burst piles up in gRPC core, which sheds what it cannot queue by
 cancelling calls before they reach a handler: the caller sees CANCELLED and nothing is logged.
 
-Health, reflection and Admin are not counted (probes and operators must get through an
-overload), nor is Generation's Cancel, which frees capacity rather than taking it.
+The vLLM worker protocol's calls count as Generation's do. Health, reflection and Admin are not
+counted (probes and operators must get through an overload), nor are Generation's Cancel and
+the worker protocol's Abort, which free capacity rather than take it, nor the gateway's own
+probes and feeds: HealthCheck, GetLoads (it routes by them, overload included) and
+SubscribeKvEvents (one call that lasts as long as the gateway watches the worker).
 
 GenerateStream calls are also counted per connection (gRPC's peer address): a call lasts as long
 as its caller likes, so one connection holding `per_connection` of them is refused another,
@@ -25,8 +28,16 @@ from service.rpc.refusal import Refusal
 
 log = structlog.get_logger("sluice.call_limit")
 
-LIMITED_PREFIX = "/sluice.v1.Generation/"
-EXEMPT_METHODS = frozenset({"/sluice.v1.Generation/Cancel"})
+LIMITED_PREFIXES = ("/sluice.v1.Generation/", "/vllm.grpc.engine.VllmEngine/")
+EXEMPT_METHODS = frozenset(
+    {
+        "/sluice.v1.Generation/Cancel",
+        *(
+            f"/vllm.grpc.engine.VllmEngine/{name}"
+            for name in ("Abort", "HealthCheck", "GetLoads", "SubscribeKvEvents")
+        ),
+    }
+)
 PER_CONNECTION_METHOD = "/sluice.v1.Generation/GenerateStream"
 
 
@@ -54,7 +65,7 @@ class CallLimit(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
         method: str = handler_call_details.method
-        if handler is None or not method.startswith(LIMITED_PREFIX) or method in EXEMPT_METHODS:
+        if handler is None or not method.startswith(LIMITED_PREFIXES) or method in EXEMPT_METHODS:
             return handler
         return self._counted(handler, method)
 

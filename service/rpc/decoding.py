@@ -2,7 +2,8 @@
 
 grpc parses each request message with the method's deserializer before the servicer sees it;
 one that fails (invalid UTF-8 in a string field, corrupt bytes) would end the call UNKNOWN
-("Unexpected DecodeError"). For every method of the sluice.v1 services, this interceptor
+("Unexpected DecodeError"). For every method of the sluice.v1 services and of the vLLM worker
+protocol (vllm.grpc.engine), this interceptor
 installs a handler that receives the raw bytes and parses them itself:
 - a single request message that does not parse ends the call INVALID_ARGUMENT at once;
 - in a request stream, reading a message that does not parse raises `UndecodableMessage` (a
@@ -22,7 +23,7 @@ from google.protobuf.message import DecodeError
 
 from service.rpc.refusal import Refusal
 
-PREFIX = "/sluice.v1."
+PREFIXES = ("/sluice.v1.", "/vllm.grpc.engine.")
 
 Parse = Callable[[bytes], Any]
 
@@ -47,7 +48,11 @@ class DecodingInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
         method: str = handler_call_details.method
-        if handler is None or not method.startswith(PREFIX) or handler.request_deserializer is None:
+        if (
+            handler is None
+            or not method.startswith(PREFIXES)
+            or handler.request_deserializer is None
+        ):
             return handler
         return _parsing(handler, method)
 
