@@ -48,6 +48,13 @@ log = structlog.get_logger("sluice.server")
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 HEALTH_SERVICES = ("", GENERATION_SERVICE, VLLM_ENGINE_SERVICE)
+REFLECTED_SERVICES = (
+    GENERATION_SERVICE,
+    ADMIN_SERVICE,
+    VLLM_ENGINE_SERVICE,
+    health.SERVICE_NAME,
+    reflection.SERVICE_NAME,
+)
 FINAL_FLUSH_S = 2.0  # after the engine stops: time for handlers to send their final events
 # NOTE: gRPC core keeps calls that no handler has picked up yet in a pending queue. Past 1,000 of
 # them (certainly past 3,000) it cancels new ones at random, and it cancels any that waited
@@ -121,16 +128,7 @@ class SluiceServer:
         admin_pb2_grpc.add_AdminServicer_to_server(self.admin, self.grpc)
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.vllm_engine, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        reflection.enable_server_reflection(
-            (
-                GENERATION_SERVICE,
-                ADMIN_SERVICE,
-                VLLM_ENGINE_SERVICE,
-                health.SERVICE_NAME,
-                reflection.SERVICE_NAME,
-            ),
-            self.grpc,
-        )
+        reflection.enable_server_reflection(REFLECTED_SERVICES, self.grpc)
         self.ready = asyncio.Event()
         self._startup: asyncio.Task[None] | None = None
         self._health_updates: set[asyncio.Task[None]] = set()

@@ -55,6 +55,8 @@ SHARED = {
     "engine.protocol.admin_messages",
     "engine.protocol.settings",
     "engine.protocol.error_code",
+    "engine.protocol.kv_events",
+    "engine.protocol.engine_stats",
     "engine.protocol.validation",
     "engine.protocol.validation.adapter_config",
     "engine.protocol.validation.schema_rules",

@@ -13,9 +13,10 @@ the sampled ids, and postprocessing. Three numbers per batch, medians of steps o
 taken in turn: `host_ms_per_step`, a `step()` call; `with_outputs_ms`, the same with every
 RequestOutput's fields read (what a consumer of `step()` pays when the outputs are built
 lazily); `engine_process_ms`, a `step()` and the pickled StepOutput the engine process sends
-for it (the revision's own `engine.process.step_message` when it has one). On a loaded
-machine a longer step is preempted more often, which inflates its median more than a shorter
-one's: `host_ms_min` (the fastest plain step) and `host_cpu_ms` (the median plain step's
+for it (the revision's own `engine.process.step_message` when it has one, with the prefix
+cache's events where the revision's cache records them, as in the engine process). On a
+loaded machine a longer step is preempted more often, which inflates its median more than a
+shorter one's: `host_ms_min` (the fastest plain step) and `host_cpu_ms` (the median plain step's
 process CPU time; torch runs one thread) are the cautious comparisons.
 
 The worker imports only the engine and the standard library: the baseline's `bench` package
@@ -87,7 +88,7 @@ def measure_batch(engine: Any, batch: int, context: int, steps: int, warmup: int
         consumed.append(time.perf_counter() - start)
         assert len(read) == batch
         start = time.perf_counter()
-        pickle.dumps(pipe_message(engine.step(), engine.stats()), pickle.HIGHEST_PROTOCOL)
+        pickle.dumps(pipe_message(engine, engine.step()), pickle.HIGHEST_PROTOCOL)
         piped.append(time.perf_counter() - start)
     engine.abort(ids)
     engine.step()
@@ -101,13 +102,17 @@ def measure_batch(engine: Any, batch: int, context: int, steps: int, warmup: int
     }
 
 
-def pipe_message(outputs: Any, stats: Any) -> Any:
+def pipe_message(engine: Any, outputs: Any) -> Any:
     """What the engine process sends for a step: its own `step_message` where the revision
-    has one (outputs as columns), else a StepOutput of the list."""
+    has one (outputs as columns, and the prefix cache's events where it records them), else a
+    StepOutput of the list."""
     from engine import process
     from engine.protocol.messages import StepOutput
 
+    stats = engine.stats()
     step_message = getattr(process, "step_message", None)
+    if getattr(engine.cache, "events", None) is not None:
+        return step_message(outputs, stats, engine.cache.take_events())
     if step_message is not None:
         return step_message(outputs, stats)
     return StepOutput(list(outputs), stats)
@@ -140,6 +145,8 @@ def worker(args: argparse.Namespace) -> int:
         )
     )
     install_stand_ins(llm.runner, max(4096, largest))
+    if hasattr(llm.cache, "events"):  # the prefix cache records its events, as when served
+        llm.cache.events = []
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         batch = int(line)

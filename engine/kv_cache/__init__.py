@@ -2,5 +2,5 @@
 request's block table. Plain Python except the pool's K and V tensors, which the model runner
 reads and writes. The scheduler drives all three; the block table knows a request only as a
 `PageHolder` (its pages and slot), so this package sits below scheduling.
-May import: nothing
+May import: engine.protocol.kv_events
 """

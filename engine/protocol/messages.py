@@ -5,14 +5,15 @@ Everything here is plain data (dataclasses of builtins) so it pickles across the
 
 Service -> engine: AddRequest, AbortRequests, UpdateWeights, InitWeightTransfer, Sleep, Wake,
 CheckConstraint, AbandonCheck, GetState, Shutdown, LoadAdapter, UnloadAdapter, ListAdapters,
-FlushCache.
-Engine -> service: Ready, StepOutput (one per engine step), WeightsProgress (for an
+FlushCache. Engine -> service: Ready, StepOutput (one per engine step), WeightsProgress (for an
 UpdateWeights), WeightTransferJoined (for an InitWeightTransfer), SleepOutcome (for a Sleep or a
 Wake), ConstraintChecked (for a CheckConstraint), Heartbeat (while idle, and in answer to
 GetState), AdapterOutcome (for each adapter message), CacheFlushed (for a FlushCache),
 EngineDead (the last message of a dying engine). StepOutput and Heartbeat carry the prefix
-cache's events since the last one (engine/protocol/kv_events.py). The admin messages (weight updates and transfers, sleep and wake, adapters) live in
-engine/protocol/admin_messages.py, SamplingParams in engine/protocol/sampling_params.py; both are re-exported here.
+cache's events since the last one. The admin messages (weight updates and transfers, sleep and
+wake, adapters) live in engine/protocol/admin_messages.py, the cache's events and FlushCache in
+engine/protocol/kv_events.py, EngineStats in engine/protocol/engine_stats.py, SamplingParams in
+engine/protocol/sampling_params.py; all are re-exported here.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from engine.protocol.admin_messages import (
     WeightsProgress,
     WeightTransferJoined,
 )
+from engine.protocol.engine_stats import EngineStats
 from engine.protocol.error_code import ErrorCode
 from engine.protocol.kv_events import CacheFlushed, FlushCache, KvEvent
 from engine.protocol.sampling_params import (
@@ -145,33 +147,6 @@ class ModelInfo:
     moe_layers: int = 0
     moe_top_k: int = 0
     num_experts: int = 0
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    running: int = 0
-    waiting: int = 0
-    total_pages: int = 0
-    free_pages: int = 0
-    cached_pages: int = 0
-    policy_version: int = 0
-    prompt_tokens_computed: int = 0  # cumulative prefill tokens run through the model
-    tokens_generated: int = 0  # cumulative sampled tokens
-    prefix_cache_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # cumulative prompt tokens found there
-    preemptions: int = 0  # cumulative
-    updating_weights: bool = False  # a weight update is pending or being applied
-    sleep_level: int = 0  # 0 awake; 1 or 2 asleep (see Sleep)
-    # The LoRA adapters of the running and the waiting requests, by name, sorted (always empty
-    # when LoRA is off): what a router reads to send an adapter's requests where it is loaded.
-    running_adapters: tuple[str, ...] = ()
-    waiting_adapters: tuple[str, ...] = ()
-
-    @property
-    def prefix_hit_ratio(self) -> float:
-        if not self.prefix_cache_queries:
-            return 0.0
-        return self.prefix_cache_hits / self.prefix_cache_queries
 
 
 @dataclass(frozen=True)
@@ -399,8 +374,4 @@ __all__ = [
     "UnloadAdapter",
     "ListAdapters",
     "AdapterOutcome",
-    # the prefix cache
-    "KvEvent",
-    "FlushCache",
-    "CacheFlushed",
 ]

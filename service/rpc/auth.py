@@ -15,7 +15,13 @@ from typing import Any
 import grpc
 
 # Health checks and reflection stay open: load balancers and grpcurl probe them without tokens.
-OPEN_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+# The vLLM worker protocol's HealthCheck answers like grpc.health: the SMG gateway probes it
+# without the key it sends with every other call, and it tells no more than health does.
+OPEN_PREFIXES = (
+    "/grpc.health.v1.",
+    "/grpc.reflection.",
+    "/vllm.grpc.engine.VllmEngine/HealthCheck",
+)
 ADMIN_PREFIX = "/sluice.v1.Admin/"
 MANY_TOKENS = "more than one authorization metadata entry: send exactly one"
 

@@ -7,7 +7,8 @@ strings: those are sluice.v1's, with its semantics and limits.
 
 The policy version has no field in this protocol: a Generate call's initial metadata carries
 `sluice-policy-version` (the version the request started under), its trailing metadata
-`sluice-version-spans` (JSON, per index: the versions that produced its tokens).
+`sluice-version-spans` (JSON, per index: the versions that produced its tokens); GetModelInfo
+and GetServerInfo send the served version as `sluice-policy-version` initial metadata.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class VllmEngineServicer(CacheCalls, vllm_engine_pb2_grpc.VllmEngineServicer):
         if state in HEALTHY_STATES and self.generation.tokenizer is None:
             name = "starting"  # the engine is up; its tokenizer is still loading
         healthy = state in HEALTHY_STATES and name != "starting"
-        message = name if healthy else f"not serving: the server is {name}"
+        message = "serving" if healthy else f"not serving: the server is {name}"
         return vllm_engine_pb2.HealthCheckResponse(healthy=healthy, message=message)
 
     async def GetModelInfo(
@@ -112,11 +113,13 @@ class VllmEngineServicer(CacheCalls, vllm_engine_pb2_grpc.VllmEngineServicer):
         assert info is not None
         if self._checkpoint is None:
             self._checkpoint = read_config(info.path)
+        await self._send_policy_version(context)
         return model_info(info, self._checkpoint, self.config.served_model_name)
 
     async def GetServerInfo(
         self, request: vllm_engine_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> vllm_engine_pb2.GetServerInfoResponse:
+        await self._send_policy_version(context)
         return server_info(
             self.config,
             self.engine.info,
@@ -151,6 +154,11 @@ class VllmEngineServicer(CacheCalls, vllm_engine_pb2_grpc.VllmEngineServicer):
             raise  # not reached: abort raises
         for chunk in chunks(data, sha256):
             yield chunk
+
+    async def _send_policy_version(self, context: grpc.aio.ServicerContext) -> None:
+        """The served policy version, which no field of the info responses can hold."""
+        version = str(self.engine.policy_version)
+        await context.send_initial_metadata(((POLICY_VERSION_KEY, version),))
 
     async def Embed(
         self, request: vllm_engine_pb2.EmbedRequest, context: grpc.aio.ServicerContext

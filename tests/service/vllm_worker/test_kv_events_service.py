@@ -5,6 +5,8 @@ AllBlocksCleared, and the bounds (an expired cursor, a slow subscriber, a bad ti
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -13,10 +15,10 @@ import pytest
 import pytest_asyncio
 from sluice_client import AsyncClient
 
-from engine.protocol.kv_events import BlockRemoved
+from engine.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from service.engine_link.engine_client import EngineClient
-from service.engine_link.kv_event_log import KvEventLog
-from service.vllm_worker.cache_calls import CacheCalls
+from service.engine_link.kv_event_log import KvEventBatch, KvEventLog
+from service.vllm_worker.cache_calls import CacheCalls, batch_proto
 from service.vllm_worker.pb import common_pb2, vllm_engine_pb2_grpc
 from tests.support.service_harness import running_server
 
@@ -151,3 +153,43 @@ async def test_a_slow_subscriber_is_dropped_with_data_loss(served, stub):
         assert "fell behind" in (error.value.details() or "")
     finally:
         engine.kv_events = kept
+
+
+async def test_a_restarted_engine_begins_with_all_blocks_cleared_numbered_on(served, stub):
+    engine, target, _ = served
+    await generate(target, [11, *PROMPT])
+    before = engine.kv_events.last_sequence
+    call = subscribe(stub, before)
+    await call.initial_metadata()
+    lost = engine.engine
+    assert lost is not None and lost.pid is not None
+    os.kill(lost.pid, signal.SIGKILL)
+    batches = await read_until(call, "cleared")  # the new engine's first batch
+    assert engine.engine is not lost
+    assert [b.sequence_number for b in batches] == list(
+        range(before + 1, before + 1 + len(batches))
+    )
+    await generate(target, PROMPT)  # it serves, and publishes again
+    assert await read_until(call, "stored")
+    call.cancel()
+
+
+async def test_a_batch_becomes_the_protocols_message_field_for_field():
+    events = [
+        BlockStored([11, 12], 10, [(1, 2), (3, 4)], adapter=3),
+        BlockRemoved([10, 9]),
+        AllBlocksCleared(),
+    ]
+    proto = batch_proto(KvEventBatch(7, 1.5, range(20, 23), events), page_size=2)
+    assert (proto.sequence_number, proto.timestamp) == (7, 1.5)
+    assert [e.event_id for e in proto.events] == [20, 21, 22]
+    stored, removed, cleared = proto.events
+    assert stored.stored.parent_block_hash == 10
+    assert [
+        (b.block_hash, list(b.token_ids), b.block_size, b.lora_id) for b in stored.stored.blocks
+    ] == [
+        (11, [1, 2], 2, 3),
+        (12, [3, 4], 2, 3),
+    ]
+    assert list(removed.removed.block_hashes) == [10, 9]
+    assert cleared.WhichOneof("data") == "cleared"

@@ -26,11 +26,14 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 PROMPT_IDS = [1, 17, 42, 99, 123, 7, 88, 5]
 PROMPT_TEXT = "The quick brown fox"
+VERSION = 3  # the served policy version (--policy-version)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server(tiny_llama: Path):
-    async with running_server(tiny_llama, fake=False, engine={"num_kv_pages": 128}) as running:
+    async with running_server(
+        tiny_llama, fake=False, engine={"num_kv_pages": 128, "policy_version": VERSION}
+    ) as running:
         yield running
 
 
@@ -139,9 +142,9 @@ async def test_a_stream_sends_chunks_then_one_complete_with_versions_in_metadata
     done = streamed.complete()
     assert list(done.output_ids) == [] and done.completion_tokens == 8
     assert done.finish_reason == "length" and done.prompt_tokens == len(PROMPT_IDS)
-    assert streamed.initial["sluice-policy-version"] == "0"
+    assert streamed.initial["sluice-policy-version"] == str(VERSION)
     spans = json.loads(streamed.trailing["sluice-version-spans"])
-    assert spans == {"0": [{"policy_version": 0, "start": 0, "end": 8}]}
+    assert spans == {"0": [{"policy_version": VERSION, "start": 0, "end": 8}]}
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -226,6 +229,9 @@ UNSUPPORTED = [
     # Refused by sluice.v1's admission, named as the worker protocol names the field.
     ("sampling_params.top_p", {"sampling_params": {"top_p": 1.5}}),
     ("tokenized.input_ids", {"tokenized": vpb.TokenizedInput(input_ids=[10**6])}),
+    ("sampling_params.json_schema", {"sampling_params": {"json_schema": "{not json"}}),
+    ("sampling_params.regex", {"sampling_params": {"regex": "(unclosed"}}),
+    ("sampling_params.stop", {"sampling_params": {"stop": [""]}}),
 ]
 
 

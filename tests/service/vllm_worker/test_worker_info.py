@@ -17,9 +17,8 @@ import transformers
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from sluice.v1 import admin_pb2 as apb
-from sluice.v1 import admin_pb2_grpc
+from sluice.v1 import admin_pb2_grpc, generation_pb2_grpc
 from sluice.v1 import generation_pb2 as pb
-from sluice.v1 import generation_pb2_grpc
 from tokenizers import Tokenizer
 
 from engine.protocol.config import EngineConfig
@@ -37,6 +36,7 @@ API, ADMIN = "api-t0ken", "adm1n-t0ken"
 AUTH = (("authorization", f"Bearer {API}"),)
 SERVICE = "vllm.grpc.engine.VllmEngine"
 PAGES = 96
+VERSION = 5  # the served policy version (--policy-version)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -44,7 +44,7 @@ async def server(tiny_llama: Path):
     async with running_server(
         tiny_llama,
         fake=False,
-        engine={"num_kv_pages": PAGES},
+        engine={"num_kv_pages": PAGES, "policy_version": VERSION},
         api_token=API,
         admin_token=ADMIN,
         served_model_name="tiny",
@@ -62,11 +62,11 @@ async def health(channel) -> vpb.HealthCheckResponse:
     return await engine_stub(channel).HealthCheck(vpb.HealthCheckRequest(), metadata=AUTH)
 
 
-async def test_every_call_needs_the_api_token(channel) -> None:
+async def test_every_call_but_health_check_needs_the_api_token(channel) -> None:
     stub = engine_stub(channel)
     for call in (
-        stub.HealthCheck(vpb.HealthCheckRequest()),
         stub.GetModelInfo(vpb.GetModelInfoRequest()),
+        stub.GetLoads(vpb.GetLoadsRequest()),
         stub.Abort(vpb.AbortRequest(request_ids=["x"])),
     ):
         with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -77,11 +77,15 @@ async def test_every_call_needs_the_api_token(channel) -> None:
         async for _ in stub.Generate(request):
             pass
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # As grpc.health.v1: the gateway probes it without a key, and it tells no more than health.
+    assert (await stub.HealthCheck(vpb.HealthCheckRequest())).healthy
     assert (await health(channel)).healthy
 
 
 async def test_model_info_is_the_checkpoints(channel, server, tiny_llama) -> None:
-    info = await engine_stub(channel).GetModelInfo(vpb.GetModelInfoRequest(), metadata=AUTH)
+    call = engine_stub(channel).GetModelInfo(vpb.GetModelInfoRequest(), metadata=AUTH)
+    info = await call
+    assert dict(await call.initial_metadata())["sluice-policy-version"] == str(VERSION)
     config = json.loads((tiny_llama / "config.json").read_text())
     engine = server[0].engine.info
     assert info.model_path == str(tiny_llama) == info.tokenizer_path
@@ -114,7 +118,9 @@ async def test_server_info_and_loads_follow_a_request_in_flight(channel, server)
     call = stub.Generate(request, metadata=AUTH)
     assert (await call.read()).WhichOneof("response") == "chunk"
     busy = (await stub.GetLoads(vpb.GetLoadsRequest(), metadata=AUTH)).loads[0]
-    info = await stub.GetServerInfo(vpb.GetServerInfoRequest(), metadata=AUTH)
+    info_call = stub.GetServerInfo(vpb.GetServerInfoRequest(), metadata=AUTH)
+    info = await info_call
+    assert dict(await info_call.initial_metadata())["sluice-policy-version"] == str(VERSION)
     await stub.Abort(vpb.AbortRequest(request_ids=["held"]), metadata=AUTH)
     assert busy.num_running_reqs == 1 and busy.num_used_tokens >= 48  # 37 prompt tokens: 3 pages
     assert busy.token_usage == busy.num_used_tokens / busy.max_total_num_tokens
@@ -126,7 +132,8 @@ async def test_server_info_and_loads_follow_a_request_in_flight(channel, server)
 
 async def test_the_tokenizer_bundle_is_the_checkpoints_files(channel, server, tiny_llama) -> None:
     chunks = [
-        c async for c in engine_stub(channel).GetTokenizer(
+        c
+        async for c in engine_stub(channel).GetTokenizer(
             common_pb2.GetTokenizerRequest(), metadata=AUTH
         )
     ]
@@ -136,7 +143,9 @@ async def test_the_tokenizer_bundle_is_the_checkpoints_files(channel, server, ti
     with zipfile.ZipFile(io.BytesIO(data)) as bundle:
         names = set(bundle.namelist())
         assert names == {"tokenizer.json", "tokenizer_config.json", "config.json"} | (
-            {"generation_config.json"} if (tiny_llama / "generation_config.json").exists() else set()
+            {"generation_config.json"}
+            if (tiny_llama / "generation_config.json").exists()
+            else set()
         )
         for name in names:
             assert bundle.read(name) == (tiny_llama / name).read_bytes()
