@@ -7,8 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import openai
 import pytest
+import transformers
+from sluice_client import Client
 
 from tests.support.gateway_workers import MODEL, kill_group, start_worker, with_chat_template
 from tests.support.server_process import ServerProcess
@@ -52,3 +56,22 @@ def gateway(
     log = tmp_path_factory.mktemp("smg") / "smg.log"
     with smg_process(log, [w.target for w in workers], model=MODEL) as running:
         yield running
+
+
+@pytest.fixture(scope="session")
+def api(gateway: SmgProcess) -> Iterator[openai.OpenAI]:
+    """The real OpenAI SDK, pointed at the gateway."""
+    with openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def direct(workers: list[ServerProcess]) -> Iterator[Client]:
+    """sluice.v1 on the first worker (both serve the same weights)."""
+    with Client(workers[0].target) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def tokenizer(checkpoint_a: Path) -> Any:
+    return transformers.AutoTokenizer.from_pretrained(checkpoint_a)
