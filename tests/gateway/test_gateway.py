@@ -182,7 +182,7 @@ def test_requests_sharing_a_long_prefix_land_on_the_worker_that_holds_it(api, wo
 
 
 def test_a_workers_engine_killed_the_gateway_serves_through_the_other_then_routes_back(
-    api, workers
+    api, workers, gateway
 ):
     killed = workers[1]
     incarnation = len(killed.events("engine.spawned"))
@@ -204,6 +204,7 @@ def test_a_workers_engine_killed_the_gateway_serves_through_the_other_then_route
 
     killed.wait_health("SERVING", timeout=60)
     assert killed.engine_pid(incarnation + 1) != engine
+    gateway.wait_worker_healthy(killed.target)
     # A prompt no worker holds (no two of these share more than their first few tokens) goes to
     # the worker smg has sent the fewest requests (cache_aware's min-load tie-break), so the
     # restarted worker gets one within as many requests as it is behind.

@@ -114,6 +114,20 @@ class SmgProcess:
             time.sleep(0.1)
         raise AssertionError(f"smg not ready in {timeout}s (last: {last}):\n{self.log_tail()}")
 
+    def healthy_workers(self) -> set[str]:
+        """The "host:port" of each worker smg now routes to (GET /workers: healthy)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/workers", timeout=10) as page:
+            listed = json.loads(page.read())["workers"]
+        return {w["url"].removeprefix("grpc://") for w in listed if w["is_healthy"]}
+
+    def wait_worker_healthy(self, worker: str, timeout: float = 30.0) -> None:
+        """Until smg routes to `worker` again (its health probes see it serve)."""
+        end = time.monotonic() + timeout
+        while worker not in self.healthy_workers():
+            if time.monotonic() > end:
+                raise AssertionError(f"smg never saw {worker} healthy:\n{self.log_tail()}")
+            time.sleep(0.1)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
