@@ -44,6 +44,15 @@ SCHEMA = {
     "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["small", "large"]}},
     "required": ["ok", "size"],
 }
+WEATHER: dict[str, Any] = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+    },
+}
 PAGE = 16  # Sluice's default page size, which is also smg's default --block-size
 FILLER = "apples, pears and plums lay on the table in the harbour house today"
 
@@ -149,6 +158,24 @@ def test_chat_stop_strings_end_the_answer_where_sluice_ends_it(api, direct, toke
     (choice,) = answer.choices
     assert choice.finish_reason == "stop"
     assert (choice.message.content or "") == expected.text == text[: text.index(stop)]
+
+
+def test_a_named_tool_choice_comes_back_as_a_tool_call_whose_arguments_validate(api):
+    # SMG turns a named tool choice into a JSON schema constraint for the worker, which Sluice
+    # enforces token by token, and parses the text it gets back into a tool call.
+    answer = api.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the weather like?"}],
+        tools=[{"type": "function", "function": WEATHER}],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0,
+        max_tokens=60,
+    )
+    (choice,) = answer.choices
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls or []
+    assert call.type == "function" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["parameters"])
 
 
 def served_by(workers: list[ServerProcess], call: Callable[[], Any]) -> tuple[Any, list[float]]:
