@@ -42,7 +42,7 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class Front:
-    """What the routes share: the servicer (and through it the engine and the config)."""
+    """What the routes do, over the servicer (and through it the engine and the config)."""
 
     def __init__(self, servicer: GenerationServicer) -> None:
         self.servicer = servicer
@@ -63,7 +63,46 @@ class Front:
             return ""
         return model if model in self.servicer.engine.adapters.versions else None
 
-    def check_serving(self) -> None:
+    def models(self) -> dict[str, Any]:
+        """/v1/models: the served model, then the LoRA adapters loaded (as vLLM lists them)."""
+        info, created = self.servicer.engine.info, int(time.time())
+        data = []
+        for name in [self.model, *sorted(self.servicer.engine.adapters.versions)]:
+            entry: dict[str, Any] = {"id": name, "object": "model", "created": created}
+            entry.update(owned_by="sluice", root=self.model)
+            if name != self.model:
+                entry["parent"] = self.model
+            if info is not None:
+                entry["max_model_len"] = info.max_model_len
+            data.append(entry)
+        return {"object": "list", "data": data}
+
+    async def complete(self, body: CompletionRequest, adapter: str, caller: str) -> Response:
+        if errors := body.unsupported():
+            return invalid(*errors[0])
+        requests = completions.requests(body, adapter)
+        fanout = await FanOut.submit(self.servicer, requests, caller)
+        assert self.servicer.tokenizer is not None  # submit checked it
+        return await respond(
+            completions.CompletionAnswer(body, fanout, self.model, self.servicer.tokenizer)
+        )
+
+    async def chat(self, body: ChatRequest, adapter: str, caller: str) -> Response:
+        if errors := body.unsupported():
+            return invalid(*errors[0])
+        fanout = await FanOut.submit(self.servicer, [chat.request(body, adapter)], caller)
+        assert self.servicer.tokenizer is not None  # submit checked it
+        return await respond(chat.ChatAnswer(body, fanout, self.model, self.servicer.tokenizer))
+
+    async def tokenize(self, body: TokenizeRequest, adapter: str, caller: str) -> Response:
+        self._check_serving()
+        return JSONResponse(await tokenize(self.servicer, body))
+
+    async def detokenize(self, body: DetokenizeRequest, adapter: str, caller: str) -> Response:
+        self._check_serving()
+        return JSONResponse(detokenize(self.servicer, body))
+
+    def _check_serving(self) -> None:
         """submit's own refusal (UNAVAILABLE) for routes that do not submit."""
         if not self.serving():
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "the model is not serving")
@@ -89,59 +128,23 @@ def create_app(servicer: GenerationServicer) -> Gate:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        info, created = servicer.engine.info, int(time.time())
-        data = []
-        for name in [front.model, *sorted(servicer.engine.adapters.versions)]:
-            entry: dict[str, Any] = {"id": name, "object": "model", "created": created}
-            entry.update(owned_by="sluice", root=front.model)
-            if name != front.model:
-                entry["parent"] = front.model  # a LoRA adapter, as vLLM lists them
-            if info is not None:
-                entry["max_model_len"] = info.max_model_len
-            data.append(entry)
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse(front.models())
 
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
-        async def run(body: CompletionRequest, adapter: str) -> Response:
-            if errors := body.unsupported():
-                return invalid(*errors[0])
-            fanout = await FanOut.submit(
-                servicer, completions.requests(body, adapter), _caller(request)
-            )
-            assert servicer.tokenizer is not None
-            answer = completions.CompletionAnswer(body, fanout, front.model, servicer.tokenizer)
-            return await respond(answer)
-
-        return await _handle(front, request, CompletionRequest, run)
+        return await _handle(front, request, CompletionRequest, front.complete)
 
     @app.post("/v1/chat/completions")
     async def create_chat(request: Request) -> Response:
-        async def run(body: ChatRequest, adapter: str) -> Response:
-            if errors := body.unsupported():
-                return invalid(*errors[0])
-            fanout = await FanOut.submit(servicer, [chat.request(body, adapter)], _caller(request))
-            assert servicer.tokenizer is not None
-            answer = chat.ChatAnswer(body, fanout, front.model, servicer.tokenizer)
-            return await respond(answer)
-
-        return await _handle(front, request, ChatRequest, run, chat.CHAT_FIELDS)
+        return await _handle(front, request, ChatRequest, front.chat, chat.CHAT_FIELDS)
 
     @app.post("/tokenize")
     async def create_tokens(request: Request) -> Response:
-        async def run(body: TokenizeRequest, adapter: str) -> Response:
-            front.check_serving()
-            return JSONResponse(await tokenize(servicer, body))
-
-        return await _handle(front, request, TokenizeRequest, run)
+        return await _handle(front, request, TokenizeRequest, front.tokenize)
 
     @app.post("/detokenize")
     async def create_text(request: Request) -> Response:
-        async def run(body: DetokenizeRequest, adapter: str) -> Response:
-            front.check_serving()
-            return JSONResponse(detokenize(servicer, body))
-
-        return await _handle(front, request, DetokenizeRequest, run)
+        return await _handle(front, request, DetokenizeRequest, front.detokenize)
 
     return Gate(app, servicer.config.api_token, servicer.config.max_message_bytes)
 
@@ -150,7 +153,7 @@ async def _handle(
     front: Front,
     request: Request,
     schema: type[M],
-    run: Callable[[M, str], Awaitable[Response]],
+    run: Callable[[M, str, str], Awaitable[Response]],
     fields: dict[str, str] | None = None,
 ) -> Response:
     """Parse the body into `schema`, resolve its model, and run; every failure as OpenAI's
@@ -175,7 +178,7 @@ async def _handle(
             404, f"the model `{model}` does not exist", "model", "model_not_found"
         )
     try:
-        return await run(body, adapter)
+        return await run(body, adapter, _caller(request))
     except Refusal as refusal:
         return refusal_response(refusal, fields)
     except FieldError as exc:

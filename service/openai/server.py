@@ -43,6 +43,8 @@ class OpenAiServer:
             access_log=False,
             server_header=False,
             timeout_graceful_shutdown=None,  # stop() bounds the wait itself
+            # Connections and requests at once: more are answered 503 by uvicorn.
+            limit_concurrency=servicer.config.max_concurrent_rpcs,
         )
         self._server = _Server(config)
         self._task: asyncio.Task[None] | None = None
