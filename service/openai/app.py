@@ -90,6 +90,14 @@ class Front:
     async def chat(self, body: ChatRequest, adapter: str, caller: str) -> Response:
         if errors := body.unsupported():
             return invalid(*errors[0])
+        if self.servicer.tokenizer is not None and self.servicer.chat_template is None:
+            return error_response(
+                400,
+                "the served model has no chat template (none in the checkpoint, and no "
+                "--chat-template): use /v1/completions",
+                "messages",
+                "no_chat_template",
+            )
         fanout = await FanOut.submit(self.servicer, [chat.request(body, adapter)], caller)
         assert self.servicer.tokenizer is not None  # submit checked it
         return await respond(chat.ChatAnswer(body, fanout, self.model, self.servicer.tokenizer))

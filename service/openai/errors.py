@@ -8,7 +8,6 @@ sluice.v1's field paths (`sampling.temperature`) are renamed to the OpenAI reque
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 import grpc
@@ -36,11 +35,19 @@ ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
     504: "timeout_error",
+}
+# The fields whose value may take several shapes: what a wrong one is told.
+UNION_SHAPES = {
+    "prompt": "must be a string, a list of strings, a list of token ids or a list of lists of "
+    "token ids",
+    "stop": "must be a string or a list of strings",
+    "tool_choice": "must be a string or an object",
 }
 # sluice.v1 field path -> the OpenAI request's field; the longest matching prefix wins.
 FIELD_NAMES = {
@@ -114,11 +121,25 @@ def invalid(field: str, description: str) -> JSONResponse:
 
 
 def validation_errors(errors: list[dict[str, Any]]) -> JSONResponse:
-    """pydantic's errors (a wrong shape or type) as one 400 naming the first field."""
-    described = []
+    """pydantic's errors (a wrong shape or type) as one 400 naming the first field. A union's
+    errors (one per type it tried, located under the type's name) are one error of the field."""
+    described: dict[str, str] = {}
     for error in errors:
-        location = [str(p) for p in error.get("loc", ()) if p != "body"]
-        field = re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", ".".join(location)) or "body"
-        described.append((field, str(error.get("msg", "invalid"))))
-    message = "invalid request: " + "; ".join(f"{f}: {d}" for f, d in described)
-    return error_response(400, message, described[0][0], "invalid_argument")
+        location = [p for p in error.get("loc", ()) if not _type_name(p)]
+        field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in location)
+        field = field.lstrip(".") or "body"
+        top = field.split(".")[0].split("[")[0]
+        if top in UNION_SHAPES:
+            field, description = top, UNION_SHAPES[top]
+        else:
+            description = str(error.get("msg", "invalid"))
+        described.setdefault(field, description)
+    message = "invalid request: " + "; ".join(f"{f}: {d}" for f, d in described.items())
+    return error_response(400, message, next(iter(described)), "invalid_argument")
+
+
+def _type_name(part: object) -> bool:
+    """A location part that names a union's member type, not a field."""
+    return isinstance(part, str) and (
+        part == "body" or "[" in part or part in ("str", "int", "float", "bool")
+    )

@@ -113,3 +113,34 @@ async def test_echo_with_max_tokens_zero_scores_only_the_prompt(front):
     assert choice.text == PROMPT
     assert len(choice.logprobs.tokens) == answer.usage.prompt_tokens
     assert answer.usage.completion_tokens == 0
+
+
+async def test_a_seeded_sample_is_sluice_generate_with_that_seed(front):
+    answers = [
+        await front.sdk.completions.create(
+            model=front.model,
+            prompt=PROMPT,
+            max_tokens=10,
+            temperature=1.0,
+            seed=7,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
+        for _ in range(2)
+    ]
+    direct = await front.grpc.complete(
+        build_request(PROMPT, max_tokens=10, temperature=1.0, seed=7, ignore_eos=True)
+    )
+    assert [a.choices[0].model_dump()["token_ids"] for a in answers] == [direct.token_ids] * 2
+
+
+async def test_logit_bias_reaches_the_sampler(front):
+    favoured = 42
+    answer = await front.sdk.completions.create(
+        model=front.model,
+        prompt=PROMPT,
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(favoured): 100},
+        extra_body={"return_token_ids": True},
+    )
+    assert answer.choices[0].model_dump()["token_ids"] == [favoured] * 4

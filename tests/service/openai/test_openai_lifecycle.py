@@ -103,3 +103,12 @@ async def test_a_port_in_use_fails_the_start(model_dir):
                 ),
                 fake_engine_main,
             )
+
+
+async def test_a_refused_prompt_refuses_the_request_and_frees_the_prompts_admitted(model_dir):
+    async with started(model_dir) as (server, base), aiohttp.ClientSession() as session:
+        body = {"prompt": [[0, 5, HOLD], [0, 10**6]], "max_tokens": 4}
+        async with session.post(base + "/v1/completions", json=body) as response:
+            assert response.status == 400
+            assert (await response.json())["error"]["param"].startswith("prompt")
+        await wait_until(lambda: server.engine.in_flight == 0)
