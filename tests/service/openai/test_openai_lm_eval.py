@@ -46,12 +46,20 @@ def evaluate(lm: Any, config: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
     return results
 
 
-def hf_loglikelihood(model: Any, context: list[int], continuation: list[int]) -> float:
-    ids = torch.tensor([context + continuation])
+def hf_loglikelihoods(model: Any, pairs: list[tuple[list[int], list[int]]]) -> list[float]:
+    """HF's log-probability of each continuation after its context: one forward of every
+    sequence, right-padded (a causal model's logits at real positions ignore the padding)."""
+    sequences = [context + continuation for context, continuation in pairs]
+    width = max(map(len, sequences))
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
     with torch.no_grad():
-        logprobs = model(ids).logits[0].float().log_softmax(-1)
-    positions = torch.arange(len(context) - 1, len(context) + len(continuation) - 1)
-    return float(logprobs[positions, torch.tensor(continuation)].sum())
+        logprobs = model(ids, attention_mask=mask).logits.float().log_softmax(-1)
+    scores = []
+    for row, (context, continuation) in enumerate(pairs):
+        positions = torch.arange(len(context) - 1, len(context) + len(continuation) - 1)
+        scores.append(float(logprobs[row, positions, torch.tensor(continuation)].sum()))
+    return scores
 
 
 async def test_local_completions_loglikelihoods_equal_hf(front):
@@ -66,15 +74,14 @@ async def test_local_completions_loglikelihoods_equal_hf(front):
     results = await asyncio.to_thread(evaluate, lm, task("proverbs_loglikelihood.yaml"))
     samples = results["samples"]["sluice_proverbs_loglikelihood"]
     assert len(samples) == 30
-    model = load_hf_model(front.checkpoint)
-    scored = 0
+    pairs, served = [], []
     for sample in samples:
         for (text, ending), response in zip(sample["arguments"], sample["resps"], strict=True):
-            context, continuation = lm._encode_pair(text, ending)
-            expected = hf_loglikelihood(model, context, continuation)
-            assert response[0][0] == pytest.approx(expected, abs=1e-4)
-            scored += 1
-    assert scored == 90
+            pairs.append(lm._encode_pair(text, ending))  # the ids lm-eval sent
+            served.append(response[0][0])
+    assert len(served) == 90
+    expected = hf_loglikelihoods(load_hf_model(front.checkpoint), pairs)
+    assert served == pytest.approx(expected, abs=1e-4)
 
 
 async def test_local_chat_completions_generations_equal_sluice_greedy(front):
