@@ -77,17 +77,16 @@ class Front:
             data.append(entry)
         return {"object": "list", "data": data}
 
-    async def complete(self, body: CompletionRequest, adapter: str, caller: str) -> Response:
+    async def complete(self, body: CompletionRequest, adapter: str, call: Call) -> Response:
         if errors := body.unsupported():
             return invalid(*errors[0])
         requests = completions.requests(body, adapter)
-        fanout = await FanOut.submit(self.servicer, requests, caller)
+        fanout = await FanOut.submit(self.servicer, requests, call.caller)
         assert self.servicer.tokenizer is not None  # submit checked it
-        return await respond(
-            completions.CompletionAnswer(body, fanout, self.model, self.servicer.tokenizer)
-        )
+        answer = completions.CompletionAnswer(body, fanout, self.model, self.servicer.tokenizer)
+        return await respond(answer, call.disconnected)
 
-    async def chat(self, body: ChatRequest, adapter: str, caller: str) -> Response:
+    async def chat(self, body: ChatRequest, adapter: str, call: Call) -> Response:
         if errors := body.unsupported():
             return invalid(*errors[0])
         if self.servicer.tokenizer is not None and self.servicer.chat_template is None:
@@ -98,15 +97,16 @@ class Front:
                 "messages",
                 "no_chat_template",
             )
-        fanout = await FanOut.submit(self.servicer, [chat.request(body, adapter)], caller)
+        fanout = await FanOut.submit(self.servicer, [chat.request(body, adapter)], call.caller)
         assert self.servicer.tokenizer is not None  # submit checked it
-        return await respond(chat.ChatAnswer(body, fanout, self.model, self.servicer.tokenizer))
+        answer = chat.ChatAnswer(body, fanout, self.model, self.servicer.tokenizer)
+        return await respond(answer, call.disconnected)
 
-    async def tokenize(self, body: TokenizeRequest, adapter: str, caller: str) -> Response:
+    async def tokenize(self, body: TokenizeRequest, adapter: str, call: Call) -> Response:
         self._check_serving()
         return JSONResponse(await tokenize(self.servicer, body))
 
-    async def detokenize(self, body: DetokenizeRequest, adapter: str, caller: str) -> Response:
+    async def detokenize(self, body: DetokenizeRequest, adapter: str, call: Call) -> Response:
         self._check_serving()
         return JSONResponse(detokenize(self.servicer, body))
 
@@ -161,7 +161,7 @@ async def _handle(
     front: Front,
     request: Request,
     schema: type[M],
-    run: Callable[[M, str, str], Awaitable[Response]],
+    run: Callable[[M, str, Call], Awaitable[Response]],
     fields: dict[str, str] | None = None,
 ) -> Response:
     """Parse the body into `schema`, resolve its model, and run; every failure as OpenAI's
@@ -186,14 +186,27 @@ async def _handle(
             404, f"the model `{model}` does not exist", "model", "model_not_found"
         )
     try:
-        return await run(body, adapter, _caller(request))
+        return await run(body, adapter, Call(request))
     except Refusal as refusal:
         return refusal_response(refusal, fields)
     except FieldError as exc:
         return invalid(exc.field, exc.description)
 
 
-def _caller(request: Request) -> str:
-    """The peer, in gRPC's form: structured-output compiles are shared out per caller."""
-    client = request.client
-    return "http:unknown" if client is None else f"http:{client.host}:{client.port}"
+class Call:
+    """The HTTP call behind a request: who sent it, and whether they are still there."""
+
+    def __init__(self, request: Request) -> None:
+        self._request = request
+
+    @property
+    def caller(self) -> str:
+        """The peer, in gRPC's form: structured-output compiles are shared out per caller."""
+        client = self._request.client
+        return "http:unknown" if client is None else f"http:{client.host}:{client.port}"
+
+    async def disconnected(self) -> None:
+        """Returns once the client has gone. The body has been read (by Gate), so the next
+        ASGI message is the disconnect; uvicorn sends it when the connection closes."""
+        while (await self._request.receive())["type"] != "http.disconnect":
+            pass

@@ -112,3 +112,14 @@ async def test_a_refused_prompt_refuses_the_request_and_frees_the_prompts_admitt
             assert response.status == 400
             assert (await response.json())["error"]["param"].startswith("prompt")
         await wait_until(lambda: server.engine.in_flight == 0)
+
+
+async def test_a_client_leaving_before_a_whole_answer_cancels_its_request(model_dir):
+    async with started(model_dir) as (server, base), aiohttp.ClientSession() as session:
+        body = {"prompt": [0, 5, HOLD], "max_tokens": 8}
+        call = asyncio.create_task(session.post(base + "/v1/completions", json=body))
+        await wait_until(lambda: server.engine.in_flight == 1)
+        call.cancel()  # the client gives up: its connection closes
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        await wait_until(lambda: server.engine.in_flight == 0)
