@@ -1,7 +1,9 @@
 """OpenAiServer: uvicorn serving the OpenAI front in the gRPC server's own event loop.
 
-`bind()` binds the socket at once (so a port in use fails the start like the gRPC port does);
-`start()` runs uvicorn on it as a task of the running loop; `stop(timeout)` closes the
+It serves HTTPS with the gRPC port's certificate when --tls-cert-file is set, and requires
+client certificates when --tls-client-ca-file is. The constructor binds the socket at once
+(so a port in use fails the start like the gRPC port does); `start()` runs uvicorn on it as
+a task of the running loop; `stop(timeout)` closes the
 listener and idle connections, lets responses in flight end (the caller has drained the
 engine first, so each stream is at its last events) for up to `timeout` seconds, then cancels
 what is left. uvicorn's own signal handling is off: the service's SIGTERM handler decides.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 from collections.abc import Iterator
 
 import structlog
@@ -36,8 +39,14 @@ class OpenAiServer:
         self.host = host
         self._socket = _bind(host, port)  # raises OSError
         self.port: int = self._socket.getsockname()[1]
+        tls = servicer.config
         config = uvicorn.Config(
             create_app(servicer),
+            # The gRPC port's TLS, and its client certificates' CAs (mTLS), where configured.
+            ssl_certfile=tls.tls_cert_file,
+            ssl_keyfile=tls.tls_key_file,
+            ssl_ca_certs=tls.tls_client_ca_file,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if tls.tls_client_ca_file else ssl.CERT_NONE,
             lifespan="off",
             log_config=None,  # the service's structlog handlers format uvicorn's records
             access_log=False,
