@@ -16,21 +16,27 @@ import pytest
 
 from engine.protocol.config import EngineConfig
 from service.config import ServiceConfig
+from service.engine_link.engine_state import EngineState
 from service.server import BindError, create_server
 from tests.support.fake_engine import fake_engine_main
 from tests.support.service_harness import make_fake_model
 
 HOLD = 300  # a prompt holding this id stays queued until aborted
+DIE = 301  # a prompt holding this id kills the engine
 
 
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
-    return make_fake_model(tmp_path / "fake", hold_token=HOLD, step_delay=0.02, max_model_len=256)
+    return make_fake_model(
+        tmp_path / "fake", hold_token=HOLD, die_on_token=DIE, step_delay=0.02, max_model_len=256
+    )
 
 
 def config(model_dir: Path, **fields) -> ServiceConfig:
     engine = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_pages=64)
-    return ServiceConfig(engine=engine, host="127.0.0.1", port=0, openai_port=0, **fields)
+    return ServiceConfig(
+        engine=engine, host="127.0.0.1", port=0, openai_port=0, restart_backoff=0.1, **fields
+    )
 
 
 @contextlib.asynccontextmanager
@@ -123,3 +129,19 @@ async def test_a_client_leaving_before_a_whole_answer_cancels_its_request(model_
         with contextlib.suppress(asyncio.CancelledError):
             await call
         await wait_until(lambda: server.engine.in_flight == 0)
+
+
+async def test_a_request_the_engine_fails_is_an_error_event_streamed_or_a_500_whole(model_dir):
+    async with started(model_dir) as (server, base), aiohttp.ClientSession() as session:
+        body = {"prompt": [0, DIE], "max_tokens": 4, "stream": True}
+        async with session.post(base + "/v1/completions", json=body) as streamed:
+            assert streamed.status == 200
+            lines = [line.strip() async for line in streamed.content if line.strip()]
+        assert lines[-1] == b"data: [DONE]"
+        error = json.loads(lines[-2][len(b"data: ") :])["error"]
+        assert error["code"] == 500 and "engine" in error["message"]
+        await wait_until(lambda: server.engine.state is EngineState.SERVING)
+        body = {"prompt": [0, DIE], "max_tokens": 4}
+        async with session.post(base + "/v1/completions", json=body) as whole:
+            assert whole.status == 500
+            assert "engine" in (await whole.json())["error"]["message"]
