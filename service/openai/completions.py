@@ -71,7 +71,6 @@ class CompletionAnswer:
             else None
             for _ in self.choices.choices
         ]
-        self.echoed = [""] * len(self.choices.choices)
 
     def chunks(self, event: Event) -> list[dict[str, Any]]:
         """The choices' stream chunks this event makes (none for an empty one)."""
@@ -102,7 +101,6 @@ class CompletionAnswer:
     def _echo(self, index: int, prompt: int) -> dict[str, Any]:
         ids = self.fanout.prompt_ids(prompt)
         text = self.tokenizer.decode(ids, self.request.skip_special_tokens)
-        self.echoed[index] = text
         entry: dict[str, Any] = {"index": index, "text": text, "logprobs": None}
         logprobs = self.logprobs[index]
         started = self.choices.started[prompt]
