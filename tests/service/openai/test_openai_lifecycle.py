@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import socket
 import time
 from pathlib import Path
@@ -145,3 +146,13 @@ async def test_a_request_the_engine_fails_is_an_error_event_streamed_or_a_500_wh
         async with session.post(base + "/v1/completions", json=body) as whole:
             assert whole.status == 500
             assert "engine" in (await whole.json())["error"]["message"]
+
+
+async def test_uvicorn_leaves_the_services_signal_handlers_alone(model_dir):
+    """uvicorn would install SIGTERM and SIGINT handlers of its own and close its port at once
+    on a signal, before the service drains (whose /health must answer 503 meanwhile)."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    async with started(model_dir) as (_, base), aiohttp.ClientSession() as session:
+        async with session.get(base + "/health") as health:  # uvicorn is serving by now
+            assert health.status == 200
+        assert {sig: signal.getsignal(sig) for sig in before} == before
