@@ -41,8 +41,8 @@ def config(model_dir: Path, **fields) -> ServiceConfig:
 
 
 @contextlib.asynccontextmanager
-async def started(model_dir: Path):
-    server, _ = create_server(config(model_dir), fake_engine_main)
+async def started(model_dir: Path, **fields):
+    server, _ = create_server(config(model_dir, **fields), fake_engine_main)
     await server.start()
     try:
         await server.wait_ready(timeout=60)
@@ -156,3 +156,13 @@ async def test_uvicorn_leaves_the_services_signal_handlers_alone(model_dir):
         async with session.get(base + "/health") as health:  # uvicorn is serving by now
             assert health.status == 200
         assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+async def test_a_full_queue_is_429_with_retry_after(model_dir):
+    async with started(model_dir, max_waiting=1) as (server, base), aiohttp.ClientSession() as s:
+        held = await s.post(base + "/v1/completions", json={"prompt": [0, HOLD], "stream": True})
+        await wait_until(lambda: server.engine.waiting == 1)
+        async with s.post(base + "/v1/completions", json={"prompt": [0, 5]}) as refused:
+            assert refused.status == 429 and int(refused.headers["Retry-After"]) >= 1
+            assert (await refused.json())["error"]["code"] == "resource_exhausted"
+        held.close()
