@@ -1,5 +1,6 @@
 """Serving over gRPC: the load generator (`serve`) against `python -m service` as started and
-awaited by `server`, and health checks under load (`health_under_load`).
+awaited by `server`, health checks under load (`health_under_load`), and the OpenAI front's
+HTTP library choice (`http_front`: aiohttp against FastAPI on uvicorn, no model).
 
 May import: bench (top-level helpers), bench.throughput (run as a process), engine, service,
 sluice_client, tests.support.
