@@ -121,6 +121,13 @@ class ServiceConfig:
         "127.0.0.1", "address to listen on (0.0.0.0: every interface)", group=NETWORK
     )
     port: int = setting(50051, "gRPC port; 0 picks a free one (logged)", group=NETWORK)
+    openai_port: int | None = setting(
+        None,
+        "serve OpenAI's HTTP API (/v1/completions, /v1/chat/completions, ...) on this port; 0 "
+        "picks a free one (logged); default off",
+        group=NETWORK,
+    )
+    openai_host: str = setting("127.0.0.1", "address of the OpenAI port", group=NETWORK)
     # The largest request message: a prompt of a million tokens is about 5 MiB as ids (4 MiB as
     # text); the clients send inline weights in chunks of 4 MiB.
     max_message_bytes: int = setting(
@@ -302,8 +309,9 @@ class ServiceConfig:
         """Ports, tokens, TLS files and the niceness."""
         if not 0 <= self.port <= 65535:
             raise ValueError("port: must be in [0, 65535]")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ValueError("metrics_port: must be in [0, 65535]")
+        for name in ("metrics_port", "openai_port"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name}: must be in [0, 65535]")
         for name in ("api_token", "admin_token", *TLS_FILES):
             if getattr(self, name) == "":
                 raise ValueError(f"{name}: must not be empty when set")

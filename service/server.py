@@ -25,6 +25,7 @@ from service.config import MAX_SEND_MESSAGE_BYTES, ServiceConfig
 from service.engine_link.engine_client import EngineClient
 from service.engine_link.engine_process import EngineStartError, EngineTarget, StartProcess
 from service.engine_link.engine_state import EngineState
+from service.openai.server import OpenAiServer
 from service.ops.connections import ConnectionWatch, connection_options, max_connections
 from service.ops.grpc_core_log import grpc_core_log
 from service.ops.metrics import Gauges, Metrics
@@ -100,6 +101,7 @@ class SluiceServer:
         self.vllm_engine = VllmEngineServicer(config, self.servicer)
         self.metrics.watch(self._gauges)
         self.metrics_http: MetricsHttpServer | None = None  # bound by bind() when configured
+        self.openai: OpenAiServer | None = None  # bound by bind() with --openai-port
         self.health = health.aio.HealthServicer()
         # Always installed: with no admin token it is what refuses Admin (PERMISSION_DENIED).
         auth = BearerTokenInterceptor(config.api_token, config.admin_token)
@@ -165,6 +167,15 @@ class SluiceServer:
                 if exc.errno == errno.EADDRINUSE:
                     reason += " (is another server running on this port?)"
                 raise BindError(f"{host}:{metrics_port} (metrics)", reason) from exc
+        if self.config.openai_port is not None:
+            host, openai_port = self.config.openai_host, self.config.openai_port
+            try:
+                self.openai = OpenAiServer(self.servicer, host, openai_port)
+            except OSError as exc:
+                reason = exc.strerror or str(exc)
+                if exc.errno == errno.EADDRINUSE:
+                    reason += " (is another server running on this port?)"
+                raise BindError(f"{host}:{openai_port} (openai)", reason) from exc
         return port
 
     async def start(self) -> None:
@@ -174,6 +185,8 @@ class SluiceServer:
             self._connection_watch.start()
         if self.metrics_http is not None:
             self.metrics_http.start()
+        if self.openai is not None:
+            self.openai.start()
         self._startup = asyncio.create_task(self._start_engine(), name="engine-startup")
 
     async def wait_ready(self, timeout: float | None = None) -> None:
@@ -212,7 +225,10 @@ class SluiceServer:
         await self.engine.shutdown(timeout=self.config.engine_exit_timeout)
         # NOTE: server.stop(grace) cuts streams still running when grace ends, so the engine
         # is stopped first and the handlers only need to flush their final events.
-        await self.grpc.stop(FINAL_FLUSH_S)
+        await asyncio.gather(
+            self.grpc.stop(FINAL_FLUSH_S),
+            *([self.openai.stop(FINAL_FLUSH_S)] if self.openai is not None else []),
+        )
         for task in list(self._health_updates):
             task.cancel()
         if self._connection_watch is not None:
@@ -315,6 +331,7 @@ async def serve(config: ServiceConfig) -> int:
         address=f"{config.host}:{port}",
         tls=config.tls_mode,
         max_connections=max_connections(config),
+        openai_port=None if server.openai is None else server.openai.port,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
