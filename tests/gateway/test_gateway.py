@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from sluice_client import update_all
 
 from tests.support.gateway_workers import ADMIN_TOKEN, FINISHED, MODEL, PREFIX_HITS, metric
 from tests.support.server_process import ServerProcess, wait_gone
+from tests.support.smg_process import SmgProcess
 from tests.support.tiny_models import hf_greedy, load_hf_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -53,6 +55,8 @@ WEATHER: dict[str, Any] = {
         "required": ["city"],
     },
 }
+STORED = "smg_kv_event_blocks_total"  # smg's count of the pages workers' KV events reported
+POLICY_BRANCH = "smg_cache_aware_policy_branch_total"  # how smg's cache_aware chose
 PAGE = 16  # Sluice's default page size, which is also smg's default --block-size
 FILLER = "apples, pears and plums lay on the table in the harbour house today"
 
@@ -178,6 +182,11 @@ def test_a_named_tool_choice_comes_back_as_a_tool_call_whose_arguments_validate(
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["parameters"])
 
 
+def learnt(gateway: SmgProcess, worker: ServerProcess) -> float:
+    """The pages smg has learnt `worker` stores, from its KV events."""
+    return gateway.metric(STORED, worker=f"grpc://{worker.target}", op="stored")
+
+
 def served_by(workers: list[ServerProcess], call: Callable[[], Any]) -> tuple[Any, list[float]]:
     """What `call` returned and how many requests each worker finished meanwhile."""
     before = [metric(w, FINISHED) for w in workers]
@@ -192,20 +201,31 @@ def complete(api: openai.OpenAI, prompt: str, max_tokens: int = 1) -> str | None
     return answer.choices[0].finish_reason
 
 
-def test_requests_sharing_a_long_prefix_land_on_the_worker_that_holds_it(api, workers, tokenizer):
+def test_requests_sharing_a_long_prefix_land_on_the_worker_that_holds_it(
+    api, workers, gateway, tokenizer
+):
     prefix = "To be, or not to be, that is the question. " * 8
     pages = len(tokenizer.encode(prefix, add_special_tokens=False)) // PAGE
     assert pages >= 4
-    before = [(metric(w, FINISHED), metric(w, PREFIX_HITS)) for w in workers]
+    before = [(metric(w, FINISHED), metric(w, PREFIX_HITS), learnt(gateway, w)) for w in workers]
+    event_hits = gateway.metric(POLICY_BRANCH, branch="event_hit")
     for i in range(6):
         assert complete(api, f"{prefix}Question {i}:") == "length"
-    after = [(metric(w, FINISHED), metric(w, PREFIX_HITS)) for w in workers]
-    served = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
-    hits = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
+    event_hits = gateway.metric(POLICY_BRANCH, branch="event_hit") - event_hits
+    served = [metric(w, FINISHED) - b[0] for w, b in zip(workers, before, strict=True)]
+    hits = [metric(w, PREFIX_HITS) - b[1] for w, b in zip(workers, before, strict=True)]
     assert sorted(served) == [0, 6], served
     holder = served.index(6)
     # Every request after the first finds the prefix's full pages in the holder's cache.
     assert hits[holder] >= 5 * pages * PAGE and hits[1 - holder] == 0, hits
+    # smg chose the holder for each from its index of the workers' KV events (not its own
+    # guess of what each worker holds), and the holder's events reported the prefix's pages.
+    assert event_hits == 5
+    deadline = time.monotonic() + 10
+    while learnt(gateway, workers[holder]) - before[holder][2] < pages:
+        assert time.monotonic() < deadline, "smg never learnt the prefix's pages from the events"
+        time.sleep(0.05)
+    assert learnt(gateway, workers[1 - holder]) == before[1 - holder][2]
 
 
 def test_a_workers_engine_killed_the_gateway_serves_through_the_other_then_routes_back(

@@ -4,8 +4,10 @@ Sluice workers that speak the vLLM worker protocol.
 Everything binds 127.0.0.1 on free ports; the gateway's log goes to a file the failure messages
 quote. The flags below shorten smg's health and circuit-breaker clocks (60 s between health
 probes by default) so that a worker that goes down and comes back is seen within a second or
-two, and switch off its warm-up diversion, which otherwise sends one cache hit in eight to a
-worker that does not hold the prefix, so cache-aware routing is exactly by prefix.
+two, and make cache-aware routing exactly by prefix: no warm-up diversion (which otherwise sends
+one cache hit in eight to a worker that does not hold the prefix), and each dispatch booked on
+its worker's index until that worker's KV events report the pages (without it, a request sent
+right after another can beat the first one's events and go by load).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 FAST_CLOCKS = [
     "--health-check-interval-secs", "1",
     "--health-failure-threshold", "1",
@@ -33,6 +37,7 @@ FAST_CLOCKS = [
     "--worker-warmup-secs", "0",
     "--worker-warmup-divert-every", "0",
     "--shutdown-grace-period-secs", "1",
+    "--selection-accounting-ttl-ms", "5000",
 ]  # fmt: skip
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -113,6 +118,18 @@ class SmgProcess:
                         return
             time.sleep(0.1)
         raise AssertionError(f"smg not ready in {timeout}s (last: {last}):\n{self.log_tail()}")
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of smg's samples called `name` whose labels include `labels`."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as page:
+            text = page.read().decode()
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()
+        )
 
     def healthy_workers(self) -> set[str]:
         """The "host:port" of each worker smg now routes to (GET /workers: healthy)."""
