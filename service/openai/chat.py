@@ -111,12 +111,7 @@ class ChatAnswer:
                 entry["token_ids"] = list(response.tokens.token_ids)
         elif choice.failure is not None:
             return []
-        entry["finish_reason"] = choice.finish_reason
-        entry["stop_reason"] = choice.stop_reason
-        entry["policy_version"] = choice.policy_version
-        if choice.finish_reason is not None:
-            entry["version_spans"] = choice.version_spans
-        return [self._chunk([entry])]
+        return [self._chunk([entry | choice.chunk_ending()])]
 
     def _chunk(
         self, choices: list[dict[str, Any]], kind: str = "chat.completion.chunk"

@@ -44,6 +44,18 @@ class Choice:
         """Sluice's per-choice fields beside OpenAI's."""
         return {"policy_version": self.policy_version, "version_spans": self.version_spans}
 
+    def chunk_ending(self) -> dict[str, Any]:
+        """The fields a streamed chunk's choice ends with: why it finished (None until it has),
+        and its policy version; its version spans once it has finished."""
+        ending: dict[str, Any] = {
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
+            "policy_version": self.policy_version,
+        }
+        if self.finish_reason is not None:
+            ending["version_spans"] = self.version_spans
+        return ending
+
 
 class Choices:
     """Every choice of one answer: choice `prompt * n + index`."""

@@ -91,12 +91,7 @@ class CompletionAnswer:
                 entry["token_ids"] = list(response.tokens.token_ids)
         elif choice.failure is not None:
             return []
-        entry["finish_reason"] = choice.finish_reason
-        entry["stop_reason"] = choice.stop_reason
-        entry["policy_version"] = choice.policy_version
-        if choice.finish_reason is not None:
-            entry["version_spans"] = choice.version_spans
-        return [self._chunk([entry])]
+        return [self._chunk([entry | choice.chunk_ending()])]
 
     def _echo(self, index: int, prompt: int) -> dict[str, Any]:
         ids = self.fanout.prompt_ids(prompt)
