@@ -266,6 +266,28 @@ def service_ceiling(r: dict[str, Any]) -> str:
     return text
 
 
+def gateway(r: dict[str, Any]) -> str:
+    names = {"v1": "sluice.v1", "openai": "OpenAI front", "smg": "SMG"}
+    header = ["path", "round", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "E2E p50 ms"]
+    header += ["E2E p99 ms", "failed", "cores: engine", "service", "smg", "client"]
+    rows = [
+        [names[p["path"]], p["round"] + 1, p["output_tokens_per_s"]]
+        + [p[k][q] for k in ("ttft", "e2el") for q in ("p50_ms", "p99_ms")]
+        + [p["failed"]]
+        + [p["cpu_cores"].get(k, math.nan) if k != "smg" or p["path"] == "smg" else math.nan
+           for k in ("engine", "service", "smg", "client")]
+        for p in r["phases"]
+    ]  # fmt: skip
+    w = r["workload"]
+    ratios = ", ".join(f"{names[n]} **{v:.2f}**" for n, v in r["ratio_over_v1"].items())
+    return (
+        f"**the same streams three ways, {r['model']}** ({r['device']} {r['dtype']}; "
+        f"{w['num_requests']} requests of {w['max_tokens']} tokens, {w['concurrency']} in "
+        f"flight)\n\n" + markdown(header, rows) + f"\n\noutput tok/s over sluice.v1's, best "
+        f"rounds: {ratios}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", type=Path, nargs="+")
@@ -281,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         "prefix": prefix,
         "service_ceiling": service_ceiling,
         "peer_vllm": peer_vllm,
+        "gateway": gateway,
     }
     for folder in args.folders:
         for path in sorted(folder.glob("*.json")):

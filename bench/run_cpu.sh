@@ -59,6 +59,9 @@ if [[ $MODE == smoke ]]; then
   # The service in front of an instant stand-in engine, over GenerateStream (about 8 s).
   run service_ceiling bench.ceiling.run --streams 16 --step-ms 10 --low-streams 2 \
     --seconds 1 --warmup 0.5 --clients 1 --rpc stream
+  # The same streams through sluice.v1, the OpenAI front and SMG, where present (about 6 s).
+  run gateway bench.service.gateway --shape tiny --num-requests 16 --concurrency 8 --max-tokens 8 \
+    --repeat 1 --threads 1
   # Detokenization per token, tables against DecodeStream (about 2 s).
   run detokenize bench.text.detokenize --vocab 2000 --corpus-mb 0.3 --tokens 2000 --repeat 1 \
     --load-vocab 5000
@@ -81,6 +84,8 @@ else
   run prefix bench.throughput.prefix --shape tiny --groups 8 --waves 4 --prefix-len 512 --threads "$THREADS"
   run service_ceiling bench.ceiling.run --seconds 4 --warmup 1.5
   run service_ceiling_stream bench.ceiling.run --seconds 4 --warmup 1.5 --rpc stream
+  run gateway bench.service.gateway --shape tiny --num-requests 128 --concurrency 64 \
+    --max-tokens 64 --repeat 3 --threads "$THREADS"
   run detokenize bench.text.detokenize
   run rl_outputs bench.rl.outputs --shape tiny --scale 0.5 --repeat 2 --threads "$THREADS"
   run structured bench.structured.batch --shape tiny --batch 32 --max-tokens 256 --repeat 3 \

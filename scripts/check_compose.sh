@@ -2,8 +2,9 @@
 # Validates docker-compose.yml with `docker-compose config` (Debian's docker-compose package,
 # installed here when missing): the schema, variable defaults, and what each profile selects:
 # only `sluice` by default, `cpu` adds exactly sluice-cpu, `replicas` exactly two replicas and
-# nginx. Nothing is built or started. (`config --services` lists every service whatever the
-# profile, so the selection is read from the `profiles:` of the rendered config instead.)
+# nginx, `gateway` exactly two workers and SMG. Nothing is built or started. (`config
+# --services` lists every service whatever the profile, so the selection is read from the
+# `profiles:` of the rendered config instead.)
 # COMPOSE_FILE, when set, names another file to check (tests/test_deploy_files.py uses it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,4 +31,5 @@ print(" ".join(sorted(n for n, s in services.items() if profile in s.get("profil
 selects "" sluice
 selects cpu sluice sluice-cpu
 selects replicas sluice sluice-replica-1 sluice-replica-2 sluice-lb
+selects gateway sluice sluice-worker-1 sluice-worker-2 sluice-gateway
 echo "docker-compose.yml: valid ($(docker-compose version --short 2>/dev/null || echo docker-compose))"

@@ -10,6 +10,7 @@ user) must be present. `scripts/check_compose.sh` validates the compose schema i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -17,11 +18,13 @@ import shlex
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from sluice_client.cli import build_parser as sluice_parser
 
+from engine.protocol.config import EngineConfig
 from service.cli import build_parser as serve_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,15 +70,24 @@ def parse(argv: list[str], capsys: pytest.CaptureFixture[str]) -> argparse.Names
         pytest.fail(f"`{command} {shlex.join(argv)}` does not parse: {capsys.readouterr().err}")
 
 
+def sluice_services() -> dict[str, dict]:
+    """The compose services that run the Sluice image (built from the root Dockerfile), not
+    nginx's or SMG's."""
+    return {
+        name: spec
+        for name, spec in compose()["services"].items()
+        if "build" in spec and "dockerfile" not in spec["build"]
+    }
+
+
 def serve_commands() -> dict[str, list[str]]:
     """Every `sluice serve` argument list: the image's default CMD and each compose command."""
     (entrypoint,) = dockerfile("ENTRYPOINT")
     assert json.loads(entrypoint) == ["sluice", "serve"]
     (cmd,) = dockerfile("CMD")
     commands = {"Dockerfile CMD": json.loads(cmd)}
-    for name, spec in compose()["services"].items():
-        if "command" in spec:
-            commands[f"compose {name}"] = list(spec["command"])
+    for name, spec in sluice_services().items():
+        commands[f"compose {name}"] = list(spec["command"])
     return commands
 
 
@@ -83,9 +95,7 @@ def health_checks() -> dict[str, list[str]]:
     """Every health check's command line, from the Dockerfile and each compose service."""
     (healthcheck,) = dockerfile("HEALTHCHECK")
     checks = {"Dockerfile CMD": json.loads(healthcheck.split(" CMD ", 1)[1])}
-    for name, spec in compose()["services"].items():
-        if "command" not in spec:  # not a Sluice server (nginx)
-            continue
+    for name, spec in sluice_services().items():
         test = spec["healthcheck"]["test"]
         assert test[0] == "CMD", f"compose {name}: exec form, no shell needed"
         checks[f"compose {name}"] = test[1:]
@@ -232,6 +242,7 @@ def test_check_compose_fails_when_a_service_is_in_the_wrong_profile(tmp_path: Pa
     assert text.count("profiles: [replicas]") == 2  # the replicas' anchor and nginx
     moved = tmp_path / "docker-compose.yml"
     moved.write_text(text.replace("profiles: [replicas]", "profiles: [cpu]"))
+    shutil.copytree(ROOT / "deploy" / "smg", tmp_path / "deploy" / "smg")  # a build context
 
     def check(compose_file: Path) -> subprocess.CompletedProcess[str]:
         env = {**os.environ, "COMPOSE_FILE": str(compose_file)}
@@ -243,3 +254,62 @@ def test_check_compose_fails_when_a_service_is_in_the_wrong_profile(tmp_path: Pa
     assert check(ROOT / "docker-compose.yml").returncode == 0
     wrong = check(moved)
     assert wrong.returncode == 1 and "--profile 'cpu' selects:" in wrong.stderr, wrong.stderr
+
+
+WORKERS = ("sluice-worker-1", "sluice-worker-2")
+
+
+def smg_command() -> Any:
+    """The gateway's `smg launch` flags, parsed by SMG's own parser (the pinned dev dependency)."""
+    from smg.launch_router import parse_router_args
+
+    return parse_router_args(list(service("sluice-gateway")["command"]))
+
+
+def test_gateway_profile_runs_health_checked_workers_with_the_admin_token(capsys):
+    for name in WORKERS:
+        worker = service(name)
+        assert worker["profiles"] == ["gateway"], name
+        assert "--admin-token-file=/run/secrets/admin_token" in worker["command"], name
+        assert worker["healthcheck"]["test"][1:3] == ["sluice", "health"], name
+        assert parse(worker["command"], capsys).host == "0.0.0.0", name
+        # Admin goes to each worker's own address: each publishes its gRPC port.
+        assert any(p.endswith(":50051") for p in worker["ports"]), name
+
+
+def test_the_gateway_speaks_the_vllm_protocol_to_every_worker_at_its_port(capsys):
+    gateway = service("sluice-gateway")
+    assert gateway["profiles"] == ["gateway"]
+    args = smg_command()
+    assert (args.backend, args.policy, args.host) == ("vllm", "cache_aware", "0.0.0.0")
+    expected = [f"grpc://{name}:{parse(service(name)['command'], capsys).port}" for name in WORKERS]
+    assert args.worker_urls == expected
+    assert set(gateway["depends_on"]) == set(WORKERS)
+    # smg hashes prompts into blocks of --block-size tokens to match the workers' KV events:
+    # it must be their page size (none is set: Sluice's default).
+    page_size = {f.name: f.default for f in dataclasses.fields(EngineConfig)}["page_size"]
+    for name in WORKERS:
+        assert parse(service(name)["command"], capsys).page_size is None, name
+    assert args.block_size == page_size
+
+
+def test_the_gateway_publishes_its_port_and_metrics_and_probes_its_own_health():
+    gateway = service("sluice-gateway")
+    args = smg_command()
+    container_ports = {p.rsplit(":", 1)[1] for p in gateway["ports"]}
+    assert container_ports == {str(args.port), str(args.prometheus_port)}
+    assert args.prometheus_host == "0.0.0.0"
+    probe = " ".join(gateway["healthcheck"]["test"])
+    assert f"http://127.0.0.1:{args.port}/health" in probe
+
+
+def test_the_gateway_image_pins_the_smg_the_tests_run():
+    dockerfile_text = (ROOT / "deploy/smg/Dockerfile").read_text()
+    (arg,) = re.findall(r"^ARG SMG_VERSION=(\S+)$", dockerfile_text, re.MULTILINE)
+    pin = re.search(r'"smg==([\w.]+)"', (ROOT / "pyproject.toml").read_text())
+    assert pin is not None and arg == pin.group(1)
+    assert service("sluice-gateway")["build"] == {
+        "context": "deploy/smg",
+        "dockerfile": "Dockerfile",
+    }
+    assert 'ENTRYPOINT ["smg", "launch"]' in dockerfile_text
