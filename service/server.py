@@ -165,10 +165,7 @@ class SluiceServer:
             try:
                 self.metrics_http = MetricsHttpServer(self.metrics.registry, host, metrics_port)
             except OSError as exc:
-                reason = exc.strerror or str(exc)
-                if exc.errno == errno.EADDRINUSE:
-                    reason += " (is another server running on this port?)"
-                raise BindError(f"{host}:{metrics_port} (metrics)", reason) from exc
+                raise _http_bind_error(exc, f"{host}:{metrics_port} (metrics)") from exc
         if self.config.openai_port is not None:
             # NOTE: imported here: FastAPI's import is half of the service's start-up import
             # time (0.35 of 0.66 s), paid only by a server that has the port.
@@ -178,10 +175,7 @@ class SluiceServer:
             try:
                 self.openai = OpenAiServer(self.servicer, host, openai_port)
             except OSError as exc:
-                reason = exc.strerror or str(exc)
-                if exc.errno == errno.EADDRINUSE:
-                    reason += " (is another server running on this port?)"
-                raise BindError(f"{host}:{openai_port} (openai)", reason) from exc
+                raise _http_bind_error(exc, f"{host}:{openai_port} (openai)") from exc
         return port
 
     async def start(self) -> None:
@@ -285,6 +279,14 @@ class SluiceServer:
     ) -> None:
         for service in HEALTH_SERVICES:
             await self.health.set(service, status)
+
+
+def _http_bind_error(exc: OSError, address: str) -> BindError:
+    """An HTTP port (metrics, OpenAI) that could not be bound, with why."""
+    reason = exc.strerror or str(exc)
+    if exc.errno == errno.EADDRINUSE:
+        reason += " (is another server running on this port?)"
+    return BindError(address, reason)
 
 
 def _bind_failure(config: ServiceConfig) -> str:
