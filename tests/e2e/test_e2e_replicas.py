@@ -13,13 +13,11 @@ import contextlib
 import json
 import os
 import signal
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from sluice_client import AsyncClient, Client, cli, pb, update_all
 
 from tests.support.nginx_process import NginxProcess, nginx_binary, nginx_process
@@ -38,19 +36,6 @@ pytestmark = [
 ADMIN_TOKEN = "replicas-admin"
 FINISHED = "sluice_requests_finished_total"
 PREFIX_HITS = "sluice_prefix_cache_hit_tokens_total"
-
-
-def metric(server: ServerProcess, name: str) -> float:
-    """The sum of a counter's samples on one replica."""
-    port = server.wait_for("metrics.listening")["port"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as page:
-        text = page.read().decode()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    )
 
 
 def start_replica(directory: Path, checkpoint: Path) -> ServerProcess:
@@ -128,10 +113,10 @@ async def complete_all(target: str, prompts: list[list[int]], concurrency: int =
 
 @pytest.mark.timeout(60)
 async def test_200_requests_through_nginx_all_succeed_and_both_replicas_serve_some(pair, nginx):
-    before = [metric(r, FINISHED) for r in pair]
+    before = [r.metric(FINISHED) for r in pair]
     prompts = [[0, 1 + i % 250, 2 + i % 97] for i in range(200)]
     done = await complete_all(nginx.target, prompts, max_tokens=2)
-    served = [metric(r, FINISHED) - b for r, b in zip(pair, before, strict=True)]
+    served = [r.metric(FINISHED) - b for r, b in zip(pair, before, strict=True)]
     assert [c.reason for c in done] == ["LENGTH"] * 200
     assert sum(served) == 200 and min(served) > 0, served
 
@@ -144,20 +129,20 @@ async def test_requests_without_a_key_go_to_the_replica_with_fewer_calls_in_flig
         # whose finished counter moved once the request's `finished` event is read (the
         # counter goes up before the event is sent). Polling `running` instead races the
         # request, which may finish before a poll sees it.
-        before_held = [metric(r, FINISHED) for r in pair]
+        before_held = [r.metric(FINISHED) for r in pair]
         held = client.stream()
         await held.start([0, 30, 31], max_tokens=2, ignore_eos=True)
         # NOTE: read from the call itself: leaving an `async for` over the stream would
         # cancel the call once its generator is collected.
         while not (await held.call.read()).HasField("finished"):
             pass
-        before = [metric(r, FINISHED) for r in pair]
+        before = [r.metric(FINISHED) for r in pair]
         held_on = [b - a for a, b in zip(before_held, before, strict=True)]
         assert sorted(held_on) == [0, 1], held_on
         busy = held_on.index(1)
         for i in range(10):
             await client.complete([0, 31, i], max_tokens=1)
-        served = [metric(r, FINISHED) - b for r, b in zip(pair, before, strict=True)]
+        served = [r.metric(FINISHED) - b for r, b in zip(pair, before, strict=True)]
         await held.done_sending()  # the call ends: its only request has finished
         assert await held.call.read() is grpc.aio.EOF
     # Round robin would have split them 5 and 5.
@@ -168,14 +153,14 @@ async def test_requests_without_a_key_go_to_the_replica_with_fewer_calls_in_flig
 async def test_requests_with_one_affinity_key_land_on_one_replica_and_hit_its_prefix_cache(
     pair, nginx
 ):
-    before = [(metric(r, FINISHED), metric(r, PREFIX_HITS)) for r in pair]
+    before = [(r.metric(FINISHED), r.metric(PREFIX_HITS)) for r in pair]
     shared = [0, *range(40, 72)]  # 33 tokens: 8 full pages of 4
     prompts = [[*shared, 100 + i] for i in range(20)]
     async with AsyncClient(nginx.target, affinity="conversation-7") as client:
         for prompt in prompts:  # one after another: each finds its predecessors' pages
             completion = await client.complete(prompt, temperature=0.0, max_tokens=1)
             assert completion.reason == "LENGTH"
-    after = [(metric(r, FINISHED), metric(r, PREFIX_HITS)) for r in pair]
+    after = [(r.metric(FINISHED), r.metric(PREFIX_HITS)) for r in pair]
     served = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
     hits = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
     assert sorted(served) == [0, 20], served

@@ -32,7 +32,7 @@ import openai
 import pytest
 from sluice_client import update_all
 
-from tests.support.gateway_workers import ADMIN_TOKEN, FINISHED, MODEL, PREFIX_HITS, metric
+from tests.support.gateway_workers import ADMIN_TOKEN, FINISHED, MODEL, PREFIX_HITS
 from tests.support.server_process import ServerProcess, wait_gone
 from tests.support.smg_process import SmgProcess
 from tests.support.tiny_models import hf_greedy, load_hf_model
@@ -189,9 +189,9 @@ def learnt(gateway: SmgProcess, worker: ServerProcess) -> float:
 
 def served_by(workers: list[ServerProcess], call: Callable[[], Any]) -> tuple[Any, list[float]]:
     """What `call` returned and how many requests each worker finished meanwhile."""
-    before = [metric(w, FINISHED) for w in workers]
+    before = [w.metric(FINISHED) for w in workers]
     result = call()
-    return result, [metric(w, FINISHED) - b for w, b in zip(workers, before, strict=True)]
+    return result, [w.metric(FINISHED) - b for w, b in zip(workers, before, strict=True)]
 
 
 def complete(api: openai.OpenAI, prompt: str, max_tokens: int = 1) -> str | None:
@@ -207,13 +207,13 @@ def test_requests_sharing_a_long_prefix_land_on_the_worker_that_holds_it(
     prefix = "To be, or not to be, that is the question. " * 8
     pages = len(tokenizer.encode(prefix, add_special_tokens=False)) // PAGE
     assert pages >= 4
-    before = [(metric(w, FINISHED), metric(w, PREFIX_HITS), learnt(gateway, w)) for w in workers]
+    before = [(w.metric(FINISHED), w.metric(PREFIX_HITS), learnt(gateway, w)) for w in workers]
     event_hits = gateway.metric(POLICY_BRANCH, branch="event_hit")
     for i in range(6):
         assert complete(api, f"{prefix}Question {i}:") == "length"
     event_hits = gateway.metric(POLICY_BRANCH, branch="event_hit") - event_hits
-    served = [metric(w, FINISHED) - b[0] for w, b in zip(workers, before, strict=True)]
-    hits = [metric(w, PREFIX_HITS) - b[1] for w, b in zip(workers, before, strict=True)]
+    served = [w.metric(FINISHED) - b[0] for w, b in zip(workers, before, strict=True)]
+    hits = [w.metric(PREFIX_HITS) - b[1] for w, b in zip(workers, before, strict=True)]
     assert sorted(served) == [0, 6], served
     holder = served.index(6)
     # Every request after the first finds the prefix's full pages in the holder's cache.

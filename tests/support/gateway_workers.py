@@ -9,10 +9,7 @@ import contextlib
 import json
 import os
 import signal
-import urllib.request
 from pathlib import Path
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.serve_tiny import CHAT_TEMPLATE
 from tests.support.server_process import ServerProcess
@@ -28,19 +25,6 @@ def with_chat_template(checkpoint: Path) -> Path:
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
     return checkpoint
-
-
-def metric(worker: ServerProcess, name: str) -> float:
-    """The sum of a counter's samples on one worker."""
-    port = worker.wait_for("metrics.listening")["port"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as page:
-        text = page.read().decode()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    )
 
 
 def start_worker(directory: Path, checkpoint: Path) -> ServerProcess:

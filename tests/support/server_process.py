@@ -11,12 +11,14 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,6 +52,18 @@ class ServerProcess:
                 if isinstance(event, dict) and event.get("event") == name:
                     found.append(event)
         return found
+
+    def metric(self, name: str) -> float:
+        """The sum of a counter's samples, scraped from the server's --metrics-port 0 page."""
+        port = self.wait_for("metrics.listening")["port"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as page:
+            text = page.read().decode()
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name
+        )
 
     def wait_for(self, name: str, count: int = 1, timeout: float = 60.0) -> dict[str, Any]:
         """The `count`-th log event called `name`, once it is there."""
