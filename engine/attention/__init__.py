@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import cpu_kernels
-from engine.attention.backend import AttentionBackend, KVCache
+from engine.attention.backend import AttentionBackend, KVCache, LayerAttention
 from engine.attention.cpu_paged import CpuPagedAttention
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_ref import TorchRefAttention
@@ -26,6 +26,7 @@ __all__ = [
     "AttentionMetadata",
     "CpuPagedAttention",
     "KVCache",
+    "LayerAttention",
     "TorchRefAttention",
     "make_backend",
     "resolve_backend",

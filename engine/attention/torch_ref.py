@@ -10,6 +10,10 @@ precision, two batched GEMMs instead: `_decode_matmul`); prefill rows run one SD
 A decode-only step reads only tensors and the step's constant ints, so it can be captured in
 a CUDA graph. With no KV cache (training, or a forward without serving state) every sequence
 starts at position 0 and attends only to its own new tokens.
+
+A layer's LayerAttention (a sliding window, its own scale, soft-capped scores) and learned
+sinks are applied as transformers' eager attention applies them: the window is a mask; with a
+soft cap or sinks the scores are computed explicitly in float32 (SDPA has neither).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from engine.attention.backend import FULL, LayerAttention
 from engine.attention.metadata import AttentionMetadata, DecodeGroup
 
 if TYPE_CHECKING:
@@ -108,32 +113,60 @@ class TorchRefAttention:
         rotary: RotaryEmbedding,
         cache: tuple[torch.Tensor, torch.Tensor] | None,  # [pages, page_size, kv_heads, head_dim]
         meta: AttentionMetadata,
+        layer: LayerAttention = FULL,
+        sinks: torch.Tensor | None = None,  # [heads]
     ) -> torch.Tensor:  # [tokens, heads, head_dim]
         if cache is None:
             q, k = rotary(positions, q, k)
-            return self._dense(q, k, v, meta)
+            return self._dense(q, k, v, meta, layer, sinks)
         k_cache, v_cache = cache
         assert meta.slot_mapping is not None and meta.block_tables is not None
         kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         q, k = self._rotate_and_store(q, k, v, positions, rotary, cache, meta.slot_mapping)
         groups = meta.decode_groups
         if len(groups) == 1 and groups[0].rows is None:
-            return self._decode(q, k_cache, v_cache, groups[0])
+            return self._decode_layer(q, k_cache, v_cache, groups[0], layer, sinks)
 
         out = torch.empty_like(q)
         for group in groups:
             assert group.rows is not None
-            out[group.rows] = self._decode(q[group.rows], k_cache, v_cache, group)
+            rows = q[group.rows]
+            out[group.rows] = self._decode_layer(rows, k_cache, v_cache, group, layer, sinks)
         for seq, start, q_len, ctx_len in meta.prefill_seqs:
             end = start + q_len
             if ctx_len == q_len:  # no cached prefix: the keys are this step's own
-                out[start:end] = self._causal(q[start:end], k[start:end], v[start:end])
-                continue
-            table = meta.block_tables[seq, : -(-ctx_len // k_cache.shape[1])]
-            keys = k_cache.index_select(0, table).view(-1, kv_heads, head_dim)[:ctx_len]
-            values = v_cache.index_select(0, table).view(-1, kv_heads, head_dim)[:ctx_len]
-            out[start:end] = self._causal(q[start:end], keys, values)
+                keys, values = k[start:end], v[start:end]
+            else:
+                table = meta.block_tables[seq, : -(-ctx_len // k_cache.shape[1])]
+                keys = k_cache.index_select(0, table).view(-1, kv_heads, head_dim)[:ctx_len]
+                values = v_cache.index_select(0, table).view(-1, kv_heads, head_dim)[:ctx_len]
+            out[start:end] = self._causal(q[start:end], keys, values, layer, sinks)
         return out
+
+    def _decode_layer(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        group: DecodeGroup,
+        layer: LayerAttention,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """A decode group's rows: the backend's own path for plain layers; torch's, with the
+        layer's window, scale, cap and sinks, for the others."""
+        if layer.plain and sinks is None:
+            return self._decode(q, k_cache, v_cache, group)
+        n, (kv_heads, head_dim) = q.shape[0], k_cache.shape[2:]
+        pages = group.tables.flatten()
+        keys = k_cache.index_select(0, pages).view(n, -1, kv_heads, head_dim).transpose(1, 2)
+        values = v_cache.index_select(0, pages).view(n, -1, kv_heads, head_dim).transpose(1, 2)
+        key_pos = torch.arange(keys.shape[2], device=q.device)
+        lens = group.lens.to(key_pos.dtype)[:, None]  # each row's query sits at lens - 1
+        visible = key_pos[None, :] < lens
+        if layer.sliding_window is not None:
+            visible &= key_pos[None, :] > lens - 1 - layer.sliding_window
+        out = self._attend(q.unsqueeze(2), keys, values, visible[:, None, None, :], layer, sinks)
+        return out.squeeze(2)
 
     def _rotate_and_store(
         self,
@@ -188,29 +221,77 @@ class TorchRefAttention:
         return torch.bmm(probs, values).view(n, heads, head_dim)
 
     def _dense(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        layer: LayerAttention = FULL,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         outs = []
         start = 0
         for q_len in meta.query_lens:
             end = start + q_len
-            outs.append(self._causal(q[start:end], k[start:end], v[start:end]))
+            outs.append(self._causal(q[start:end], k[start:end], v[start:end], layer, sinks))
             start = end
         return torch.cat(outs)
 
-    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _causal(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: LayerAttention = FULL,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """q [q_len, heads, dim] are the last q_len positions of k/v [ctx, kv_heads, dim]."""
         q_len, ctx_len = q.shape[0], k.shape[0]
         q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        if q_len == ctx_len:
+        if q_len == ctx_len and layer.plain and sinks is None:
             out = F.scaled_dot_product_attention(
                 q4, k4, v4, is_causal=True, scale=self.scale, enable_gqa=True
             )
         else:
-            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
-            mask = q_pos[:, None] >= torch.arange(ctx_len, device=q.device)[None, :]
-            out = self._sdpa(q4, k4, v4, mask)
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
+            key_pos = torch.arange(ctx_len, device=q.device)[None, :]
+            mask = q_pos >= key_pos
+            if layer.sliding_window is not None:
+                mask &= key_pos > q_pos - layer.sliding_window
+            out = self._attend(q4, k4, v4, mask, layer, sinks)
         return out.squeeze(0).transpose(0, 1)
+
+    def _attend(
+        self,
+        q: torch.Tensor,  # [batch, heads, q_len, dim]
+        k: torch.Tensor,  # [batch, kv_heads, ctx, dim]
+        v: torch.Tensor,
+        mask: torch.Tensor,  # broadcast to [batch, heads, q_len, ctx]; True = attend
+        layer: LayerAttention,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Masked attention with the layer's scale; SDPA unless the layer caps its scores or
+        has sinks, which transformers' eager attention computes as here: scores in float32,
+        capped, masked, the sink logit appended as one more column, softmax, the sink's
+        share dropped."""
+        scale = self.scale if layer.scale is None else layer.scale
+        if layer.softcap is None and sinks is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1).float(), v.repeat_interleave(group, 1).float()
+        scores = torch.matmul(q.float(), k.transpose(-1, -2)) * scale
+        if layer.softcap is not None:
+            scores = torch.tanh(scores / layer.softcap) * layer.softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+            scores = torch.cat([scores, sink], dim=-1)
+        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            probs = probs[..., :-1]
+        return torch.matmul(probs, v).to(q.dtype)
 
     def _sdpa(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.attention.backend import FULL, LayerAttention
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_ref import TorchRefAttention
 from engine.layers.kernel_choice import interpreting
@@ -264,9 +265,13 @@ class TritonPagedAttention:
         rotary: RotaryEmbedding,
         cache: tuple[torch.Tensor, torch.Tensor] | None,  # [pages, page_size, kv_heads, head_dim]
         meta: AttentionMetadata,
+        layer: LayerAttention = FULL,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [tokens, heads, head_dim]
         if cache is None:
-            return self._dense.forward(q, k, v, positions, rotary, None, meta)
+            return self._dense.forward(q, k, v, positions, rotary, None, meta, layer, sinks)
+        if not layer.plain or sinks is not None:
+            raise NotImplementedError("triton attention: sliding windows, scales, caps, sinks")
         k_cache, v_cache = cache
         assert meta.slot_mapping is not None and meta.block_tables is not None
         assert meta.seq_lens is not None and meta.query_start_loc is not None

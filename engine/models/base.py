@@ -44,12 +44,32 @@ LoraTarget = MergedLinear | RowParallelLinear
 
 
 @dataclass(frozen=True)
+class LayerKV:
+    """One layer's KV: this rank's KV heads, their size, and the window the layer attends to
+    (None: its whole context)."""
+
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True)
 class KVLayout:
-    """The KV cache one rank's model reads: per layer, K and V pages of this shape."""
+    """The KV cache one rank's model reads: per layer, K and V pages of this shape.
+
+    `layers`, when given, describes each layer (a family whose layers differ: sliding windows,
+    head sizes); empty, every layer is (num_kv_heads, head_dim) over its whole context.
+    """
 
     num_layers: int
     num_kv_heads: int  # this rank's
     head_dim: int
+    layers: tuple[LayerKV, ...] = ()
+
+    def layer(self, index: int) -> LayerKV:
+        if self.layers:
+            return self.layers[index]
+        return LayerKV(self.num_kv_heads, self.head_dim)
 
 
 class CausalLM(nn.Module, ABC):

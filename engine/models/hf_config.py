@@ -6,12 +6,17 @@ and `dtype`. Both are read. Mixture-of-experts checkpoints (Qwen2-MoE, Qwen3-MoE
 a `MoeConfig`, read with the keys and defaults of transformers' own config classes. Anything
 this engine would compute differently from transformers is refused with an error that names
 the key, never silently ignored.
+
+ModelConfig holds what every family reads alike; a family with keys of its own (Gemma's soft
+caps, gpt-oss's sinks ...) reads them from `raw`, the whole config.json, when its model is
+built, and refuses there, by name, what it cannot compute. The Llama family's own checks
+(its activation, its sliding window) run here.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +54,12 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     checkpoint_dtype: str | None
     moe: MoeConfig | None = None  # None: every layer's MLP is dense
+    hidden_act: str = "silu"  # `hidden_act`, or Gemma's `hidden_activation`
+    # Per layer, as transformers 5 names them ("full_attention", "sliding_attention"); empty
+    # when config.json has no `layer_types` (every layer full, unless the family says otherwise).
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None  # `sliding_window`, for the layers that slide
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # config.json
 
 
 def load_model_config(directory: str | Path, max_model_len: int | None = None) -> ModelConfig:
@@ -72,9 +83,7 @@ def parse_model_config(
     if architecture == "Qwen2MoeForCausalLM":
         qkv_bias = bool(raw.get("qkv_bias", True))  # 4.x checkpoints lack the key: always bias
 
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"hidden_act={act!r} is not supported (only 'silu')")
+    act = str(raw.get("hidden_act") or raw.get("hidden_activation") or "silu")
     if raw.get("pretraining_tp", 1) not in (1, None):
         raise UnsupportedModelError("pretraining_tp > 1 is not supported")
     rope_theta, rope_scaling = _rope(raw)
@@ -84,7 +93,9 @@ def parse_model_config(
     head_dim = raw.get("head_dim") or hidden_size // num_heads
     max_positions = int(raw.get("max_position_embeddings", 2048))
     served_len = min(max_positions, max_model_len) if max_model_len else max_positions
-    _check_sliding_window(raw, served_len)
+    if architecture in VARIANTS:
+        _check_llama_family(raw, act, served_len)
+    window = raw.get("sliding_window")
 
     eos = generation.get("eos_token_id", raw.get("eos_token_id"))
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -110,6 +121,10 @@ def parse_model_config(
         eos_token_ids=eos_ids,
         checkpoint_dtype=raw.get("dtype") or raw.get("torch_dtype"),
         moe=_moe(raw, architecture) if variant.moe else None,
+        hidden_act=act,
+        layer_types=tuple(raw.get("layer_types") or ()),
+        sliding_window=None if window is None else int(window),
+        raw=raw,
     )
 
 
@@ -185,7 +200,9 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, {"rope_type": rope_type, **scaling}
 
 
-def _check_sliding_window(raw: dict[str, Any], served_len: int) -> None:
+def _check_llama_family(raw: dict[str, Any], act: str, served_len: int) -> None:
+    if act != "silu":
+        raise UnsupportedModelError(f"hidden_act={act!r} is not supported (only 'silu')")
     window = raw.get("sliding_window")
     # Qwen2/2.5 carry sliding_window with use_sliding_window: false (no window is used).
     if window is None or raw.get("use_sliding_window") is False:

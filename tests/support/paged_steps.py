@@ -6,6 +6,7 @@ import random
 
 import torch
 
+from engine.attention.backend import FULL, LayerAttention
 from engine.attention.metadata import AttentionMetadata
 from engine.layers.rope import RotaryEmbedding
 
@@ -88,12 +89,16 @@ class Step:
         backend.prepare(meta)
         return meta
 
-    def run(self, backend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run(
+        self, backend, layer: LayerAttention = FULL, sinks: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(output, k_cache, v_cache) after the backend ran on fresh copies of the cache."""
         k_cache, v_cache = self.k_cache.clone(), self.v_cache.clone()
         meta = self.prepared(backend)
         cache = (k_cache, v_cache)
-        out = backend.forward(self.q, self.k, self.v, self.positions, self.rotary, cache, meta)
+        out = backend.forward(
+            self.q, self.k, self.v, self.positions, self.rotary, cache, meta, layer, sinks
+        )
         return out, k_cache, v_cache
 
     def rotated(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,8 +106,17 @@ class Step:
         return self.rotary(self.positions, self.q, self.k)
 
 
-def reference(step: Step, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-    """Each sequence's queries against its keys read page by page from the written cache."""
+def reference(
+    step: Step,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layer: LayerAttention = FULL,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each sequence's queries against its keys read page by page from the written cache, in
+    float64: scale 0.25 unless the layer has its own; a window, a cap and sinks as transformers'
+    eager attention applies them."""
+    scale = 0.25 if layer.scale is None else layer.scale
     meta = step.meta
     assert meta.block_tables is not None
     page_size = step.page_size
@@ -116,9 +130,19 @@ def reference(step: Step, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch
         q = rotated_q[start : start + q_len].double()  # [q_len, heads, dim]
         group = q.shape[1] // keys.shape[1]
         keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", q, keys) * 0.25
-        visible = torch.arange(ctx)[None, :] <= torch.arange(ctx - q_len, ctx)[:, None]
+        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+        if layer.softcap is not None:
+            scores = torch.tanh(scores / layer.softcap) * layer.softcap
+        query_pos, key_pos = torch.arange(ctx - q_len, ctx)[:, None], torch.arange(ctx)[None, :]
+        visible = key_pos <= query_pos
+        if layer.sliding_window is not None:
+            visible &= key_pos > query_pos - layer.sliding_window
         scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
+        if sinks is not None:
+            sink = sinks.double().view(-1, 1, 1).expand(-1, q_len, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        outs.append(torch.einsum("hqk,khd->qhd", probs, values))
         start += q_len
     return torch.cat(outs).float()

@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from engine.attention import cpu_kernels, make_backend, resolve_backend
+from engine.attention.backend import LayerAttention
 from engine.attention.cpu_paged import CpuPagedAttention
 from engine.attention.torch_ref import TorchRefAttention
 from engine.layers import native
+from tests.engine.attention.test_attention_torch_ref import LAYER_KINDS
 from tests.support.paged_steps import Step, reference
 
 CPU = torch.device("cpu")
@@ -115,3 +117,16 @@ def test_keys_and_values_land_in_the_cache_as_torch_ref_writes_them(dtype: torch
     else:
         torch.testing.assert_close(k_cache, want_k, rtol=1e-6, atol=1e-6)
     assert not torch.equal(k_cache, step.k_cache)  # written
+
+
+@pytest.mark.parametrize(("layer", "with_sinks"), LAYER_KINDS)
+def test_layer_kinds_equal_the_reference(layer: LayerAttention, with_sinks: bool) -> None:
+    rng = random.Random(5)
+    contexts = [rng.randint(1, 90) for _ in range(12)]
+    queries = [1] * len(contexts)
+    queries[3] = min(contexts[3], 11)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(6)) if with_sinks else None
+    for step in (Step(contexts, queries, page_size=8, seed=5), Step(contexts, [1] * len(contexts))):
+        out, k_cache, v_cache = step.run(backend(step.page_size), layer, sinks)
+        expected = reference(step, k_cache, v_cache, layer, sinks)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
+from engine.attention.backend import LayerAttention
 from engine.attention.metadata import DecodeGroup
 from engine.attention.torch_ref import GROUP_ROWS, TorchRefAttention
 from tests.support.paged_steps import Step, reference
@@ -85,3 +87,28 @@ def test_bfloat16_decode_on_cpu_is_as_close_as_sdpa() -> None:
     assert not torch.equal(out, sdpa_out)  # the GEMM path ran
     ours, theirs = ((o.float() - expected).abs().mean() for o in (out, sdpa_out))
     assert ours < 1.5 * theirs, (ours, theirs)
+
+
+# Layer kinds: a window shorter than most contexts, its own scale, a soft cap, learned sinks
+# (gpt-oss's, Gemma 2's, Gemma 3's), alone and together.
+LAYER_KINDS = [
+    (LayerAttention(sliding_window=7), False),
+    (LayerAttention(scale=0.11), False),
+    (LayerAttention(softcap=1.5), False),
+    (LayerAttention(), True),
+    (LayerAttention(sliding_window=20, scale=0.3, softcap=2.0), True),
+]
+
+
+@pytest.mark.parametrize(("layer", "with_sinks"), LAYER_KINDS)
+def test_layer_kinds_in_decode_and_mixed_steps(layer: LayerAttention, with_sinks: bool) -> None:
+    rng = random.Random(3)
+    contexts = [rng.randint(1, 90) for _ in range(2 * GROUP_ROWS)]
+    queries = [1] * len(contexts)
+    for i in (0, 5, 9):  # a fresh prompt and chunks over cached prefixes longer than a window
+        queries[i] = contexts[i] if i == 0 else min(contexts[i], 13)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(4)) if with_sinks else None
+    for step in (Step(contexts, queries, page_size=8, seed=3), Step(contexts, [1] * len(contexts))):
+        out, k_cache, v_cache = step.run(TorchRefAttention(0.25, step.page_size), layer, sinks)
+        expected = reference(step, k_cache, v_cache, layer, sinks)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
