@@ -178,8 +178,9 @@ class _Slot:
         try:
             self._start()
         except Exception as exc:  # the next job tries again, and fails with the reason
-            log.error("engine.grammar_worker_failed", error=repr(exc))
             self._kill()
+            if not self._stopping:  # a start cut short by close() is no failure
+                log.error("engine.grammar_worker_failed", error=repr(exc))
 
     def _compile(self, job: CompileJob) -> tuple[Any, BaseException | None]:
         """(compiled grammar, None), or (None, why not). A compile past the time limit, or
@@ -284,8 +285,7 @@ class _Slot:
         child.close()
         self.process, self.conn = process, conn
         started = time.monotonic()
-        conn.send(info_json)
-        if self._ready(conn, process, started + START_TIMEOUT_S):
+        if self._ready(conn, process, info_json, started + START_TIMEOUT_S):
             seconds = round(time.monotonic() - started, 3)
             log.info("engine.grammar_worker_started", worker_pid=process.pid, seconds=seconds)
         elif self._stopping:  # closed while it started: no worker, and no error
@@ -293,13 +293,19 @@ class _Slot:
         else:
             raise RuntimeError(f"the grammar compile worker did not start ({process.exitcode})")
 
-    def _ready(self, conn: Connection, process: Any, deadline: float) -> bool:
-        """The new worker said READY before `deadline` (False: it died, or the pool closes)."""
+    def _ready(self, conn: Connection, process: Any, info_json: str, deadline: float) -> bool:
+        """The new worker, sent the TokenizerInfo, said READY before `deadline` (False: it
+        died, or the pool closes). A worker that dies before it reads the info resets the
+        pipe (a socket pair): that is a worker that did not start, like one that exits."""
+        try:
+            conn.send(info_json)
+        except OSError:
+            return False
         while not self._stopping:
             watched = [conn, process.sentinel, self._wake_r]
             ready = wait(watched, max(0.0, deadline - time.monotonic()))
             if conn in ready:
-                with contextlib.suppress(EOFError):
+                with contextlib.suppress(EOFError, OSError):
                     return bool(conn.recv() == READY)
                 return False
             if process.sentinel in ready or not ready:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +18,11 @@ from typing import Any
 
 import pytest
 import xgrammar
+from structlog.testing import capture_logs
 
 from engine.models.hf_config import load_model_config
 from engine.protocol.messages import Constraint
+from engine.structured import compile_pool
 from engine.structured.compile_pool import CompileLimits, CompilePool
 from engine.structured.grammars import ConstraintError, Grammars, compile_with, tokenizer_info
 from engine.structured.structured_outputs import Deferred, StructuredOutputs
@@ -164,3 +167,25 @@ def test_a_compile_is_cancelled_only_when_its_last_waiter_leaves(tiny_llama: Pat
         assert outputs.verdicts() == []  # an abandoned check is never answered
     finally:
         grammars.close()
+
+
+def exit_before_reading(conn: Any, *args: Any) -> None:
+    """A compile worker that dies before it reads the TokenizerInfo the engine sends it."""
+    os._exit(3)
+
+
+def test_a_worker_that_dies_at_start_fails_its_jobs_saying_so(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The engine's send or receive then meets a reset pipe (a socket pair), not an EOF: that
+    # must read as a worker that did not start, never as a ConnectionResetError of its own.
+    monkeypatch.setattr(compile_pool, "worker_main", exit_before_reading)
+    with capture_logs() as logs:
+        grammars = make_grammars(tiny_llama, workers=1)
+        try:
+            with pytest.raises(RuntimeError, match="did not start"):
+                grammars.compile(SMALL, "a").result(timeout=60)
+        finally:
+            grammars.close()
+    failures = [e["error"] for e in logs if e["event"] == "engine.grammar_worker_failed"]
+    assert failures and all("did not start" in error for error in failures)
