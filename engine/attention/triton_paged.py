@@ -81,7 +81,8 @@ class TritonPagedAttention:
         assert meta.seq_lens is not None and meta.query_start_loc is not None
         assert k_cache.shape[1] == self.page_size
         if sinks is not None:
-            assert sinks.shape == (q.shape[1],) and sinks.is_contiguous()
+            assert sinks.shape == (q.shape[1],), "sinks: one per query head of this rank"
+            sinks = sinks.contiguous()  # a no-op for a parameter, as it is
         # One kernel: rotary on q and k, K and V into the cache (engine/layers/rotary_kv.py).
         q = rotary_kv(
             q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping
