@@ -13,7 +13,8 @@ starts at position 0 and attends only to its own new tokens.
 
 A layer's LayerAttention (a sliding window, its own scale, soft-capped scores) and learned
 sinks are applied as transformers' eager attention applies them: the window is a mask; with a
-soft cap or sinks the scores are computed explicitly in float32 (SDPA has neither).
+soft cap or sinks the scores are computed explicitly in float32 (SDPA has neither). A prefill
+row of a sliding layer gathers its keys from the first page its window sees, no earlier.
 """
 
 from __future__ import annotations
@@ -121,7 +122,6 @@ class TorchRefAttention:
             return self._dense(q, k, v, meta, layer, sinks)
         k_cache, v_cache = cache
         assert meta.slot_mapping is not None and meta.block_tables is not None
-        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         q, k = self._rotate_and_store(q, k, v, positions, rotary, cache, meta.slot_mapping)
         groups = meta.decode_groups
         if len(groups) == 1 and groups[0].rows is None:
@@ -137,11 +137,30 @@ class TorchRefAttention:
             if ctx_len == q_len:  # no cached prefix: the keys are this step's own
                 keys, values = k[start:end], v[start:end]
             else:
-                table = meta.block_tables[seq, : -(-ctx_len // k_cache.shape[1])]
-                keys = k_cache.index_select(0, table).view(-1, kv_heads, head_dim)[:ctx_len]
-                values = v_cache.index_select(0, table).view(-1, kv_heads, head_dim)[:ctx_len]
+                keys, values = self._context(cache, meta.block_tables[seq], ctx_len, q_len, layer)
             out[start:end] = self._causal(q[start:end], keys, values, layer, sinks)
         return out
+
+    def _context(
+        self,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        table: torch.Tensor,  # [width] the sequence's page ids
+        ctx_len: int,
+        q_len: int,
+        layer: LayerAttention,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [keys, kv_heads, head_dim] each
+        """A prefill row's keys and values gathered from its pages: the last keys of its context,
+        from the page that holds its first query's first visible key (the first page without a
+        window). A page a window has passed is not read: the KV cache may have pointed its
+        table entry at a scratch page."""
+        page_size, kv_heads, head_dim = cache[0].shape[1:]
+        first_page = 0
+        if layer.sliding_window is not None:
+            first_page = max(0, ctx_len - q_len - layer.sliding_window + 1) // page_size
+        pages = table[first_page : -(-ctx_len // page_size)]
+        n = ctx_len - first_page * page_size
+        keys, values = (c.index_select(0, pages).view(-1, kv_heads, head_dim)[:n] for c in cache)
+        return keys, values
 
     def _decode_layer(
         self,

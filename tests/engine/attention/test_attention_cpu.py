@@ -169,3 +169,21 @@ def test_bfloat16_layer_kinds_are_as_close_as_torch_ref(
     ref_out = step.run(TorchRefAttention(0.25, 16), layer, sinks)[0]
     ours, theirs = ((o.float() - expected).abs().mean() for o in (out, ref_out))
     assert ours <= 1.1 * theirs, (ours, theirs)
+
+
+def test_windowed_prefill_chunks_read_no_page_the_window_has_passed() -> None:
+    """Prefill rows (torch_ref's path) gather a sliding layer's keys from the page holding their
+    first query's first visible key: chunks over cached prefixes longer than the window, beside
+    decode rows, with the passed pages' table entries on a page of NaN."""
+    layer = LayerAttention(sliding_window=20, softcap=2.0)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(9))
+    step = Step([30, 100 + 9, 64 + 30, 50], [30, 9, 30, 1], page_size=8, seed=9)
+    _, k_cache, v_cache = step.run(TorchRefAttention(0.25, 8), layer, sinks)
+    expected = reference(step, k_cache, v_cache, layer, sinks)
+    assert hide_passed_pages(step, 20) > 0
+    for attention in (backend(8), TorchRefAttention(0.25, 8)):
+        prefill_rows = slice(0, 30 + 9 + 30)  # torch_ref's decode rows read every page
+        out = step.run(attention, layer, sinks)[0]
+        torch.testing.assert_close(out[prefill_rows], expected[prefill_rows], rtol=1e-5, atol=1e-5)
+        if attention.name == "cpu":
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
