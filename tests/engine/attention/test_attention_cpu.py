@@ -181,9 +181,5 @@ def test_windowed_prefill_chunks_read_no_page_the_window_has_passed() -> None:
     _, k_cache, v_cache = step.run(TorchRefAttention(0.25, 8), layer, sinks)
     expected = reference(step, k_cache, v_cache, layer, sinks)
     assert hide_passed_pages(step, 20) > 0
-    for attention in (backend(8), TorchRefAttention(0.25, 8)):
-        prefill_rows = slice(0, 30 + 9 + 30)  # torch_ref's decode rows read every page
-        out = step.run(attention, layer, sinks)[0]
-        torch.testing.assert_close(out[prefill_rows], expected[prefill_rows], rtol=1e-5, atol=1e-5)
-        if attention.name == "cpu":
-            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    out = step.run(backend(8), layer, sinks)[0]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
