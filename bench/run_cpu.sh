@@ -72,6 +72,9 @@ if [[ $MODE == smoke ]]; then
   run structured bench.structured.batch --shape tiny --batch 8 --max-tokens 16 --repeat 1 --threads 1
   # A batch over 1, 4 and 8 LoRA adapters beside the base model (about 6 s: peft's import).
   run lora bench.throughput.lora --shape tiny --batch 8 --prompt-len 16 --max-tokens 8 --repeat 1 --threads 1
+  # Decode attention of a sliding-window layer beside a full one, the C kernel (about 1 s).
+  run window_attention bench.cpu.window_attention --context 256 --window 32 --rows 2 --layers 1 \
+    --heads 8 --kv-heads 2 --iters 2 --sinks --threads 1
 else
   # --repeat: engine and HF runs alternate and each side's best counts; likewise the serving
   # benchmark's offline reference runs and its rate-inf phases (a busy machine only slows runs).
@@ -91,6 +94,8 @@ else
   run structured bench.structured.batch --shape tiny --batch 32 --max-tokens 256 --repeat 3 \
     --threads "$THREADS"
   run lora bench.throughput.lora --shape tiny --batch 32 --prompt-len 64 --max-tokens 128 --repeat 3 \
+    --threads "$THREADS"
+  run window_attention bench.cpu.window_attention --context 4096 --window 128 --rows 8 \
     --threads "$THREADS"
 fi
 

@@ -65,7 +65,7 @@ def mark_regions() -> None:
     _label(LlamaForCausalLM, "compute_logits", "#lm_head")
     _label(TorchRefAttention, "forward", "#attention")
     _label(TorchRefAttention, "_sdpa", "#sdpa")
-    _label(CpuPagedAttention, "_decode", "#decode_kernel")
+    _label(CpuPagedAttention, "_decode_layer", "#decode_kernel")
     _label(CpuPagedAttention, "_rotate_and_store", "#rotary_store")
     _label(cpu_ops, "rms_norm", "#cpu_ops")
     _label(cpu_ops, "silu_and_mul", "#cpu_ops")

@@ -10,12 +10,21 @@
  *   q        [rows, heads, head_dim], rows q_row_stride elements apart
  *   k, v     [pages, page_size, kv_heads, head_dim], the cache of one layer
  *   tables   [rows, >= pages of the row] int32 page ids, rows table_stride apart
- *   lens     [rows] int32 context length (keys to attend to) of each row, >= 1
+ *   lens     [rows] int32 context length of each row, >= 1 (its query sits at lens - 1)
  *   out      [rows, heads, head_dim], contiguous, the dtype of q
+ *   sinks    [heads] float32 or NULL
  * Query head h reads kv head h / (heads / kv_heads), as grouped-query attention does.
  *
- * Each row is one work item: its query heads are scored against every key (K read once),
- * softmax in float32, then the values summed with those weights (V read once).
+ * Each row is one work item: its query heads are scored against every key it sees (K read
+ * once), softmax in float32, then the values summed with those weights (V read once).
+ *
+ * A layer's kind, as transformers' eager attention computes it:
+ *   window   > 0: a row sees only its last `window` keys, from max(0, len - window). Pages
+ *            wholly before that are never read (the KV cache may point their table entries
+ *            at a scratch page once the window has passed them).
+ *   softcap  > 0: each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2).
+ *   sinks    one more logit per head in the softmax's max and denominator, with no value: it
+ *            only takes probability mass from the keys (gpt-oss).
  */
 #include <math.h>
 #include <stdint.h>
@@ -45,72 +54,89 @@ static inline void prefetch(const char *row, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 1);
 }
 
-/* Each head's scores [heads, len] -> the softmax's numerators exp(score - max), in place;
- * inv_sum[h] = 1 / their sum (the output is divided by it at the end). */
-static inline void softmax_numerators(float *scores, int32_t len, int64_t heads, float *inv_sum) {
+/* Each head's scores [heads, n] -> the softmax's numerators exp(score - max), in place;
+ * inv_sum[h] = 1 / their sum (the output is divided by it at the end). A head's sink, when
+ * given, joins the max and the sum as one more score (so no key's weight can overflow). */
+static inline void softmax_numerators(float *scores, int32_t n, int64_t heads, float softcap,
+                                      const float *sinks, float *inv_sum) {
+    if (softcap > 0.f) {
+        const float inv_cap = 1.f / softcap;
+#pragma omp simd
+        for (int64_t i = 0; i < heads * n; i++) scores[i] = softcap * tanhf(scores[i] * inv_cap);
+    }
     for (int64_t h = 0; h < heads; h++) {
-        float *row = scores + h * len, top = row[0], sum = 0.f;
-        for (int32_t t = 1; t < len; t++) top = row[t] > top ? row[t] : top;
+        float *row = scores + h * n, top = sinks ? sinks[h] : row[0], sum = 0.f;
+        for (int32_t t = 0; t < n; t++) top = row[t] > top ? row[t] : top;
 #pragma omp simd reduction(+ : sum)
-        for (int32_t t = 0; t < len; t++) {
+        for (int32_t t = 0; t < n; t++) {
             row[t] = expf(row[t] - top);
             sum += row[t];
         }
+        if (sinks) sum += expf(sinks[h] - top);
         inv_sum[h] = 1.f / sum;
     }
 }
 
-/* One row: every query head against every key of its context. A token's keys (all kv heads)
- * are one contiguous run of the page, read in order: reading one kv head's keys at the token
- * stride instead left every load waiting on memory (the prefetchers stop at each 4 KiB). */
+/* What one row's attention needs beyond its query and pages: the layer's kind. */
+typedef struct {
+    float scale, softcap;  /* softcap 0: none */
+    const float *sinks;    /* [heads] or NULL */
+} Kind;
+
+/* One row: every query head against every key it sees, keys [first, len) of its context. A
+ * token's keys (all kv heads) are one contiguous run of the page, read in order: reading one
+ * kv head's keys at the token stride instead left every load waiting on memory (the
+ * prefetchers stop at each 4 KiB). Tokens go by page from the one holding `first`, so a page
+ * wholly before the window is neither read nor prefetched. */
 static inline __attribute__((always_inline)) void attend_row(
     int dtype, const char *q, const char *k_cache, const char *v_cache, const int32_t *table,
-    int32_t len, char *out, int64_t heads, int64_t kv_heads, int64_t head_dim,
-    int64_t page_size, float scale, float *qf, float *scores, float *acc, float *tmp) {
+    int32_t first, int32_t len, char *out, int64_t heads, int64_t kv_heads, int64_t head_dim,
+    int64_t page_size, Kind kind, float *qf, float *scores, float *acc, float *tmp) {
     const int64_t esize = dtype == F32 ? 4 : 2, d = head_dim, group = heads / kv_heads;
-    const int64_t token_stride = kv_heads * d;
-    const int64_t page_stride = page_size * token_stride;
+    const int64_t token_stride = kv_heads * d, token_bytes = token_stride * esize;
+    const int64_t page_bytes = page_size * token_bytes;
+    const int32_t n = len - first, first_page = first - first % (int32_t)page_size;
     const float *src = as_f32(q, dtype, tmp, heads * d);
-    for (int64_t i = 0; i < heads * d; i++) qf[i] = src[i] * scale;
+    for (int64_t i = 0; i < heads * d; i++) qf[i] = src[i] * kind.scale;
     /* No division in the loops: tokens by page, query heads by kv head (a div costs 25-40
      * cycles; per token and head they were most of the time). */
-    for (int32_t start = 0; start < len; start += page_size) {  /* scores[head, t] */
-        const char *page = k_cache + (int64_t)table[start / page_size] * page_stride * esize;
+    for (int32_t start = first_page; start < len; start += page_size) {  /* scores[head, t] */
+        const int32_t p = start / page_size;
         const int32_t end = start + page_size < len ? start + page_size : len;
-        const char *next =
-            end < len ? k_cache + (int64_t)table[start / page_size + 1] * page_stride * esize : NULL;
-        for (int32_t t = start; t < end; t++) {
-            if (next) prefetch(next + (t - start) * token_stride * esize, token_stride * esize);
-            const float *keys = as_f32(page + (t - start) * token_stride * esize, dtype, tmp,
-                                       token_stride);
+        const char *page = k_cache + (int64_t)table[p] * page_bytes;
+        const char *next = end < len ? k_cache + (int64_t)table[p + 1] * page_bytes : NULL;
+        for (int32_t t = start > first ? start : first; t < end; t++) {
+            if (next) prefetch(next + (t - start) * token_bytes, token_bytes);
+            const float *keys = as_f32(page + (t - start) * token_bytes, dtype, tmp, token_stride);
             for (int64_t h = 0, kv = 0; kv < kv_heads; kv++) {
                 for (int64_t j = 0; j < group; j++, h++) {
                     const float *key = keys + kv * d, *query = qf + h * d;
                     float s = 0.f;
 #pragma omp simd reduction(+ : s)
                     for (int64_t i = 0; i < d; i++) s += query[i] * key[i];
-                    scores[h * len + t] = s;
+                    scores[h * n + t - first] = s;
                 }
             }
         }
     }
-    softmax_numerators(scores, len, heads, qf);  /* the queries are spent: qf keeps 1 / sums */
+    /* the queries are spent: qf keeps 1 / sums */
+    softmax_numerators(scores, n, heads, kind.softcap, kind.sinks, qf);
     memset(acc, 0, (size_t)(heads * d) * sizeof(float));
-    for (int32_t start = 0; start < len; start += page_size) {
-        const char *page = v_cache + (int64_t)table[start / page_size] * page_stride * esize;
+    for (int32_t start = first_page; start < len; start += page_size) {
+        const int32_t p = start / page_size;
         const int32_t end = start + page_size < len ? start + page_size : len;
-        const char *next =
-            end < len ? v_cache + (int64_t)table[start / page_size + 1] * page_stride * esize : NULL;
-        for (int32_t t = start; t < end; t++) {
-            if (next) prefetch(next + (t - start) * token_stride * esize, token_stride * esize);
-            const float *values = as_f32(page + (t - start) * token_stride * esize, dtype, tmp,
-                                         token_stride);
+        const char *page = v_cache + (int64_t)table[p] * page_bytes;
+        const char *next = end < len ? v_cache + (int64_t)table[p + 1] * page_bytes : NULL;
+        for (int32_t t = start > first ? start : first; t < end; t++) {
+            if (next) prefetch(next + (t - start) * token_bytes, token_bytes);
+            const float *values =
+                as_f32(page + (t - start) * token_bytes, dtype, tmp, token_stride);
             for (int64_t h = 0, kv = 0; kv < kv_heads; kv++) {
                 for (int64_t j = 0; j < group; j++, h++) {
-                    const float p = scores[h * len + t], *value = values + kv * d;
+                    const float w = scores[h * n + t - first], *value = values + kv * d;
                     float *a = acc + h * d;
 #pragma omp simd
-                    for (int64_t i = 0; i < d; i++) a[i] += p * value[i];
+                    for (int64_t i = 0; i < d; i++) a[i] += w * value[i];
                 }
             }
         }
@@ -134,16 +160,19 @@ static inline __m512 widen16(const uint16_t *p) { /* 16 bfloat16 -> 16 float32 *
  * (the kernel is otherwise bound by reading the pages). */
 static inline __attribute__((always_inline)) void attend_row_bf16(
     const uint16_t *q, const char *k_cache, const char *v_cache, const int32_t *table,
-    int32_t len, uint16_t *out, int64_t heads, int64_t kv_heads, int64_t d, int64_t page_size,
-    float scale, float *inv_sum, float *scores, float *acc) {
+    int32_t first, int32_t len, uint16_t *out, int64_t heads, int64_t kv_heads, int64_t d,
+    int64_t page_size, Kind kind, float *inv_sum, float *scores, float *acc) {
     const int64_t group = heads / kv_heads, token_stride = kv_heads * d;
     const int64_t page_bytes = page_size * token_stride * 2, token_bytes = token_stride * 2;
-    for (int32_t start = 0; start < len; start += page_size) {  /* scores[head, t] */
-        const int64_t page = table[start / page_size];
-        const uint16_t *keys = (const uint16_t *)(k_cache + page * page_bytes);
+    const int32_t n = len - first, first_page = first - first % (int32_t)page_size;
+    for (int32_t start = first_page; start < len; start += page_size) {  /* scores[head, t] */
+        const int32_t p = start / page_size;
         const int32_t end = start + page_size < len ? start + page_size : len;
-        const char *next = end < len ? k_cache + table[start / page_size + 1] * page_bytes : NULL;
-        for (int32_t t = start; t < end; t++, keys += token_stride) {
+        const int32_t t0 = start > first ? start : first;
+        const uint16_t *keys = (const uint16_t *)(k_cache + table[p] * page_bytes);
+        const char *next = end < len ? k_cache + table[p + 1] * page_bytes : NULL;
+        keys += (t0 - start) * token_stride;
+        for (int32_t t = t0; t < end; t++, keys += token_stride) {
             if (next) prefetch(next + (t - start) * token_bytes, token_bytes);
             for (int64_t h = 0, kv = 0; kv < kv_heads; kv++) {
                 const uint16_t *key = keys + kv * d;
@@ -153,27 +182,29 @@ static inline __attribute__((always_inline)) void attend_row_bf16(
                     for (int64_t i = 0; i < d; i += 32)
                         dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(query + i),
                                                (__m512bh)_mm512_loadu_si512(key + i));
-                    scores[h * len + t] = _mm512_reduce_add_ps(dot) * scale;
+                    scores[h * n + t - first] = _mm512_reduce_add_ps(dot) * kind.scale;
                 }
             }
         }
     }
-    softmax_numerators(scores, len, heads, inv_sum);
+    softmax_numerators(scores, n, heads, kind.softcap, kind.sinks, inv_sum);
     memset(acc, 0, (size_t)(heads * d) * sizeof(float));
-    for (int32_t start = 0; start < len; start += page_size) {
-        const int64_t page = table[start / page_size];
-        const uint16_t *values = (const uint16_t *)(v_cache + page * page_bytes);
+    for (int32_t start = first_page; start < len; start += page_size) {
+        const int32_t p = start / page_size;
         const int32_t end = start + page_size < len ? start + page_size : len;
-        const char *next = end < len ? v_cache + table[start / page_size + 1] * page_bytes : NULL;
-        for (int32_t t = start; t < end; t++, values += token_stride) {
+        const int32_t t0 = start > first ? start : first;
+        const uint16_t *values = (const uint16_t *)(v_cache + table[p] * page_bytes);
+        const char *next = end < len ? v_cache + table[p + 1] * page_bytes : NULL;
+        values += (t0 - start) * token_stride;
+        for (int32_t t = t0; t < end; t++, values += token_stride) {
             if (next) prefetch(next + (t - start) * token_bytes, token_bytes);
             for (int64_t kv = 0; kv < kv_heads; kv++) {
                 for (int64_t i = 0; i < d; i += 16) {
                     const __m512 v = widen16(values + kv * d + i);
                     for (int64_t h = kv * group; h < (kv + 1) * group; h++) {
                         float *a = acc + h * d + i;
-                        const __m512 p = _mm512_set1_ps(scores[h * len + t]);
-                        _mm512_storeu_ps(a, _mm512_fmadd_ps(p, v, _mm512_loadu_ps(a)));
+                        const __m512 w = _mm512_set1_ps(scores[h * n + t - first]);
+                        _mm512_storeu_ps(a, _mm512_fmadd_ps(w, v, _mm512_loadu_ps(a)));
                     }
                 }
             }
@@ -185,35 +216,45 @@ static inline __attribute__((always_inline)) void attend_row_bf16(
 #define HAVE_AVX512BF16 0
 #endif
 
+/* The first key a row sees: its last `window` keys (window > 0), else all of them. */
+static inline int32_t first_key(int32_t len, int32_t window) {
+    return window > 0 && len > window ? len - window : 0;
+}
+
 int paged_decode_attention(int dtype, const void *q, int64_t q_row_stride, const void *k_cache,
                            const void *v_cache, const int32_t *tables, int64_t table_stride,
                            const int32_t *lens, void *out, int64_t rows, int64_t heads,
                            int64_t kv_heads, int64_t head_dim, int64_t page_size, float scale,
-                           int threads) {
+                           int32_t window, float softcap, const float *sinks, int threads) {
     const int64_t esize = dtype == F32 ? 4 : 2, d = head_dim;
-    int32_t max_len = 1;
-    for (int64_t r = 0; r < rows; r++) max_len = lens[r] > max_len ? lens[r] : max_len;
+    const Kind kind = {scale, softcap, sinks};
+    int32_t max_keys = 1; /* the most keys a row sees: the scores buffer's width */
+    for (int64_t r = 0; r < rows; r++) {
+        const int32_t n = lens[r] - first_key(lens[r], window);
+        max_keys = n > max_keys ? n : max_keys;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         /* per thread: scaled queries, scores, accumulators, a conversion buffer */
         const int64_t qd = heads * d, width = (heads > kv_heads ? heads : kv_heads) * d;
-        float *work = malloc(sizeof(float) * (size_t)(2 * qd + heads * (int64_t)max_len + width));
+        float *work = malloc(sizeof(float) * (size_t)(2 * qd + heads * (int64_t)max_keys + width));
         if (work == NULL) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < rows; r++) {
             if (work == NULL) continue;
             const char *qr = (const char *)q + r * q_row_stride * esize;
             char *o = (char *)out + r * qd * esize;
-            float *scores = work + qd, *acc = scores + heads * max_len, *tmp = acc + qd;
+            float *scores = work + qd, *acc = scores + heads * max_keys, *tmp = acc + qd;
+            const int32_t len = lens[r], first = first_key(len, window);
 /* A constant dtype and head_dim let the compiler unroll and vectorise the inner loops
  * (1.2-1.3x at head_dim 64); other head sizes run the same loops, generic. */
 #define ATTEND_BF16(D)                                                                       \
-    attend_row_bf16((const uint16_t *)qr, k_cache, v_cache, tables + r * table_stride, lens[r], \
-                    (uint16_t *)o, heads, kv_heads, D, page_size, scale, work, scores, acc)
+    attend_row_bf16((const uint16_t *)qr, k_cache, v_cache, tables + r * table_stride, first, \
+                    len, (uint16_t *)o, heads, kv_heads, D, page_size, kind, work, scores, acc)
 #define ATTEND(DTYPE, D)                                                                     \
-    attend_row(DTYPE, qr, k_cache, v_cache, tables + r * table_stride, lens[r], o,   \
-               heads, kv_heads, D, page_size, scale, work, scores, acc, tmp)
+    attend_row(DTYPE, qr, k_cache, v_cache, tables + r * table_stride, first, len, o, heads, \
+               kv_heads, D, page_size, kind, work, scores, acc, tmp)
 #if HAVE_AVX512BF16
             if (dtype == BF16 && d % 32 == 0) {
                 if (d == 64) ATTEND_BF16(64);

@@ -1,5 +1,6 @@
 """The cpu backend's C kernels (cpu_attention.c), built and loaded by engine/layers/native.py:
-paged decode attention, and the rotary embedding with the KV write.
+paged decode attention (with a layer's window, scale, soft cap and sinks), and the rotary
+embedding with the KV write.
 
 torch has no paged attention on the CPU: the reference backend gathers each row's pages and
 runs SDPA, whose kernel with one query row is far from the memory bandwidth that decode
@@ -27,7 +28,8 @@ def load() -> ctypes.CDLL | None:
         fn = lib.paged_decode_attention
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr]  # dtype .. out
-        fn.argtypes += [i64] * 5 + [ctypes.c_float, ctypes.c_int]  # rows .. page_size, ...
+        fn.argtypes += [i64] * 5 + [ctypes.c_float, ctypes.c_int32, ctypes.c_float]  # .. softcap
+        fn.argtypes += [ptr, ctypes.c_int]  # sinks, threads
         lib.rotary_store.restype = None
         lib.rotary_store.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr, i64]  # .. v_stride
         lib.rotary_store.argtypes += [ptr] * 8 + [i64] * 4 + [ctypes.c_int]  # positions ..
@@ -42,7 +44,13 @@ def decode_attention(
     tables: torch.Tensor,  # [rows, width] int32
     lens: torch.Tensor,  # [rows] int32, each >= 1
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [heads]
 ) -> torch.Tensor:  # [rows, heads, head_dim]
+    """Each row's query (at position lens - 1) against its keys: the last `window` of them
+    when given (table entries of pages wholly before the window are never read), scores
+    capped at `softcap`, each head's sink one more logit of its softmax."""
     rows, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_cache.shape
     if q.stride(2) != 1 or q.stride(1) != head_dim:
@@ -52,6 +60,10 @@ def decode_attention(
     if tables.stride(1) != 1:  # a page-major table (graph steps build those)
         tables = tables.contiguous()
     lens = lens.contiguous()
+    assert window is None or window >= 1
+    if sinks is not None:
+        assert sinks.shape == (heads,)
+        sinks = sinks.detach().to(torch.float32).contiguous()
     out = torch.empty(rows, heads, head_dim, dtype=q.dtype)
     status = lib.paged_decode_attention(
         DTYPES[q.dtype],
@@ -69,6 +81,9 @@ def decode_attention(
         head_dim,
         page_size,
         scale,
+        window or 0,
+        softcap or 0.0,
+        None if sinks is None else sinks.data_ptr(),
         torch.get_num_threads(),
     )
     if status != 0:

@@ -1,5 +1,6 @@
 """The CPU backend: torch_ref, except that decode rows run cpu_attention.c, reading the KV pages in
-place, and that the rotary embedding and the KV write are one C call too.
+place (with the layer's window, scale, soft cap and sinks), and that the rotary embedding and the
+KV write are one C call too.
 
 torch_ref gathers every decode row's pages into a new tensor, once per layer, and runs SDPA on
 the copy, padded to the longest context of its group; with one query row SDPA's CPU kernel is
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.attention.backend import LayerAttention
 from engine.attention.cpu_kernels import decode_attention, rotary_store
 from engine.attention.metadata import DecodeGroup
 from engine.attention.torch_ref import TorchRefAttention
@@ -54,7 +56,26 @@ class CpuPagedAttention(TorchRefAttention):
             self.lib, q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache, slots
         )
 
-    def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup
+    def _decode_layer(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        group: DecodeGroup,
+        layer: LayerAttention,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
-        return decode_attention(self.lib, q, k_cache, v_cache, group.tables, group.lens, self.scale)
+        """Every layer kind in the kernel: a window reads only the pages it sees."""
+        scale = self.scale if layer.scale is None else layer.scale
+        return decode_attention(
+            self.lib,
+            q,
+            k_cache,
+            v_cache,
+            group.tables,
+            group.lens,
+            scale,
+            layer.sliding_window,
+            layer.softcap,
+            sinks,
+        )

@@ -13,7 +13,9 @@ starts at position 0 and attends only to its own new tokens.
 
 A layer's LayerAttention (a sliding window, its own scale, soft-capped scores) and learned
 sinks are applied as transformers' eager attention applies them: the window is a mask; with a
-soft cap or sinks the scores are computed explicitly in float32 (SDPA has neither).
+soft cap or sinks the scores are computed explicitly in float32 (SDPA has neither). A prefill
+or decode row of a sliding layer gathers its keys from the first page its window sees, no
+earlier (the KV cache may point the table entries of pages a window has passed at a scratch page).
 """
 
 from __future__ import annotations
@@ -121,7 +123,6 @@ class TorchRefAttention:
             return self._dense(q, k, v, meta, layer, sinks)
         k_cache, v_cache = cache
         assert meta.slot_mapping is not None and meta.block_tables is not None
-        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         q, k = self._rotate_and_store(q, k, v, positions, rotary, cache, meta.slot_mapping)
         groups = meta.decode_groups
         if len(groups) == 1 and groups[0].rows is None:
@@ -137,11 +138,30 @@ class TorchRefAttention:
             if ctx_len == q_len:  # no cached prefix: the keys are this step's own
                 keys, values = k[start:end], v[start:end]
             else:
-                table = meta.block_tables[seq, : -(-ctx_len // k_cache.shape[1])]
-                keys = k_cache.index_select(0, table).view(-1, kv_heads, head_dim)[:ctx_len]
-                values = v_cache.index_select(0, table).view(-1, kv_heads, head_dim)[:ctx_len]
+                keys, values = self._context(cache, meta.block_tables[seq], ctx_len, q_len, layer)
             out[start:end] = self._causal(q[start:end], keys, values, layer, sinks)
         return out
+
+    def _context(
+        self,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        table: torch.Tensor,  # [width] the sequence's page ids
+        ctx_len: int,
+        q_len: int,
+        layer: LayerAttention,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [keys, kv_heads, head_dim] each
+        """A prefill row's keys and values gathered from its pages: the last keys of its context,
+        from the page that holds its first query's first visible key (the first page without a
+        window). A page a window has passed is not read: the KV cache may have pointed its
+        table entry at a scratch page."""
+        page_size, kv_heads, head_dim = cache[0].shape[1:]
+        first_page = 0
+        if layer.sliding_window is not None:
+            first_page = max(0, ctx_len - q_len - layer.sliding_window + 1) // page_size
+        pages = table[first_page : -(-ctx_len // page_size)]
+        n = ctx_len - first_page * page_size
+        keys, values = (c.index_select(0, pages).view(-1, kv_heads, head_dim)[:n] for c in cache)
+        return keys, values
 
     def _decode_layer(
         self,
@@ -153,20 +173,38 @@ class TorchRefAttention:
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         """A decode group's rows: the backend's own path for plain layers; torch's, with the
-        layer's window, scale, cap and sinks, for the others."""
+        layer's window, scale, cap and sinks, for the others. A sliding layer's rows gather only
+        the pages their window can touch (a page it has passed may be a scratch page)."""
         if layer.plain and sinks is None:
             return self._decode(q, k_cache, v_cache, group)
-        n, (kv_heads, head_dim) = q.shape[0], k_cache.shape[2:]
-        pages = group.tables.flatten()
+        n, (page_size, kv_heads, head_dim) = q.shape[0], k_cache.shape[1:]
+        lens = group.lens.long()[:, None]  # each row's query sits at lens - 1
+        tables, first = group.tables, torch.zeros_like(lens)
+        if layer.sliding_window is not None:
+            tables, first = self._window_tables(tables, lens, layer.sliding_window, page_size)
+        pages = tables.flatten()
         keys = k_cache.index_select(0, pages).view(n, -1, kv_heads, head_dim).transpose(1, 2)
         values = v_cache.index_select(0, pages).view(n, -1, kv_heads, head_dim).transpose(1, 2)
-        key_pos = torch.arange(keys.shape[2], device=q.device)
-        lens = group.lens.to(key_pos.dtype)[:, None]  # each row's query sits at lens - 1
-        visible = key_pos[None, :] < lens
+        key_pos = first + torch.arange(keys.shape[2], device=q.device)[None, :]  # [n, keys]
+        visible = key_pos < lens
         if layer.sliding_window is not None:
-            visible &= key_pos[None, :] > lens - 1 - layer.sliding_window
+            visible &= key_pos > lens - 1 - layer.sliding_window
         out = self._attend(q.unsqueeze(2), keys, values, visible[:, None, None, :], layer, sinks)
         return out.squeeze(2)
+
+    @staticmethod
+    def _window_tables(
+        tables: torch.Tensor, lens: torch.Tensor, window: int, page_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's table entries from the page holding its first visible key, as many as a
+        window can touch, and that page's first position [rows, 1]. Entries past the table
+        repeat its last (their positions are past the row's length: masked). Shapes depend on
+        the window and page size only, so a graphed step can run it."""
+        span = min(tables.shape[1], -(-window // page_size) + 1)
+        first_page = (lens - window).clamp(min=0) // page_size  # [rows, 1]
+        index = first_page + torch.arange(span, device=tables.device)[None, :]
+        index = index.clamp(max=tables.shape[1] - 1)
+        return tables.gather(1, index), first_page * page_size
 
     def _rotate_and_store(
         self,

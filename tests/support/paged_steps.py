@@ -146,3 +146,23 @@ def reference(
         outs.append(torch.einsum("hqk,khd->qhd", probs, values))
         start += q_len
     return torch.cat(outs).float()
+
+
+def hide_passed_pages(step: Step, window: int) -> int:
+    """Point each table entry of a page that none of its sequence's queries can see through
+    `window` at one new page of NaN, as the KV cache does with the pages a sliding window has
+    passed: a kernel that reads one returns NaN. Returns how many entries now point there.
+    (Compute the reference first: it reads every page it masks.)"""
+    meta = step.meta
+    assert meta.block_tables is not None
+    scratch = step.k_cache.shape[0]
+    nan_page = torch.full_like(step.k_cache[:1], float("nan"))
+    step.k_cache = torch.cat([step.k_cache, nan_page])
+    step.v_cache = torch.cat([step.v_cache, nan_page])
+    hidden = 0
+    for seq, (q_len, ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
+        first_seen = max(0, ctx - q_len - window + 1)  # the first query's first key
+        for page in range(first_seen // step.page_size):
+            meta.block_tables[seq, page] = scratch
+            hidden += 1
+    return hidden

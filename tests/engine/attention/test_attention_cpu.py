@@ -18,7 +18,7 @@ from engine.attention.cpu_paged import CpuPagedAttention
 from engine.attention.torch_ref import TorchRefAttention
 from engine.layers import native
 from tests.engine.attention.test_attention_torch_ref import LAYER_KINDS
-from tests.support.paged_steps import Step, reference
+from tests.support.paged_steps import Step, hide_passed_pages, reference
 
 CPU = torch.device("cpu")
 
@@ -30,7 +30,8 @@ def backend(page_size: int) -> CpuPagedAttention:
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim"), [(4, 2, 16), (12, 4, 64), (4, 4, 32), (8, 1, 128)]
+    ("heads", "kv_heads", "head_dim"),
+    [(4, 2, 16), (12, 4, 64), (4, 4, 32), (8, 1, 128), (2, 1, 512)],
 )
 def test_decode_rows_of_mixed_lengths_equal_the_reference(
     heads: int, kv_heads: int, head_dim: int
@@ -62,7 +63,9 @@ def test_page_major_block_tables() -> None:
     torch.testing.assert_close(out, reference(step, k_cache, v_cache), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 64), (8, 8, 128), (4, 1, 48)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(4, 2, 64), (8, 8, 128), (4, 1, 48), (2, 1, 512)]
+)
 def test_bfloat16_decode_is_as_close_as_sdpa(heads: int, kv_heads: int, head_dim: int) -> None:
     """In bfloat16 the kernel scores and sums in float32 and rounds once, at the output: its
     error against the float64 reference is no worse than torch_ref's SDPA path's. (On a CPU
@@ -130,3 +133,53 @@ def test_layer_kinds_equal_the_reference(layer: LayerAttention, with_sinks: bool
         out, k_cache, v_cache = step.run(backend(step.page_size), layer, sinks)
         expected = reference(step, k_cache, v_cache, layer, sinks)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_windowed_decode_reads_no_page_the_window_has_passed(page_size: int) -> None:
+    """Decode rows of a sliding layer run in the kernel, from max(0, len - window): a page
+    wholly before the window may be any page (the KV cache points it at a scratch page)."""
+    layer = LayerAttention(sliding_window=20, scale=0.3, softcap=2.0)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(7))
+    contexts = [1, 19, 20, 21, 37, 100, 64 + 20]  # shorter, equal, longer; mid-page starts
+    step = Step(contexts, [1] * len(contexts), page_size=page_size, seed=7)
+    _, k_cache, v_cache = step.run(TorchRefAttention(0.25, page_size), layer, sinks)
+    expected = reference(step, k_cache, v_cache, layer, sinks)
+    assert hide_passed_pages(step, 20) > 0
+    out = step.run(backend(page_size), layer, sinks)[0]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("layer", "with_sinks"), LAYER_KINDS)
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_bfloat16_layer_kinds_are_as_close_as_torch_ref(
+    layer: LayerAttention, with_sinks: bool, head_dim: int
+) -> None:
+    """bfloat16 decode rows of every layer kind (head_dim 64: the AVX512-BF16 path where the CPU
+    has it; 48: the generic loop) err no more than torch_ref's float32 scores rounded once."""
+    rng = random.Random(8)
+    contexts = [rng.randint(1, 120) for _ in range(16)]
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(8)) if with_sinks else None
+    step = Step(contexts, [1] * len(contexts), 16, 4, 2, head_dim, seed=8)
+    for name in ("k_cache", "v_cache", "q", "k", "v"):
+        setattr(step, name, getattr(step, name).bfloat16())
+    out, k_cache, v_cache = step.run(backend(16), layer, sinks)
+    expected = reference(step, k_cache, v_cache, layer, sinks)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+    ref_out = step.run(TorchRefAttention(0.25, 16), layer, sinks)[0]
+    ours, theirs = ((o.float() - expected).abs().mean() for o in (out, ref_out))
+    assert ours <= 1.1 * theirs, (ours, theirs)
+
+
+def test_windowed_prefill_chunks_read_no_page_the_window_has_passed() -> None:
+    """Prefill rows (torch_ref's path) gather a sliding layer's keys from the page holding their
+    first query's first visible key: chunks over cached prefixes longer than the window, beside
+    decode rows, with the passed pages' table entries on a page of NaN."""
+    layer = LayerAttention(sliding_window=20, softcap=2.0)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(9))
+    step = Step([30, 100 + 9, 64 + 30, 50], [30, 9, 30, 1], page_size=8, seed=9)
+    _, k_cache, v_cache = step.run(TorchRefAttention(0.25, 8), layer, sinks)
+    expected = reference(step, k_cache, v_cache, layer, sinks)
+    assert hide_passed_pages(step, 20) > 0
+    out = step.run(backend(8), layer, sinks)[0]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -14,7 +14,7 @@ import torch
 from engine.attention.backend import LayerAttention
 from engine.attention.metadata import DecodeGroup
 from engine.attention.torch_ref import GROUP_ROWS, TorchRefAttention
-from tests.support.paged_steps import Step, reference
+from tests.support.paged_steps import Step, hide_passed_pages, reference
 
 
 def check(step: Step) -> list[DecodeGroup]:
@@ -111,4 +111,24 @@ def test_layer_kinds_in_decode_and_mixed_steps(layer: LayerAttention, with_sinks
     for step in (Step(contexts, queries, page_size=8, seed=3), Step(contexts, [1] * len(contexts))):
         out, k_cache, v_cache = step.run(TorchRefAttention(0.25, step.page_size), layer, sinks)
         expected = reference(step, k_cache, v_cache, layer, sinks)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("page_major", [False, True])
+def test_a_window_reads_no_page_it_has_passed(with_sinks: bool, page_major: bool) -> None:
+    """Decode rows gather only the pages their window can touch, prefill rows from their first
+    query's first visible page: table entries of passed pages may point at a page of NaN.
+    (SDPA for the window alone; the explicit float32 path with sinks.)"""
+    layer = LayerAttention(sliding_window=20, scale=0.3)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(10)) if with_sinks else None
+    rng = random.Random(10)
+    contexts = [1, 19, 20, 21, 37, 100] + [rng.randint(1, 150) for _ in range(2 * GROUP_ROWS)]
+    mixed = [1, 1, 1, 1, 30, 9] + [1] * (2 * GROUP_ROWS)  # chunks over prefixes > the window
+    for queries, page_size in ((mixed, 8), ([1] * len(contexts), 4)):
+        step = Step(contexts, queries, page_size=page_size, seed=10, page_major=page_major)
+        _, k_cache, v_cache = step.run(TorchRefAttention(0.25, page_size), layer, sinks)
+        expected = reference(step, k_cache, v_cache, layer, sinks)
+        assert hide_passed_pages(step, 20) > 0
+        out = step.run(TorchRefAttention(0.25, page_size), layer, sinks)[0]
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
