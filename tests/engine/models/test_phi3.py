@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -92,9 +92,22 @@ def assert_equal_hf(hf: Any, batch: list[list[int]], token_ids: list, logprobs: 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True)
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return checkpoint_of(tmp_path_factory.mktemp(request.param), **CASES[request.param])
+@pytest.fixture(scope="module")
+def made(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """CASES' checkpoints by name, each written once."""
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            cache[name] = checkpoint_of(tmp_path_factory.mktemp(name), **CASES[name])
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(params=sorted(CASES))
+def case(request: pytest.FixtureRequest, made: Callable[[str], Path]) -> Path:
+    return made(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +126,7 @@ def engines() -> Iterator[list[LLMEngine]]:
 
 def test_greedy_ids_and_logprobs_equal_hf_generate(case: Path) -> None:
     engine = make_engine(case)
-    batch = long_prompts(engine.info.vocab_size, 4)
+    batch = long_prompts(engine.info.vocab_size, 3)
     results = engine.generate(batch, GREEDY)
     assert all(r.error is None for r in results)
     ids, lps = [r.token_ids for r in results], [r.logprobs for r in results]
@@ -122,10 +135,9 @@ def test_greedy_ids_and_logprobs_equal_hf_generate(case: Path) -> None:
 
 
 def test_served_within_the_original_context_longrope_uses_the_short_factors(
-    case: Path,
+    made: Callable[[str], Path],
 ) -> None:
-    if "longrope" not in case.name:
-        pytest.skip("no LongRoPE")
+    case = made("phi4_mini_longrope_partial")
     short = make_engine(case, max_model_len=ORIGINAL)
     batch = [p for p in prompts(short.info.vocab_size, 6) if len(p) + NEW_TOKENS <= ORIGINAL]
     results = short.generate(batch, GREEDY)
@@ -142,11 +154,12 @@ def test_served_within_the_original_context_longrope_uses_the_short_factors(
     assert max(gaps) > 1e-3
 
 
-def test_the_sliding_window_decides_tokens_the_prompts_reach_past_it(case: Path, tmp_path) -> None:
+def test_the_sliding_window_decides_tokens_the_prompts_reach_past_it(
+    made: Callable[[str], Path], tmp_path: Path
+) -> None:
     """Without the window the same weights give other tokens: the equality with transformers
     above checks the window."""
-    if "sliding" not in case.name:
-        pytest.skip("its window never bites")
+    case = made("phi3_mini_sliding")
     unwindowed = Path(shutil.copytree(case, tmp_path / "unwindowed"))
     raw = json.loads((unwindowed / "config.json").read_text())
     (unwindowed / "config.json").write_text(json.dumps({**raw, "sliding_window": None}))
@@ -155,6 +168,23 @@ def test_the_sliding_window_decides_tokens_the_prompts_reach_past_it(case: Path,
     batch = long_prompts(engine.info.vocab_size, 4)
     windowed = [r.token_ids for r in engine.generate(batch, GREEDY)]
     assert [r.token_ids for r in make_engine(unwindowed).generate(batch, GREEDY)] != windowed
+
+
+def test_chunked_prefill_preemption_and_the_prefix_cache_keep_the_windowed_tokens(
+    everything: Path,
+) -> None:
+    """A sliding window over a cached prefix, prompts prefilled in chunks, preempted and
+    resumed requests: the tokens of an engine with room for all at once."""
+    shared = prompts(300, 16)[12]  # 100 tokens: 12 full pages of 8, past the window
+    batch = [[*shared, 40 + k] for k in range(3)] + long_prompts(300, 2)
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
+    expected = [r.token_ids for r in make_engine(everything).generate(batch, params)]
+    tight = make_engine(
+        everything, num_kv_pages=24, page_size=8, max_num_seqs=4, max_num_batched_tokens=32
+    )
+    assert [r.token_ids for r in tight.generate(batch, params)] == expected
+    stats = tight.stats()
+    assert stats.preemptions > 0 and stats.prefix_cache_hits > 0, stats
 
 
 @pytest.mark.timeout(180)
