@@ -7,7 +7,7 @@ the projections apart, so `checkpoint_tensors` names each part by its checkpoint
 view of its rows: loading, weight updates and live_weights copy into these views, and the
 merged parameter changes with them.
 
-A fused one (`fused=True`: Phi-3's qkv_proj and gate_up_proj) is stored whole by its
+A fused one (`fused` set: Phi-3's qkv_proj and gate_up_proj) is stored whole by its
 checkpoints, under the module's own name: its owner names `weight` itself, and an adapter
 targets it whole, as peft does.
 
@@ -28,15 +28,12 @@ from engine.layers.linear import linear
 
 class MergedLinear(nn.Module):
     """`parts` maps each projection's name (`q_proj`, ...) to its output size, in the order its
-    rows are stacked; the forward's output columns follow the same order. `fused`: the
-    checkpoints keep the stacked weight as one tensor (see above)."""
+    rows are stacked; the forward's output columns follow the same order."""
 
-    def __init__(
-        self, in_features: int, parts: dict[str, int], bias: bool, fused: bool = False
-    ) -> None:
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
         super().__init__()
         self.parts = dict(parts)
-        self.fused = fused
+        self.fused = False  # set by a family whose checkpoints keep it whole (see above)
         self.sizes = list(self.parts.values())  # the forward's split, without a per-call rebuild
         out = sum(self.sizes)
         self.weight = nn.Parameter(torch.empty(out, in_features))

@@ -9,8 +9,8 @@ kv_heads, head_dim], contiguous, so slot s of head h starts at (s * kv_heads + h
 One program per token: it rotates every query head into a new q (contiguous), rotates every
 KV head of k into the cache and copies v beside it. With a partial rotary (the tables narrower
 than the head: Phi-4-mini's 0.75) the first ROTARY_DIM dimensions of each head rotate, with
-rotate_half within them, and the rest are copied unchanged. q, k and v are read through their token
-and head strides: the column views of a fused q/k/v projection need no copy. Each product and
+rotate_half within them, and the rest are copied unchanged. q, k and v are read through their
+token and head strides: the column views of a fused q/k/v projection need no copy. Each product and
 the sum are rounded to the model dtype as torch rounds them, so bf16 matches the reference
 too (up to a fused multiply-add on the GPU).
 """

@@ -125,8 +125,12 @@ def engines() -> Iterator[list[LLMEngine]]:
         engine.close()
 
 
-def test_greedy_ids_and_logprobs_equal_hf_generate(case: Path) -> None:
-    engine = make_engine(case)
+@pytest.mark.parametrize("backend", ["cpu", "torch_ref"])
+def test_greedy_ids_and_logprobs_equal_hf_generate(case: Path, backend: str) -> None:
+    """On the cpu backend (its C rotary kernel; windowed decode rows on torch_ref's path) and
+    on torch_ref, the reference."""
+    engine = make_engine(case, attention_backend=backend)
+    assert engine.model.backend.name == backend
     batch = long_prompts(engine.info.vocab_size, 3)
     results = engine.generate(batch, GREEDY)
     assert all(r.error is None for r in results)
