@@ -139,6 +139,20 @@ def test_greedy_ids_and_logprobs_equal_hf_generate(case: Path, backend: str) -> 
     assert engine.pool.num_free + engine.cache.num_cached == engine.pool.num_pages
 
 
+def test_longrope_is_a_rope_type_of_the_llama_family_too(tmp_path: Path) -> None:
+    """transformers' Llama takes any rope type its rotary class knows; LongRoPE reads the
+    same there (rope.py is shared), for prompts past the original context."""
+    rope = {**longrope(16), "partial_rotary_factor": 1.0}
+    checkpoint = make_checkpoint(
+        tmp_path / "llama", "llama", max_position_embeddings=SERVED, rope_parameters=rope
+    )
+    engine = make_engine(checkpoint)
+    batch = long_prompts(engine.info.vocab_size, 2)
+    results = engine.generate(batch, GREEDY)
+    ids, lps = [r.token_ids for r in results], [r.logprobs for r in results]
+    assert_equal_hf(load_hf_model(checkpoint), batch, ids, lps)
+
+
 def test_served_within_the_original_context_longrope_uses_the_short_factors(
     made: Callable[[str], Path],
 ) -> None:
