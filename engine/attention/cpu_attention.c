@@ -277,27 +277,29 @@ int paged_decode_attention(int dtype, const void *q, int64_t q_row_stride, const
 }
 
 /* Rotary embedding of q and k at each token's position, then k and v into the cache at the
- * token's slot: torch_ref's rotary (engine/models/rope.py) and two index_copy_ calls, in one
- * pass. The cos/sin tables are float32 [positions, head_dim] and, as transformers does, cast to
- * the tensors' dtype first; x * cos and rotate_half(x) * sin are each rounded to the dtype,
- * then their sum.
+ * token's slot: torch_ref's rotary (engine/layers/rope.py) and two index_copy_ calls, in one
+ * pass. The cos/sin tables are float32 [positions, rotary_dim] and, as transformers does, cast
+ * to the tensors' dtype first; x * cos and rotate_half(x) * sin are each rounded to the dtype,
+ * then their sum. The first r = rotary_dim dimensions of each head rotate (rotate_half within
+ * them); a partial rotary's other d - r pass through unchanged.
  *   q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim]: rows *_row_stride
  *   elements apart, heads contiguous; q_out, k_out contiguous; slots int64 cache slots
  *   (page * page_size + offset) in caches of [slots, kv_heads, head_dim]. */
 static inline __attribute__((always_inline)) void rotate_heads(
-    int dtype, const char *x, int64_t n_heads, int64_t d, const float *cos, const float *sin,
-    char *out, char *cache_row) {
-    const int64_t half = d / 2, esize = dtype == F32 ? 4 : 2;
+    int dtype, const char *x, int64_t n_heads, int64_t d, int64_t r, const float *cos,
+    const float *sin, char *out, char *cache_row) {
+    const int64_t half = r / 2, esize = dtype == F32 ? 4 : 2;
     for (int64_t h = 0; h < n_heads; h++) {
         const char *xh = x + h * d * esize;
         char *oh = out + h * d * esize;
 #pragma omp simd
-        for (int64_t i = 0; i < d; i++) {
+        for (int64_t i = 0; i < r; i++) {
             const float rot = i < half ? -load(xh, dtype, i + half) : load(xh, dtype, i - half);
             const float a = round_to(dtype, load(xh, dtype, i) * round_to(dtype, cos[i]));
             const float b = round_to(dtype, rot * round_to(dtype, sin[i]));
             put(oh, dtype, i, a + b);
         }
+        if (r < d) memcpy(oh + r * esize, xh + r * esize, (size_t)((d - r) * esize));
         if (cache_row) memcpy(cache_row + h * d * esize, oh, (size_t)(d * esize));
     }
 }
@@ -307,12 +309,12 @@ static inline __attribute__((always_inline)) void rotary_store_token(
     int dtype, const char *q, int64_t q_stride, const char *k, int64_t k_stride, const char *v,
     int64_t v_stride, const int64_t *positions, const float *cos, const float *sin, char *q_out,
     char *k_out, char *k_cache, char *v_cache, const int64_t *slots, int64_t t, int64_t heads,
-    int64_t kv_heads, int64_t d) {
+    int64_t kv_heads, int64_t d, int64_t r) {
     const int64_t esize = dtype == F32 ? 4 : 2, kv_row = kv_heads * d * esize;
-    const float *c = cos + positions[t] * d, *s = sin + positions[t] * d;
-    rotate_heads(dtype, q + t * q_stride * esize, heads, d, c, s, q_out + t * heads * d * esize,
-                 NULL);
-    rotate_heads(dtype, k + t * k_stride * esize, kv_heads, d, c, s, k_out + t * kv_row,
+    const float *c = cos + positions[t] * r, *s = sin + positions[t] * r;
+    rotate_heads(dtype, q + t * q_stride * esize, heads, d, r, c, s,
+                 q_out + t * heads * d * esize, NULL);
+    rotate_heads(dtype, k + t * k_stride * esize, kv_heads, d, r, c, s, k_out + t * kv_row,
                  k_cache + slots[t] * kv_row);
     memcpy(v_cache + slots[t] * kv_row, v + t * v_stride * esize, (size_t)kv_row);
 }
@@ -324,18 +326,19 @@ void rotary_store(int dtype, const void *q, int64_t q_stride, const void *k, int
                   const void *v, int64_t v_stride, const int64_t *positions, const float *cos,
                   const float *sin, void *q_out, void *k_out, void *k_cache, void *v_cache,
                   const int64_t *slots, int64_t tokens, int64_t heads, int64_t kv_heads,
-                  int64_t head_dim, int threads) {
-#define ROTATE(DTYPE, D)                                                                     \
+                  int64_t head_dim, int64_t rotary_dim, int threads) {
+#define ROTATE(DTYPE, D, R)                                                                  \
     rotary_store_token(DTYPE, q, q_stride, k, k_stride, v, v_stride, positions, cos, sin,    \
-                       q_out, k_out, k_cache, v_cache, slots, t, heads, kv_heads, D)
+                       q_out, k_out, k_cache, v_cache, slots, t, heads, kv_heads, D, R)
+    const int whole = rotary_dim == head_dim;
 #pragma omp parallel for num_threads(threads) schedule(static) if (tokens > 1)
     for (int64_t t = 0; t < tokens; t++) {
-        if (dtype == F32 && head_dim == 64) ROTATE(F32, 64);
-        else if (dtype == F32 && head_dim == 128) ROTATE(F32, 128);
-        else if (dtype == F32) ROTATE(F32, head_dim);
-        else if (head_dim == 64) ROTATE(BF16, 64);
-        else if (head_dim == 128) ROTATE(BF16, 128);
-        else ROTATE(BF16, head_dim);
+        if (dtype == F32 && whole && head_dim == 64) ROTATE(F32, 64, 64);
+        else if (dtype == F32 && whole && head_dim == 128) ROTATE(F32, 128, 128);
+        else if (dtype == F32) ROTATE(F32, head_dim, rotary_dim);
+        else if (whole && head_dim == 64) ROTATE(BF16, 64, 64);
+        else if (whole && head_dim == 128) ROTATE(BF16, 128, 128);
+        else ROTATE(BF16, head_dim, rotary_dim);
     }
 #undef ROTATE
 }

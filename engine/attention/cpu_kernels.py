@@ -32,7 +32,7 @@ def load() -> ctypes.CDLL | None:
         fn.argtypes += [ptr, ctypes.c_int]  # sinks, threads
         lib.rotary_store.restype = None
         lib.rotary_store.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr, i64]  # .. v_stride
-        lib.rotary_store.argtypes += [ptr] * 8 + [i64] * 4 + [ctypes.c_int]  # positions ..
+        lib.rotary_store.argtypes += [ptr] * 8 + [i64] * 5 + [ctypes.c_int]  # positions ..
     return lib
 
 
@@ -97,13 +97,15 @@ def rotary_store(
     k: torch.Tensor,  # [tokens, kv_heads, head_dim]
     v: torch.Tensor,
     positions: torch.Tensor,  # [tokens] int64
-    cos: torch.Tensor,  # [max positions, head_dim] float32
+    cos: torch.Tensor,  # [max positions, rotary_dim] float32: the leading dims that rotate
     sin: torch.Tensor,
     k_cache: torch.Tensor,  # [pages, page_size, kv_heads, head_dim]
     v_cache: torch.Tensor,
     slots: torch.Tensor,  # [tokens] int64
 ) -> tuple[torch.Tensor, torch.Tensor]:  # q and k rotated, contiguous
     tokens, heads, head_dim = q.shape
+    rotary_dim = cos.shape[1]
+    assert rotary_dim % 2 == 0 and rotary_dim <= head_dim
     kv_heads = k.shape[1]
     q, k, v = (
         t if t.stride(2) == 1 and t.stride(1) == head_dim else t.contiguous() for t in (q, k, v)
@@ -131,6 +133,7 @@ def rotary_store(
         heads,
         kv_heads,
         head_dim,
+        rotary_dim,
         torch.get_num_threads(),
     )
     return q_out, k_out

@@ -7,6 +7,10 @@ the projections apart, so `checkpoint_tensors` names each part by its checkpoint
 view of its rows: loading, weight updates and live_weights copy into these views, and the
 merged parameter changes with them.
 
+A fused one (`fused` set: Phi-3's qkv_proj and gate_up_proj) is stored whole by its
+checkpoints, under the module's own name: its owner names `weight` itself, and an adapter
+targets it whole, as peft does.
+
 Column-parallel: each part is built at this rank's local size (engine/models/sharding.py says
 which rows of the checkpoint tensor that is), so a rank's weight is its q, k and v (or gate and
 up) slices stacked, in that order.
@@ -29,6 +33,7 @@ class MergedLinear(nn.Module):
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
         super().__init__()
         self.parts = dict(parts)
+        self.fused = False  # set by a family whose checkpoints keep it whole (see above)
         self.sizes = list(self.parts.values())  # the forward's split, without a per-call rebuild
         out = sum(self.sizes)
         self.weight = nn.Parameter(torch.empty(out, in_features))

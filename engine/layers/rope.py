@@ -1,4 +1,5 @@
-"""Rotary position embeddings as transformers computes them (default, linear, llama3)."""
+"""Rotary position embeddings as transformers computes them (default, linear, llama3, longrope),
+over the whole head or, with a partial rotary (Phi-4-mini), its first `rotary_dim` dimensions."""
 
 from __future__ import annotations
 
@@ -29,18 +30,59 @@ def inverse_frequencies(
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding(torch.nn.Module):
-    """cos/sin tables for every position up to max_len, indexed by each token's position."""
+def longrope_frequencies(
+    dim: int, theta: float, scaling: dict[str, Any], max_len: int
+) -> tuple[torch.Tensor, float]:  # ([dim // 2] float32, attention factor)
+    """LongRoPE (Phi-3/Phi-4): each frequency divided by its own factor, from `long_factor`
+    when the served context `max_len` exceeds `original_max_position_embeddings`, else from
+    `short_factor`; cos and sin scaled by the attention factor (`attention_factor`, else
+    sqrt(1 + ln(factor) / ln(original)) when `factor` > 1).
 
-    def __init__(self, head_dim: int, max_len: int, theta: float, scaling: dict[str, Any] | None):
+    NOTE: transformers picks the factors per forward call, by that call's longest position, so
+    a sequence crossing the original length mixes them in its cache; a served context picks
+    once, as vLLM does: equal to transformers for every sequence when the served context is
+    within the original length, and for sequences longer than it otherwise.
+    """
+    original = int(scaling["original_max_position_embeddings"])
+    factors = scaling["long_factor"] if max_len > original else scaling["short_factor"]
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        factor = float(scaling["factor"])
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return inv_freq, float(attention)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """cos/sin tables for every position up to max_len, indexed by each token's position.
+
+    `rotary_dim` (default: the whole head) is how many leading dimensions of each head rotate
+    (transformers' `partial_rotary_factor` times head_dim); the rest pass through unchanged.
+    The tables are [max_len, rotary_dim] float32, already scaled by the rope type's attention
+    factor (LongRoPE's)."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_len: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        rotary_dim: int | None = None,
+    ):
         super().__init__()
-        inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        self.rotary_dim = rotary_dim or head_dim
+        attention = 1.0
+        if scaling is not None and scaling["rope_type"] == "longrope":
+            inv_freq, attention = longrope_frequencies(self.rotary_dim, theta, scaling, max_len)
+        else:
+            inv_freq = inverse_frequencies(self.rotary_dim, theta, scaling)
         freqs = torch.arange(max_len, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, head_dim]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, rotary_dim]
         self.cos: torch.Tensor
         self.sin: torch.Tensor
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", emb.cos() * attention, persistent=False)
+        self.register_buffer("sin", emb.sin() * attention, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -48,7 +90,14 @@ class RotaryEmbedding(torch.nn.Module):
         # positions [tokens]; q [tokens, heads, head_dim]; k [tokens, kv_heads, head_dim]
         cos = self.cos[positions].to(q.dtype).unsqueeze(1)
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:
+    if dim == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot, rest = x[..., :dim], x[..., dim:]  # a partial rotary: the rest passes through
+    return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

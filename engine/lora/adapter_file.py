@@ -24,8 +24,10 @@ from engine.protocol.validation.adapter_config import (
     read_config_bytes,
 )
 
-# The projections an adapter may target, by the checkpoint's module names.
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections an adapter may target, by the checkpoint's module names (a model has either
+# q/k/v or the fused qkv_proj, gate/up or the fused gate_up_proj: Phi-3).
+TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
+TARGETS += ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
 WEIGHTS_FILE = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 _ENDINGS = {".lora_A.weight": 0, ".lora_B.weight": 1}

@@ -44,9 +44,9 @@ class AdapterSlots:
         param = next(model.parameters())  # the weights' device and dtype
         for prefix, module in model.lora_targets().items():
             parent, _, own = prefix.rpartition(".")
-            if isinstance(module, MergedLinear):
+            if isinstance(module, MergedLinear) and not module.fused:
                 parts = module.parts
-            else:  # row-parallel
+            else:  # row-parallel, or a fused projection (peft's target is the whole)
                 parts = {own: module.weight.shape[0]}
             in_features = module.weight.shape[1]  # this rank's
             lora = ProjectionLora(parts, in_features, slots, max_rank, param.device, param.dtype)
@@ -66,9 +66,9 @@ class AdapterSlots:
                 lora, part = self.targets[module]
                 split = self.sharding.split(f"{module}.weight")
                 if split is not None and split.dim == 0:  # column-parallel: B's rows
-                    b = b[split.start : split.stop]
+                    b = split.take(b)
                 elif split is not None:  # row-parallel: A's columns
-                    a = a[:, split.start : split.stop]
+                    a = split.take(a)
                 lora.write(slot, part, a, b, file.scaling)
 
     def clear(self, slot: int) -> None:

@@ -134,7 +134,8 @@ class CausalLM(nn.Module, ABC):
     def lora_targets(self) -> dict[str, LoraTarget]:
         """The projections an adapter may change, by module name (a merged projection's
         parts are its parent's projections: `...self_attn.qkv_proj` holds q_proj, k_proj,
-        v_proj), in module order."""
+        v_proj; a fused one, whose checkpoints keep it whole as Phi-3's do, is one target
+        under its own name), in module order."""
 
     @abstractmethod
     def init_buffers(self, device: torch.device) -> None:

@@ -24,7 +24,9 @@ from engine.models.llama_family import PLAIN, VARIANTS
 from engine.models.registry import ARCHITECTURES
 from engine.moe.config import MoeConfig
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+# The architectures whose model rotates part of each head (`partial_rotary_factor` < 1).
+PARTIAL_ROTARY = ("Phi3ForCausalLM",)
 
 
 class UnsupportedModelError(ValueError):
@@ -59,6 +61,7 @@ class ModelConfig:
     # when config.json has no `layer_types` (every layer full, unless the family says otherwise).
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None  # `sliding_window`, for the layers that slide
+    partial_rotary_factor: float = 1.0  # the rotated fraction of each head (PARTIAL_ROTARY)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # config.json
 
 
@@ -86,11 +89,10 @@ def parse_model_config(
     act = str(raw.get("hidden_act") or raw.get("hidden_activation") or "silu")
     if raw.get("pretraining_tp", 1) not in (1, None):
         raise UnsupportedModelError("pretraining_tp > 1 is not supported")
-    rope_theta, rope_scaling = _rope(raw)
-
     num_heads = int(raw["num_attention_heads"])
     hidden_size = int(raw["hidden_size"])
     head_dim = raw.get("head_dim") or hidden_size // num_heads
+    rope_theta, rope_scaling, partial = _rope(raw, architecture, int(head_dim))
     max_positions = int(raw.get("max_position_embeddings", 2048))
     served_len = min(max_positions, max_model_len) if max_model_len else max_positions
     if architecture in VARIANTS:
@@ -124,6 +126,7 @@ def parse_model_config(
         hidden_act=act,
         layer_types=tuple(raw.get("layer_types") or ()),
         sliding_window=None if window is None else int(window),
+        partial_rotary_factor=partial,
         raw=raw,
     )
 
@@ -179,25 +182,61 @@ def _moe(raw: dict[str, Any], architecture: str) -> MoeConfig:
     )
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling) from transformers 5.x `rope_parameters` or 4.x top-level keys."""
+def _rope(
+    raw: dict[str, Any], architecture: str, head_dim: int
+) -> tuple[float, dict[str, Any] | None, float]:
+    """(rope_theta, scaling, partial_rotary_factor) from transformers 5.x `rope_parameters`
+    or 4.x top-level keys."""
     params = raw.get("rope_parameters")
     if params is not None and "rope_theta" not in params and params:
         # 5.x may nest per layer type ({"full_attention": {...}}); all our layers are full.
         params = params.get("full_attention", params)
     scaling = dict(params) if params else dict(raw.get("rope_scaling") or {})
     theta = float((params or {}).get("rope_theta", raw.get("rope_theta", 10000.0)))
-    if raw.get("partial_rotary_factor", 1.0) != 1.0:
+    # 5.x keeps the factor in rope_parameters, 4.x at the top level.
+    partial = scaling.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor")
+    partial = float(partial or 1.0)
+    if partial != 1.0 and architecture not in PARTIAL_ROTARY:
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
+    if not 0.0 < partial <= 1.0 or int(head_dim * partial) % 2:
+        raise UnsupportedModelError(
+            f"partial_rotary_factor={partial} must rotate an even number of each head's "
+            f"{head_dim} dimensions"
+        )
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
     scaling.pop("rope_theta", None)
+    if architecture == "Phi3ForCausalLM" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # Phi-3's older names for it, renamed as transformers does
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
             f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
         )
     if rope_type == "default":
-        return theta, None
-    return theta, {"rope_type": rope_type, **scaling}
+        return theta, None, partial
+    if rope_type == "longrope":
+        _longrope(raw, scaling, int(head_dim * partial))
+    return theta, {"rope_type": rope_type, **scaling}, partial
+
+
+def _longrope(raw: dict[str, Any], scaling: dict[str, Any], rotary_dim: int) -> None:
+    """Completes `scaling` as transformers reads it: `original_max_position_embeddings` from
+    the top level (4.x), `factor` as max_position_embeddings / original when absent; refuses
+    factor lists that do not give each of the rotary_dim / 2 frequencies one."""
+    original = scaling.get("original_max_position_embeddings")
+    original = original or raw.get("original_max_position_embeddings")
+    if not original:
+        raise UnsupportedModelError("longrope needs original_max_position_embeddings")
+    scaling["original_max_position_embeddings"] = int(original)
+    if scaling.get("factor") is None:
+        scaling["factor"] = int(raw.get("max_position_embeddings", 2048)) / int(original)
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if not isinstance(factors, list) or len(factors) != rotary_dim // 2:
+            raise UnsupportedModelError(
+                f"rope_scaling.{key} must list {rotary_dim // 2} numbers (one per frequency "
+                f"of the {rotary_dim} rotated dimensions)"
+            )
 
 
 def _check_llama_family(raw: dict[str, Any], act: str, served_len: int) -> None:

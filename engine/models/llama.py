@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention.backend import AttentionBackend, KVCache
+from engine.attention.backend import FULL, AttentionBackend, KVCache, LayerAttention
 from engine.attention.metadata import AttentionMetadata
 from engine.layers.linear import linear
 from engine.layers.merged_linear import MergedLinear
@@ -57,6 +57,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, cfg.o_bias, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.kind: LayerAttention = FULL  # a family with windows sets its layers' (Phi-3)
 
     def forward(
         self,
@@ -79,7 +80,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # Rotary on q and k, k and v into the cache, then attention.
-        out = backend.forward(q, k, v, positions, rotary, cache, meta)  # [tokens, heads, head_dim]
+        out = backend.forward(q, k, v, positions, rotary, cache, meta, self.kind)
         attended = out.reshape(tokens, -1)
         return self.o_proj(attended, lora)
 
@@ -188,9 +189,7 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = None
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, self.sharding.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling
-        )
+        self.rotary = self.make_rotary()
         for module in self.modules():
             if isinstance(module, RMSNorm | SiluAndMul | StackedExperts):
                 module.triton = triton_kernels
@@ -232,7 +231,7 @@ class LlamaForCausalLM(CausalLM):
         the served weights."""
         tensors: dict[str, torch.Tensor] = {}
         for prefix, module in self.named_modules():
-            if isinstance(module, MergedLinear):  # its parts are its parent's projections
+            if isinstance(module, MergedLinear) and not module.fused:  # parts: its parent's
                 prefix = prefix.rpartition(".")[0]
                 local = module.checkpoint_tensors()
             elif isinstance(module, StackedExperts):  # `experts.{e}.gate_proj.weight`, ...
@@ -247,10 +246,15 @@ class LlamaForCausalLM(CausalLM):
         return KVLayout(self.config.num_layers, self.sharding.num_kv_heads, self.config.head_dim)
 
     def init_buffers(self, device: torch.device) -> None:
-        cfg = self.config  # the rotary tables in float32, whatever the weights' dtype
-        self.rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling
-        ).to(device)
+        self.rotary = self.make_rotary().to(device)
+
+    def make_rotary(self) -> RotaryEmbedding:
+        """The rotary tables over the served context, in float32 whatever the weights' dtype."""
+        cfg = self.config
+        rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
+        return RotaryEmbedding(
+            cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling, rotary_dim
+        )
 
     def lora_targets(self) -> dict[str, LoraTarget]:
         """The attention projections and the dense MLPs' (an MoE block's, its shared

@@ -11,18 +11,48 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 
 @dataclass(frozen=True)
 class Split:
-    """This rank holds [start, stop) of dimension `dim`, whose full size is `full`."""
+    """This rank holds [start, stop) of dimension `dim`, whose full size is `full`.
+
+    A fused tensor (several projections stacked along `dim` in the checkpoint, as Phi-3's
+    qkv_proj: q rows, then k, then v) is split projection by projection: the rank holds its
+    range of each, concatenated in order; `rest` are the ranges after the first.
+    """
 
     dim: int
     start: int
     stop: int
     full: int
+    rest: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        return ((self.start, self.stop), *self.rest)
 
     def index(self) -> tuple[slice, ...]:
-        return (*[slice(None)] * self.dim, slice(self.start, self.stop))
+        """The first range's index: this rank's whole part, unless the tensor is fused."""
+        return self._at(self.start, self.stop)
+
+    def _at(self, start: int, stop: int) -> tuple[slice, ...]:
+        return (*[slice(None)] * self.dim, slice(start, stop))
+
+    def take(self, source: Any) -> Any:
+        """This rank's part of a whole tensor (or of a safetensors slice, which reads only
+        these rows or columns)."""
+        if not self.rest:
+            return source[self.index()]
+        return torch.cat([source[self._at(a, b)] for a, b in self.ranges], dim=self.dim)
+
+    def place(self, whole: Any, part: Any) -> None:
+        """Write this rank's `part` into `whole` where `take` reads it from."""
+        offset = 0
+        for a, b in self.ranges:
+            whole[self._at(a, b)] = part[self._at(offset, offset + b - a)]
+            offset += b - a
 
 
 class ShardLayout:
@@ -52,4 +82,4 @@ class ShardLayout:
         """This rank's part of a whole tensor: `source` is anything indexable like a tensor
         (a torch tensor, a safetensors slice, which then reads only these rows or columns)."""
         split = self.split(name)
-        return source[:] if split is None else source[split.index()]
+        return source[:] if split is None else split.take(source)

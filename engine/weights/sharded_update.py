@@ -181,6 +181,6 @@ def gather_parameters(
             if split is None:
                 full.copy_(part)
             else:
-                full[split.index()] = part
+                split.place(full, part)
         whole[name] = full.to(param.device)
     return whole

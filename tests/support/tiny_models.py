@@ -62,6 +62,9 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 48,
     },
+    # Phi-3/4: fused qkv_proj and gate_up_proj tensors; its config's pad id (32000) is outside
+    # a tiny vocabulary.
+    "phi3": {"tie_word_embeddings": False, "pad_token_id": None},
 }
 
 
@@ -128,7 +131,7 @@ def make_checkpoint(
     max_shard_size: str | None = None,
     **config_overrides: Any,
 ) -> Path:
-    """Write a tiny random checkpoint of `arch` (llama, mistral, qwen2, qwen3, and the
+    """Write a tiny random checkpoint of `arch` (llama, mistral, qwen2, qwen3, phi3, and the
     mixture-of-experts mixtral, qwen2_moe, qwen3_moe) into directory."""
     import torch
     import transformers
@@ -152,6 +155,7 @@ def make_checkpoint(
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[arch]
     kwargs = {**BASE_CONFIG, **ARCH_DEFAULTS[arch], **config_overrides}
     config = config_class(

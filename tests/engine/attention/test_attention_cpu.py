@@ -17,6 +17,7 @@ from engine.attention.backend import LayerAttention
 from engine.attention.cpu_paged import CpuPagedAttention
 from engine.attention.torch_ref import TorchRefAttention
 from engine.layers import native
+from engine.layers.rope import RotaryEmbedding
 from tests.engine.attention.test_attention_torch_ref import LAYER_KINDS
 from tests.support.paged_steps import Step, hide_passed_pages, reference
 
@@ -120,6 +121,24 @@ def test_keys_and_values_land_in_the_cache_as_torch_ref_writes_them(dtype: torch
     else:
         torch.testing.assert_close(k_cache, want_k, rtol=1e-6, atol=1e-6)
     assert not torch.equal(k_cache, step.k_cache)  # written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_partial_rotary_rotates_the_leading_dimensions_as_torch_ref(dtype: torch.dtype) -> None:
+    """Phi-4-mini rotates 0.75 of each head: the C call's k cache and output equal torch_ref's
+    with the same narrower tables (the rotated keys in bfloat16 to the bit)."""
+    step = Step([5, 20, 33], [5, 3, 1], page_size=4, heads=8, kv_heads=2, head_dim=32, seed=6)
+    step.rotary = RotaryEmbedding(32, 33, 10000.0, None, rotary_dim=24)
+    for name in ("k_cache", "v_cache", "q", "k", "v"):
+        setattr(step, name, getattr(step, name).to(dtype))
+    out, k_cache, v_cache = step.run(backend(4))
+    want_out, want_k, want_v = step.run(TorchRefAttention(0.25, 4))
+    if dtype == torch.bfloat16:  # the rotation to the bit (attention rounds as SDPA does not)
+        assert torch.equal(k_cache, want_k)
+    else:
+        torch.testing.assert_close(k_cache, want_k, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    assert torch.equal(v_cache, want_v)
 
 
 @pytest.mark.parametrize(("layer", "with_sinks"), LAYER_KINDS)

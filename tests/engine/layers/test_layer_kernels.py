@@ -87,7 +87,12 @@ def reference_rotary_kv(
 
 
 def check_rotary_kv(
-    heads: int, kv_heads: int, head_dim: int, positions: list[int], slots: list[int]
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    positions: list[int],
+    slots: list[int],
+    rotary_dim: int | None = None,
 ) -> None:
     tokens, page_size, pages = len(positions), 16, 8
     qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, seed=3)
@@ -95,7 +100,7 @@ def check_rotary_kv(
     q = q.view(tokens, heads, head_dim)  # strided views, as a fused projection gives them
     k = k.view(tokens, kv_heads, head_dim)
     v = v.view(tokens, kv_heads, head_dim)
-    rotary = RotaryEmbedding(head_dim, 4096, 1e6, None).to(DEVICE)
+    rotary = RotaryEmbedding(head_dim, 4096, 1e6, None, rotary_dim).to(DEVICE)
     cache = randn(pages, page_size, kv_heads, head_dim, seed=4)
     pos = torch.tensor(positions, device=DEVICE)
     slot = torch.tensor(slots, device=DEVICE)
@@ -117,6 +122,20 @@ def test_rotary_and_kv_write_equal_torch_ref(heads: int, kv_heads: int, head_dim
     positions = [0, 1, 2, 3, 17, 1000, 4095]
     slots = [32, 33, 34, 35, 5, 90, 127]
     check_rotary_kv(heads, kv_heads, head_dim, positions, slots)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "rotary_dim"),
+    [(24, 8, 128, 96), (4, 2, 16, 12), (4, 2, 32, 8)],
+)
+def test_a_partial_rotary_rotates_the_leading_dimensions_as_torch_ref(
+    heads: int, kv_heads: int, head_dim: int, rotary_dim: int
+) -> None:
+    """Phi-4-mini's 0.75 of a 128-dimension head (and odd-sized ones): the first rotary_dim
+    dimensions rotate among themselves, the others reach q and the cache unchanged."""
+    positions = [0, 1, 2, 3, 17, 1000, 4095]
+    slots = [32, 33, 34, 35, 5, 90, 127]
+    check_rotary_kv(heads, kv_heads, head_dim, positions, slots, rotary_dim)
 
 
 def test_the_padding_rows_of_a_graphed_step_all_write_the_scratch_slot() -> None:
