@@ -5,7 +5,9 @@ architecture to its class), `registry` (architecture name -> the module and clas
 it), `hf_config` (a checkpoint's config.json read into ModelConfig), and the Llama family:
 `llama` (the model: Llama, Mistral, Qwen2/3 and their MoE kin Mixtral, Qwen2-MoE, Qwen3-MoE),
 `llama_family` (one row per member: biases, q/k norm, MoE checkpoint names) and `sharding` (its
-sharding table: which slice of each of its checkpoint tensors a rank holds).
+sharding table: which slice of each of its checkpoint tensors a rank holds); the Gemma family:
+`gemma` (Gemma 2 and Gemma 3 text: sliding and full layers, soft caps, two rope bases; Llama's
+sharding table) and `gemma_config` (their keys of config.json, checked).
 
 May import: engine.attention, engine.layers, engine.moe, engine.parallel.tensor_parallel, engine.parallel.shard_layout
 """

@@ -13,4 +13,6 @@ from engine.models.llama_family import VARIANTS
 
 ARCHITECTURES: dict[str, tuple[str, str]] = {
     **{name: ("engine.models.llama", "LlamaForCausalLM") for name in VARIANTS},
+    "Gemma2ForCausalLM": ("engine.models.gemma", "GemmaForCausalLM"),
+    "Gemma3ForCausalLM": ("engine.models.gemma", "GemmaForCausalLM"),
 }

@@ -62,6 +62,16 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 48,
     },
+    # Gemma: 4 layers, sliding (window 8) and full; no pad id (transformers' default, 0, is our
+    # BOS: its embedding row would be zeroed).
+    "gemma2": {"head_dim": 16, "sliding_window": 8, "num_hidden_layers": 4, "pad_token_id": None},
+    "gemma3_text": {
+        "head_dim": 16,
+        "sliding_window": 8,
+        "num_hidden_layers": 4,
+        "pad_token_id": None,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+    },
 }
 
 
@@ -128,8 +138,8 @@ def make_checkpoint(
     max_shard_size: str | None = None,
     **config_overrides: Any,
 ) -> Path:
-    """Write a tiny random checkpoint of `arch` (llama, mistral, qwen2, qwen3, and the
-    mixture-of-experts mixtral, qwen2_moe, qwen3_moe) into directory."""
+    """Write a tiny random checkpoint of `arch` (llama, mistral, qwen2, qwen3, gemma2,
+    gemma3_text, and the mixture-of-experts mixtral, qwen2_moe, qwen3_moe) into directory."""
     import torch
     import transformers
 
@@ -152,6 +162,8 @@ def make_checkpoint(
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
     kwargs = {**BASE_CONFIG, **ARCH_DEFAULTS[arch], **config_overrides}
     config = config_class(
