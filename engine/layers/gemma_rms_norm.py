@@ -8,8 +8,10 @@ multiplies in float32 and rounds once at the end (transformers PR 29402); in bfl
 differ, so this is a norm of its own rather than a flag on RMSNorm. The residual add is in the
 model dtype, as transformers' `residual + hidden_states`.
 
-Torch only: the Triton and C norms compute Llama's rounding, so a Gemma model on either path
-runs this code (a few elementwise ops per call).
+The Triton and C norms compute Llama's rounding: weight * (normalised, rounded to the model
+dtype). In float32 there is nothing to round, so there the C norm (engine/layers/cpu_ops.py: one
+call instead of about eight torch ops) computes this one given (offset + weight); in other
+dtypes, and on the GPU, this runs its torch code.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import overload
 
 import torch
 from torch import nn
+
+from engine.layers import cpu_ops
 
 
 def gemma_rms_norm_ref(
@@ -54,5 +58,9 @@ class GemmaRMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # x [..., dim]; residual, when given, of x's shape
-        out, stream = gemma_rms_norm_ref(x, self.weight, self.eps, self.offset, residual)
+        if x.dtype == self.weight.dtype == torch.float32 and cpu_ops.usable(x):
+            scale = self.weight + self.offset  # [dim]: one small op, then one C call
+            out, stream = cpu_ops.rms_norm(x, scale, self.eps, residual)
+        else:
+            out, stream = gemma_rms_norm_ref(x, self.weight, self.eps, self.offset, residual)
         return out if residual is None else (out, stream)
