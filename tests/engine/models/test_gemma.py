@@ -28,11 +28,13 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma3": ("gemma3_text", {}),
     # Gemma-3-4B's linear rope scaling (x8) on the full layers, the default scale
     # (query_pre_attn_scalar = head_dim), a final soft cap, an untied head, 6 layers with
-    # transformers' default layer_types (five sliding, one full).
+    # transformers' default layer_types (five sliding, one full); an attention soft cap in the
+    # config, which transformers' Gemma 3 never applies (a cap of 1 would flatten every score).
     "gemma3_scaled_untied": (
         "gemma3_text",
         {
             "num_hidden_layers": 6,
+            "attn_logit_softcapping": 1.0,
             "layer_types": None,
             "query_pre_attn_scalar": 16,
             "final_logit_softcapping": 30.0,
