@@ -164,8 +164,8 @@ class GemmaForCausalLM(CausalLM):
         tp: TensorParallel | None = None,
         triton_kernels: bool = False,
     ) -> None:
-        """`triton_kernels` is accepted for the interface; Gemma's norms and activation have
-        only torch code (their modules say why), and its attention is the backend's."""
+        """`triton_kernels` is accepted for the interface: Gemma's norms and activation have
+        no Triton kernels (their modules say why), and its attention is the backend's."""
         super().__init__(cfg, backend, tp, triton_kernels)
         self.config = cfg
         self.gemma = gemma_config(cfg)
