@@ -268,8 +268,10 @@ class GemmaForCausalLM(CausalLM):
         cap = self.gemma.final_softcap
         if cap is None:
             return logits
-        # As transformers: divide, tanh, multiply (here in float32).
-        return torch.tanh(logits / cap) * cap
+        # As transformers: divide, tanh, multiply, each rounded to the model dtype (in
+        # bfloat16, steps of 1/8 near a cap of 30: ties that argmax breaks by index, as HF's).
+        capped = torch.tanh(logits.to(hidden.dtype) / cap) * cap
+        return capped.float()
 
     def dense_forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits [batch, seq, vocab] for whole sequences from position 0, without a KV cache."""

@@ -126,6 +126,18 @@ def test_a_weight_update_serves_the_new_checkpoints_tokens(gemma2: Path, tmp_pat
     check_against_hf(other, batch, results)
 
 
+def test_the_final_soft_cap_rounds_as_transformers_in_bfloat16(gemma2: Path) -> None:
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(gemma2, dtype=torch.bfloat16).eval()
+    ids = torch.tensor([prompts(320, count=8)[7]])
+    with torch.no_grad():
+        hidden = hf.model(ids).last_hidden_state[0]  # [tokens, hidden] bfloat16
+        expected = hf(ids).logits[0].float()
+        logits = make_engine(gemma2, dtype="bfloat16").model.compute_logits(hidden)
+    assert torch.equal(logits, expected)
+
+
 def with_config(checkpoint: Path, directory: Path, **changes: Any) -> Path:
     """A copy of `checkpoint` whose config.json has `changes` (None deletes a key)."""
     directory.mkdir()
