@@ -22,6 +22,7 @@ from engine.models.hf_config import SUPPORTED_ROPE_TYPES, ModelConfig, Unsupport
 FULL, SLIDING = "full_attention", "sliding_attention"
 GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
 LOCAL_THETA = 10_000.0  # Gemma 3's default local base (Gemma3TextConfig.default_theta)
+DEFAULT_WINDOW = 4096  # Gemma2Config's and Gemma3TextConfig's `sliding_window`
 
 
 @dataclass(frozen=True)
@@ -51,12 +52,14 @@ def gemma_config(cfg: ModelConfig) -> GemmaConfig:
         )
     if raw.get("use_bidirectional_attention"):
         raise UnsupportedModelError("use_bidirectional_attention=true is not supported")
-    layer_types = _layer_types(
-        cfg, pattern=int(raw.get("sliding_window_pattern", 6 if gemma3 else 2))
-    )
-    window = cfg.sliding_window
-    if SLIDING in layer_types and (window is None or window < 1):
+    # Gemma2Config alternates whatever the config says; Gemma 3 reads 4.x's pattern key.
+    pattern = int(raw.get("sliding_window_pattern", 6)) if gemma3 else 2
+    layer_types = _layer_types(cfg, pattern)
+    # Absent: the config classes' default; null: no window, which sliding layers cannot use.
+    window = raw.get("sliding_window", DEFAULT_WINDOW)
+    if SLIDING in layer_types and (window is None or int(window) < 1):
         raise UnsupportedModelError(f"sliding_window={window!r}: the sliding layers need one")
+    window = None if window is None else int(window)
     if window is not None and window >= cfg.max_model_len:
         window = None  # every key the layer could see is in its window: full attention
     scalar = float(raw.get("query_pre_attn_scalar", 256))

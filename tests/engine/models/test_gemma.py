@@ -46,6 +46,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
 }
+DELETE = object()  # with_config: the key is left out
 GREEDY = SamplingParams(
     temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True, top_logprobs=5
 )
@@ -139,16 +140,41 @@ def test_the_final_soft_cap_rounds_as_transformers_in_bfloat16(gemma2: Path) -> 
 
 
 def with_config(checkpoint: Path, directory: Path, **changes: Any) -> Path:
-    """A copy of `checkpoint` whose config.json has `changes` (None deletes a key)."""
+    """A copy of `checkpoint` whose config.json has `changes` (DELETE: without the key)."""
     directory.mkdir()
     for path in checkpoint.iterdir():
         (directory / path.name).symlink_to(path)
     config = json.loads((checkpoint / "config.json").read_text())
     for key, value in changes.items():
-        config[key] = value
+        if value is DELETE:
+            config.pop(key, None)
+        else:
+            config[key] = value
     (directory / "config.json").unlink()
     (directory / "config.json").write_text(json.dumps(config))
     return directory
+
+
+def test_a_transformers_4_gemma3_config_is_read_as_transformers_5_reads_it(
+    gemma3: Path, tmp_path: Path
+) -> None:
+    """The published Gemma 3 checkpoints' config.json (transformers 4.5x): top-level rope keys,
+    `rope_local_base_freq`, `sliding_window_pattern` and no `layer_types`."""
+    changed = with_config(
+        gemma3,
+        tmp_path / "v4",
+        rope_parameters=DELETE,
+        layer_types=DELETE,
+        rope_theta=500000.0,
+        rope_local_base_freq=20000.0,
+        rope_scaling={"rope_type": "linear", "factor": 4.0},
+        sliding_window_pattern=3,  # layers 0, 1 and 3 slide, layer 2 is full
+    )
+    gemma = gemma_config(load_model_config(changed))
+    assert gemma.layer_types == ("sliding_attention",) * 2 + ("full_attention", "sliding_attention")
+    engine = make_engine(changed)
+    batch = prompts(engine.info.vocab_size, count=6)[4:]  # 36 and 44 tokens
+    check_against_hf(changed, batch, engine.generate(batch, GREEDY))
 
 
 @pytest.mark.parametrize(
