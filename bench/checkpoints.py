@@ -36,7 +36,7 @@ RECIPE_VERSION = 1  # bump when the way checkpoints are written changes
 class Shape:
     """One model shape: the transformers architecture and its config keys."""
 
-    arch: str  # llama, qwen2, qwen3, qwen3_moe
+    arch: str  # llama, qwen2, qwen3, qwen3_moe, gemma3_text
     config: dict[str, Any] = field(default_factory=dict)
     note: str = ""
 
@@ -51,6 +51,12 @@ _LLAMA3_ROPE = {
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
+}
+
+# Gemma 3's rope: the sliding layers' local base, the full layers' global base scaled x8.
+_GEMMA3_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
 }
 
 SHAPES: dict[str, Shape] = {
@@ -118,6 +124,27 @@ SHAPES: dict[str, Shape] = {
             "tie_word_embeddings": True,
         },
         "Qwen3-MoE-like at small's size: 4 layers, hidden 256, 8 experts of 344, top-2",
+    ),
+    # Gemma-3-like at small's size: 6 layers, five sliding (window 128) to one full, q/k norms,
+    # local and global rope bases (the full layers' scaled x8 as Gemma-3-4B's), head_dim 64.
+    "small-gemma3": Shape(
+        "gemma3_text",
+        {
+            "hidden_size": 256,
+            "intermediate_size": 688,
+            "num_hidden_layers": 6,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "query_pre_attn_scalar": 64,
+            "sliding_window": 128,
+            "vocab_size": 2048,
+            "max_position_embeddings": 4096,
+            "rope_parameters": _GEMMA3_ROPE,
+            "tie_word_embeddings": True,
+            "pad_token_id": None,
+        },
+        "Gemma-3-like at small's size: 6 layers (5 sliding of 128, 1 full), hidden 256",
     ),
     "llama-75m": Shape(
         "llama",
@@ -200,6 +227,28 @@ SHAPES: dict[str, Shape] = {
             "tie_word_embeddings": False,
         },
         "Meta-Llama-3-8B",
+    ),
+    # Gemma-3-4B's text layers (GQA 8/4, head_dim 256, window 1024, linear rope x8 on the full
+    # layers) with 6 of its 34 layers: five sliding, one full, as its pattern repeats.
+    "gemma-3-4b-6l": Shape(
+        "gemma3_text",
+        {
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "num_hidden_layers": 6,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "query_pre_attn_scalar": 256,
+            "sliding_window": 1024,
+            "vocab_size": 262208,
+            "max_position_embeddings": 131072,
+            "rope_parameters": _GEMMA3_ROPE,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+            "pad_token_id": None,
+        },
+        "Gemma-3-4B (text) with 6 of its 34 layers",
     ),
     # Qwen3-30B-A3B's layer (128 experts of 768, top-8, GQA 32/4, head_dim 128) with 4 of its 48
     # layers, so a timed GPU run builds and loads it in seconds.
@@ -292,6 +341,7 @@ def write_checkpoint(
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }
     config_class, model_class = classes[shape.arch]
     config = config_class(bos_token_id=bos, eos_token_id=eos, **shape.config)

@@ -14,4 +14,6 @@ from engine.models.llama_family import VARIANTS
 ARCHITECTURES: dict[str, tuple[str, str]] = {
     **{name: ("engine.models.llama", "LlamaForCausalLM") for name in VARIANTS},
     "Phi3ForCausalLM": ("engine.models.phi3", "Phi3ForCausalLM"),
+    "Gemma2ForCausalLM": ("engine.models.gemma", "GemmaForCausalLM"),
+    "Gemma3ForCausalLM": ("engine.models.gemma", "GemmaForCausalLM"),
 }

@@ -65,6 +65,16 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     # Phi-3/4: fused qkv_proj and gate_up_proj tensors; its config's pad id (32000) is outside
     # a tiny vocabulary.
     "phi3": {"tie_word_embeddings": False, "pad_token_id": None},
+    # Gemma: 4 layers, sliding (window 8) and full; no pad id (transformers' default, 0, is our
+    # BOS: its embedding row would be zeroed).
+    "gemma2": {"head_dim": 16, "sliding_window": 8, "num_hidden_layers": 4, "pad_token_id": None},
+    "gemma3_text": {
+        "head_dim": 16,
+        "sliding_window": 8,
+        "num_hidden_layers": 4,
+        "pad_token_id": None,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+    },
 }
 
 
@@ -131,8 +141,8 @@ def make_checkpoint(
     max_shard_size: str | None = None,
     **config_overrides: Any,
 ) -> Path:
-    """Write a tiny random checkpoint of `arch` (llama, mistral, qwen2, qwen3, phi3, and the
-    mixture-of-experts mixtral, qwen2_moe, qwen3_moe) into directory."""
+    """Write a tiny random checkpoint of `arch` (llama, mistral, qwen2, qwen3, phi3, gemma2,
+    gemma3_text, and the mixture-of-experts mixtral, qwen2_moe, qwen3_moe) into directory."""
     import torch
     import transformers
 
@@ -156,6 +166,8 @@ def make_checkpoint(
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
     kwargs = {**BASE_CONFIG, **ARCH_DEFAULTS[arch], **config_overrides}
     config = config_class(

@@ -1,0 +1,282 @@
+"""Gemma 2 and Gemma 3 (text) as transformers 5.23 computes them.
+
+Llama's layer with Gemma's differences (engine/models/gemma_config.py reads their keys):
+embeddings scaled by sqrt(hidden_size) in the model dtype; every RMSNorm scales by (1 + weight)
+in float32 (engine/layers/gemma_rms_norm.py), and each sublayer has a norm before and after it
+(`input_layernorm` / `post_attention_layernorm` around attention, `pre_feedforward_layernorm` /
+`post_feedforward_layernorm` around the MLP); a GeLU-tanh gated MLP; attention at
+`query_pre_attn_scalar` ** -0.5, sliding-window or full per `layer_types`; Gemma 2 soft-caps
+the attention scores and the final logits; Gemma 3 RMS-norms q and k per head and rotates its
+sliding layers with a local rope base and its full layers with the global base and scaling (two
+rotary tables, each layer reads its kind's). The LM head is tied to the embedding unless the
+config unties it.
+
+Checkpoint names, merged projections, tensor parallelism (engine/models/sharding.py: the
+Llama family's table, whose names Gemma's checkpoints share; the extra norms are replicated)
+and LoRA (q/k/v/o, gate/up/down) work as for the Llama family (engine/models/llama.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention.backend import AttentionBackend, KVCache, LayerAttention
+from engine.attention.metadata import AttentionMetadata
+from engine.layers.gelu_and_mul import GeluTanhAndMul
+from engine.layers.gemma_rms_norm import GemmaRMSNorm
+from engine.layers.linear import linear
+from engine.layers.merged_linear import MergedLinear
+from engine.layers.parallel_linear import LoraPass, RowParallelLinear
+from engine.layers.rope import RotaryEmbedding
+from engine.layers.vocab_embedding import VocabParallelEmbedding
+from engine.models.base import CausalLM, KVLayout, LayerKV, LoraTarget
+from engine.models.gemma_config import FULL, SLIDING, GemmaConfig, gemma_config
+from engine.models.hf_config import ModelConfig
+from engine.models.sharding import Sharding
+from engine.parallel.tensor_parallel import TensorParallel
+
+
+class GemmaAttention(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        shard: Sharding,
+        tp: TensorParallel,
+        layer: LayerAttention,
+        qk_norm: bool,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads  # this rank's
+        self.head_dim = cfg.head_dim
+        self.layer = layer
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        self.qkv_proj = MergedLinear(
+            cfg.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, cfg.qkv_bias
+        )
+        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, cfg.o_bias, tp)
+        self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [tokens, hidden]
+        positions: torch.Tensor,  # [tokens]
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        cache: KVCache | None,
+        meta: AttentionMetadata,
+        lora: LoraPass | None = None,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        if lora is not None:
+            lora.add(self.qkv_proj, x, qkv)
+        q, k, v = qkv.split(self.qkv_proj.sizes, dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        out = backend.forward(q, k, v, positions, rotary, cache, meta, self.layer)
+        return self.o_proj(out.reshape(tokens, -1), lora)  # out: [tokens, heads, head_dim]
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, shard: Sharding, tp: TensorParallel) -> None:
+        super().__init__()
+        inter = shard.intermediate_size  # this rank's
+        self.gate_up_proj = MergedLinear(
+            cfg.hidden_size, {"gate_proj": inter, "up_proj": inter}, cfg.mlp_bias
+        )
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, tp)
+        self.act = GeluTanhAndMul()
+
+    def forward(self, x: torch.Tensor, lora: LoraPass | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [tokens, 2 * inter]: gate half first
+        if lora is not None:
+            lora.add(self.gate_up_proj, x, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(self.act(gate, up), lora)
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, gemma: GemmaConfig, shard: Sharding, tp: TensorParallel, index: int
+    ) -> None:
+        super().__init__()
+        window = gemma.window if gemma.sliding(index) else None
+        layer = LayerAttention(window, gemma.scale, gemma.attn_softcap)
+        self.self_attn = GemmaAttention(cfg, shard, tp, layer, gemma.qk_norm)
+        self.mlp = GemmaMLP(cfg, shard, tp)
+        dim, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(dim, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(dim, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(dim, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(dim, eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [tokens, hidden]: the previous sublayer's output
+        residual: torch.Tensor | None,  # the residual stream h is still to be added to
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        cache: KVCache | None,
+        meta: AttentionMetadata,
+        lora: LoraPass | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (post-MLP-norm output, residual), not yet summed
+        # The pre-norms add the sublayer output before them to the stream; the post-norms
+        # normalise a sublayer's output before it joins the stream.
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.post_attention_layernorm(
+            self.self_attn(h, positions, rotary, backend, cache, meta, lora)
+        )
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h, lora)), residual
+
+
+class GemmaModel(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, gemma: GemmaConfig, shard: Sharding, tp: TensorParallel
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            shard.vocab_size, cfg.hidden_size, shard.vocab_start, tp, scale=cfg.hidden_size**0.5
+        )
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(cfg, gemma, shard, tp, i) for i in range(cfg.num_layers)
+        )
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class GemmaForCausalLM(CausalLM):
+    """Gemma2ForCausalLM and Gemma3ForCausalLM (engine/models/gemma_config.py says which keys
+    tell them apart)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        backend: AttentionBackend,
+        tp: TensorParallel | None = None,
+        triton_kernels: bool = False,
+    ) -> None:
+        """`triton_kernels` is accepted for the interface: Gemma's norms and activation have
+        no Triton kernels (their modules say why), and its attention is the backend's."""
+        super().__init__(cfg, backend, tp, triton_kernels)
+        self.config = cfg
+        self.gemma = gemma_config(cfg)
+        self.backend = backend
+        self.tp = tp or TensorParallel()
+        self.sharding: Sharding = self.shard_layout(cfg, self.tp.rank, self.tp.size)
+        self.model = GemmaModel(cfg, self.gemma, self.sharding, self.tp)
+        self.lm_head = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, self.sharding.vocab_size, bias=False)
+        self.rotary = self._rotary_tables()
+
+    def _rotary_tables(self) -> dict[str, RotaryEmbedding]:
+        """One table per layer kind, in float32 (a plain dict: buffers computed, not loaded)."""
+        cfg, gemma = self.config, self.gemma
+        full = RotaryEmbedding(cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling)
+        same = (gemma.local_theta, gemma.local_scaling) == (cfg.rope_theta, cfg.rope_scaling)
+        local = (
+            full
+            if same
+            else RotaryEmbedding(
+                cfg.head_dim, cfg.max_model_len, gemma.local_theta, gemma.local_scaling
+            )
+        )
+        return {FULL: full, SLIDING: local}
+
+    @classmethod
+    def shard_layout(cls, cfg: ModelConfig, rank: int, size: int) -> Sharding:
+        return Sharding(cfg, rank, size)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [tokens]
+        positions: torch.Tensor,  # [tokens]
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache] | None,
+        lora: LoraPass | None = None,
+        routing: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # [tokens, hidden], after the final norm
+        """`routing` is ignored: Gemma 2 and 3 have no experts."""
+        if kv_caches is not None:
+            self.backend.prepare(meta)
+        h = self.model.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(self.model.layers):
+            cache = kv_caches[i] if kv_caches is not None else None
+            rotary = self.rotary[self.gemma.layer_types[i]]
+            h, residual = layer(h, residual, positions, rotary, self.backend, cache, meta, lora)
+        assert residual is not None, "a model has at least one layer"
+        h, _ = self.model.norm(h, residual)  # with the last layer's residual add
+        return h
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Every checkpoint tensor by its Hugging Face name (q, k, v and gate, up as views of
+        their merged projections' rows), sharing the parameters' storage."""
+        tensors: dict[str, torch.Tensor] = {}
+        for prefix, module in self.named_modules():
+            if isinstance(module, MergedLinear):  # its parts are its parent's projections
+                prefix = prefix.rpartition(".")[0]
+                local = module.checkpoint_tensors()
+            else:
+                local = {name: p.detach() for name, p in module.named_parameters(recurse=False)}
+            tensors |= {f"{prefix}.{name}".lstrip("."): t for name, t in local.items()}
+        return tensors
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        kv_heads, head_dim = self.sharding.num_kv_heads, self.config.head_dim
+        layers = tuple(
+            LayerKV(kv_heads, head_dim, self.gemma.window if self.gemma.sliding(i) else None)
+            for i in range(self.config.num_layers)
+        )
+        return KVLayout(self.config.num_layers, kv_heads, head_dim, layers)
+
+    def init_buffers(self, device: torch.device) -> None:
+        self.rotary = {kind: table.to(device) for kind, table in self._rotary_tables().items()}
+
+    def lora_targets(self) -> dict[str, LoraTarget]:
+        """The attention projections (q/k/v, o) and the MLP's (gate/up, down)."""
+        return {
+            name: module
+            for name, module in self.named_modules()
+            if isinstance(module, MergedLinear | RowParallelLinear)
+        }
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight: its own, or the embedding's when they are tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def linear_weights(self) -> list[torch.Tensor]:
+        projections = [
+            m.weight for m in self.modules() if isinstance(m, MergedLinear | RowParallelLinear)
+        ]
+        return [*projections, self.head_weight]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
+        logits = linear(hidden, self.head_weight, None, out_float32=not self.tp.enabled)
+        logits = self.tp.gather_vocab(logits).float()
+        cap = self.gemma.final_softcap
+        if cap is None:
+            return logits
+        # As transformers: divide, tanh, multiply, each rounded to the model dtype (in
+        # bfloat16, steps of 1/8 near a cap of 30: ties that argmax breaks by index, as HF's).
+        capped = torch.tanh(logits.to(hidden.dtype) / cap) * cap
+        return capped.float()
+
+    def dense_forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [batch, seq, vocab] for whole sequences from position 0, without a KV cache."""
+        batch, seq = input_ids.shape
+        positions = torch.arange(seq, device=input_ids.device).repeat(batch)
+        meta = AttentionMetadata.dense([seq] * batch)
+        hidden = self.forward(input_ids.reshape(-1), positions, meta, None)
+        return self.compute_logits(hidden).view(batch, seq, -1)
