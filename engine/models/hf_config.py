@@ -24,7 +24,7 @@ from engine.models.llama_family import PLAIN, VARIANTS
 from engine.models.registry import ARCHITECTURES
 from engine.moe.config import MoeConfig
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "proportional")
 
 
 class UnsupportedModelError(ValueError):
@@ -120,7 +120,7 @@ def parse_model_config(
         qk_norm=qk_norm,
         eos_token_ids=eos_ids,
         checkpoint_dtype=raw.get("dtype") or raw.get("torch_dtype"),
-        moe=_moe(raw, architecture) if variant.moe else None,
+        moe=_moe(raw, architecture) if variant.moe else _family_moe(raw, architecture),
         hidden_act=act,
         layer_types=tuple(raw.get("layer_types") or ()),
         sliding_window=None if window is None else int(window),
@@ -177,6 +177,20 @@ def _moe(raw: dict[str, Any], architecture: str) -> MoeConfig:
         shared_expert_intermediate_size=shared,
         sparse_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
     )
+
+
+def _family_moe(raw: dict[str, Any], architecture: str) -> MoeConfig | None:
+    """The experts of a family outside the Llama rows that names them its own way (Gemma 4),
+    its whole config checked here, at load, so that what it cannot compute is refused before
+    any model is built."""
+    if architecture != "Gemma4ForCausalLM":
+        return None
+    from engine.models.gemma4_config import UnsupportedGemma4Error, parse_gemma4
+
+    try:
+        return parse_gemma4(raw).moe
+    except UnsupportedGemma4Error as error:
+        raise UnsupportedModelError(str(error)) from None
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
