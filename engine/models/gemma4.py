@@ -199,8 +199,11 @@ class Gemma4ForCausalLM(CausalLM):
         return tensors
 
     def linear_weights(self) -> list[torch.Tensor]:
+        """The projections', the router's, the per-layer inputs' and the LM head's weights."""
         projections = [
-            m.weight for m in self.modules() if isinstance(m, MergedLinear | RowParallelLinear)
+            m.weight
+            for m in self.modules()
+            if isinstance(m, MergedLinear | RowParallelLinear | nn.Linear) and m is not self.lm_head
         ]
         return [*projections, self.head_weight]
 

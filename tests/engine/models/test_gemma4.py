@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.attention.torch_ref import TorchRefAttention
@@ -74,6 +74,24 @@ def test_logits_of_whole_sequences_equal_hf(case, checkpoints, hf_models) -> Non
     ids = torch.randint(3, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = hf_models[case](ids).logits.float()
+        torch.testing.assert_close(model.dense_forward(ids), expected, atol=1e-4, rtol=0)
+
+
+def test_attention_biases_equal_hf(tmp_path) -> None:
+    """q/k/v/o biases; on keys-as-values layers the values carry k_proj's bias."""
+    path = make_gemma4_checkpoint(tmp_path, **CASES["moe"], attention_bias=True)
+    tensors = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(5)
+    biases = [n for n in tensors if n.endswith("_proj.bias")]  # transformers inits them to 0
+    assert {n.split(".")[-2] for n in biases} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    for name in biases:
+        tensors[name] = torch.randn(tensors[name].shape, generator=gen) * 0.5
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    cfg = load_model_config(path)
+    model = build_model(cfg, path, TorchRefAttention(1.0), torch.device("cpu"), torch.float32)
+    ids = torch.randint(3, cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = load_hf_model(path)(ids).logits.float()
         torch.testing.assert_close(model.dense_forward(ids), expected, atol=1e-4, rtol=0)
 
 
