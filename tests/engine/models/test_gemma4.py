@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from sluice_client import Client, build_request
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.attention.torch_ref import TorchRefAttention
@@ -24,6 +25,7 @@ from engine.models.hf_config import UnsupportedModelError, load_model_config, pa
 from engine.protocol.messages import WeightsPhase
 from engine.weights.loading import build_model
 from tests.support.lora_adapters import make_adapter, peft_greedy, peft_model
+from tests.support.server_process import server_process
 from tests.support.tiny_gemma4 import CASES, make_gemma4_checkpoint
 from tests.support.tiny_models import hf_greedy, load_hf_model, prompts
 
@@ -59,7 +61,7 @@ def engines() -> Iterator[list[LLMEngine]]:
 def assert_greedy_equals_hf(hf: Any, batch: list[list[int]], results: list[Any]) -> None:
     for prompt, result in zip(batch, results, strict=True):
         expected, hf_logprobs = hf_greedy(hf, prompt, NEW_TOKENS)
-        assert result.error is None
+        assert getattr(result, "error", None) is None  # an engine result's; a Completion has none
         assert result.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
         chosen = hf_logprobs.gather(-1, torch.tensor(expected)[:, None]).squeeze(-1)
         torch.testing.assert_close(torch.tensor(result.logprobs), chosen, atol=1e-4, rtol=0)
@@ -104,6 +106,20 @@ def test_greedy_ids_and_logprobs_equal_hf_generate(case, backend, checkpoints, h
     engine = make_engine(checkpoints[case], attention_backend=backend)
     batch = prompts(engine.info.vocab_size, count=3)
     assert_greedy_equals_hf(hf_models[case], batch, engine.generate(batch, GREEDY))
+
+
+def test_a_served_gemma4_streams_hf_greedy_ids_over_grpc(checkpoints, hf_models, tmp_path) -> None:
+    """The service's engine process, its default backend, a prompt past the window."""
+    prompt = prompts(320, count=3)[2]
+    flags = ("--model", str(checkpoints["ple_kv_shared"]), "--device", "cpu", "--dtype", "float32")
+    with server_process(tmp_path / "server.log", *flags) as server:
+        server.wait_health("SERVING")
+        request = build_request(
+            prompt, temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True
+        )
+        with Client(server.target) as client:
+            completion = client.complete(request)
+    assert_greedy_equals_hf(hf_models["ple_kv_shared"], [prompt], [completion])
 
 
 def test_kv_layout_lists_each_cache_owning_layer_with_its_shape_and_window(checkpoints) -> None:
