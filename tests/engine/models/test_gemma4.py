@@ -1,8 +1,9 @@
 """Gemma 4 (text, dense and MoE) equals transformers 5.23's Gemma4ForCausalLM on tiny random
 checkpoints that transformers itself writes: logits of whole sequences; greedy ids and logprobs
 (within 1e-4, float32) through the engine's paged cache, prompts far longer than the sliding
-window, on the cpu and torch_ref backends; routed experts; two tensor-parallel ranks equal to
-one; weight updates; and each config value it does not compute refused by name."""
+window, on the cpu and torch_ref backends and over gRPC; preemption, chunked prefill, the
+prefix cache and prompt logprobs; routed experts; LoRA (peft); two tensor-parallel ranks equal
+to one; weight updates; and each config value it does not compute refused by name."""
 
 from __future__ import annotations
 
@@ -120,6 +121,41 @@ def test_a_served_gemma4_streams_hf_greedy_ids_over_grpc(checkpoints, hf_models,
         with Client(server.target) as client:
             completion = client.complete(request)
     assert_greedy_equals_hf(hf_models["ple_kv_shared"], [prompt], [completion])
+
+
+def test_preemption_chunked_prefill_and_prefix_cache_keep_hf_tokens_and_prompt_logprobs(
+    checkpoints, hf_models
+) -> None:
+    """Sharing layers read their source's pages mid-prefill, across preemptions and cached
+    prefixes: the tokens of an unconstrained engine; prompt logprobs (every position through
+    every layer, prefilled in chunks) equal HF's."""
+    shared = [0, 11, 12, 13, 14, 15, 16, 17, 18]  # two full pages: a prefix-cache hit
+    batch = [[*shared, 40 + k] for k in range(3)] + prompts(320, count=4)[2:]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    # 14 pages of 4 tokens for up to 5 sequences of 10-36 tokens: requests must be preempted;
+    # 8 tokens a step: prompts are prefilled in chunks.
+    tight = make_engine(
+        checkpoints["ple_kv_shared"],
+        num_kv_pages=14,
+        page_size=4,
+        max_num_seqs=5,
+        max_num_batched_tokens=8,
+    )
+    tight.generate([batch[0]], params)  # its two full pages are cached from now on
+    results = tight.generate(batch, params)
+    stats = tight.stats()
+    assert stats.preemptions > 0 and stats.prefix_cache_hits > 0, stats
+    roomy = make_engine(checkpoints["ple_kv_shared"])  # equal to HF's: the test above
+    assert [r.token_ids for r in results] == [r.token_ids for r in roomy.generate(batch, params)]
+    hf = hf_models["ple_kv_shared"]
+    scoring = SamplingParams(max_tokens=1, prompt_logprobs=True)
+    for prompt, result in zip(batch[-2:], tight.generate(batch[-2:], scoring), strict=True):
+        with torch.no_grad():
+            logprobs = hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+        expected = logprobs[:-1].gather(-1, torch.tensor(prompt[1:])[:, None]).squeeze(-1)
+        assert result.prompt_logprobs is not None and result.prompt_logprobs.start == 1
+        got = torch.tensor(result.prompt_logprobs.logprobs)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
 def test_kv_layout_lists_each_cache_owning_layer_with_its_shape_and_window(checkpoints) -> None:
