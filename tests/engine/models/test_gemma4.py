@@ -189,6 +189,17 @@ def hf_routing(model: Any, ids: list[int]) -> torch.Tensor:
     return torch.stack(chosen, dim=1)
 
 
+def test_the_kv_pool_fits_its_byte_budget(checkpoints) -> None:
+    """Pages are counted at the pool's layout (3 cache-owning layers of 2 x 32), not at the
+    config's 5 layers of 2 x 16 (which would allot 1.2x the budget)."""
+    budget = 1 << 20
+    engine = make_engine(checkpoints["ple_kv_shared"], kv_cache_memory=budget, page_size=4)
+    pool = engine.pool
+    assert pool.k.shape[0] == 3
+    page_bytes = 2 * pool.k[:, 0].nbytes
+    assert budget - page_bytes < pool.num_pages * page_bytes <= budget
+
+
 def test_routed_experts_equal_hf_routers(checkpoints, hf_models) -> None:
     engine = make_engine(checkpoints["moe"])
     batch = prompts(engine.info.vocab_size, count=2)
