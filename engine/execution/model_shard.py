@@ -19,7 +19,7 @@ from engine.execution.model_runner import ModelRunner
 from engine.kv_cache.page_pool import PagePool
 from engine.layers.kernel_choice import use_triton_kernels
 from engine.layers.linear import prepack
-from engine.models.base import CausalLM
+from engine.models.base import CausalLM, KVLayout
 from engine.models.hf_config import ModelConfig
 from engine.parallel.tensor_parallel import TensorParallel
 from engine.protocol.config import EngineConfig
@@ -59,7 +59,7 @@ def load_shard(
         for weight in model.linear_weights():
             prepack(weight)  # the CPU's packed copies, made at load, not by the first steps
         kv = model.kv_layout
-        pages = kv_pages(config, cfg, kv.num_kv_heads, dtype, device)
+        pages = kv_pages(config, cfg, kv, dtype, device)
         if tp.enabled:
             count = torch.tensor([pages], dtype=torch.int64)
             dist.all_reduce(count, op=dist.ReduceOp.MIN, group=tp.control)
@@ -87,13 +87,14 @@ def load_shard(
 
 
 def kv_pages(
-    config: EngineConfig, cfg: ModelConfig, kv_heads: int, dtype: torch.dtype, device: torch.device
+    config: EngineConfig, cfg: ModelConfig, kv: KVLayout, dtype: torch.dtype, device: torch.device
 ) -> int:
-    """KV pages for `kv_heads` heads per layer: num_kv_pages, else what the byte budget holds."""
+    """KV pages of the pool `kv` lays out (its layers, which may be fewer than the model's, at
+    its uniform shape): num_kv_pages, else what the byte budget holds."""
     if config.num_kv_pages is not None:
         return config.num_kv_pages
     per_page = PagePool.bytes_per_page(
-        config.page_size, cfg.num_layers, kv_heads, cfg.head_dim, dtype
+        config.page_size, kv.num_layers, kv.num_kv_heads, kv.head_dim, dtype
     )
     budget = config.kv_cache_memory
     if budget is None and device.type == "cuda":

@@ -1,5 +1,6 @@
-"""Rotary position embeddings as transformers computes them (default, linear, llama3, longrope),
-over the whole head or, with a partial rotary (Phi-4-mini), its first `rotary_dim` dimensions."""
+"""Rotary position embeddings as transformers computes them (default, linear, llama3, longrope,
+and Gemma 4's proportional rope), over the whole head or, with a partial rotary (Phi-4-mini),
+its first `rotary_dim` dimensions."""
 
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ def inverse_frequencies(
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
+    if scaling["rope_type"] == "proportional":
+        fraction = float(scaling.get("partial_rotary_factor", 1.0))
+        return proportional_inverse_frequencies(
+            head_dim, theta, fraction, float(scaling.get("factor", 1.0))
+        )
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":
         return inv_freq / factor
@@ -28,6 +34,24 @@ def inverse_frequencies(
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def proportional_inverse_frequencies(
+    head_dim: int, theta: float, fraction: float, factor: float = 1.0
+) -> torch.Tensor:  # [head_dim // 2] float32
+    """Proportional rope (Gemma 4's global layers): the first `fraction` of each half-head's
+    angles rotate, at the frequencies a full head would give them (exponents over head_dim, not
+    over the rotated width); the other angles have frequency 0.
+
+    A zero frequency makes cos 1 and sin 0, so the full-head rotation (x * cos +
+    rotate_half(x) * sin, pairing dim i with i + head_dim / 2) leaves those dims exactly as they
+    are: every backend's rotary kernel computes partial rotation from these tables unchanged.
+    """
+    angles = int(fraction * head_dim // 2)  # transformers' int(fraction * head_dim // 2)
+    exponents = torch.arange(0, 2 * angles, 2, dtype=torch.int64).to(torch.float) / head_dim
+    rotated = 1.0 / (theta**exponents)
+    still = torch.zeros(head_dim // 2 - angles, dtype=torch.float32)
+    return torch.cat((rotated, still)) / factor
 
 
 def longrope_frequencies(

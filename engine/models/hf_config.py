@@ -24,7 +24,7 @@ from engine.models.llama_family import PLAIN, VARIANTS
 from engine.models.registry import ARCHITECTURES
 from engine.moe.config import MoeConfig
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "proportional")
 # The architectures whose model rotates part of each head (`partial_rotary_factor` < 1).
 PARTIAL_ROTARY = ("Phi3ForCausalLM",)
 
@@ -122,7 +122,7 @@ def parse_model_config(
         qk_norm=qk_norm,
         eos_token_ids=eos_ids,
         checkpoint_dtype=raw.get("dtype") or raw.get("torch_dtype"),
-        moe=_moe(raw, architecture) if variant.moe else None,
+        moe=_moe(raw, architecture) if variant.moe else _family_moe(raw, architecture),
         hidden_act=act,
         layer_types=tuple(raw.get("layer_types") or ()),
         sliding_window=None if window is None else int(window),
@@ -182,6 +182,20 @@ def _moe(raw: dict[str, Any], architecture: str) -> MoeConfig:
     )
 
 
+def _family_moe(raw: dict[str, Any], architecture: str) -> MoeConfig | None:
+    """The experts of a family outside the Llama rows that names them its own way (Gemma 4),
+    its whole config checked here, at load, so that what it cannot compute is refused before
+    any model is built."""
+    if architecture != "Gemma4ForCausalLM":
+        return None
+    from engine.models.gemma4_config import UnsupportedGemma4Error, parse_gemma4
+
+    try:
+        return parse_gemma4(raw).moe
+    except UnsupportedGemma4Error as error:
+        raise UnsupportedModelError(str(error)) from None
+
+
 def _rope(
     raw: dict[str, Any], architecture: str, head_dim: int
 ) -> tuple[float, dict[str, Any] | None, float]:
@@ -193,9 +207,14 @@ def _rope(
         params = params.get("full_attention", params)
     scaling = dict(params) if params else dict(raw.get("rope_scaling") or {})
     theta = float((params or {}).get("rope_theta", raw.get("rope_theta", 10000.0)))
-    # 5.x keeps the factor in rope_parameters, 4.x at the top level.
-    partial = scaling.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor")
-    partial = float(partial or 1.0)
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
+    scaling.pop("rope_theta", None)
+    partial = 1.0  # proportional rope keeps its fraction: it shapes the frequencies, not the tables
+    if rope_type != "proportional":
+        # 5.x keeps the factor in rope_parameters, 4.x at the top level.
+        given = scaling.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor")
+        partial = float(given or 1.0)
     if partial != 1.0 and architecture not in PARTIAL_ROTARY:
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
     if not 0.0 < partial <= 1.0 or int(head_dim * partial) % 2:
@@ -203,9 +222,6 @@ def _rope(
             f"partial_rotary_factor={partial} must rotate an even number of each head's "
             f"{head_dim} dimensions"
         )
-    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
-    scaling.pop("type", None)
-    scaling.pop("rope_theta", None)
     if architecture == "Phi3ForCausalLM" and rope_type in ("su", "yarn"):
         rope_type = "longrope"  # Phi-3's older names for it, renamed as transformers does
     if rope_type not in SUPPORTED_ROPE_TYPES:

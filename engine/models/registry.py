@@ -16,4 +16,5 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("engine.models.phi3", "Phi3ForCausalLM"),
     "Gemma2ForCausalLM": ("engine.models.gemma", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("engine.models.gemma", "GemmaForCausalLM"),
+    "Gemma4ForCausalLM": ("engine.models.gemma4", "Gemma4ForCausalLM"),
 }

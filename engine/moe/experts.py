@@ -53,13 +53,22 @@ def route(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Ten
 class StackedExperts(nn.Module):
     """Every expert's gate/up and down weights (this rank's slice of each), stacked."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, parts: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        inter: int,
+        parts: tuple[str, ...],
+        act: nn.Module | None = None,
+    ) -> None:
+        """`act`: the gate's activation times up, `act(gate, up)` (SiluAndMul unless given:
+        Gemma 4's experts pass GeLU-tanh's)."""
         super().__init__()
         self.inter = inter
         self.parts = parts  # checkpoint names of (gate, up, down)
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
-        self.act = SiluAndMul()
+        self.act = SiluAndMul() if act is None else act
         self.triton = False  # the grouped-GEMM kernel (engine/layers/grouped_gemm_kernel.py)
         for view in self.checkpoint_tensors().values():  # as nn.Linear initialises each
             nn.init.kaiming_uniform_(view, a=math.sqrt(5))
