@@ -34,7 +34,7 @@ from engine.layers.linear import linear
 from engine.layers.merged_linear import MergedLinear
 from engine.layers.parallel_linear import LoraPass, RowParallelLinear
 from engine.layers.rope import RotaryEmbedding
-from engine.layers.scaled_embedding import ScaledEmbedding
+from engine.layers.vocab_embedding import VocabParallelEmbedding
 from engine.models.base import CausalLM, KVLayout, LayerKV, LoraTarget
 from engine.models.gemma4_config import Gemma4Config, parse_gemma4
 from engine.models.gemma4_decoder import Gemma4DecoderLayer, PerLayerInputs
@@ -54,7 +54,7 @@ class Gemma4Model(nn.Module):
         self, cfg: ModelConfig, gemma: Gemma4Config, shard: Gemma4Sharding, tp: TensorParallel
     ) -> None:
         super().__init__()
-        self.embed_tokens = ScaledEmbedding(
+        self.embed_tokens = VocabParallelEmbedding(
             shard.vocab_size, cfg.hidden_size, shard.vocab_start, tp, cfg.hidden_size**0.5
         )
         self.per_layer = (

@@ -19,7 +19,7 @@ from engine.layers.gelu_and_mul import GeluTanhAndMul
 from engine.layers.linear import linear
 from engine.layers.parallel_linear import LoraPass
 from engine.layers.rope import RotaryEmbedding
-from engine.layers.scaled_embedding import ScaledEmbedding
+from engine.layers.vocab_embedding import VocabParallelEmbedding
 from engine.models.gemma4_config import Gemma4Config
 from engine.models.gemma4_layers import (
     Gemma4Attention,
@@ -45,7 +45,7 @@ class PerLayerInputs(nn.Module):
         super().__init__()
         width, layers = gemma.per_layer_input_size, cfg.num_layers
         self.width, self.layers = width, layers
-        self.embed_tokens_per_layer = ScaledEmbedding(
+        self.embed_tokens_per_layer = VocabParallelEmbedding(
             shard.per_layer_vocab_size,
             layers * width,
             shard.rank * shard.per_layer_vocab_size,
