@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 # e2m1 (FP4) values by nibble: sign bit 3, then two exponent bits and one mantissa bit.
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-E2M1_VALUES = E2M1_VALUES + tuple(-v for v in E2M1_VALUES)
+_E2M1_POSITIVE = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_VALUES = _E2M1_POSITIVE + tuple(-v for v in _E2M1_POSITIVE)
 E8M0_BIAS = 127
 MXFP4_BLOCK = 32  # values sharing one scale (16 bytes)
 
