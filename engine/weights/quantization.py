@@ -97,6 +97,30 @@ class Quantization:
         return data.removesuffix("_blocks") if self.method == "mxfp4" else data
 
 
+def dequantize_update(
+    tensors: Mapping[str, torch.Tensor],
+    quantization: Quantization | None,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """An in-process update's tensors by the model's names: a quantized tensor given with its
+    scales (named as the served checkpoint names them) dequantized into the served `dtype`,
+    any other as given (its name, shape and dtype are checked after, as any update's).
+    ValueError names what cannot be read."""
+    if quantization is None:
+        return dict(tensors)
+    kinds = {
+        n: "F8_E4M3" if t.dtype == torch.float8_e4m3fn else str(t.dtype) for n, t in tensors.items()
+    }
+    update: dict[str, torch.Tensor] = {}
+    for name, parts in quantization.group(kinds).items():
+        if len(parts) == 1:
+            update[name] = tensors[name]
+            continue
+        data, scales = (tensors[p].detach().cpu() for p in parts)
+        update[name] = quantization.combine(data, scales, dtype)
+    return update
+
+
 def read_quantization(config: Mapping[str, Any]) -> Quantization | None:
     """config.json's `quantization_config` (None: none); UnsupportedModelError names the key
     Sluice cannot honour."""
