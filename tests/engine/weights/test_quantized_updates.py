@@ -5,6 +5,7 @@ quantized checkpoint again."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.protocol.messages import WeightsPhase
+from engine.protocol.messages import InflightPolicy, UpdateWeights, WeightsPhase
 from engine.weights.staging import WeightUpdateError
 from tests.support.quantized_checkpoints import quantize_checkpoint
 from tests.support.tiny_models import make_checkpoint
@@ -103,6 +104,28 @@ def test_quantized_data_without_its_scales_is_refused_and_changes_nothing(
     with pytest.raises(WeightUpdateError, match="without its scales") as err:
         engine.update_weights({NAME: file[NAME]})
     assert err.value.code == "INVALID_ARGUMENT"
+    for name, tensor in served(engine).items():
+        assert torch.equal(tensor, before[name]), name
+
+
+def test_a_checkpoint_in_a_quantization_sluice_does_not_compute_is_refused_before_the_pause(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    engine = engine_for(checkpoints["served"])
+    before = served(engine)
+    directory = Path(shutil.copytree(checkpoints["fp8"], tmp_path / "static"))
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"]["activation_scheme"] = "static"
+    (directory / "config.json").write_text(json.dumps(config))
+    engine.add_request("running", PROMPT, GREEDY)
+    engine.step()  # a request runs: a DRAIN that passed its checks would pause admission
+    engine.start_weight_update(
+        UpdateWeights("static", 0, InflightPolicy.DRAIN, checkpoint_dir=str(directory))
+    )
+    (failed,) = engine.updater.events  # no PAUSED before it
+    assert failed.phase == WeightsPhase.FAILED and failed.error_code == "INVALID_ARGUMENT"
+    assert "activation_scheme 'static'" in failed.message
+    assert not engine.stats().updating_weights
     for name, tensor in served(engine).items():
         assert torch.equal(tensor, before[name]), name
 
