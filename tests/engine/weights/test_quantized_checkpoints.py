@@ -156,3 +156,39 @@ def test_a_quantized_weight_without_its_scales_is_refused(quantized: Path, tmp_p
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="without its scales"):
         engine_for(directory)
+
+
+# Qwen3-MoE with its experts quantized too (Qwen3-30B-A3B-FP8's layout: one scale grid per
+# expert projection; the router stays unquantized).
+QWEN3_MOE = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 128,
+    "head_dim": 64,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_quantized_experts_give_hf_greedy_ids(tmp_path: Path, method: str) -> None:
+    """FP8 experts equal transformers' bit for bit. compressed-tensors: transformers multiplies
+    an expert's scale in float32, where its dense layers and the format's reference
+    (compressed_tensors' dequantize) multiply in the scale's dtype, which Sluice follows: the
+    ids are compared, not the expert tensors."""
+    directory = make_checkpoint(tmp_path / method, "qwen3_moe", **QWEN3_MOE)
+    quantize_checkpoint(directory, method)
+    engine = engine_for(directory)
+    hf = load_hf_dequantized(directory, method)
+    if method == "fp8":
+        ours, theirs = engine.model.checkpoint_tensors(), hf.state_dict()
+        prefix = "model.layers.1.mlp.experts"
+        gate_up = torch.cat(
+            [ours[f"{prefix}.3.gate_proj.weight"], ours[f"{prefix}.3.up_proj.weight"]]
+        )
+        assert torch.equal(gate_up, theirs[f"{prefix}.gate_up_proj"][3])
+        assert torch.equal(ours[f"{prefix}.3.down_proj.weight"], theirs[f"{prefix}.down_proj"][3])
+    batch = prompts(engine.info.vocab_size, count=4)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for prompt, result in zip(batch, engine.generate(batch, params), strict=True):
+        assert result.token_ids == hf_greedy(hf, prompt, NEW_TOKENS)[0]
