@@ -28,6 +28,13 @@ from engine.weights import dequantize
 METHODS = ("fp8", "compressed-tensors", "mxfp4")
 CT_FORMATS = ("float-quantized", "naive-quantized")
 FP8_DTYPES = ("F8_E4M3",)  # safetensors' name of float8_e4m3fn
+# What a quantized tensor's data may be stored as (in-process tensors: torch's names).
+DATA_DTYPES = {
+    "fp8": ("F8_E4M3", "F8_E5M2"),
+    "compressed-tensors": ("F8_E4M3",),
+    "mxfp4": ("U8",),
+}
+TORCH_DTYPES = {torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.uint8: "U8"}
 # Per format: the companion tensor's suffix -> the suffix of the tensor it scales.
 COMPANIONS = {
     "fp8": {".weight_scale_inv": ".weight"},
@@ -67,6 +74,8 @@ class Quantization:
                     data = name.removesuffix(suffix) + data_suffix
                     if data not in dtypes:
                         raise ValueError(f"{name} has no {data} to scale")
+                    if dtypes[data] not in DATA_DTYPES[self.method]:
+                        raise ValueError(f"{data}: dtype {dtypes[data]} is not {self.method} data")
                     groups[self._target(data)] = (data, name)
                     paired.add(data)
                     break
@@ -108,9 +117,7 @@ def dequantize_update(
     ValueError names what cannot be read."""
     if quantization is None:
         return dict(tensors)
-    kinds = {
-        n: "F8_E4M3" if t.dtype == torch.float8_e4m3fn else str(t.dtype) for n, t in tensors.items()
-    }
+    kinds = {n: TORCH_DTYPES.get(t.dtype, str(t.dtype)) for n, t in tensors.items()}
     update: dict[str, torch.Tensor] = {}
     for name, parts in quantization.group(kinds).items():
         if len(parts) == 1:
@@ -169,6 +176,12 @@ def _check_compressed_tensors(q: Mapping[str, Any]) -> None:
     for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
         if q.get(key):
             raise UnsupportedModelError(f"quantization_config.{key} is not supported")
+    status = q.get("quantization_status", "compressed")
+    if status != "compressed":  # "frozen" or earlier: the weights are not stored as FP8
+        raise UnsupportedModelError(
+            f"quantization_config.quantization_status {status!r} is not supported (only "
+            "'compressed')"
+        )
     groups = q.get("config_groups") or {}
     if not groups:
         raise UnsupportedModelError("quantization_config.config_groups is empty")

@@ -15,7 +15,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.models.hf_config import UnsupportedModelError, load_model_config
-from engine.weights.quantization import read_quantization
+from engine.weights.quantization import Quantization, read_quantization
 from tests.support.quantized_checkpoints import (
     CT_FP8_DYNAMIC,
     FP8_CONFIG,
@@ -122,6 +122,10 @@ REFUSED = {
     ),
     "ct kv cache": ({**CT_FP8_DYNAMIC, "kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme"),
     "ct packed": ({**CT_FP8_DYNAMIC, "format": "pack-quantized"}, "format"),
+    "ct not compressed": (
+        {**CT_FP8_DYNAMIC, "quantization_status": "frozen"},
+        "quantization_status",
+    ),
 }
 
 
@@ -192,3 +196,10 @@ def test_quantized_experts_give_hf_greedy_ids(tmp_path: Path, method: str) -> No
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     for prompt, result in zip(batch, engine.generate(batch, params), strict=True):
         assert result.token_ids == hf_greedy(hf, prompt, NEW_TOKENS)[0]
+
+
+def test_scales_beside_data_that_is_not_quantized_are_refused() -> None:
+    """A full-precision weight with scales beside it (fake-quantized, not stored as FP8) would
+    be scaled twice."""
+    with pytest.raises(ValueError, match="a.weight: dtype BF16 is not fp8 data"):
+        Quantization("fp8").group({"a.weight": "BF16", "a.weight_scale_inv": "F32"})
