@@ -201,5 +201,5 @@ def test_quantized_experts_give_hf_greedy_ids(tmp_path: Path, method: str) -> No
 def test_scales_beside_data_that_is_not_quantized_are_refused() -> None:
     """A full-precision weight with scales beside it (fake-quantized, not stored as FP8) would
     be scaled twice."""
-    with pytest.raises(ValueError, match="a.weight: dtype BF16 is not fp8 data"):
+    with pytest.raises(ValueError, match=r"a\.weight: dtype BF16 is not fp8 data"):
         Quantization("fp8").group({"a.weight": "BF16", "a.weight_scale_inv": "F32"})
