@@ -30,6 +30,7 @@ from engine.protocol.messages import (
     WeightTransferJoined,
 )
 from engine.sleep.sleeper import Sleeper
+from engine.weights.quantization import dequantize_update, read_quantization
 from engine.weights.weight_updater import WeightUpdater
 
 
@@ -57,6 +58,15 @@ class WeightAndSleepCalls:
             if self.sleeper.in_progress:
                 self.updater.refuse(msg, ErrorCode.FAILED_PRECONDITION, "a sleep is draining")
                 return
+            if tensors is not None:  # quantized ones with their scales: dequantized first
+                model = self.updater.model
+                quantization = read_quantization(model.config.raw)
+                dtype = next(model.parameters()).dtype  # NOTE: no storage after a level-2 sleep
+                try:
+                    tensors = dequantize_update(tensors, quantization, dtype)
+                except ValueError as exc:
+                    self.updater.refuse(msg, ErrorCode.INVALID_ARGUMENT, str(exc))
+                    return
             self.updater.start(msg, tensors)
 
     def begin_weight_transfer(self, msg: InitWeightTransfer) -> WeightTransferJoined | None:

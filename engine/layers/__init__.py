@@ -8,8 +8,9 @@ all-reduce; and LoraPass, what a projection asks of a step's adapters), `vocab_e
 kernels: `rms_norm.py` (RMSNorm, fused with the residual add before it), `silu_and_mul.py` (the
 MLP's activation) and `rotary_kv.py` (rotary on q and k, and K and V into the paged KV cache,
 in one kernel; the attention backends call it); `grouped_gemm_kernel.py` (GEMMs for rows
-grouped by expert or adapter, one launch: the MoE experts' and LoRA's shrink). The Gemma
-families' norm, `gemma_rms_norm.py` ((1 + weight) in float32), and MLP activation,
+grouped by expert or adapter, one launch: the MoE experts' and LoRA's shrink);
+`fp8_linear_kernel.py` (a linear on FP8 block-scaled weights; not yet used by a model). The
+Gemma families' norm, `gemma_rms_norm.py` ((1 + weight) in float32), and MLP activation,
 `gelu_and_mul.py` (GeLU-tanh gate), are torch only. The `*_kernel`
 / `rotary_kv` modules import triton and are imported only when a Triton path is chosen
 (`kernel_choice.py`), so the package works without triton. `linear.py` is the projections'

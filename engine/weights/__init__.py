@@ -1,6 +1,9 @@
 """Weights: loading a checkpoint at start, and swapping new weights in while serving.
 
-`loading` (safetensors checkpoints into the registry's model by name), `checks` (what an
+`loading` (safetensors checkpoints into the registry's model by name), `checkpoint_reader`
+(a checkpoint directory's tensors by the model's names), `quantization` (a checkpoint's
+`quantization_config`: what loads, which tensors make one) and `dequantize` (the formats'
+arithmetic), `checks` (what an
 update's source can be refused for before anything pauses), `staging` (read and validate, then
 swap), `sharded_update` (the same over every tensor-parallel rank), `transfer_group` (a
 trainer's process group, for distributed updates; `group_join` joins it beside the engine

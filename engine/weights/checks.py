@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from engine.models.hf_config import UnsupportedModelError
 from engine.parallel.shard_layout import ShardLayout
 from engine.protocol.messages import TensorSpec
-from engine.weights.loading import IGNORED_SUFFIXES, checkpoint_files
+from engine.weights.checkpoint_reader import CheckpointReader
 from engine.weights.sharded_update import UpdateSource
-from engine.weights.staging import DTYPES, check_tensor, invalid
+from engine.weights.staging import DTYPES, WeightUpdateError, check_tensor, invalid
 
 # A checkpoint is cast to the served dtype (like at start-up): any floating-point dtype will do.
 CHECKPOINT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
@@ -116,33 +116,28 @@ def _check_tensor_file(
 def _check_checkpoint(
     params: Mapping[str, torch.Tensor], sharding: ShardLayout, directory: str
 ) -> list[str]:
-    try:
-        headers = [(file, _header(file)) for file in checkpoint_files(Path(directory))]
-    except Exception as exc:  # missing, unreadable or not safetensors: the caller's input
-        raise invalid(f"checkpoint_dir {directory!r} is unreadable: {exc}") from exc
+    """From the headers: a quantized checkpoint's tensors by the model's names and shapes
+    (checkpoint_reader.py), its quantization one Sluice computes."""
     seen: set[str] = set()
-    for file, header in headers:
-        for name, (shape, dtype) in header:
-            if name.endswith(IGNORED_SUFFIXES):
-                continue
-            check_tensor(params, sharding, name, shape, where=f"{file.name}: ")
-            if dtype not in CHECKPOINT_DTYPES:
-                raise invalid(
-                    f"{file.name}: {name}: dtype {dtype} is not a floating-point dtype "
-                    f"({', '.join(CHECKPOINT_DTYPES)})"
-                )
-            seen.add(name)
+    try:
+        with CheckpointReader(Path(directory)) as reader:
+            for name in reader.names():
+                where = f"{reader.file(name)}: "
+                check_tensor(params, sharding, name, reader.shape(name), where=where)
+                dtype = reader.dtype(name)
+                if not reader.is_quantized(name) and dtype not in CHECKPOINT_DTYPES:
+                    raise invalid(
+                        f"{where}{name}: dtype {dtype} is not a floating-point dtype "
+                        f"({', '.join(CHECKPOINT_DTYPES)})"
+                    )
+                seen.add(name)
+    except WeightUpdateError:
+        raise
+    except UnsupportedModelError as exc:  # a quantization Sluice does not compute
+        raise invalid(f"checkpoint_dir {directory!r}: {exc}") from exc
+    except Exception as exc:  # missing, unreadable, not safetensors or refused: the caller's input
+        raise invalid(f"checkpoint_dir {directory!r} is unreadable: {exc}") from exc
     missing = sorted(set(params) - seen)
     if missing:
         raise invalid(f"checkpoint_dir {directory!r} lacks tensors: {', '.join(missing[:8])}")
     return list(params)
-
-
-def _header(file: Path) -> list[tuple[str, tuple[tuple[int, ...], str]]]:
-    """Every tensor's name, shape and dtype, from the file's header (no tensor data read)."""
-    with safe_open(str(file), framework="pt", device="cpu") as f:
-        entries = []
-        for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-            part = f.get_slice(name)
-            entries.append((name, (tuple(part.get_shape()), part.get_dtype())))
-        return entries

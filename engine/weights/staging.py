@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
+from engine.models.hf_config import UnsupportedModelError
 from engine.parallel.shard_layout import ShardLayout
 from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import TensorRef
-from engine.weights.loading import IGNORED_SUFFIXES, checkpoint_files
+from engine.weights.checkpoint_reader import CheckpointReader
 
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -96,27 +96,22 @@ def stage_checkpoint(
     directory: str,
     progress: Progress,
 ) -> StagedWeights:
-    """Every parameter from an HF checkpoint directory, cast to the served dtype."""
-    path = Path(directory)
-    try:
-        files = checkpoint_files(path)
-    except (FileNotFoundError, OSError, ValueError, KeyError) as exc:
-        raise invalid(f"checkpoint_dir {directory!r} is unreadable: {exc}") from exc
+    """Every parameter from an HF checkpoint directory, cast to the served dtype (a quantized
+    checkpoint's tensors dequantized into it)."""
     staged = StagedWeights(params, sharding)
     done = 0
     try:
-        for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                    if name.endswith(IGNORED_SUFFIXES):
-                        continue
-                    part = f.get_slice(name)
-                    staged.add(name, part, tuple(part.get_shape()), cast=True)
-                    done += staged.tensors[name].numel() * staged.tensors[name].element_size()
-                    progress(done, len(staged.tensors))
+        with CheckpointReader(Path(directory)) as reader:
+            for name in reader.names():
+                param = check_tensor(params, staged.sharding, name, reader.shape(name))
+                staged.tensors[name] = reader.read(name, staged.sharding, param.dtype)
+                done += staged.tensors[name].numel() * staged.tensors[name].element_size()
+                progress(done, len(staged.tensors))
     except WeightUpdateError:
         raise
-    except Exception as exc:  # a corrupt or truncated file: the caller's input, not our bug
+    except UnsupportedModelError as exc:  # a quantization Sluice does not compute
+        raise invalid(f"checkpoint_dir {directory!r}: {exc}") from exc
+    except Exception as exc:  # missing, corrupt, truncated or refused: the caller's input
         raise invalid(f"checkpoint_dir {directory!r} is unreadable: {exc}") from exc
     missing = sorted(set(params) - set(staged.tensors))
     if missing:
