@@ -204,7 +204,7 @@ class RequestTable:
         """End the requests the scheduler found too big for the whole cache."""
         pool = self.pool
         for req in self.scheduler.too_big:
-            need = pool.pages_for(req.num_tokens + 1)
+            need = pool.pages_for(req.num_tokens + 1) * pool.groups.num_groups
             message = f"the request needs {need} KV pages but the whole cache has {pool.num_pages}"
             # Pending siblings go to the queue on their own and end the same way next step.
             self.end(req, FinishReason.ERROR, message, self.pending)
