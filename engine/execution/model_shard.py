@@ -16,10 +16,11 @@ import torch.distributed as dist
 from engine.attention import make_backend
 from engine.execution.host_malloc import keep_freed_memory, mapped_allocations
 from engine.execution.model_runner import ModelRunner
+from engine.kv_cache.kv_groups import group_layers
 from engine.kv_cache.page_pool import PagePool
 from engine.layers.kernel_choice import use_triton_kernels
 from engine.layers.linear import prepack
-from engine.models.base import CausalLM
+from engine.models.base import CausalLM, KVLayout
 from engine.models.hf_config import ModelConfig
 from engine.parallel.tensor_parallel import TensorParallel
 from engine.protocol.config import EngineConfig
@@ -59,14 +60,13 @@ def load_shard(
         for weight in model.linear_weights():
             prepack(weight)  # the CPU's packed copies, made at load, not by the first steps
         kv = model.kv_layout
-        pages = kv_pages(config, cfg, kv.num_kv_heads, dtype, device)
+        pages = kv_pages(config, cfg, kv, dtype, device)
         if tp.enabled:
             count = torch.tensor([pages], dtype=torch.int64)
             dist.all_reduce(count, op=dist.ReduceOp.MIN, group=tp.control)
             pages = int(count.item())
-        pool = PagePool(
-            pages, config.page_size, kv.num_layers, kv.num_kv_heads, kv.head_dim, dtype, device
-        )
+        shape = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
+        pool = PagePool(pages, config.page_size, *shape, dtype, device, kv.layers)
     runner = ModelRunner(
         model,
         pool,
@@ -87,21 +87,25 @@ def load_shard(
 
 
 def kv_pages(
-    config: EngineConfig, cfg: ModelConfig, kv_heads: int, dtype: torch.dtype, device: torch.device
+    config: EngineConfig, cfg: ModelConfig, kv: KVLayout, dtype: torch.dtype, device: torch.device
 ) -> int:
-    """KV pages for `kv_heads` heads per layer: num_kv_pages, else what the byte budget holds."""
+    """KV pages of this rank's layout: num_kv_pages, else what the byte budget holds. (With
+    several KV groups a page id is one group's page, and a request takes one in each.)"""
     if config.num_kv_pages is not None:
         return config.num_kv_pages
-    per_page = PagePool.bytes_per_page(
-        config.page_size, cfg.num_layers, kv_heads, cfg.head_dim, dtype
-    )
+    if kv.layers:
+        per_page = PagePool.bytes_per_grouped_page(config.page_size, kv.layers, dtype)
+    else:
+        shape = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
+        per_page = PagePool.bytes_per_page(config.page_size, *shape, dtype)
     budget = config.kv_cache_memory
     if budget is None and device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * config.gpu_memory_utilization)
     elif budget is None:
         # Enough for every sequence at full length, within a fixed CPU budget.
-        full = config.max_num_seqs * -(-cfg.max_model_len // config.page_size)
+        groups = group_layers(kv.layers).num_groups if kv.layers else 1  # a page in each
+        full = groups * config.max_num_seqs * -(-cfg.max_model_len // config.page_size)
         budget = min(CPU_KV_CACHE_BYTES, full * per_page)
     pages = budget // per_page
     if pages < 1:
