@@ -119,3 +119,25 @@ def test_n_samples_and_prompt_logprobs(checkpoint: Path, hf: Any) -> None:
     for sample in samples:
         assert_equal_to_hf(hf, prompt, sample.token_ids, sample.logprobs)
     assert_all_pages_returned(engine)
+
+
+def test_two_ranks_give_hf_greedy_ids(checkpoint: Path, hf: Any) -> None:
+    """Tensor parallel (gloo): rank 0 sends every group's tables and slots to rank 1."""
+    config = EngineConfig(
+        model=str(checkpoint),
+        device="cpu",
+        dtype="float32",
+        page_size=4,
+        tensor_parallel_size=2,
+        cpu_threads=1,
+        max_num_batched_tokens=16,
+    )
+    engine = LLMEngine(config)
+    try:
+        batch = [p for p in prompts(engine.info.vocab_size, 8) if len(p) > WINDOW][:3]
+        results = engine.generate(batch, GREEDY)
+        for prompt, result in zip(batch, results, strict=True):
+            assert_equal_to_hf(hf, prompt, result.token_ids, result.logprobs)
+        assert_all_pages_returned(engine)
+    finally:
+        engine.close()
