@@ -141,3 +141,28 @@ def test_two_ranks_give_hf_greedy_ids(checkpoint: Path, hf: Any) -> None:
         assert_all_pages_returned(engine)
     finally:
         engine.close()
+
+
+def test_padded_graph_steps_read_every_groups_table(checkpoint: Path, hf: Any) -> None:
+    """Decode steps through the CUDA graph runner's padded, page-major buffers (run eagerly
+    on the CPU: what a captured graph replays), each KV group's table and slots among them."""
+    engine = make_engine(checkpoint)
+    engine.runner.attach_graphs(capture=False)
+    graphs = engine.runner.graphs
+    assert (
+        graphs is not None
+        and graphs.inputs.group_slots.shape[0] == len(engine.pool.groups.windows) - 1
+    )
+    run, sizes = graphs.run, []
+
+    def counted(host: Any, arrays: Any, num_seqs: int, width: int, patch: Any = None) -> Any:
+        sizes.append(num_seqs)
+        return run(host, arrays, num_seqs, width, patch)
+
+    graphs.run = counted  # type: ignore[method-assign]
+    batch = [p for p in prompts(engine.info.vocab_size, 8) if len(p) > WINDOW][:3]
+    results = engine.generate(batch, GREEDY)
+    assert sizes, "no decode step went through the graph runner"
+    for prompt, result in zip(batch, results, strict=True):
+        assert_equal_to_hf(hf, prompt, result.token_ids, result.logprobs)
+    assert_all_pages_returned(engine)
