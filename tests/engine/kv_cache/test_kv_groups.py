@@ -167,3 +167,18 @@ def test_forks_preemption_and_churn_on_a_mixed_model_leak_no_page() -> None:
     assert not sched.has_work()
     assert pool.num_free + sched.cache.num_cached == pool.num_pages
     assert all(not held_pages(r, pool.scratch_page) for r in live)
+
+
+def test_kv_events_describe_the_full_attention_groups_pages_only() -> None:
+    sched = make_grouped_scheduler([W, None], budget=64)
+    sched.cache.events = []
+    req = make_request("a", 40, seed=4)
+    sched.add(req)
+    step(sched)
+    events = sched.cache.take_events() or []
+    stored = [h for e in events for h in getattr(e, "block_hashes", [])]
+    assert stored == req.page_hashes and len(stored) == 40 // PAGE
+    assert sched.cache.page_of_hash == dict(zip(req.page_hashes, req.pages, strict=False))
+    # The sliding group's pages are cached too, under the same hashes, without events.
+    sliding = sched.cache.indexes[1]
+    assert set(sliding) <= set(req.page_hashes) and sliding

@@ -166,3 +166,18 @@ def test_padded_graph_steps_read_every_groups_table(checkpoint: Path, hf: Any) -
     for prompt, result in zip(batch, results, strict=True):
         assert_equal_to_hf(hf, prompt, result.token_ids, result.logprobs)
     assert_all_pages_returned(engine)
+
+
+def test_sleep_frees_every_groups_storage_and_wake_serves_again(checkpoint: Path, hf: Any) -> None:
+    engine = make_engine(checkpoint)
+    storage = engine.pool.storage
+    full = sum(t.untyped_storage().nbytes() for t in storage)
+    prompt = prompts(engine.info.vocab_size, 8)[4]
+    engine.generate([prompt], GREEDY)
+    outcome = engine.sleep(level=1)
+    assert outcome.released_bytes == full
+    assert sum(t.untyped_storage().nbytes() for t in storage) == 0
+    engine.wake_up()
+    assert all(not t.any() for t in storage)  # reallocated zeroed
+    result = engine.generate([prompt], GREEDY)[0]
+    assert_equal_to_hf(hf, prompt, result.token_ids, result.logprobs)
