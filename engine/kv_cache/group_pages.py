@@ -104,7 +104,7 @@ class GroupPages:
         self, version: int, token_ids: list[int], max_tokens: int, hashes: list[int], adapter: int
     ) -> GroupHit:
         """The cached prefix's pages per group, referenced; `hashes` gains their chain hashes."""
-        if self.num_groups == 1:
+        if not self.sliding:  # one full-attention group: every page from the first
             pages = self.cache.match(version, token_ids, max_tokens, hashes, adapter)
             return GroupHit(len(pages), [pages], [0], [])
         hit = match_groups(self.cache, version, token_ids, max_tokens, adapter)

@@ -126,7 +126,7 @@ class PrefixCache:
             return
         size = self.pool.page_size
         root = _root(version, adapter)
-        events, run = self.events, None
+        events, run, scratch = self.events, None, self.pool.scratch_page
         for i in range(len(hashes), num_tokens // size):
             tokens = tuple(token_ids[i * size : (i + 1) * size])
             parent = hashes[-1] if hashes else None
@@ -135,6 +135,8 @@ class PrefixCache:
             for group, held in enumerate(group_pages, 1):
                 self._register(group, key, held[i], tokens)
             page = pages[i]
+            if page == scratch:  # a sliding group 0 gave it back before it was published
+                continue
             if page not in self.hash_of_page and key not in self.page_of_hash:
                 self.page_of_hash[key] = page
                 self.hash_of_page[page] = key

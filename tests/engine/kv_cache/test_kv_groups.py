@@ -182,3 +182,26 @@ def test_kv_events_describe_the_full_attention_groups_pages_only() -> None:
     # The sliding group's pages are cached too, under the same hashes, without events.
     sliding = sched.cache.indexes[1]
     assert set(sliding) <= set(req.page_hashes) and sliding
+
+
+def test_pages_given_back_before_they_are_published_are_not_cached() -> None:
+    """The overlapped loop schedules step N + 1 (giving pages back) before it publishes step
+    N's pages: a given-back entry (the scratch page) is skipped, in group 0 too."""
+    sched = make_grouped_scheduler([W, W], budget=64)
+    req = make_request("a", 40, seed=6)
+    sched.add(req)
+    batch = sched.schedule()
+    req.num_computed_tokens += batch.query_lens[0]
+    req.token_ids.append(SAMPLED)
+    sched.schedule()  # gives back the pages below the window, not yet published
+    scratch = sched.cache.pool.scratch_page
+    assert req.pages[0] == scratch
+    cache = sched.cache
+    cache.publish(0, req.token_ids, req.pages, 40, req.page_hashes, 0, req.group_pages)
+    assert scratch not in cache.hash_of_page
+    again = make_request("b", 41, tokens=req.token_ids[:40] + [3])
+    finish(sched, req)
+    sched.add(again)
+    sched.schedule()
+    assert again.num_computed_tokens == 40  # the window's pages were published: a hit
+    assert_pages_accounted(sched)
