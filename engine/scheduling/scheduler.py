@@ -113,8 +113,9 @@ class Scheduler:
 
     def fork(self, child: Request, leader: Request) -> None:
         """Start a sibling on its leader's computed prompt: share the full pages, copy the last
-        partial one. Without a free page for the copy, the sibling queues to recompute instead
-        (same tokens, more work)."""
+        partial one (in every KV group; a sliding group's within its window). Without free
+        pages for the copies, or when the leader gave back a page the sibling still needs, the
+        sibling queues to recompute instead (same tokens, more work)."""
         leader.pending_forks.remove(child)
         full = child.prompt_len // self.cache.pool.page_size
         assert leader.num_computed_tokens >= child.prompt_len, "fork before the prompt is computed"
