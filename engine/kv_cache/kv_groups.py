@@ -83,9 +83,6 @@ class KVGroups:
                 sizes[j] = max(sizes[j], page_size * heads * dim)
         return sizes
 
-    def window_of_layer(self, layer: int) -> int | None:
-        return self.windows[self.placement()[layer][0]]
-
 
 def uniform(num_layers: int, kv_heads: int, head_dim: int) -> KVGroups:
     """Every layer full attention, one shape: one group (every Llama, Qwen and MoE model)."""
