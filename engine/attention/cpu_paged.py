@@ -52,6 +52,8 @@ class CpuPagedAttention(TorchRefAttention):
         slots: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         k_cache, v_cache = cache
+        if not k_cache.is_contiguous():  # a page-strided view: the C code reads dense pages
+            return super()._rotate_and_store(q, k, v, positions, rotary, cache, slots)
         return rotary_store(
             self.lib, q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache, slots
         )

@@ -1,4 +1,11 @@
-"""The per-step attention inputs every backend reads: built once per step, read by every layer."""
+"""The per-step attention inputs every backend reads: built once per step, read by every layer.
+
+A model whose layers form several KV groups (engine/kv_cache/kv_groups.py: sliding windows)
+has a block table and cache slots per group: the step's AttentionMetadata is group 0's and
+carries the others in `groups`. Each layer's cache is then a `LayerCache`, which names its group,
+and a backend attends through `meta.for_cache(cache)`: the metadata of that layer's group, so
+a kernel reads only the table (and the window of the layer) it is given.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +22,17 @@ class DecodeGroup:
     tables: torch.Tensor  # [rows, pages]
     lens: torch.Tensor  # [rows] int32 context length of each row
     mask: torch.Tensor | None  # [rows, 1, 1, pages * page_size] True = attend (torch_ref's)
+
+
+class LayerCache(tuple[torch.Tensor, torch.Tensor]):
+    """One layer's K and V pages, in KV group `group` (a KVCache with its group)."""
+
+    group: int
+
+    def __new__(cls, k: torch.Tensor, v: torch.Tensor, group: int) -> LayerCache:
+        cache = super().__new__(cls, (k, v))
+        cache.group = group
+        return cache
 
 
 @dataclass
@@ -44,6 +62,30 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefill_seqs: list[tuple[int, int, int, int]] = field(default_factory=list)
     # (sequence index, first token index, query_len, context_len) of each prefill row
+    # KV groups 1..: the same step through each group's slots and block table (sharing the
+    # host lists and seq_lens); empty with one group.
+    groups: list[AttentionMetadata] = field(default_factory=list)
+
+    def for_cache(self, cache: tuple[torch.Tensor, torch.Tensor]) -> AttentionMetadata:
+        """The metadata a layer with this cache attends through: its KV group's."""
+        group = getattr(cache, "group", 0)
+        return self.groups[group - 1] if group else self
+
+    def with_tables(
+        self, slot_mapping: torch.Tensor, block_tables: torch.Tensor
+    ) -> AttentionMetadata:
+        """This step through another KV group's cache slots and block table."""
+        return AttentionMetadata(
+            self.query_lens,
+            self.context_lens,
+            slot_mapping,
+            block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.max_query_len,
+            self.max_context_len,
+            self.decode_only,
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -46,7 +46,12 @@ class TorchRefAttention:
         self.page_size = page_size  # None: dense (no KV cache) forwards only
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        """Split the batch into decode groups and per-sequence prefill rows, once a step."""
+        """Split the batch into decode groups and per-sequence prefill rows, once a step
+        (and per KV group: each has its own tables)."""
+        for group in [meta, *meta.groups]:
+            self._prepare(group)
+
+    def _prepare(self, meta: AttentionMetadata) -> None:
         if meta.block_tables is None:
             return
         assert self.page_size is not None, "a paged forward needs the backend's page_size"
@@ -121,6 +126,7 @@ class TorchRefAttention:
         if cache is None:
             q, k = rotary(positions, q, k)
             return self._dense(q, k, v, meta, layer, sinks)
+        meta = meta.for_cache(cache)
         k_cache, v_cache = cache
         assert meta.slot_mapping is not None and meta.block_tables is not None
         q, k = self._rotate_and_store(q, k, v, positions, rotary, cache, meta.slot_mapping)
@@ -219,7 +225,11 @@ class TorchRefAttention:
         """q and k rotated at their positions; k and v written into the cache at `slots`."""
         q, k = rotary(positions, q, k)
         for new, layer_cache in zip((k, v), cache, strict=True):
-            layer_cache.view(-1, *new.shape[1:]).index_copy_(0, slots, new)
+            if layer_cache.is_contiguous():
+                layer_cache.view(-1, *new.shape[1:]).index_copy_(0, slots, new)
+            else:  # a page-strided view (engine/kv_cache/page_pool.py): page and offset
+                size = layer_cache.shape[1]
+                layer_cache[slots // size, slots % size] = new
         return q, k
 
     def _decode(

@@ -76,6 +76,7 @@ class TritonPagedAttention:
     ) -> torch.Tensor:  # [tokens, heads, head_dim]
         if cache is None:
             return self._dense.forward(q, k, v, positions, rotary, None, meta, layer, sinks)
+        meta = meta.for_cache(cache)  # the layer's KV group's tables
         k_cache, v_cache = cache
         assert meta.slot_mapping is not None and meta.block_tables is not None
         assert meta.seq_lens is not None and meta.query_start_loc is not None

@@ -148,7 +148,8 @@ class Postprocessor:
                 num_tokens = min(num_tokens, req.num_computed_tokens, len(req.token_ids))
                 pages, hashes = req.pages, req.page_hashes
                 version, adapter = self.table.policy_version, req.adapter_key
-                cache.publish(version, req.token_ids, pages, num_tokens, hashes, adapter)
+                groups = req.group_pages
+                cache.publish(version, req.token_ids, pages, num_tokens, hashes, adapter, groups)
 
 
 def masking_options(req: Request) -> list[str]:

@@ -202,9 +202,9 @@ class RequestTable:
 
     def end_too_big(self) -> None:
         """End the requests the scheduler found too big for the whole cache."""
-        pool = self.pool
+        pool, budget = self.pool, self.scheduler.max_num_batched_tokens
         for req in self.scheduler.too_big:
-            need = pool.pages_for(req.num_tokens + 1)
+            need = self.scheduler.pages.peak(req.num_tokens + 1, budget)
             message = f"the request needs {need} KV pages but the whole cache has {pool.num_pages}"
             # Pending siblings go to the queue on their own and end the same way next step.
             self.end(req, FinishReason.ERROR, message, self.pending)

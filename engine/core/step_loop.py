@@ -224,7 +224,7 @@ class StepLoop:
         launched = self.runner.launch(batch, pending_inputs(batch, previous))
         computed, prompt_tokens = self.advance(batch)
         pool: PagePool = self.scheduler.cache.pool
-        capacity = pool.num_pages * pool.page_size  # tokens the whole pool holds
+        capacity = pool.logical_capacity * pool.page_size  # tokens one request surely fits
         positions, held, needs_host = [], set(), False
         for req in launched.sampling:
             positions.append(req.num_tokens)

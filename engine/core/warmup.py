@@ -60,5 +60,5 @@ def warmup_prompts(
     length = min(budget // count, model_config.max_model_len - OUTPUT_TOKENS)
     if length < 1:
         return []
-    count = min(count, pool.num_pages // pool.pages_for(length + OUTPUT_TOKENS))
+    count = min(count, pool.logical_capacity // pool.pages_for(length + OUTPUT_TOKENS))
     return [[0] * length for _ in range(count)]

@@ -59,6 +59,9 @@ def pad_decode_rows(
     arrays.seq_lens[num_seqs:size] = 1
     arrays.query_start_loc[num_seqs + 1 : size + 1] = np.arange(num_seqs + 1, size + 1)
     arrays.block_table(size, width, page_major=True)[num_seqs:size] = scratch_page
+    arrays.group_slots[:, num_seqs:size] = scratch_page * page_size  # other KV groups' too
+    for group in range(1, arrays.group_slots.shape[0] + 1):
+        arrays.group_table(group, size, width, page_major=True)[num_seqs:size] = scratch_page
 
 
 class CUDAGraphRunner:
@@ -80,9 +83,10 @@ class CUDAGraphRunner:
         self.max_pages = max_pages  # block-table width every graph is captured at
         self.batch_sizes = graph_batch_sizes(min(max_batch, MAX_GRAPH_BATCH))
         self.capture_enabled = capture
-        device = pool.k.device
-        largest = self.batch_sizes[-1]
-        self.inputs = StepInputs.allocate(largest, largest, max_pages, 0, device)
+        largest, groups = self.batch_sizes[-1], pool.groups.num_groups
+        self.inputs = StepInputs.allocate(
+            largest, largest, max_pages, 0, pool.device, False, groups
+        )
         self._pad_all()
         self.records_routing = model.config.moe is not None
         self.forward: Callable[[int], GraphOutput] = self._forward
@@ -163,6 +167,8 @@ class CUDAGraphRunner:
             max_context_len=self.max_pages * self.pool.page_size,
             decode_only=True,
         )
+        if inp.group_slots.shape[0]:  # the other KV groups' tables, page-major too
+            inp.group_metas(meta, size, self.max_pages, page_major=True)
         routing: list[torch.Tensor] | None = [] if self.records_routing else None
         ids, positions = inp.input_ids[:size], inp.positions[:size]
         hidden = self.model(ids, positions, meta, self.kv_caches, None, routing)
@@ -182,6 +188,8 @@ class CUDAGraphRunner:
         inp.seq_lens.fill_(1)
         inp.query_start_loc.copy_(torch.arange(inp.query_start_loc.shape[0]))
         inp.block_tables.fill_(self.pool.scratch_page)
+        inp.group_slots.fill_(self.pool.scratch_slot)
+        inp.group_tables.fill_(self.pool.scratch_page)
 
 
 def _allow_recompiles(count: int) -> None:

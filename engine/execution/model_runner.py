@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from engine.execution.cuda_graph import CUDAGraphRunner
+from engine.execution.kv_group_inputs import fill_groups, group_caches
 from engine.execution.launched_step import (
     DeviceThread,
     LaunchedStep,
@@ -78,18 +79,21 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.vocab_size = model.config.vocab_size
-        self.kv_caches = pool.layer_caches()
+        self.kv_caches = group_caches(pool)
         self.sampler = sampler or make_sampler("torch", device)
         self.page_size = pool.page_size
         self.max_pages = pool.pages_for(model.config.max_model_len)
         max_tokens = max(max_num_batched_tokens, max_num_seqs)
         sizes = (max_tokens, max_num_seqs, self.max_pages, max_num_seqs)
-        self.host = StepInputs.allocate(*sizes, torch.device("cpu"), pin=device.type == "cuda")
+        self.groups = pool.groups.num_groups
+        pin = device.type == "cuda"
+        self.host = StepInputs.allocate(*sizes, torch.device("cpu"), pin, self.groups)
         self.arrays = self.host.numpy()
         self.sampling_inputs = SamplingInputs(device, self.vocab_size, eos_token_ids)
         self.sampling_slots = self.sampling_inputs.slots
         # On the CPU the host buffers are the step's tensors: nothing to copy.
-        self.inputs = self.host if device.type == "cpu" else StepInputs.allocate(*sizes, device)
+        on_cpu, groups = device.type == "cpu", self.groups
+        self.inputs = self.host if on_cpu else StepInputs.allocate(*sizes, device, False, groups)
         self.graphs: CUDAGraphRunner | None = None
         # Recorded after a step's uploads: the next step refills the host buffers only once
         # the device has read them (a step that samples nothing ends without a sync).
@@ -130,7 +134,7 @@ class ModelRunner:
         if self.device.type != "cpu" or self.device_thread is not None:
             return
         self.device_thread = DeviceThread()
-        spare = StepInputs.allocate(*self._sizes, torch.device("cpu"))
+        spare = StepInputs.allocate(*self._sizes, torch.device("cpu"), False, self.groups)
         self._slots = [(self.host, self.arrays), (spare, spare.numpy())]
 
     def run_on_device(self, work: Callable[[], None]) -> None:
@@ -322,16 +326,9 @@ class ModelRunner:
             self.graphs.run(self.host, self.arrays, header.num_seqs, header.width)
             self._record_upload()
             return
-        step = PreparedStep(
-            header.num_tokens,
-            header.num_seqs,
-            header.width,
-            [],
-            header.rows_are_tokens,
-            header.num_rows,
-            [],
-            header.num_scored,
-        )
+        h = header  # no requests on a worker: their numbers only
+        step = PreparedStep(h.num_tokens, h.num_seqs, h.width, [], h.rows_are_tokens, 0, [], 0)
+        step.num_rows, step.num_scored = h.num_rows, h.num_scored
         hidden = self._forward(step, lora)
         if step.num_rows + step.num_scored:
             if not step.rows_are_tokens:
@@ -385,6 +382,9 @@ class ModelRunner:
             tables = self.arrays.block_table(graph_rows, width, page_major=True)[: len(reqs)]
         # Entries past a row's pages are whatever the slot held: valid ids, never attended.
         tables[...] = table.pages[slots, :width]
+        if table.group_pages:  # the other KV groups' slots and tables
+            args = (table.group_pages, slots, batch.query_lens, width, graph_rows)
+            fill_groups(self.arrays, self.page_size, *args)
         return lm_head_rows(batch, self.arrays, width)
 
 

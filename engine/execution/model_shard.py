@@ -16,6 +16,7 @@ import torch.distributed as dist
 from engine.attention import make_backend
 from engine.execution.host_malloc import keep_freed_memory, mapped_allocations
 from engine.execution.model_runner import ModelRunner
+from engine.kv_cache.kv_groups import group_layers
 from engine.kv_cache.page_pool import PagePool
 from engine.layers.kernel_choice import use_triton_kernels
 from engine.layers.linear import prepack
@@ -64,9 +65,8 @@ def load_shard(
             count = torch.tensor([pages], dtype=torch.int64)
             dist.all_reduce(count, op=dist.ReduceOp.MIN, group=tp.control)
             pages = int(count.item())
-        pool = PagePool(
-            pages, config.page_size, kv.num_layers, kv.num_kv_heads, kv.head_dim, dtype, device
-        )
+        shape = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
+        pool = PagePool(pages, config.page_size, *shape, dtype, device, kv.layers)
     runner = ModelRunner(
         model,
         pool,
@@ -89,20 +89,23 @@ def load_shard(
 def kv_pages(
     config: EngineConfig, cfg: ModelConfig, kv: KVLayout, dtype: torch.dtype, device: torch.device
 ) -> int:
-    """KV pages of the pool `kv` lays out (its layers, which may be fewer than the model's, at
-    its uniform shape): num_kv_pages, else what the byte budget holds."""
+    """KV pages of this rank's layout: num_kv_pages, else what the byte budget holds. (With
+    several KV groups a page id is one group's page, and a request takes one in each.)"""
     if config.num_kv_pages is not None:
         return config.num_kv_pages
-    per_page = PagePool.bytes_per_page(
-        config.page_size, kv.num_layers, kv.num_kv_heads, kv.head_dim, dtype
-    )
+    if kv.layers:
+        per_page = PagePool.bytes_per_grouped_page(config.page_size, kv.layers, dtype)
+    else:
+        shape = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
+        per_page = PagePool.bytes_per_page(config.page_size, *shape, dtype)
     budget = config.kv_cache_memory
     if budget is None and device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * config.gpu_memory_utilization)
     elif budget is None:
         # Enough for every sequence at full length, within a fixed CPU budget.
-        full = config.max_num_seqs * -(-cfg.max_model_len // config.page_size)
+        groups = group_layers(kv.layers).num_groups if kv.layers else 1  # a page in each
+        full = groups * config.max_num_seqs * -(-cfg.max_model_len // config.page_size)
         budget = min(CPU_KV_CACHE_BYTES, full * per_page)
     pages = budget // per_page
     if pages < 1:

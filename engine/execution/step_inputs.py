@@ -3,6 +3,10 @@
 The model runner fills a host copy (pinned on CUDA, through numpy views) and copies the used
 prefix of each tensor to the device without blocking; the CUDA graph runner keeps a device
 copy of its own whose addresses never change, because its captured graphs read them.
+
+With several KV groups (engine/kv_cache/kv_groups.py) groups 1.. have their own slot mappings
+and block tables, in `group_slots` and `group_tables` (one row per group, the same layouts as
+`slot_mapping` and `block_tables`); with one group they are empty.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ class StepInputs:
     sample_rows: torch.Tensor
     sampling_floats: torch.Tensor  # [max_rows, 6] float32: SamplingBatch.floats' columns
     sampling_ints: torch.Tensor  # [max_rows, 5] int64: SamplingBatch.ints' columns
+    group_slots: torch.Tensor  # [groups - 1, max_tokens] int64
+    group_tables: torch.Tensor  # [groups - 1, max_seqs * max_pages] int32
 
     @classmethod
     def allocate(
@@ -41,6 +47,7 @@ class StepInputs:
         max_rows: int,
         device: torch.device,
         pin: bool = False,
+        num_groups: int = 1,
     ) -> StepInputs:
         def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
@@ -55,6 +62,8 @@ class StepInputs:
             sample_rows=zeros(max_rows + max_tokens),
             sampling_floats=zeros(max_rows, 6, dtype=torch.float32),
             sampling_ints=zeros(max_rows, 5),
+            group_slots=zeros(num_groups - 1, max_tokens),
+            group_tables=zeros(num_groups - 1, max_seqs * max_pages, dtype=torch.int32),
         )
 
     def numpy(self) -> StepArrays:
@@ -68,8 +77,17 @@ class StepInputs:
         w pages of every row are then one contiguous prefix of w * num_seqs entries, so a step
         copies only the pages its sequences have, not the full width the graph was captured at.
         """
-        flat = self.block_tables[: num_seqs * width]
-        return flat.view(width, num_seqs).t() if page_major else flat.view(num_seqs, width)
+        return _table(self.block_tables, num_seqs, width, page_major)
+
+    def group_metas(
+        self, meta: AttentionMetadata, num_tokens: int, width: int, page_major: bool = False
+    ) -> None:
+        """Give `meta` (group 0's) the metadata of groups 1.. over these buffers."""
+        num_seqs = meta.num_seqs
+        meta.groups = [
+            meta.with_tables(slots[:num_tokens], _table(tables, num_seqs, width, page_major))
+            for slots, tables in zip(self.group_slots, self.group_tables, strict=True)
+        ]
 
     def copy_from(
         self, src: StepInputs, num_tokens: int, num_seqs: int, table_entries: int
@@ -89,6 +107,9 @@ class StepInputs:
         }
         for name, size in sizes.items():
             getattr(self, name)[:size].copy_(getattr(src, name)[:size], non_blocking=True)
+        if self.group_slots.shape[0]:
+            self.group_slots[:, :num_tokens].copy_(src.group_slots[:, :num_tokens], True)
+            self.group_tables[:, :table_entries].copy_(src.group_tables[:, :table_entries], True)
 
 
 @dataclass
@@ -104,11 +125,28 @@ class StepArrays:
     sample_rows: np.ndarray
     sampling_floats: np.ndarray
     sampling_ints: np.ndarray
+    group_slots: np.ndarray
+    group_tables: np.ndarray
 
     def block_table(self, num_seqs: int, width: int, page_major: bool = False) -> np.ndarray:
         """StepInputs.block_table as a numpy view."""
-        flat = self.block_tables[: num_seqs * width]
-        return flat.reshape(width, num_seqs).T if page_major else flat.reshape(num_seqs, width)
+        return _array_table(self.block_tables, num_seqs, width, page_major)
+
+    def group_table(
+        self, group: int, num_seqs: int, width: int, page_major: bool = False
+    ) -> np.ndarray:
+        """Group `group`'s (1..) block table, as block_table."""
+        return _array_table(self.group_tables[group - 1], num_seqs, width, page_major)
+
+
+def _table(flat: torch.Tensor, num_seqs: int, width: int, page_major: bool) -> torch.Tensor:
+    flat = flat[: num_seqs * width]
+    return flat.view(width, num_seqs).t() if page_major else flat.view(num_seqs, width)
+
+
+def _array_table(flat: np.ndarray, num_seqs: int, width: int, page_major: bool) -> np.ndarray:
+    flat = flat[: num_seqs * width]
+    return flat.reshape(width, num_seqs).T if page_major else flat.reshape(num_seqs, width)
 
 
 def forward_inputs(
@@ -130,6 +168,8 @@ def forward_inputs(
         max_context_len=max(context_lens),
         decode_only=num_tokens == num_seqs,
     )
+    if inputs.group_slots.shape[0]:
+        inputs.group_metas(meta, num_tokens, width)
     return inputs.input_ids[:num_tokens], inputs.positions[:num_tokens], meta
 
 

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 import torch
+
+from engine.kv_cache.kv_groups import KVGroups, LayerShape, group_layers, uniform
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class PagePool:
     """K and V as [layers, pages, page_size, kv_heads, head_dim], handed out a page at a time.
+
+    With `layers` (the model's KVLayout.layers) whose windows or page shapes differ, the layers
+    are grouped (engine/kv_cache/kv_groups.py: `groups`) and K and V are `groups.slots`
+    tensors each, [pages, elements], the j-th layer of every group in tensor j: one page id is
+    one group's page in every layer of that group. A layer's cache is a [pages, page_size,
+    kv_heads, head_dim] view of its tensor; where the groups' layers at one slot differ in
+    shape, the view of the smaller is page-strided (its rows padded to the larger page).
 
     A page's reference count is the number of requests whose page table holds it. A page with
     count 0 is on the free list, unless the prefix cache keeps it (see PrefixCache).
@@ -28,10 +38,21 @@ class PagePool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        layers: Sequence[LayerShape] = (),
     ) -> None:
-        shape = (num_layers, num_pages + 1, page_size, kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        groups = group_layers(layers) if layers else uniform(num_layers, kv_heads, head_dim)
+        self.groups: KVGroups = groups
+        self.device = device
+        if groups.simple:
+            shape = (num_layers, num_pages + 1, page_size, *groups.shapes[0])
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+            self.storage = [self.k, self.v]
+        else:
+            sizes = groups.slot_elements(page_size)
+            self.storage = [
+                torch.zeros(num_pages + 1, n, dtype=dtype, device=device) for n in sizes + sizes
+            ]
         self.num_pages = num_pages
         self.page_size = page_size
         self.scratch_page = num_pages
@@ -47,12 +68,35 @@ class PagePool:
     ) -> int:
         return 2 * num_layers * page_size * kv_heads * head_dim * dtype.itemsize
 
+    @staticmethod
+    def bytes_per_grouped_page(
+        page_size: int, layers: Sequence[LayerShape], dtype: torch.dtype
+    ) -> int:
+        """What one page id costs in a pool of these layers: K and V in every storage slot."""
+        return 2 * sum(group_layers(layers).slot_elements(page_size)) * dtype.itemsize
+
     @property
     def scratch_slot(self) -> int:
         return self.scratch_page * self.page_size
 
     def layer_caches(self) -> list[KVCache]:
-        return [(self.k[i], self.v[i]) for i in range(self.k.shape[0])]
+        """Per model layer, its K and V pages: [pages, page_size, kv_heads, head_dim] each."""
+        if self.groups.simple:
+            return [(self.k[i], self.v[i]) for i in range(self.k.shape[0])]
+        slots, caches = self.groups.slots, []
+        for layer, (_, j) in enumerate(self.groups.placement()):
+            heads, dim = self.groups.shapes[layer]
+            n = self.page_size * heads * dim
+            k, v = self.storage[j], self.storage[slots + j]
+            shape = (k.shape[0], self.page_size, heads, dim)
+            caches.append((k[:, :n].view(shape), v[:, :n].view(shape)))
+        return caches
+
+    @property
+    def logical_capacity(self) -> int:
+        """Logical pages one request surely fits in: a page in every KV group for each (a
+        sliding group holds fewer once its window moves on; this bound ignores that)."""
+        return self.num_pages // self.groups.num_groups
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -69,11 +113,16 @@ class PagePool:
         return page
 
     def copy_page(self, src: int, dst: int) -> None:
-        """Copy one page's K and V in every layer."""
+        """Copy one page's K and V in every layer (every storage slot: the slots a page's
+        group does not use hold nothing anyone reads)."""
         if self.copy_log is not None:
             self.copy_log.append((src, dst))
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+        if self.groups.simple:
+            self.k[:, dst] = self.k[:, src]
+            self.v[:, dst] = self.v[:, src]
+            return
+        for tensor in self.storage:
+            tensor[dst] = tensor[src]
 
     def retain(self, page: int) -> None:
         self.ref_counts[page] += 1

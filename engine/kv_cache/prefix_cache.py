@@ -12,11 +12,18 @@ With `events` a list (the engine process sets one; None records nothing), the ca
 what changes in its index (engine/protocol/kv_events.py): pages published, as one BlockStored
 per chain a publish() registers; hashed pages evicted (BlockRemoved); clear()
 (AllBlocksCleared). The owner takes the list and puts a fresh one in its place.
+
+With several KV groups (engine/kv_cache/kv_groups.py) each group has an index of its own under
+the same chain hashes (a page id belongs to one group); the events describe group 0's pages
+only, the full-attention group's when the model has one. A sliding group's page given back
+while its request runs is such a cached page too, evictable at once. engine/kv_cache/
+group_match.py finds the longest prefix every group can serve.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from engine.kv_cache.page_pool import PagePool
 from engine.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
@@ -26,7 +33,10 @@ class PrefixCache:
     def __init__(self, pool: PagePool, enabled: bool = True) -> None:
         self.pool = pool
         self.enabled = enabled
-        self.page_of_hash: dict[int, int] = {}
+        self.page_of_hash: dict[int, int] = {}  # group 0's
+        # Per group (group 0's is page_of_hash); the group of each page of groups 1.. cached.
+        self.indexes = [self.page_of_hash] + [{} for _ in range(pool.groups.num_groups - 1)]
+        self.group_of_page: dict[int, int] = {}
         self.hash_of_page: dict[int, int] = {}
         self.tokens_of_page: dict[int, tuple[int, ...]] = {}
         self.evictable: OrderedDict[int, None] = (
@@ -48,8 +58,9 @@ class PrefixCache:
         if self.pool.num_free:
             return self.pool.take_free()
         page, _ = self.evictable.popitem(last=False)
+        group = self.group_of_page.get(page, 0)
         key = self._forget(page)
-        if self.events is not None:
+        if self.events is not None and group == 0:
             self._removed(key)
         assert self.pool.ref_counts[page] == 0, f"evicted page {page} is referenced"
         self.pool.ref_counts[page] = 1
@@ -102,8 +113,11 @@ class PrefixCache:
         num_tokens: int,
         hashes: list[int],
         adapter: int = 0,
+        group_pages: Sequence[list[int]] = (),
     ) -> None:
-        """Register the full pages among the first num_tokens (computed) tokens for reuse.
+        """Register the full pages among the first num_tokens (computed) tokens for reuse:
+        `pages` (group 0's) and, with several KV groups, `group_pages` (groups 1..'s; a
+        page given back, the scratch page, is skipped).
 
         `hashes` holds the chain hashes of the pages published so far and is extended, so
         each page is hashed once over a request's life.
@@ -112,13 +126,17 @@ class PrefixCache:
             return
         size = self.pool.page_size
         root = _root(version, adapter)
-        events, run = self.events, None
+        events, run, scratch = self.events, None, self.pool.scratch_page
         for i in range(len(hashes), num_tokens // size):
             tokens = tuple(token_ids[i * size : (i + 1) * size])
             parent = hashes[-1] if hashes else None
             key = hash((root if parent is None else parent, tokens))
             hashes.append(key)
+            for group, held in enumerate(group_pages, 1):
+                self._register(group, key, held[i], tokens)
             page = pages[i]
+            if page == scratch:  # a sliding group 0 gave it back before it was published
+                continue
             if page not in self.hash_of_page and key not in self.page_of_hash:
                 self.page_of_hash[key] = page
                 self.hash_of_page[page] = key
@@ -139,7 +157,9 @@ class PrefixCache:
         for page in list(self.evictable):
             del self.evictable[page]
             self.pool.put_free(page)
-        self.page_of_hash.clear()
+        for index in self.indexes:
+            index.clear()
+        self.group_of_page.clear()
         self.hash_of_page.clear()
         self.tokens_of_page.clear()
         if self.events is not None:
@@ -154,9 +174,19 @@ class PrefixCache:
         self.events = []
         return events
 
+    def _register(self, group: int, key: int, page: int, tokens: tuple[int, ...]) -> None:
+        """A page of group 1.. under `key` (no event: events describe group 0)."""
+        index = self.indexes[group]
+        if page == self.pool.scratch_page or page in self.hash_of_page or key in index:
+            return
+        index[key] = page
+        self.hash_of_page[page] = key
+        self.tokens_of_page[page] = tokens
+        self.group_of_page[page] = group
+
     def _forget(self, page: int) -> int:
         key = self.hash_of_page.pop(page)
-        del self.page_of_hash[key]
+        del self.indexes[self.group_of_page.pop(page, 0)][key]
         del self.tokens_of_page[page]
         return key
 

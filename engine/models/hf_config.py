@@ -96,7 +96,7 @@ def parse_model_config(
     max_positions = int(raw.get("max_position_embeddings", 2048))
     served_len = min(max_positions, max_model_len) if max_model_len else max_positions
     if architecture in VARIANTS:
-        _check_llama_family(raw, act, served_len)
+        _check_llama_family(raw, act, served_len, VARIANTS[architecture].sliding)
     window = raw.get("sliding_window")
 
     eos = generation.get("eos_token_id", raw.get("eos_token_id"))
@@ -255,15 +255,18 @@ def _longrope(raw: dict[str, Any], scaling: dict[str, Any], rotary_dim: int) -> 
             )
 
 
-def _check_llama_family(raw: dict[str, Any], act: str, served_len: int) -> None:
+def _check_llama_family(raw: dict[str, Any], act: str, served_len: int, sliding: str) -> None:
     if act != "silu":
         raise UnsupportedModelError(f"hidden_act={act!r} is not supported (only 'silu')")
     window = raw.get("sliding_window")
+    if sliding:  # Mistral, Qwen2, Qwen3: their windows are computed (llama_family.py)
+        return
     # Qwen2/2.5 carry sliding_window with use_sliding_window: false (no window is used).
     if window is None or raw.get("use_sliding_window") is False:
         return
     if int(window) < served_len:
         raise UnsupportedModelError(
             f"sliding_window={window} is smaller than the served context ({served_len}); "
-            "sliding-window attention is not supported: pass max_model_len <= sliding_window"
+            "sliding-window attention is not supported for this architecture: "
+            "pass max_model_len <= sliding_window"
         )

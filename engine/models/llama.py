@@ -36,9 +36,9 @@ from engine.layers.rms_norm import RMSNorm
 from engine.layers.rope import RotaryEmbedding
 from engine.layers.silu_and_mul import SiluAndMul
 from engine.layers.vocab_embedding import VocabParallelEmbedding
-from engine.models.base import CausalLM, KVLayout, LoraTarget
+from engine.models.base import CausalLM, KVLayout, LayerKV, LoraTarget
 from engine.models.hf_config import ModelConfig
-from engine.models.llama_family import VARIANTS
+from engine.models.llama_family import PLAIN, VARIANTS, layer_windows
 from engine.models.sharding import Sharding
 from engine.moe.block import SparseMoeBlock
 from engine.moe.experts import StackedExperts
@@ -46,8 +46,11 @@ from engine.parallel.tensor_parallel import TensorParallel
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: Sharding, tp: TensorParallel) -> None:
+    def __init__(
+        self, cfg: ModelConfig, shard: Sharding, tp: TensorParallel, kind: LayerAttention = FULL
+    ) -> None:
         super().__init__()
+        self.kind = kind  # a sliding window (Mistral, Qwen2/3's upper layers), or plain
         self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads  # this rank's
         self.head_dim = cfg.head_dim
         q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
@@ -57,7 +60,6 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, cfg.o_bias, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.kind: LayerAttention = FULL  # a family with windows sets its layers' (Phi-3)
 
     def forward(
         self,
@@ -107,7 +109,9 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: Sharding, tp: TensorParallel, index: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, shard, tp)
+        windows = layer_windows(VARIANTS.get(cfg.architecture, PLAIN), cfg.raw, cfg.max_model_len)
+        kind = LayerAttention(sliding_window=windows[index]) if windows else FULL
+        self.self_attn = LlamaAttention(cfg, shard, tp, kind)
         # Registered under the checkpoint's name: `mlp`, or Mixtral's `block_sparse_moe`.
         self.mlp_name = "mlp"
         mlp: nn.Module
@@ -243,7 +247,10 @@ class LlamaForCausalLM(CausalLM):
 
     @property
     def kv_layout(self) -> KVLayout:
-        return KVLayout(self.config.num_layers, self.sharding.num_kv_heads, self.config.head_dim)
+        cfg, kv_heads = self.config, self.sharding.num_kv_heads
+        windows = layer_windows(VARIANTS.get(cfg.architecture, PLAIN), cfg.raw, cfg.max_model_len)
+        layers = tuple(LayerKV(kv_heads, cfg.head_dim, w) for w in windows)
+        return KVLayout(cfg.num_layers, kv_heads, cfg.head_dim, layers)
 
     def init_buffers(self, device: torch.device) -> None:
         self.rotary = self.make_rotary().to(device)

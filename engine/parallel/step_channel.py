@@ -68,6 +68,8 @@ class StepBuffers(Protocol):
     query_start_loc: np.ndarray
     block_tables: np.ndarray
     sample_rows: np.ndarray
+    group_slots: np.ndarray  # [groups - 1, max_tokens]: KV groups 1..'s (empty with one)
+    group_tables: np.ndarray  # [groups - 1, max_seqs * max_pages]
 
 
 class StepChannel:
@@ -79,6 +81,7 @@ class StepChannel:
         self.header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
         seqs = arrays.seq_lens.size
         capacity = sum(a.size for a in _int_arrays(arrays)) + seqs + 2 * max_copies
+        capacity += arrays.group_slots.size + arrays.group_tables.size
         self.lora_slots = np.zeros(seqs, dtype=np.int64)  # a worker's: the last STEP's
         self.payload = torch.zeros(capacity, dtype=torch.int64)
         self._payload = self.payload.numpy()
@@ -152,6 +155,8 @@ class StepChannel:
             a.query_start_loc[: h.num_seqs + 1],
             a.block_tables[: h.table_entries],
         ]
+        for slots, tables in zip(a.group_slots, a.group_tables, strict=True):
+            parts += [slots[: h.num_tokens], tables[: h.table_entries]]
         if h.num_rows + h.num_scored and not h.rows_are_tokens:
             parts.append(a.sample_rows[: h.num_rows + h.num_scored])
         return parts

@@ -55,6 +55,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     pages: list[int] = field(default_factory=list)
     slot: int | None = None  # its row in the scheduler's BlockTable while it holds pages
+    # KV groups 1.. (engine/kv_cache/kv_groups.py; group 0's are `pages`): one list each, as
+    # long as `pages`; a page a sliding group gave back reads the pool's scratch page.
+    group_pages: list[list[int]] = field(default_factory=list)
+    reclaimed: list[int] = field(default_factory=list)  # per group: leading pages given back
     page_hashes: list[int] = field(default_factory=list)  # prefix-cache chain hashes of pages
     num_computed_tokens: int = 0
     num_pending: int = 0  # tokens sampled by launched steps, not yet in token_ids

@@ -8,6 +8,11 @@ Each step, under a token budget and max_num_seqs:
 When a running request needs a page and none is available, the newest running request is
 preempted: its pages are released and it is re-queued to recompute (its generated tokens are
 kept). Only a request that alone cannot fit in the whole pool is ended, with ERROR.
+
+A model whose layers form several KV groups (sliding windows: engine/kv_cache/kv_groups.py)
+takes a page in every group per logical page; each step, before anything grows, every running
+request's sliding groups give back the pages outside their windows (engine/kv_cache/
+group_pages.py), so a long request holds about window / page_size pages there.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from engine.kv_cache.block_table import BlockTable
+from engine.kv_cache.group_pages import GroupPages
 from engine.kv_cache.prefix_cache import PrefixCache
 from engine.scheduling.request import Request, RequestStatus
 
@@ -80,12 +86,15 @@ class Scheduler:
         self.prefix_hits = 0  # prompt tokens found there
         self.too_big: list[Request] = []  # requests that alone cannot fit; the engine ends them
         self.admitting = True  # False while a weight update drains the running requests
-        self.block_table = BlockTable(max_num_seqs)  # every page change goes through it
+        groups = cache.pool.groups.num_groups
+        self.block_table = BlockTable(max_num_seqs, num_groups=groups)  # every page change
+        self.pages = GroupPages(cache, self.block_table)  # ... goes through both
         self.adapter_gate = adapter_gate
 
-    @property
-    def pool_pages(self) -> int:
-        return self.cache.pool.num_pages
+    def fits(self, num_tokens: int) -> bool:
+        """Whether a request of num_tokens fits the whole pool, at the most pages it holds."""
+        chunk = self.max_num_batched_tokens
+        return self.pages.peak(num_tokens, chunk) <= self.cache.pool.num_pages
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -104,23 +113,15 @@ class Scheduler:
 
     def fork(self, child: Request, leader: Request) -> None:
         """Start a sibling on its leader's computed prompt: share the full pages, copy the last
-        partial one. Without a free page for the copy, the sibling queues to recompute instead
-        (same tokens, more work)."""
+        partial one (in every KV group; a sliding group's within its window). Without free
+        pages for the copies, or when the leader gave back a page the sibling still needs, the
+        sibling queues to recompute instead (same tokens, more work)."""
         leader.pending_forks.remove(child)
-        size = self.cache.pool.page_size
-        full, partial = divmod(child.prompt_len, size)
+        full = child.prompt_len // self.cache.pool.page_size
         assert leader.num_computed_tokens >= child.prompt_len, "fork before the prompt is computed"
-        if partial and not self.cache.num_available:
+        if not self.pages.fork(child, leader, child.prompt_len):
             self.add(child)
             return
-        child.pages = leader.pages[:full]
-        for page in child.pages:
-            self.cache.pool.retain(page)
-        if partial:
-            copy = self.cache.allocate()
-            self.cache.pool.copy_page(leader.pages[full], copy)
-            child.pages.append(copy)
-        self.block_table.assign(child)
         child.page_hashes = leader.page_hashes[:full]
         child.publish_pages = leader.publish_pages
         child.num_computed_tokens = child.prompt_len
@@ -137,6 +138,9 @@ class Scheduler:
         still being sampled may end them): running ones keep their pages, admission stops at
         a waiting one."""
         batch = ScheduledBatch(block_table=self.block_table)
+        if self.pages.sliding:  # pages outside the windows back first: growing may use them
+            for r in self.running:
+                self.pages.reclaim(r)
         decoding: list[Request] = []
         prefilling: list[Request] = []
         for r in [r for r in self.running if r not in hold] if hold else self.running:
@@ -179,19 +183,17 @@ class Scheduler:
     def _grow(self, req: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Give a running request pages for num_tokens, preempting newer requests if needed."""
         total = self.cache.pool.pages_for(num_tokens)
-        if total > self.pool_pages:
+        if not self.fits(num_tokens):
             self._drop_too_big(req)
             return False
-        while total - len(req.pages) > self.cache.num_available:
+        while self.pages.needed(req, total) > self.cache.num_available:
             victim = self.running[-1]
             self.preempt(victim)
             batch.preempted = True
             batch.discard(victim)  # it may have been scheduled earlier in this step
             if victim is req:
                 return False
-        while len(req.pages) < total:
-            req.pages.append(self.cache.allocate())
-        self.block_table.extend(req)
+        self.pages.grow(req, total)
         return True
 
     def _admit(self, batch: ScheduledBatch, hold: Collection[Request]) -> None:
@@ -207,7 +209,7 @@ class Scheduler:
             if budget == 0 or taken + group > self.max_num_seqs or req in hold:
                 break
             # NOTE: at least the last token must be computed, so its logits exist to sample.
-            if self.cache.pool.pages_for(req.num_tokens + 1) > self.pool_pages:
+            if not self.fits(req.num_tokens + 1):
                 self.waiting.pop(0)
                 self._drop_too_big(req)
                 continue
@@ -218,20 +220,20 @@ class Scheduler:
             limit = req.num_tokens - 1
             if req.prompt_scores is not None:
                 limit = min(limit, req.prompt_scores.cache_limit)
-            hit_pages = self.cache.match(
+            hit = self.pages.match(
                 self.policy_version, req.token_ids, limit, req.page_hashes, req.adapter_key
             )
-            num_cached = len(hit_pages) * self.cache.pool.page_size
+            num_cached = hit.num_pages * self.cache.pool.page_size
             num_tokens = min(req.num_tokens - num_cached, budget)
-            needed = self.cache.pool.pages_for(num_cached + num_tokens) - len(hit_pages)
-            if needed > self.cache.num_available:
-                for page in hit_pages:  # give the hits back; try again next step
-                    self.cache.release(page)
+            total = self.cache.pool.pages_for(num_cached + num_tokens)
+            if (total - hit.num_pages) * self.pages.num_groups > self.cache.num_available:
+                self.pages.give_back(hit)  # try again next step
                 req.page_hashes.clear()
                 break
             self.waiting.pop(0)
-            req.pages = hit_pages + [self.cache.allocate() for _ in range(needed)]
+            self.pages.take_hit(req, hit)
             self.block_table.assign(req)
+            self.pages.grow(req, total)
             req.num_computed_tokens = num_cached
             if req.first_scheduled_time is None:  # first admission, not a resume
                 req.num_cached_tokens = num_cached
@@ -271,8 +273,5 @@ class Scheduler:
         self.too_big.append(req)
 
     def _release_pages(self, req: Request) -> None:
-        for page in req.pages:
-            self.cache.release(page)
-        self.block_table.release(req)
-        req.pages = []
+        self.pages.release(req)
         req.page_hashes.clear()

@@ -41,7 +41,7 @@ class ModelMemory:
         self.model = model
         self.pool = pool
         self.runner = runner
-        self.device = pool.k.device
+        self.device = pool.device
         self._kv: Released = []
         self._weights: Released = []
         self.weights_stale = False  # storage back, contents not loaded yet
@@ -60,7 +60,7 @@ class ModelMemory:
         assert not self.kv_released, "the KV pool is already released"
         assert self.pool.num_free == self.pool.num_pages, "KV pages are still referenced"
         self._drop_graphs()  # NOTE: before the storage goes: graphs point into it
-        self._kv = _release([self.pool.k, self.pool.v])
+        self._kv = _release(self.pool.storage)
         _return_to_system(self.device)
         return sum(nbytes for _, nbytes in self._kv)
 
@@ -71,8 +71,8 @@ class ModelMemory:
         with mapped_allocations(self.device.type):
             _restore(self._kv)
         self._kv = []
-        self.pool.k.zero_()
-        self.pool.v.zero_()
+        for tensor in self.pool.storage:
+            tensor.zero_()
         if self.runner.graphs is not None:
             self.runner.graphs.capture()
 

@@ -19,6 +19,7 @@ import torch
 
 from engine.kv_cache.page_pool import PagePool
 from engine.kv_cache.prefix_cache import PrefixCache
+from engine.models.base import LayerKV
 from engine.protocol.messages import SamplingParams
 from engine.scheduling.request import Request, RequestStatus
 from engine.scheduling.scheduler import ScheduledBatch, Scheduler
@@ -34,6 +35,26 @@ def make_pool(pages: int = 64, page_size: int = PAGE) -> PagePool:
 
 def make_cache(pages: int = 64, page_size: int = PAGE, enabled: bool = True) -> PrefixCache:
     return PrefixCache(make_pool(pages, page_size), enabled=enabled)
+
+
+def make_grouped_scheduler(
+    windows: list[int | None],
+    pages: int = 64,
+    max_seqs: int = 8,
+    budget: int = 32,
+    page_size: int = PAGE,
+    prefix_cache: bool = True,
+) -> Scheduler:
+    """make_scheduler over a model whose layer i attends over `windows[i]` (None: full)."""
+    layers = [LayerKV(1, 1, w) for w in windows]
+    cpu = torch.device("cpu")
+    pool = PagePool(pages, page_size, len(layers), 1, 1, torch.float32, cpu, layers)
+    return Scheduler(PrefixCache(pool, enabled=prefix_cache), max_seqs, budget)
+
+
+def held_pages(req: Request, scratch: int) -> list[int]:
+    """Every page `req` holds, in every KV group (given-back entries aside)."""
+    return [p for pages in [req.pages, *req.group_pages] for p in pages if p != scratch]
 
 
 def make_scheduler(
@@ -91,6 +112,7 @@ def advance(sched: Scheduler, batch: ScheduledBatch) -> None:
             req.num_computed_tokens,
             req.page_hashes,
             req.adapter_key,
+            req.group_pages,
         )
         if req.num_computed_tokens == req.num_tokens:
             req.token_ids.append(SAMPLED)
@@ -116,7 +138,7 @@ def assert_pages_accounted(sched: Scheduler, live: Iterable[Request] = ()) -> No
     are the whole pool."""
     cache, pool = sched.cache, sched.cache.pool
     holders = {id(r): r for r in [*sched.running, *sched.waiting, *live]}.values()
-    held = Counter(page for r in holders for page in r.pages)
+    held = Counter(page for r in holders for page in held_pages(r, pool.scratch_page))
     assert [pool.ref_counts[p] for p in range(pool.num_pages)] == [
         held[p] for p in range(pool.num_pages)
     ], "a page's reference count is not the number of requests holding it"
