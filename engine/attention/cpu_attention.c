@@ -91,10 +91,11 @@ typedef struct {
 static inline __attribute__((always_inline)) void attend_row(
     int dtype, const char *q, const char *k_cache, const char *v_cache, const int32_t *table,
     int32_t first, int32_t len, char *out, int64_t heads, int64_t kv_heads, int64_t head_dim,
-    int64_t page_size, Kind kind, float *qf, float *scores, float *acc, float *tmp) {
+    int64_t page_size, int64_t page_stride, Kind kind, float *qf, float *scores, float *acc,
+    float *tmp) {
     const int64_t esize = dtype == F32 ? 4 : 2, d = head_dim, group = heads / kv_heads;
     const int64_t token_stride = kv_heads * d, token_bytes = token_stride * esize;
-    const int64_t page_bytes = page_size * token_bytes;
+    const int64_t page_bytes = page_stride * esize;
     const int32_t n = len - first, first_page = first - first % (int32_t)page_size;
     const float *src = as_f32(q, dtype, tmp, heads * d);
     for (int64_t i = 0; i < heads * d; i++) qf[i] = src[i] * kind.scale;
@@ -161,9 +162,9 @@ static inline __m512 widen16(const uint16_t *p) { /* 16 bfloat16 -> 16 float32 *
 static inline __attribute__((always_inline)) void attend_row_bf16(
     const uint16_t *q, const char *k_cache, const char *v_cache, const int32_t *table,
     int32_t first, int32_t len, uint16_t *out, int64_t heads, int64_t kv_heads, int64_t d,
-    int64_t page_size, Kind kind, float *inv_sum, float *scores, float *acc) {
+    int64_t page_size, int64_t page_stride, Kind kind, float *inv_sum, float *scores, float *acc) {
     const int64_t group = heads / kv_heads, token_stride = kv_heads * d;
-    const int64_t page_bytes = page_size * token_stride * 2, token_bytes = token_stride * 2;
+    const int64_t page_bytes = page_stride * 2, token_bytes = token_stride * 2;
     const int32_t n = len - first, first_page = first - first % (int32_t)page_size;
     for (int32_t start = first_page; start < len; start += page_size) {  /* scores[head, t] */
         const int32_t p = start / page_size;
@@ -224,8 +225,9 @@ static inline int32_t first_key(int32_t len, int32_t window) {
 int paged_decode_attention(int dtype, const void *q, int64_t q_row_stride, const void *k_cache,
                            const void *v_cache, const int32_t *tables, int64_t table_stride,
                            const int32_t *lens, void *out, int64_t rows, int64_t heads,
-                           int64_t kv_heads, int64_t head_dim, int64_t page_size, float scale,
-                           int32_t window, float softcap, const float *sinks, int threads) {
+                           int64_t kv_heads, int64_t head_dim, int64_t page_size,
+                           int64_t page_stride, float scale, int32_t window, float softcap,
+                           const float *sinks, int threads) {
     const int64_t esize = dtype == F32 ? 4 : 2, d = head_dim;
     const Kind kind = {scale, softcap, sinks};
     int32_t max_keys = 1; /* the most keys a row sees: the scores buffer's width */
@@ -251,10 +253,11 @@ int paged_decode_attention(int dtype, const void *q, int64_t q_row_stride, const
  * (1.2-1.3x at head_dim 64); other head sizes run the same loops, generic. */
 #define ATTEND_BF16(D)                                                                       \
     attend_row_bf16((const uint16_t *)qr, k_cache, v_cache, tables + r * table_stride, first, \
-                    len, (uint16_t *)o, heads, kv_heads, D, page_size, kind, work, scores, acc)
+                    len, (uint16_t *)o, heads, kv_heads, D, page_size, page_stride, kind, work,  \
+                    scores, acc)
 #define ATTEND(DTYPE, D)                                                                     \
     attend_row(DTYPE, qr, k_cache, v_cache, tables + r * table_stride, first, len, o, heads, \
-               kv_heads, D, page_size, kind, work, scores, acc, tmp)
+               kv_heads, D, page_size, page_stride, kind, work, scores, acc, tmp)
 #if HAVE_AVX512BF16
             if (dtype == BF16 && d % 32 == 0) {
                 if (d == 64) ATTEND_BF16(64);

@@ -28,7 +28,7 @@ def load() -> ctypes.CDLL | None:
         fn = lib.paged_decode_attention
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr]  # dtype .. out
-        fn.argtypes += [i64] * 5 + [ctypes.c_float, ctypes.c_int32, ctypes.c_float]  # .. softcap
+        fn.argtypes += [i64] * 6 + [ctypes.c_float, ctypes.c_int32, ctypes.c_float]  # .. softcap
         fn.argtypes += [ptr, ctypes.c_int]  # sinks, threads
         lib.rotary_store.restype = None
         lib.rotary_store.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr, i64]  # .. v_stride
@@ -55,7 +55,11 @@ def decode_attention(
     _, page_size, kv_heads, _ = k_cache.shape
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    # Pages may lie further apart than a page's elements (a smaller layer's view into storage
+    # shared with a larger one: engine/kv_cache/kv_groups.py); within a page, tokens are dense.
+    page_stride = k_cache.stride(0)
+    for cache in (k_cache, v_cache):
+        assert cache.stride(0) == page_stride and cache[0].is_contiguous()
     assert q.dtype == k_cache.dtype == v_cache.dtype and tables.dtype == lens.dtype == torch.int32
     if tables.stride(1) != 1:  # a page-major table (graph steps build those)
         tables = tables.contiguous()
@@ -80,6 +84,7 @@ def decode_attention(
         kv_heads,
         head_dim,
         page_size,
+        page_stride,
         scale,
         window or 0,
         softcap or 0.0,

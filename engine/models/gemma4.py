@@ -16,11 +16,7 @@ K and V of the last earlier layer of its kind (`kv_layout` lists the layers that
 the forward hands a sharing layer its source's cache).
 
 KV cache shapes: `kv_layout.layers` gives each cache-owning layer its own (KV heads, head
-size, window). Until the page pool allocates per layer, it allocates every layer at the
-layout's uniform (num_kv_heads, head_dim), that of the largest layer, and a smaller layer views
-the front of its layer's storage at its own shape (`_fit`): correct for every step, but a page
-copy (a fork's copy-on-write of a partial prompt page, n > 1) copies the pool's page extent,
-which for such a layer is not its page.
+size, window), and the page pool allocates each at that shape (engine/kv_cache/kv_groups.py).
 """
 
 from __future__ import annotations
@@ -127,10 +123,7 @@ class Gemma4ForCausalLM(CausalLM):
         shared: dict[int, SharedKV] = {}  # each cache-owning layer's K and V, for its sharers
         for i, layer in enumerate(self.model.layers):
             spec = self.gemma.layers[i]
-            cache = None
-            if kv_caches is not None:
-                heads = self.sharding.num_kv_heads[i]
-                cache = _fit(kv_caches[self.cache_index[i]], heads, spec.head_dim)
+            cache = None if kv_caches is None else kv_caches[self.cache_index[i]]
             h, kv = layer(
                 h,
                 None if per_layer is None else per_layer[:, i],
@@ -226,16 +219,3 @@ class Gemma4ForCausalLM(CausalLM):
         meta = AttentionMetadata.dense([seq] * batch)
         hidden = self.forward(input_ids.reshape(-1), positions, meta, None)
         return self.compute_logits(hidden).view(batch, seq, -1)
-
-
-def _fit(cache: KVCache, heads: int, head_dim: int) -> KVCache:
-    """The layer's cache at its own (KV heads, head size): the pool's tensors when they have
-    it, else a view of the front of their storage (see the module's docstring)."""
-    k, v = cache
-    if k.shape[2:] == (heads, head_dim):
-        return cache
-    pages, page_size = k.shape[:2]
-    size = pages * page_size * heads * head_dim
-    assert size <= k.numel() and k.is_contiguous() and v.is_contiguous()
-    shape = (pages, page_size, heads, head_dim)
-    return k.view(-1)[:size].view(shape), v.view(-1)[:size].view(shape)
