@@ -43,7 +43,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict[str, Any] | None  # None, or {"rope_type": "linear"|"llama3", ...}
+    rope_scaling: dict[str, Any] | None  # None, or {"rope_type": "linear"|"llama3"|"yarn", ...}
     max_position_embeddings: int
     max_model_len: int  # what the engine serves: max_position_embeddings capped by the caller
     tie_word_embeddings: bool
@@ -120,7 +120,7 @@ def parse_model_config(
         qk_norm=qk_norm,
         eos_token_ids=eos_ids,
         checkpoint_dtype=raw.get("dtype") or raw.get("torch_dtype"),
-        moe=_moe(raw, architecture) if variant.moe else None,
+        moe=_moe(raw, architecture) if variant.moe else moe,
         hidden_act=act,
         layer_types=tuple(raw.get("layer_types") or ()),
         sliding_window=None if window is None else int(window),
@@ -197,6 +197,12 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         )
     if rope_type == "default":
         return theta, None
+    if rope_type == "yarn":  # transformers' defaults (standardize_rope_params, YaRN's own)
+        positions = int(raw.get("max_position_embeddings", 2048))
+        old_len = scaling.get("original_max_position_embeddings") or positions
+        scaling["original_max_position_embeddings"] = old_len
+        if scaling.get("factor") is None:
+            scaling["factor"] = positions / old_len
     return theta, {"rope_type": rope_type, **scaling}
 
 
