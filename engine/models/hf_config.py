@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.models import gpt_oss_config
 from engine.models.llama_family import PLAIN, VARIANTS
 from engine.models.registry import ARCHITECTURES
 from engine.moe.config import MoeConfig
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class UnsupportedModelError(ValueError):
@@ -78,6 +79,12 @@ def parse_model_config(
 ) -> ModelConfig:
     architecture = _architecture(raw)
     variant = VARIANTS.get(architecture, PLAIN)  # another family: its config says it all
+    moe = None
+    if architecture == gpt_oss_config.ARCHITECTURE:  # its defaults, refusals and experts
+        try:
+            raw, moe = gpt_oss_config.read_gpt_oss(raw)
+        except gpt_oss_config.GptOssConfigError as err:
+            raise UnsupportedModelError(str(err)) from None
     qkv_bias, o_bias, qk_norm = variant.qkv_bias, variant.o_bias, variant.qk_norm
     attention_bias = bool(raw.get("attention_bias", False))
     if architecture == "Qwen2MoeForCausalLM":

@@ -13,4 +13,5 @@ from engine.models.llama_family import VARIANTS
 
 ARCHITECTURES: dict[str, tuple[str, str]] = {
     **{name: ("engine.models.llama", "LlamaForCausalLM") for name in VARIANTS},
+    "GptOssForCausalLM": ("engine.models.gpt_oss", "GptOssForCausalLM"),
 }
