@@ -105,12 +105,16 @@ def test_each_pair_reads_its_own_row_and_its_experts_weight() -> None:
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("arch", "overrides"), [("qwen3_moe", {"mlp_only_layers": [1]}), ("gpt_oss", {})]
+)
 def test_an_moe_engine_on_the_triton_layer_kernels_generates_the_torch_paths_tokens(
-    tmp_path: Path,
+    tmp_path: Path, arch: str, overrides: dict[str, object]
 ) -> None:
     """layer_kernels=triton reaches the stacked experts: the grouped GEMMs (with the norms,
-    activation and rotary kernels) give the torch path's greedy ids and routed experts."""
-    checkpoint = make_checkpoint(tmp_path / "qwen3_moe", "qwen3_moe", mlp_only_layers=[1])
+    activation and rotary kernels; gpt-oss's biases and clamped SwiGLU) give the torch path's
+    greedy ids and routed experts."""
+    checkpoint = make_checkpoint(tmp_path / arch, arch, **overrides)
     batch = prompts(300, count=3)[1:]
     params = SamplingParams(temperature=0.0, max_tokens=4, routed_experts=True)
     runs = []

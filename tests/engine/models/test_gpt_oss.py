@@ -3,8 +3,9 @@ greedy ids equal HF `generate` and logprobs within 1e-4 in float32, with prompts
 than the sliding window (8 tokens), through the engine and through `sluice serve` (gRPC); the
 same tokens with small pages, chunked prefill, preemption and prefix-cache hits; each layer's
 window declared in the KV layout; routed experts equal HF's routers; weight updates (whole
-checkpoints and single fused expert tensors) serve what HF serves with the new weights; keys
-Sluice cannot honour refused by name."""
+checkpoints and single fused expert tensors) serve what HF serves with the new weights; a
+level-2 sleep frees and reloads the experts and their biases; keys Sluice cannot honour
+refused by name."""
 
 from __future__ import annotations
 
@@ -163,6 +164,18 @@ def test_weight_updates_serve_what_hf_serves_with_the_new_weights(
     model = load_hf_model(other)
     for prompt, result in zip(batch, results, strict=True):
         assert_equals_hf(model, prompt, result)
+
+
+def test_level_2_sleep_frees_the_experts_and_wake_reloads_them(gpt_oss: Path) -> None:
+    engine = make_engine(gpt_oss)
+    batch = prompts(engine.info.vocab_size, count=3)
+    before = [r.token_ids for r in engine.generate(batch, greedy(12))]
+    experts = engine.model.model.layers[0].mlp.experts
+    engine.sleep(level=2)
+    assert experts.gate_up_proj.untyped_storage().nbytes() == 0
+    assert experts.gate_up_proj_bias.untyped_storage().nbytes() == 0
+    assert engine.wake_up().reloaded
+    assert [r.token_ids for r in engine.generate(batch, greedy(12))] == before
 
 
 @pytest.mark.parametrize(
