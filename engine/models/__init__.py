@@ -5,7 +5,9 @@ architecture to its class), `registry` (architecture name -> the module and clas
 it), `hf_config` (a checkpoint's config.json read into ModelConfig), and the Llama family:
 `llama` (the model: Llama, Mistral, Qwen2/3 and their MoE kin Mixtral, Qwen2-MoE, Qwen3-MoE),
 `llama_family` (one row per member: biases, q/k norm, MoE checkpoint names) and `sharding` (its
-sharding table: which slice of each of its checkpoint tensors a rank holds).
+sharding table: which slice of each of its checkpoint tensors a rank holds); gpt-oss:
+`gpt_oss` (its layers on the Llama-shaped decoder), `gpt_oss_config` (its config keys) and
+`gpt_oss_sharding` (its sinks and fused experts across ranks).
 
 May import: engine.attention, engine.layers, engine.moe, engine.parallel.tensor_parallel, engine.parallel.shard_layout
 """
