@@ -4,8 +4,9 @@ and Qwen2-MoE's gated shared expert), as transformers computes it.
 The family that uses it passes its checkpoint names (the experts' part names) and its rank's
 sizes (from its sharding table); the block names its modules as the checkpoints do (`gate`,
 `experts`, `shared_expert`, `shared_expert_gate`; gpt-oss's router is `router`, with a bias,
-and its experts' tensors transformers' fused ones: engine/moe/experts.py). Tensor parallelism: each rank's partial sum
-of routed and shared outputs is summed by one all-reduce, as a dense MLP's down_proj is.
+and its experts' tensors transformers' fused ones: engine/moe/experts.py). Tensor parallelism:
+each rank's partial sum of routed and shared outputs is summed by one all-reduce, as a dense
+MLP's down_proj is.
 """
 
 from __future__ import annotations
