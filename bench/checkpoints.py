@@ -36,7 +36,7 @@ RECIPE_VERSION = 1  # bump when the way checkpoints are written changes
 class Shape:
     """One model shape: the transformers architecture and its config keys."""
 
-    arch: str  # llama, qwen2, qwen3, qwen3_moe, gemma3_text
+    arch: str  # llama, qwen2, qwen3, qwen3_moe, gemma3_text, gpt_oss
     config: dict[str, Any] = field(default_factory=dict)
     note: str = ""
 
@@ -145,6 +145,27 @@ SHAPES: dict[str, Shape] = {
             "pad_token_id": None,
         },
         "Gemma-3-like at small's size: 6 layers (5 sliding of 128, 1 full), hidden 256",
+    ),
+    # gpt-oss-like at small's size: 4 layers alternating a 128-token window and full attention
+    # (the nano-vllm workload's prompts and outputs run past it), learned sinks, YaRN as
+    # gpt-oss's, 8 experts of 344 with biases and the clamped SwiGLU, top-2.
+    "small-gpt-oss": Shape(
+        "gpt_oss",
+        {
+            "hidden_size": 256,
+            "intermediate_size": 344,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "sliding_window": 128,
+            "vocab_size": 2048,
+            "max_position_embeddings": 4096,
+            "tie_word_embeddings": False,
+        },
+        "gpt-oss-like at small's size: 4 layers (window 128 / full), 8 experts of 344, top-2",
     ),
     "llama-75m": Shape(
         "llama",
@@ -273,6 +294,29 @@ SHAPES: dict[str, Shape] = {
         },
         "Qwen3-30B-A3B with 4 of its 48 layers",
     ),
+    # gpt-oss-20b's layer (32 experts of 2880 with biases, top-4, GQA 64/8, head_dim 64, sinks,
+    # YaRN x32 over 4096) with 4 of its 24 layers (two sliding of 128, two full), unquantized:
+    # about 4.4B parameters, 8.7 GB in bfloat16 (1.2B of them the embedding and LM head).
+    "gpt-oss-20b-4l": Shape(
+        "gpt_oss",
+        {
+            "hidden_size": 2880,
+            "intermediate_size": 2880,
+            "num_local_experts": 32,
+            "num_experts_per_tok": 4,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "sliding_window": 128,
+            "vocab_size": 201088,
+            "max_position_embeddings": 131072,
+            "rope_theta": 150000.0,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+        },
+        "gpt-oss-20b with 4 of its 24 layers, experts in bfloat16 (not MXFP4)",
+    ),
 }
 
 
@@ -342,6 +386,7 @@ def write_checkpoint(
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }
     config_class, model_class = classes[shape.arch]
     config = config_class(bos_token_id=bos, eos_token_id=eos, **shape.config)

@@ -113,12 +113,21 @@ step offline-qwen3-30b-a3b-4l 150 bench.throughput.offline --shape qwen3-30b-a3b
 # Gemma 3 (issue 45): Gemma-3-4B's text layers with 6 of its 34 (five sliding of 1024, one
 # full; about 1.2B parameters, 0.67B of them the 262k-row embedding). Prompts of 100-1024 and
 # outputs of 100-1024 tokens: the later steps attend past the window. HF at batch 16: its
-# prefill's logits over 262k ids for every prompt position are 8.6 GB at that batch. The sliding
-# layers need the Triton backend's window kernels (issue 45, item 1).
+# prefill's logits over 262k ids for every prompt position are 8.6 GB at that batch.
 # Alone: ONLY="checkpoints-gemma3 offline-gemma-3-4b-6l" bash bench/run_gpu.sh
 step checkpoints-gemma3 120 $CK gemma-3-4b-6l
 rm -f "$OUT/checkpoints-gemma3.json"
 step offline-gemma-3-4b-6l 200 bench.throughput.offline --shape gemma-3-4b-6l $DEV --num-requests 64 \
+  --hf-batch-sizes 16 --kv-cache-gib 16 --temperature 0
+# gpt-oss (issue 45): gpt-oss-20b's layers with 4 of its 24 (two sliding of 128, two full;
+# about 4.4B parameters, 8.7 GB in bfloat16, experts unquantized), greedy, HF beside it. Prompts
+# and outputs of 100-1024 tokens: most steps attend past the window. HF at batch 16: its
+# prefill's logits over 201k ids are 6.6 GB at that batch. No --moe-loop: the bench's
+# per-expert loop has no expert biases.
+# Alone: ONLY="checkpoints-gpt-oss offline-gpt-oss-20b-4l" bash bench/run_gpu.sh
+step checkpoints-gpt-oss 120 $CK gpt-oss-20b-4l
+rm -f "$OUT/checkpoints-gpt-oss.json"
+step offline-gpt-oss-20b-4l 200 bench.throughput.offline --shape gpt-oss-20b-4l $DEV --num-requests 64 \
   --hf-batch-sizes 16 --kv-cache-gib 16 --temperature 0
 # The service's ceiling in front of an instant stand-in engine (no GPU needed, the host's cores).
 CEIL="bench.ceiling.run --streams 256 --step-ms 5 2.5 --clients 8 --seconds 4"

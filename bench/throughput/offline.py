@@ -15,6 +15,7 @@ per-expert loop of bench/throughput/moe_loop.py in place of its grouped experts,
 ratio grouped / loop is reported.
 
     python -m bench.throughput.offline --shape small-moe --scale 0.05 --threads 2 --moe-loop
+    python -m bench.throughput.offline --shape small-gpt-oss --scale 0.05 --threads 2 --temperature 0
     python -m bench.throughput.offline --shape tiny --scale 0.25 --threads 2
     python -m bench.throughput.offline --shape small-gemma3 --scale 0.05 --threads 2 --temperature 0
     python -m bench.throughput.offline --shape tiny --scale 0.25 --threads 2 --tensor-parallel-size 2 --skip-hf

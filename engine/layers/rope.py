@@ -1,6 +1,13 @@
 """Rotary position embeddings as transformers computes them (default, linear, llama3, longrope,
-and Gemma 4's proportional rope), over the whole head or, with a partial rotary (Phi-4-mini),
-its first `rotary_dim` dimensions."""
+yarn, and Gemma 4's proportional rope), over the whole head or, with a partial rotary
+(Phi-4-mini), its first `rotary_dim` dimensions.
+
+LongRoPE and YaRN also scale cos and sin by their attention factor, as transformers does: the
+tables hold the scaled values, so every backend that reads them (torch_ref's `rotary`, the C
+rotary_store, the Triton rotary_kv kernel) applies it. The rotation is the rotate-half layout
+(first half of a head against its second half), which is also the layout gpt-oss's
+`_apply_rotary_emb` uses.
+"""
 
 from __future__ import annotations
 
@@ -78,13 +85,53 @@ def longrope_frequencies(
     return inv_freq, float(attention)
 
 
+def yarn(
+    head_dim: int, theta: float, scaling: dict[str, Any]
+) -> tuple[torch.Tensor, float]:  # ([head_dim // 2] float32, attention factor)
+    """YaRN's inverse frequencies and attention factor, as transformers'
+    `_compute_yarn_parameters`: interpolated (divided by `factor`) below the correction range,
+    extrapolated (kept) above it, a linear ramp between. The config reader fills
+    `original_max_position_embeddings` and a missing `factor` (engine/models/hf_config.py)."""
+    factor = float(scaling["factor"])
+    old_len = scaling["original_max_position_embeddings"]
+    attention = scaling.get("attention_factor")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention is None:
+        if mscale and mscale_all_dim:
+            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention = _yarn_mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = (torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)
+    extrapolation = 1 - torch.clamp(ramp, 0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).to(dtype=torch.float) / head_dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
+    return inv_freq, float(attention)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 class RotaryEmbedding(torch.nn.Module):
     """cos/sin tables for every position up to max_len, indexed by each token's position.
 
     `rotary_dim` (default: the whole head) is how many leading dimensions of each head rotate
     (transformers' `partial_rotary_factor` times head_dim); the rest pass through unchanged.
     The tables are [max_len, rotary_dim] float32, already scaled by the rope type's attention
-    factor (LongRoPE's)."""
+    factor (LongRoPE's, YaRN's)."""
 
     def __init__(
         self,
@@ -99,6 +146,8 @@ class RotaryEmbedding(torch.nn.Module):
         attention = 1.0
         if scaling is not None and scaling["rope_type"] == "longrope":
             inv_freq, attention = longrope_frequencies(self.rotary_dim, theta, scaling, max_len)
+        elif scaling is not None and scaling["rope_type"] == "yarn":
+            inv_freq, attention = yarn(self.rotary_dim, theta, scaling)
         else:
             inv_freq = inverse_frequencies(self.rotary_dim, theta, scaling)
         freqs = torch.arange(max_len, dtype=torch.int64).float()[:, None] * inv_freq[None, :]

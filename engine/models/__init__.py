@@ -9,7 +9,9 @@ sharding table: which slice of each of its checkpoint tensors a rank holds); `ph
 (Phi-3/Phi-4: the Llama layers with fused qkv/gate-up checkpoint tensors, their sharding table
 and a sliding window on every layer); the Gemma family: `gemma` (Gemma 2 and Gemma 3 text:
 sliding and full layers, soft caps, two rope bases; Llama's sharding table) and `gemma_config`
-(their keys of config.json, checked).
+(their keys of config.json, checked); gpt-oss:
+`gpt_oss` (its layers on the Llama-shaped decoder), `gpt_oss_config` (its config keys) and
+`gpt_oss_sharding` (its sinks and fused experts across ranks).
 
 May import: engine.attention, engine.layers, engine.moe, engine.parallel.tensor_parallel, engine.parallel.shard_layout
 """

@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.models import gpt_oss_config
 from engine.models.llama_family import PLAIN, VARIANTS
 from engine.models.registry import ARCHITECTURES
 from engine.moe.config import MoeConfig
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "proportional")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "proportional", "yarn")
 # The architectures whose model rotates part of each head (`partial_rotary_factor` < 1).
 PARTIAL_ROTARY = ("Phi3ForCausalLM",)
 
@@ -45,7 +46,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict[str, Any] | None  # None, or {"rope_type": "linear"|"llama3", ...}
+    rope_scaling: dict[str, Any] | None  # None, or {"rope_type": "linear"|"llama3"|"yarn", ...}
     max_position_embeddings: int
     max_model_len: int  # what the engine serves: max_position_embeddings capped by the caller
     tie_word_embeddings: bool
@@ -81,6 +82,12 @@ def parse_model_config(
 ) -> ModelConfig:
     architecture = _architecture(raw)
     variant = VARIANTS.get(architecture, PLAIN)  # another family: its config says it all
+    moe = None
+    if architecture == gpt_oss_config.ARCHITECTURE:  # its defaults, refusals and experts
+        try:
+            raw, moe = gpt_oss_config.read_gpt_oss(raw)
+        except gpt_oss_config.GptOssConfigError as err:
+            raise UnsupportedModelError(str(err)) from None
     qkv_bias, o_bias, qk_norm = variant.qkv_bias, variant.o_bias, variant.qk_norm
     attention_bias = bool(raw.get("attention_bias", False))
     if architecture == "Qwen2MoeForCausalLM":
@@ -122,7 +129,7 @@ def parse_model_config(
         qk_norm=qk_norm,
         eos_token_ids=eos_ids,
         checkpoint_dtype=raw.get("dtype") or raw.get("torch_dtype"),
-        moe=_moe(raw, architecture) if variant.moe else _family_moe(raw, architecture),
+        moe=_moe(raw, architecture) if variant.moe else moe or _family_moe(raw, architecture),
         hidden_act=act,
         layer_types=tuple(raw.get("layer_types") or ()),
         sliding_window=None if window is None else int(window),
@@ -232,6 +239,12 @@ def _rope(
         return theta, None, partial
     if rope_type == "longrope":
         _longrope(raw, scaling, int(head_dim * partial))
+    if rope_type == "yarn":  # transformers' defaults (standardize_rope_params, YaRN's own)
+        positions = int(raw.get("max_position_embeddings", 2048))
+        old_len = scaling.get("original_max_position_embeddings") or positions
+        scaling["original_max_position_embeddings"] = old_len
+        if scaling.get("factor") is None:
+            scaling["factor"] = positions / old_len
     return theta, {"rope_type": rope_type, **scaling}, partial
 
 

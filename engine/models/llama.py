@@ -24,6 +24,8 @@ partial output, before their all-reduce); the base model's steps pass None.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -161,19 +163,29 @@ class LlamaDecoderLayer(nn.Module):
         return (mlp(h, lora) if isinstance(mlp, LlamaMLP) else mlp(h, routing)), residual
 
 
+# Builds decoder layer `index` (cfg, shard, tp, index): LlamaDecoderLayer, or a cousin family's
+# layer of the same call (engine/models/gpt_oss.py).
+DecoderLayer = Callable[[ModelConfig, Sharding, TensorParallel, int], nn.Module]
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: Sharding, tp: TensorParallel) -> None:
+    def __init__(
+        self, cfg: ModelConfig, shard: Sharding, tp: TensorParallel, layer: DecoderLayer
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
             shard.vocab_size, cfg.hidden_size, shard.vocab_start, tp
         )
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, shard, tp, i) for i in range(cfg.num_layers)
-        )
+        self.layers = nn.ModuleList(layer(cfg, shard, tp, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(CausalLM):
+    # A family of this shape with decoder layers of its own (gpt-oss) subclasses this class,
+    # naming its layer here, and inherits the rest: the forward pass, the LM head, checkpoint
+    # names, LoRA targets.
+    decoder_layer: DecoderLayer = LlamaDecoderLayer
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -189,7 +201,7 @@ class LlamaForCausalLM(CausalLM):
         self.backend = backend
         self.tp = tp or TensorParallel()
         self.sharding: Sharding = self.shard_layout(cfg, self.tp.rank, self.tp.size)
-        self.model = LlamaModel(cfg, self.sharding, self.tp)
+        self.model = LlamaModel(cfg, self.sharding, self.tp, self.decoder_layer)
         self.lm_head = None
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, self.sharding.vocab_size, bias=False)

@@ -17,4 +17,5 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("engine.models.gemma", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("engine.models.gemma", "GemmaForCausalLM"),
     "Gemma4ForCausalLM": ("engine.models.gemma4", "Gemma4ForCausalLM"),
+    "GptOssForCausalLM": ("engine.models.gpt_oss", "GptOssForCausalLM"),
 }

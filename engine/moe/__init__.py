@@ -3,8 +3,9 @@
 `config` (MoeConfig: experts, top-k, sizes, routing flags; a family's config reader fills it),
 `experts` (`route`, and StackedExperts: every expert's weights stacked, their GEMMs grouped by
 expert: a torch loop, or one grouped-GEMM launch per projection on Triton), `block`
-(SparseMoeBlock: router, experts and an optional gated shared expert, one all-reduce) and
-`routed_experts` (the expert ids a step records for the rows that asked, and their host copy).
+(SparseMoeBlock: router, experts and an optional gated shared expert, one all-reduce),
+`routed_experts` (the expert ids a step records for the rows that asked, and their host copy)
+and `clamped_swiglu` (gpt-oss's expert activation).
 A folder of its own, below models/ as layers/ is: it names no family (a family passes its
 checkpoint names and its rank's sizes), so every family with experts shares it and the runner,
 the sleep and the kernels' tests reach it without going through a model.

@@ -3,11 +3,15 @@ and Qwen2-MoE's gated shared expert), as transformers computes it.
 
 The family that uses it passes its checkpoint names (the experts' part names) and its rank's
 sizes (from its sharding table); the block names its modules as the checkpoints do (`gate`,
-`experts`, `shared_expert`, `shared_expert_gate`). Tensor parallelism: each rank's partial sum
-of routed and shared outputs is summed by one all-reduce, as a dense MLP's down_proj is.
+`experts`, `shared_expert`, `shared_expert_gate`; gpt-oss's router is `router`, with a bias,
+and its experts' tensors transformers' fused ones: engine/moe/experts.py). Tensor parallelism:
+each rank's partial sum of routed and shared outputs is summed by one all-reduce, as a dense
+MLP's down_proj is.
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -38,8 +42,8 @@ class SharedExpert(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """A decoder layer's MoE feed-forward: router, stacked experts, optional shared expert.
-    Module names are the checkpoint's (`gate`, `experts`, `shared_expert`,
-    `shared_expert_gate`)."""
+    Module names are the checkpoint's (`gate` or the family's router name, `experts`,
+    `shared_expert`, `shared_expert_gate`)."""
 
     def __init__(
         self,
@@ -47,17 +51,29 @@ class SparseMoeBlock(nn.Module):
         moe: MoeConfig,
         expert_size: int,
         shared_size: int,
-        parts: tuple[str, str, str],
+        parts: tuple[str, str, str] | None,
         tp: TensorParallel,
+        router: str = "gate",
     ) -> None:
         """`expert_size`, `shared_size`: this rank's intermediate size of each expert and of
         the shared expert (0: none); `parts`: the checkpoints' names of each expert's (gate,
-        up, down) projections."""
+        up, down) projections (None: transformers' fused tensors); `router`: the checkpoints'
+        name of the router."""
         super().__init__()
         self.moe = moe
         self.tp = tp
-        self.gate = nn.Linear(hidden, moe.num_experts, bias=False)  # replicated
-        self.experts = StackedExperts(moe.num_experts, hidden, expert_size, parts)
+        self.router_name = router
+        # Replicated; registered under the checkpoint's name.
+        self.add_module(router, nn.Linear(hidden, moe.num_experts, bias=moe.router_bias))
+        self.experts = StackedExperts(
+            moe.num_experts,
+            hidden,
+            expert_size,
+            parts,
+            bias=moe.expert_bias,
+            swiglu=moe.clamped_swiglu,
+            adds_down_bias=tp.rank == 0,
+        )
         self.shared_expert: SharedExpert | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if moe.shared_expert_intermediate_size:
@@ -69,7 +85,8 @@ class SparseMoeBlock(nn.Module):
     ) -> torch.Tensor:  # [tokens, hidden] -> same
         """`routing`, when given, gains this layer's expert ids [tokens, top_k] (the routed
         experts a request asked for: engine/moe/routed_experts.py)."""
-        weights, ids = route(linear(x, self.gate.weight, None), self.moe)
+        router = cast(nn.Linear, self.get_submodule(self.router_name))
+        weights, ids = route(linear(x, router.weight, router.bias), self.moe)
         if routing is not None:
             routing.append(ids)
         out = self.experts(x, weights, ids)

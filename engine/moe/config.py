@@ -13,6 +13,9 @@ class MoeConfig:
     Routing as transformers computes it: softmax over the router logits in float32, the top-k,
     renormalised to sum to 1 when `norm_topk_prob`; the weights are then cast to the model's
     dtype (Qwen) or kept in float32 (Mixtral: `weights_in_float32`) for the weighted sum.
+    gpt-oss routes the other way round (`softmax_after_topk`: the top-k logits, then a softmax
+    over them in the logits' dtype), through a router with a bias, to experts with biases whose
+    activation is a clamped SwiGLU (`clamped_swiglu`: engine/moe/clamped_swiglu.py).
     """
 
     num_experts: int
@@ -22,3 +25,7 @@ class MoeConfig:
     weights_in_float32: bool
     shared_expert_intermediate_size: int  # 0: no shared expert (Qwen2-MoE has a gated one)
     sparse_layers: tuple[int, ...]  # the layers whose MLP is the MoE block; the rest are dense
+    softmax_after_topk: bool = False  # gpt-oss: top-k of the logits, softmax over those k
+    router_bias: bool = False  # the router's linear has a bias (gpt-oss)
+    expert_bias: bool = False  # each expert's gate/up and down projections have biases
+    clamped_swiglu: tuple[float, float] | None = None  # (alpha, limit); None: SiLU(gate) * up

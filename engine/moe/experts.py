@@ -10,6 +10,11 @@ hidden] (each expert's gate rows, then its up rows, as MergedLinear stacks a den
 (`mlp.experts.3.gate_proj.weight`; Mixtral `block_sparse_moe.experts.3.w1.weight`: the family
 passes its names), so `checkpoint_tensors` names each expert's part by its checkpoint name, as a view of the stack:
 loading and weight updates write through these views.
+gpt-oss's checkpoints hold transformers' fused tensors instead (`mlp.experts.gate_up_proj`
+[experts, hidden, 2 * inter], gate and up columns interleaved, and `down_proj` [experts, inter,
+hidden], with `gate_up_proj_bias` and `down_proj_bias`): the stack keeps the gate/up rows in
+that interleaved order, so each fused tensor is the transpose of its stack, again a view; its
+activation (engine/moe/clamped_swiglu.py) reads gate and up as the even and odd columns.
 
 The forward groups the (token, choice) pairs by expert (one sort) and runs each expert that has
 tokens as one GEMM over all of them, never a loop over tokens. The torch path (the reference,
@@ -34,13 +39,18 @@ from torch import nn
 
 from engine.layers.linear import linear
 from engine.layers.silu_and_mul import SiluAndMul
+from engine.moe.clamped_swiglu import ClampedSwiGLU
 from engine.moe.config import MoeConfig
 
 
 def route(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, expert ids), each [tokens, top_k], highest weight first, from the router's
     logits [tokens, experts] (in the model's dtype): softmax in float32, top-k, renormalised if
-    `norm_topk_prob`, then cast back to the logits' dtype unless `weights_in_float32`."""
+    `norm_topk_prob`, then cast back to the logits' dtype unless `weights_in_float32`; with
+    `softmax_after_topk` (gpt-oss), the top-k logits, then their softmax in the logits' dtype."""
+    if moe.softmax_after_topk:
+        top, ids = torch.topk(logits, moe.top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=top.dtype), ids
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, moe.top_k, dim=-1)
     if moe.norm_topk_prob:
@@ -58,35 +68,70 @@ class StackedExperts(nn.Module):
         num_experts: int,
         hidden: int,
         inter: int,
-        parts: tuple[str, ...],
+        parts: tuple[str, ...] | None,
         act: nn.Module | None = None,
+        bias: bool = False,
+        swiglu: tuple[float, float] | None = None,
+        adds_down_bias: bool = True,
     ) -> None:
-        """`act`: the gate's activation times up, `act(gate, up)` (SiluAndMul unless given:
-        Gemma 4's experts pass GeLU-tanh's)."""
+        """`parts`: the checkpoints' names of each expert's (gate, up, down) projections; None:
+        transformers' fused tensors (gpt-oss), gate/up rows interleaved. `act`: the gate's
+        activation times up, `act(gate, up)` (SiluAndMul unless given: Gemma 4's experts pass
+        GeLU-tanh's). `bias`: every projection has a bias per expert; `adds_down_bias`: this
+        rank adds the down bias (under tensor parallelism one rank does: each rank's output is
+        a partial sum). `swiglu`: (alpha, limit) of a clamped SwiGLU instead of SiLU(gate) * up."""
         super().__init__()
         self.inter = inter
-        self.parts = parts  # checkpoint names of (gate, up, down)
+        self.parts = parts  # checkpoint names of (gate, up, down); None: the fused tensors
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
-        self.act = SiluAndMul() if act is None else act
+        self.gate_up_proj_bias: nn.Parameter | None = None
+        self.down_proj_bias: nn.Parameter | None = None
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * inter))
+            self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden))
+        self.adds_down_bias = bias and adds_down_bias
+        if act is None:
+            act = SiluAndMul() if swiglu is None else ClampedSwiGLU(*swiglu)
+        self.act = act
         self.triton = False  # the grouped-GEMM kernel (engine/layers/grouped_gemm_kernel.py)
-        for view in self.checkpoint_tensors().values():  # as nn.Linear initialises each
-            nn.init.kaiming_uniform_(view, a=math.sqrt(5))
+        matrices = self.checkpoint_tensors().values() if parts else self._matrices()
+        for view in matrices:  # as nn.Linear initialises each
+            if view.dim() == 2:  # the weights, not the biases (zeros)
+                nn.init.kaiming_uniform_(view, a=math.sqrt(5))
         # Per-expert views, rebuilt when the parameters' storage moves (to_empty, sleep):
         # `linear` caches a packed CPU copy on the weight tensor it is given, so it must be
         # given the same tensor every step.
         self._views: tuple[tuple[int, int], list[torch.Tensor], list[torch.Tensor]] | None = None
 
+    def _matrices(self) -> list[torch.Tensor]:
+        return [*self.gate_up_proj.detach().unbind(0), *self.down_proj.detach().unbind(0)]
+
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """`{expert}.{gate|up|down}.weight` -> that expert's part of the stack: views sharing
-        its storage, outside autograd."""
-        gate, up, down = self.parts
+        """`{expert}.{gate|up|down}.weight` (and `.bias`) -> that expert's part of the stack;
+        fused (`parts` None): `gate_up_proj`, `down_proj` (the stacks' transposes),
+        `gate_up_proj_bias`, `down_proj_bias`. Views sharing the stacks' storage, outside
+        autograd."""
         gate_up, down_w = self.gate_up_proj.detach(), self.down_proj.detach()
-        tensors: dict[str, torch.Tensor] = {}
+        gate_up_b, down_b = self.gate_up_proj_bias, self.down_proj_bias
+        if self.parts is None:
+            tensors = {"gate_up_proj": gate_up.transpose(1, 2), "down_proj": down_w.transpose(1, 2)}
+            if gate_up_b is not None and down_b is not None:
+                tensors |= {
+                    "gate_up_proj_bias": gate_up_b.detach(),
+                    "down_proj_bias": down_b.detach(),
+                }
+            return tensors
+        gate, up, down = self.parts
+        tensors = {}
         for e in range(gate_up.shape[0]):
             tensors[f"{e}.{gate}.weight"] = gate_up[e, : self.inter]
             tensors[f"{e}.{up}.weight"] = gate_up[e, self.inter :]
             tensors[f"{e}.{down}.weight"] = down_w[e]
+            if gate_up_b is not None and down_b is not None:
+                tensors[f"{e}.{gate}.bias"] = gate_up_b.detach()[e, : self.inter]
+                tensors[f"{e}.{up}.bias"] = gate_up_b.detach()[e, self.inter :]
+                tensors[f"{e}.{down}.bias"] = down_b.detach()[e]
         return tensors
 
     def forward(
@@ -100,7 +145,7 @@ class StackedExperts(nn.Module):
         order = flat.argsort(stable=True)  # the pairs grouped by expert
         token_of = order // top_k  # each grouped pair's token
         if self.triton:
-            out = self._grouped(x, flat, token_of)
+            out = self._grouped(x, flat, token_of, flat[order])
         else:
             out = self._per_expert(x[token_of], flat)
         # As transformers: each product in the weights' dtype (float32 for Mixtral), then cast
@@ -118,14 +163,27 @@ class StackedExperts(nn.Module):
             if n == 0:
                 continue
             rows = slice(start, start + n)
-            g, u = linear(grouped[rows], gate_up[e], None).chunk(2, dim=-1)  # [n, 2 * inter]
-            out[rows] = linear(self.act(g, u), down[e], None)
+            h = linear(grouped[rows], gate_up[e], None)  # [n, 2 * inter]
+            if self.gate_up_proj_bias is not None:  # as transformers: the GEMM, then the bias
+                h = h + self.gate_up_proj_bias[e]
+            y = linear(self._activate(h), down[e], None)
+            if self.adds_down_bias and self.down_proj_bias is not None:
+                y = y + self.down_proj_bias[e]
+            out[rows] = y
             start += n
         return out
 
-    def _grouped(self, x: torch.Tensor, flat: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
+    def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:  # [n, 2 * inter] -> [n, inter]
+        if isinstance(self.act, ClampedSwiGLU):
+            return self.act(gate_up)  # gate and up interleaved
+        return self.act(*gate_up.chunk(2, dim=-1))  # the gate half, then the up half
+
+    def _grouped(
+        self, x: torch.Tensor, flat: torch.Tensor, token_of: torch.Tensor, expert_of: torch.Tensor
+    ) -> torch.Tensor:
         """The Triton path: each projection one grouped-GEMM launch over every expert's pairs,
-        the counts kept on the device. [pairs, hidden] in grouped order."""
+        the counts kept on the device; biases (gpt-oss) added after each launch, gathered by
+        each pair's expert (`expert_of`). [pairs, hidden] in grouped order."""
         from engine.layers.grouped_gemm_kernel import group_blocks, grouped_gemm
 
         experts = self.gate_up_proj.shape[0]
@@ -134,9 +192,14 @@ class StackedExperts(nn.Module):
         counts.scatter_add_(0, flat, torch.ones_like(flat))
         starts = group_blocks(counts)
         gate_up = grouped_gemm(x, token_of, self.gate_up_proj.detach(), *starts)
-        h = self.act(*gate_up.chunk(2, dim=-1))  # [pairs, inter]
+        if self.gate_up_proj_bias is not None:
+            gate_up = gate_up + self.gate_up_proj_bias[expert_of]
+        h = self._activate(gate_up)  # [pairs, inter]
         rows = torch.arange(h.shape[0], device=x.device)
-        return grouped_gemm(h, rows, self.down_proj.detach(), *starts)
+        out = grouped_gemm(h, rows, self.down_proj.detach(), *starts)
+        if self.adds_down_bias and self.down_proj_bias is not None:
+            out = out + self.down_proj_bias[expert_of]
+        return out
 
     def drop_views(self) -> None:
         """Forget the per-expert views and the packed CPU copies `linear` cached on them (a

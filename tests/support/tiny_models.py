@@ -75,6 +75,18 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "pad_token_id": None,
         "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
     },
+    # gpt-oss: 4 experts top-2 with biases, layers alternating an 8-token window and full
+    # attention, YaRN, learned sinks; a low swiglu_limit so that the clamps bite. Its biases
+    # and sinks are drawn at random (transformers initialises most of them to zero).
+    "gpt_oss": {
+        "tie_word_embeddings": False,
+        "head_dim": 16,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 48,
+        "sliding_window": 8,
+        "swiglu_limit": 1.0,
+    },
 }
 
 
@@ -142,7 +154,8 @@ def make_checkpoint(
     **config_overrides: Any,
 ) -> Path:
     """Write a tiny random checkpoint of `arch` (llama, mistral, qwen2, qwen3, phi3, gemma2,
-    gemma3_text, and the mixture-of-experts mixtral, qwen2_moe, qwen3_moe) into directory."""
+    gemma3_text, and the mixture-of-experts mixtral, qwen2_moe, qwen3_moe, gpt_oss) into
+    directory."""
     import torch
     import transformers
 
@@ -168,6 +181,7 @@ def make_checkpoint(
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }[arch]
     kwargs = {**BASE_CONFIG, **ARCH_DEFAULTS[arch], **config_overrides}
     config = config_class(
@@ -175,11 +189,25 @@ def make_checkpoint(
     )
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32).eval()
+    if arch == "gpt_oss":
+        _randomize_biases_and_sinks(model, seed)
     save_kwargs: dict[str, Any] = {}
     if max_shard_size is not None:
         save_kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(directory, **save_kwargs)
     return directory
+
+
+def _randomize_biases_and_sinks(model: Any, seed: int) -> None:
+    """Every bias and attention sink drawn from N(0, 0.5): a checkpoint whose biases are zero
+    (transformers' initialisation of the experts') would not tell whether they are added."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
 
 
 def load_hf_model(directory: Path) -> Any:

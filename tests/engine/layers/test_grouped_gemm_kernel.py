@@ -68,6 +68,28 @@ def test_grouped_experts_equal_the_per_expert_torch_path(
     torch.testing.assert_close(grouped, reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("adds_down_bias", [True, False])  # rank 0, other ranks
+def test_gpt_oss_experts_biases_and_clamped_swiglu_equal_the_torch_path(
+    adds_down_bias: bool,
+) -> None:
+    """gpt-oss's experts on the grouped GEMMs: each pair's gate/up bias and (on the rank that
+    adds it) down bias gathered by its expert, the clamped SwiGLU on the interleaved columns."""
+    torch.manual_seed(0)
+    stack = StackedExperts(
+        6, 40, 24, None, bias=True, swiglu=(1.702, 0.5), adds_down_bias=adds_down_bias
+    ).to(DEVICE)
+    with torch.no_grad():
+        for bias in (stack.gate_up_proj_bias, stack.down_proj_bias):
+            assert bias is not None
+            bias.normal_()
+    x, weights, ids = routed(20, 40, 6, 2)
+    with torch.no_grad():
+        reference = stack(x, weights, ids)
+        stack.triton = True
+        grouped = stack(x, weights, ids)
+    torch.testing.assert_close(grouped, reference, rtol=1e-5, atol=1e-5)
+
+
 def test_each_pair_reads_its_own_row_and_its_experts_weight() -> None:
     """The kernel alone: rows gathered through `rows`, every expert's group (one spanning
     several blocks, one empty) against its weight."""
@@ -83,12 +105,16 @@ def test_each_pair_reads_its_own_row_and_its_experts_weight() -> None:
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("arch", "overrides"), [("qwen3_moe", {"mlp_only_layers": [1]}), ("gpt_oss", {})]
+)
 def test_an_moe_engine_on_the_triton_layer_kernels_generates_the_torch_paths_tokens(
-    tmp_path: Path,
+    tmp_path: Path, arch: str, overrides: dict[str, object]
 ) -> None:
     """layer_kernels=triton reaches the stacked experts: the grouped GEMMs (with the norms,
-    activation and rotary kernels) give the torch path's greedy ids and routed experts."""
-    checkpoint = make_checkpoint(tmp_path / "qwen3_moe", "qwen3_moe", mlp_only_layers=[1])
+    activation and rotary kernels; gpt-oss's biases and clamped SwiGLU) give the torch path's
+    greedy ids and routed experts."""
+    checkpoint = make_checkpoint(tmp_path / arch, arch, **overrides)
     batch = prompts(300, count=3)[1:]
     params = SamplingParams(temperature=0.0, max_tokens=4, routed_experts=True)
     runs = []

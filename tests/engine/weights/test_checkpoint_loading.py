@@ -57,7 +57,7 @@ def test_transformers_5x_rope_parameters_and_generation_eos_are_read() -> None:
     ("change", "named"),
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel"),
-        ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "yarn"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 4.0}}, "dynamic"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
         # Mistral and Qwen2/3 compute their windows; a member that does not refuses one.
