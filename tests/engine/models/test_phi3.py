@@ -181,8 +181,10 @@ def test_chunked_prefill_preemption_and_the_prefix_cache_keep_the_windowed_token
     batch = [[*shared, 40 + k] for k in range(3)] + long_prompts(300, 2)
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
     expected = [r.token_ids for r in make_engine(everything).generate(batch, params)]
+    # 12 pages of 8: each request's window (40 tokens) and a 32-token chunk fit alone, four
+    # at once do not (pages behind the window go back as it moves on): preemptions.
     tight = make_engine(
-        everything, num_kv_pages=24, page_size=8, max_num_seqs=4, max_num_batched_tokens=32
+        everything, num_kv_pages=12, page_size=8, max_num_seqs=4, max_num_batched_tokens=32
     )
     assert [r.token_ids for r in tight.generate(batch, params)] == expected
     stats = tight.stats()
