@@ -45,8 +45,8 @@ def run(windows: list[int | None], total: int, prompt: int, size: int, reclaim: 
         groups_needed * -(-total // size), size, len(layers), 1, 1, torch.float32, cpu, layers
     )
     sched = Scheduler(PrefixCache(pool, enabled=False), max_num_seqs=1, max_num_batched_tokens=2048)
-    if not reclaim:
-        sched.pages.sliding = []  # every group keeps every page, as a pool without groups
+    if not reclaim:  # every group keeps every page, as a pool without reclamation would
+        setattr(sched.pages, "reclaim", lambda req: None)  # noqa: B010 (an instance's method)
     req = Request("r", 0, prompt, list(range(prompt)), SamplingParams(), 0, total - prompt, 0)
     sched.add(req)
     scratch, groups = pool.scratch_page, pool.groups
