@@ -37,16 +37,17 @@ STAGE_DELAY_S = 0.1  # per tensor; the tiny Llama has 21, so staging takes over 
 
 
 def slow_staging_engine_main(config: EngineConfig, conn: Connection) -> None:
-    """engine_main whose weight staging takes STAGE_DELAY_S per tensor (a large checkpoint)."""
-    from engine.weights.staging import StagedWeights
+    """engine_main whose weight staging takes STAGE_DELAY_S per tensor read (a large
+    checkpoint)."""
+    from engine.weights.checkpoint_reader import CheckpointReader
 
-    add = StagedWeights.add
+    read = CheckpointReader.read
 
-    def slow_add(self: StagedWeights, *args: Any, **kwargs: Any) -> None:
+    def slow_read(self: CheckpointReader, *args: Any, **kwargs: Any) -> Any:
         time.sleep(STAGE_DELAY_S)
-        add(self, *args, **kwargs)
+        return read(self, *args, **kwargs)
 
-    StagedWeights.add = slow_add  # type: ignore[method-assign]
+    CheckpointReader.read = slow_read  # type: ignore[method-assign]
     engine_main(config, conn)
 
 
