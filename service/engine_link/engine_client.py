@@ -68,6 +68,9 @@ from service.ops.metrics import Metrics
 
 log = structlog.get_logger("sluice.engine_client")
 
+# The states of an engine that was serving: lost in one, the client restarts at once.
+SERVED = (EngineState.SERVING, EngineState.SLEEPING, EngineState.AWAITING_WEIGHTS)
+
 
 class EngineClient:
     def __init__(
@@ -338,6 +341,10 @@ class EngineClient:
             engine.ready.exception()  # observed: nobody waits for it when the server stops early
         if engine is not self.engine:
             return  # a replaced incarnation: what it carried was failed when it was replaced
+        if self.state in SERVED:
+            # At once, not when the Supervisor wakes: a request in between would be admitted
+            # as if a lost engine served it (and refused UNAVAILABLE by _send).
+            self.set_state(EngineState.RESTARTING)
         self.stats = EngineStats()  # nothing runs or waits in a lost engine
         if not self.stopping:
             log.error("engine.lost", reason=reason, in_flight=len(self.router))

@@ -29,7 +29,10 @@ def nice_values(pid: int) -> list[int]:
     """The nice value of each thread of `pid` (field 19 of /proc/PID/task/TID/stat)."""
     values = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        stat = (task / "stat").read_text()
+        try:
+            stat = (task / "stat").read_text()
+        except FileNotFoundError:  # the thread ended since the listing: it has no value now
+            continue
         values.append(int(stat.rsplit(")", 1)[1].split()[16]))
     return values
 

@@ -21,6 +21,7 @@ from sluice_client import AsyncClient, Client
 from engine.protocol.config import EngineConfig
 from engine.protocol.messages import MAX_POLICY_VERSION
 from service.config import ServiceConfig
+from service.engine_link.engine_state import EngineState
 from service.server import SluiceServer, create_server
 from tests.support.fake_engine import fake_engine_main
 from tests.support.service_harness import health_status, make_fake_model, running_server
@@ -238,3 +239,22 @@ async def test_inline_update_files_are_replayed_once_and_deleted_at_shutdown(mod
                 assert len(server.engine.replay_log.entries()) == 2
     assert not [e for e in logs if e["event"] == "engine.replay_failed"]
     assert list(weights_dir.iterdir()) == []
+
+
+@pytest.mark.timeout(60)
+async def test_a_lost_engine_is_restarting_at_once_not_serving_until_the_supervisor_wakes(
+    model_dir,
+):
+    """Between the loss and the Supervisor's next turn a request would otherwise be admitted
+    as if the lost engine served it (and refused UNAVAILABLE, the client told to retry)."""
+    async with (
+        running_server(model_dir) as (server, target),
+        AsyncClient(target, retry=False) as client,
+    ):
+        lost = server.engine.engine
+        assert lost is not None and server.engine.state is EngineState.SERVING
+        server.engine.lose(lost, "lost by the test")
+        assert server.engine.state is EngineState.RESTARTING  # before any other task ran
+        await wait_until(lambda: server.engine.state is EngineState.SERVING, 30)
+        assert server.engine.engine is not lost
+        assert (await client.complete([0, 5], max_tokens=2)).token_ids == [5, 5]
