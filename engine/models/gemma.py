@@ -33,71 +33,9 @@ from engine.layers.vocab_embedding import VocabParallelEmbedding
 from engine.models.base import CausalLM, KVLayout, LayerKV, LoraTarget
 from engine.models.gemma_config import FULL, SLIDING, GemmaConfig, gemma_config
 from engine.models.hf_config import ModelConfig
+from engine.models.llama import LlamaAttention, LlamaMLP
 from engine.models.sharding import Sharding
 from engine.parallel.tensor_parallel import TensorParallel
-
-
-class GemmaAttention(nn.Module):
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        shard: Sharding,
-        tp: TensorParallel,
-        layer: LayerAttention,
-        qk_norm: bool,
-    ) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads  # this rank's
-        self.head_dim = cfg.head_dim
-        self.layer = layer
-        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
-        self.qkv_proj = MergedLinear(
-            cfg.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, cfg.qkv_bias
-        )
-        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, cfg.o_bias, tp)
-        self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
-        self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [tokens, hidden]
-        positions: torch.Tensor,  # [tokens]
-        rotary: RotaryEmbedding,
-        backend: AttentionBackend,
-        cache: KVCache | None,
-        meta: AttentionMetadata,
-        lora: LoraPass | None = None,
-    ) -> torch.Tensor:
-        tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
-        if lora is not None:
-            lora.add(self.qkv_proj, x, qkv)
-        q, k, v = qkv.split(self.qkv_proj.sizes, dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        out = backend.forward(q, k, v, positions, rotary, cache, meta, self.layer)
-        return self.o_proj(out.reshape(tokens, -1), lora)  # out: [tokens, heads, head_dim]
-
-
-class GemmaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: Sharding, tp: TensorParallel) -> None:
-        super().__init__()
-        inter = shard.intermediate_size  # this rank's
-        self.gate_up_proj = MergedLinear(
-            cfg.hidden_size, {"gate_proj": inter, "up_proj": inter}, cfg.mlp_bias
-        )
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, tp)
-        self.act = GeluTanhAndMul()
-
-    def forward(self, x: torch.Tensor, lora: LoraPass | None = None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [tokens, 2 * inter]: gate half first
-        if lora is not None:
-            lora.add(self.gate_up_proj, x, gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate, up), lora)
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -107,8 +45,9 @@ class GemmaDecoderLayer(nn.Module):
         super().__init__()
         window = gemma.window if gemma.sliding(index) else None
         layer = LayerAttention(window, gemma.scale, gemma.attn_softcap)
-        self.self_attn = GemmaAttention(cfg, shard, tp, layer, gemma.qk_norm)
-        self.mlp = GemmaMLP(cfg, shard, tp)
+        norm = GemmaRMSNorm if gemma.qk_norm else None  # Gemma 3's q/k norms
+        self.self_attn = LlamaAttention(cfg, shard, tp, layer, norm)
+        self.mlp = LlamaMLP(cfg, shard, tp, GeluTanhAndMul())
         dim, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(dim, eps)
         self.post_attention_layernorm = GemmaRMSNorm(dim, eps)

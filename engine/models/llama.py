@@ -49,8 +49,15 @@ from engine.parallel.tensor_parallel import TensorParallel
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, shard: Sharding, tp: TensorParallel, kind: LayerAttention = FULL
+        self,
+        cfg: ModelConfig,
+        shard: Sharding,
+        tp: TensorParallel,
+        kind: LayerAttention = FULL,
+        qk_norm: Callable[[int, float], nn.Module] | None = None,
     ) -> None:
+        """`qk_norm`: the per-head norm of q and k, when the family's is not RMSNorm (Gemma 3's
+        (1 + weight) norm); RMSNorm where `cfg.qk_norm` says so (Qwen3)."""
         super().__init__()
         self.kind = kind  # a sliding window (Mistral, Qwen2/3's upper layers), or plain
         self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads  # this rank's
@@ -60,8 +67,9 @@ class LlamaAttention(nn.Module):
             cfg.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, cfg.qkv_bias
         )
         self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, cfg.o_bias, tp)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        norm = qk_norm or (RMSNorm if cfg.qk_norm else None)
+        self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps) if norm else None
+        self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps) if norm else None
 
     def forward(
         self,
@@ -90,14 +98,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: Sharding, tp: TensorParallel) -> None:
+    def __init__(
+        self, cfg: ModelConfig, shard: Sharding, tp: TensorParallel, act: nn.Module | None = None
+    ) -> None:
+        """`act(gate, up)`: SiluAndMul unless the family gates otherwise (Gemma: GeLU-tanh)."""
         super().__init__()
         inter = shard.intermediate_size  # this rank's
         self.gate_up_proj = MergedLinear(
             cfg.hidden_size, {"gate_proj": inter, "up_proj": inter}, cfg.mlp_bias
         )
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, tp)
-        self.act = SiluAndMul()
+        self.act = SiluAndMul() if act is None else act
 
     def forward(self, x: torch.Tensor, lora: LoraPass | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [tokens, 2 * inter]: gate half first
