@@ -2,7 +2,8 @@
 `quant_method: mxfp4`, as the released gpt-oss checkpoints are) loads unchanged: every tensor
 equals transformers' `Mxfp4Config(dequantize=True)` load bit for bit, greedy ids equal its
 `generate` and logprobs are within 1e-4 in float32; weight updates take a full-precision or an
-MXFP4 checkpoint, and in-process blocks with their scales."""
+MXFP4 checkpoint, and in-process blocks with their scales; a level-2 sleep's wake reads the
+blocks again; two tensor-parallel ranks each keep their slice of the dequantized experts."""
 
 from __future__ import annotations
 
@@ -155,3 +156,44 @@ def test_blocks_without_their_scales_are_refused_and_change_nothing(
     assert err.value.code == "INVALID_ARGUMENT"
     for key, tensor in served(engine).items():
         assert torch.equal(tensor, before[key]), key
+
+
+def test_a_wake_after_a_level_2_sleep_reads_the_mxfp4_experts_again(
+    checkpoints: dict[str, Path],
+) -> None:
+    engine = engine_for(checkpoints["mxfp4"])
+    before = served(engine)
+    engine.sleep(level=2)
+    assert engine.model.model.layers[1].mlp.experts.down_proj.untyped_storage().nbytes() == 0
+    engine.wake_up()
+    for name, tensor in served(engine).items():
+        assert torch.equal(tensor, before[name]), name
+
+
+def test_two_ranks_each_keep_their_slice_of_the_dequantized_experts(
+    checkpoints: dict[str, Path],
+) -> None:
+    """Tensor parallel (gloo, CPU): each rank dequantizes an expert tensor whole and keeps its
+    columns or rows; greedy ids equal transformers' and logprobs one rank's within 1e-4."""
+    config = EngineConfig(
+        model=str(checkpoints["mxfp4"]),
+        device="cpu",
+        dtype="float32",
+        cpu_threads=1,  # two ranks of two threads on two cores run 10-100x slower
+        tensor_parallel_size=2,
+        warmup=False,
+    )
+    two = LLMEngine(config)
+    try:
+        batch = prompts(two.info.vocab_size, count=4)[1:]  # 12..28 tokens: past the window
+        params = greedy(12, logprobs=True)
+        split = two.generate(batch, params)
+        single = engine_for(checkpoints["mxfp4"]).generate(batch, params)
+    finally:
+        two.close()
+    hf = load_hf_dequantized(checkpoints["mxfp4"])
+    for prompt, a, b in zip(batch, single, split, strict=True):
+        assert b.token_ids == a.token_ids == hf_greedy(hf, prompt, 12)[0]
+        torch.testing.assert_close(
+            torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0
+        )
