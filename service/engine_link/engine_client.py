@@ -5,9 +5,8 @@ It owns the facts the rest of the service reads: the engine's state, the served 
 (`updating_weights`, the one update slot), the sleep level (`sleep_link`), the LoRA adapters
 (`adapters`), the last stats. Requests go to the engine through `submit` and come back through
 the RequestRouter; weight updates through `update_weights`; Sleep and Wake through
-`sleep_or_wake`. The engine process itself is an EngineProcess; the Supervisor replaces it when
-it is lost, and replays the ReplayLog and the adapters into the new one (and puts it back to
-sleep if the server sleeps) before it serves.
+`sleep_or_wake`. The engine process is an EngineProcess; the Supervisor replaces a lost one and
+replays the ReplayLog and adapters into the new one (asleep if the server sleeps) first.
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ from service.engine_link.engine_process import (
     EngineUnavailableError,
     StartProcess,
 )
-from service.engine_link.engine_state import EngineState
+from service.engine_link.engine_state import SERVED, EngineState
 from service.engine_link.kv_event_log import KvEventLog
 from service.engine_link.replay import replay
 from service.engine_link.replay_log import ReplayLog
@@ -67,9 +66,6 @@ from service.engine_link.update_route import UpdateRoute, UpdateRoutes, deliver
 from service.ops.metrics import Metrics
 
 log = structlog.get_logger("sluice.engine_client")
-
-# The states of an engine that was serving: lost in one, the client restarts at once.
-SERVED = (EngineState.SERVING, EngineState.SLEEPING, EngineState.AWAITING_WEIGHTS)
 
 
 class EngineClient:
@@ -341,9 +337,7 @@ class EngineClient:
             engine.ready.exception()  # observed: nobody waits for it when the server stops early
         if engine is not self.engine:
             return  # a replaced incarnation: what it carried was failed when it was replaced
-        if self.state in SERVED:
-            # At once, not when the Supervisor wakes: a request in between would be admitted
-            # as if a lost engine served it (and refused UNAVAILABLE by _send).
+        if self.state in SERVED:  # now: a request admitted before the Supervisor wakes is refused
             self.set_state(EngineState.RESTARTING)
         self.stats = EngineStats()  # nothing runs or waits in a lost engine
         if not self.stopping:

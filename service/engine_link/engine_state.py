@@ -15,3 +15,8 @@ class EngineState(enum.Enum):
     RESTARTING = "restarting"
     STOPPING = "stopping"
     STOPPED = "stopped"
+
+
+# An engine that was serving in one of these states and is lost is RESTARTING at once: a
+# request admitted before the Supervisor's next turn would go to the lost incarnation.
+SERVED = frozenset({EngineState.SERVING, EngineState.SLEEPING, EngineState.AWAITING_WEIGHTS})
