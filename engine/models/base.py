@@ -137,6 +137,17 @@ class CausalLM(nn.Module, ABC):
         v_proj; a fused one, whose checkpoints keep it whole as Phi-3's do, is one target
         under its own name), in module order."""
 
+    def dense_forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [batch, seq, vocab] for whole sequences from position 0, without a KV cache.
+
+        For training and checks; serving goes through forward() with the paged cache.
+        """
+        batch, seq = input_ids.shape
+        positions = torch.arange(seq, device=input_ids.device).repeat(batch)
+        meta = AttentionMetadata.dense([seq] * batch)
+        hidden = self.forward(input_ids.reshape(-1), positions, meta, None)
+        return self.compute_logits(hidden).view(batch, seq, -1)
+
     @abstractmethod
     def init_buffers(self, device: torch.device) -> None:
         """Compute, on `device`, the tensors that are not loaded (rotary tables): after a

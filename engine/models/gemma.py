@@ -33,7 +33,7 @@ from engine.layers.vocab_embedding import VocabParallelEmbedding
 from engine.models.base import CausalLM, KVLayout, LayerKV, LoraTarget
 from engine.models.gemma_config import FULL, SLIDING, GemmaConfig, gemma_config
 from engine.models.hf_config import ModelConfig
-from engine.models.llama import LlamaAttention, LlamaMLP
+from engine.models.llama import LlamaAttention, LlamaMLP, checkpoint_tensors_of
 from engine.models.sharding import Sharding
 from engine.parallel.tensor_parallel import TensorParallel
 
@@ -160,15 +160,7 @@ class GemmaForCausalLM(CausalLM):
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every checkpoint tensor by its Hugging Face name (q, k, v and gate, up as views of
         their merged projections' rows), sharing the parameters' storage."""
-        tensors: dict[str, torch.Tensor] = {}
-        for prefix, module in self.named_modules():
-            if isinstance(module, MergedLinear):  # its parts are its parent's projections
-                prefix = prefix.rpartition(".")[0]
-                local = module.checkpoint_tensors()
-            else:
-                local = {name: p.detach() for name, p in module.named_parameters(recurse=False)}
-            tensors |= {f"{prefix}.{name}".lstrip("."): t for name, t in local.items()}
-        return tensors
+        return checkpoint_tensors_of(self)
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -211,11 +203,3 @@ class GemmaForCausalLM(CausalLM):
         # bfloat16, steps of 1/8 near a cap of 30: ties that argmax breaks by index, as HF's).
         capped = torch.tanh(logits.to(hidden.dtype) / cap) * cap
         return capped.float()
-
-    def dense_forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [batch, seq, vocab] for whole sequences from position 0, without a KV cache."""
-        batch, seq = input_ids.shape
-        positions = torch.arange(seq, device=input_ids.device).repeat(batch)
-        meta = AttentionMetadata.dense([seq] * batch)
-        hidden = self.forward(input_ids.reshape(-1), positions, meta, None)
-        return self.compute_logits(hidden).view(batch, seq, -1)

@@ -210,12 +210,3 @@ class Gemma4ForCausalLM(CausalLM):
 
     def init_buffers(self, device: torch.device) -> None:
         self.rotary = self._rotary().to(device)  # float32, whatever the weights' dtype
-
-    def dense_forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [batch, seq, vocab] for whole sequences from position 0, without a KV cache
-        (for checks; serving goes through forward() with the paged cache)."""
-        batch, seq = input_ids.shape
-        positions = torch.arange(seq, device=input_ids.device).repeat(batch)
-        meta = AttentionMetadata.dense([seq] * batch)
-        hidden = self.forward(input_ids.reshape(-1), positions, meta, None)
-        return self.compute_logits(hidden).view(batch, seq, -1)

@@ -256,17 +256,7 @@ class LlamaForCausalLM(CausalLM):
         storage (the parts of merged projections are views of their rows, each expert's
         tensors views of the stacked experts): copying into one changes exactly that tensor of
         the served weights."""
-        tensors: dict[str, torch.Tensor] = {}
-        for prefix, module in self.named_modules():
-            if isinstance(module, MergedLinear) and not module.fused:  # parts: its parent's
-                prefix = prefix.rpartition(".")[0]
-                local = module.checkpoint_tensors()
-            elif isinstance(module, StackedExperts):  # `experts.{e}.gate_proj.weight`, ...
-                local = module.checkpoint_tensors()
-            else:
-                local = {name: p.detach() for name, p in module.named_parameters(recurse=False)}
-            tensors |= {f"{prefix}.{name}".lstrip("."): t for name, t in local.items()}
-        return tensors
+        return checkpoint_tensors_of(self)
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -317,13 +307,18 @@ class LlamaForCausalLM(CausalLM):
         logits = linear(hidden, weight, None, out_float32=not self.tp.enabled)
         return self.tp.gather_vocab(logits).float()
 
-    def dense_forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [batch, seq, vocab] for whole sequences from position 0, without a KV cache.
 
-        For training and checks; serving goes through forward() with the paged cache.
-        """
-        batch, seq = input_ids.shape
-        positions = torch.arange(seq, device=input_ids.device).repeat(batch)
-        meta = AttentionMetadata.dense([seq] * batch)
-        hidden = self.forward(input_ids.reshape(-1), positions, meta, None)
-        return self.compute_logits(hidden).view(batch, seq, -1)
+def checkpoint_tensors_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A model built of Llama's modules, by checkpoint name (LlamaForCausalLM's contract; Gemma
+    2/3 share it)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, MergedLinear) and not module.fused:  # parts: its parent's
+            prefix = prefix.rpartition(".")[0]
+            local = module.checkpoint_tensors()
+        elif isinstance(module, StackedExperts):  # `experts.{e}.gate_proj.weight`, ...
+            local = module.checkpoint_tensors()
+        else:
+            local = {name: p.detach() for name, p in module.named_parameters(recurse=False)}
+        tensors |= {f"{prefix}.{name}".lstrip("."): t for name, t in local.items()}
+    return tensors
