@@ -25,15 +25,13 @@ from engine.attention.backend import AttentionBackend, KVCache, LayerAttention
 from engine.attention.metadata import AttentionMetadata
 from engine.layers.gelu_and_mul import GeluTanhAndMul
 from engine.layers.gemma_rms_norm import GemmaRMSNorm
-from engine.layers.linear import linear
-from engine.layers.merged_linear import MergedLinear
-from engine.layers.parallel_linear import LoraPass, RowParallelLinear
+from engine.layers.parallel_linear import LoraPass
 from engine.layers.rope import RotaryEmbedding
 from engine.layers.vocab_embedding import VocabParallelEmbedding
-from engine.models.base import CausalLM, KVLayout, LayerKV, LoraTarget
+from engine.models.base import KVLayout, LayerKV
 from engine.models.gemma_config import FULL, SLIDING, GemmaConfig, gemma_config
 from engine.models.hf_config import ModelConfig
-from engine.models.llama import LlamaAttention, LlamaMLP, checkpoint_tensors_of
+from engine.models.llama import LlamaAttention, LlamaMLP, LlamaShapedLM
 from engine.models.sharding import Sharding
 from engine.parallel.tensor_parallel import TensorParallel
 
@@ -92,9 +90,11 @@ class GemmaModel(nn.Module):
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class GemmaForCausalLM(CausalLM):
+class GemmaForCausalLM(LlamaShapedLM):
     """Gemma2ForCausalLM and Gemma3ForCausalLM (engine/models/gemma_config.py says which keys
     tell them apart)."""
+
+    model: GemmaModel
 
     def __init__(
         self,
@@ -131,10 +131,6 @@ class GemmaForCausalLM(CausalLM):
         )
         return {FULL: full, SLIDING: local}
 
-    @classmethod
-    def shard_layout(cls, cfg: ModelConfig, rank: int, size: int) -> Sharding:
-        return Sharding(cfg, rank, size)
-
     def forward(
         self,
         input_ids: torch.Tensor,  # [tokens]
@@ -157,11 +153,6 @@ class GemmaForCausalLM(CausalLM):
         h, _ = self.model.norm(h, residual)  # with the last layer's residual add
         return h
 
-    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """Every checkpoint tensor by its Hugging Face name (q, k, v and gate, up as views of
-        their merged projections' rows), sharing the parameters' storage."""
-        return checkpoint_tensors_of(self)
-
     @property
     def kv_layout(self) -> KVLayout:
         kv_heads, head_dim = self.sharding.num_kv_heads, self.config.head_dim
@@ -174,28 +165,8 @@ class GemmaForCausalLM(CausalLM):
     def init_buffers(self, device: torch.device) -> None:
         self.rotary = {kind: table.to(device) for kind, table in self._rotary_tables().items()}
 
-    def lora_targets(self) -> dict[str, LoraTarget]:
-        """The attention projections (q/k/v, o) and the MLP's (gate/up, down)."""
-        return {
-            name: module
-            for name, module in self.named_modules()
-            if isinstance(module, MergedLinear | RowParallelLinear)
-        }
-
-    @property
-    def head_weight(self) -> torch.Tensor:
-        """The LM head's weight: its own, or the embedding's when they are tied."""
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    def linear_weights(self) -> list[torch.Tensor]:
-        projections = [
-            m.weight for m in self.modules() if isinstance(m, MergedLinear | RowParallelLinear)
-        ]
-        return [*projections, self.head_weight]
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
-        logits = linear(hidden, self.head_weight, None, out_float32=not self.tp.enabled)
-        logits = self.tp.gather_vocab(logits).float()
+        logits = super().compute_logits(hidden)
         cap = self.gemma.final_softcap
         if cap is None:
             return logits

@@ -191,11 +191,79 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class LlamaForCausalLM(CausalLM):
+class LlamaShapedLM(CausalLM):
+    """What every model built of Llama's modules shares: `model.embed_tokens`, an optional
+    `lm_head`, merged and row-parallel projections by their checkpoints' names, the Llama
+    family's sharding table. Llama's family and Gemma 2/3 derive from it."""
+
+    model: nn.Module  # with `embed_tokens`, `layers` and `norm`
+    lm_head: nn.Linear | None
+
+    @classmethod
+    def shard_layout(cls, cfg: ModelConfig, rank: int, size: int) -> Sharding:
+        return Sharding(cfg, rank, size)
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the checkpoint, by its Hugging Face name, in module order (q, k, v
+        before o_proj; gate, up before down_proj) -> this rank's part of it (its shape;
+        Sharding.full_shape gives the whole one), outside autograd. All share the parameters'
+        storage (the parts of merged projections are views of their rows, each expert's
+        tensors views of the stacked experts): copying into one changes exactly that tensor of
+        the served weights."""
+        tensors: dict[str, torch.Tensor] = {}
+        for prefix, module in self.named_modules():
+            if isinstance(module, MergedLinear) and not module.fused:  # parts: its parent's
+                prefix = prefix.rpartition(".")[0]
+                local = module.checkpoint_tensors()
+            elif isinstance(module, StackedExperts):  # `experts.{e}.gate_proj.weight`, ...
+                local = module.checkpoint_tensors()
+            else:
+                local = {name: p.detach() for name, p in module.named_parameters(recurse=False)}
+            tensors |= {f"{prefix}.{name}".lstrip("."): t for name, t in local.items()}
+        return tensors
+
+    def lora_targets(self) -> dict[str, LoraTarget]:
+        """The attention projections and the dense MLPs' (an MoE block's, its shared
+        expert's included, take no adapter)."""
+        moe = tuple(f"{p}." for p, m in self.named_modules() if isinstance(m, SparseMoeBlock))
+        return {
+            name: module
+            for name, module in self.named_modules()
+            if isinstance(module, MergedLinear | RowParallelLinear)
+            and not (moe and name.startswith(moe))
+        }
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight: its own, or the embedding's when they are tied."""
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        embedding = self.model.get_submodule("embed_tokens")
+        assert isinstance(embedding, VocabParallelEmbedding)
+        return embedding.weight
+
+    def linear_weights(self) -> list[torch.Tensor]:
+        """The weights the forward passes to `linear` whole: the attention and dense MLP
+        projections' and the LM head's (an MoE block's experts and router are not among them)."""
+        projections = [
+            m.weight for m in self.modules() if isinstance(m, MergedLinear | RowParallelLinear)
+        ]
+        return [*projections, self.head_weight]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
+        weight = self.head_weight
+        # float32 straight from the GEMM where it can (the AMX path writes it in its one pass);
+        # ranks gather their slices in the model's dtype, half the bytes.
+        logits = linear(hidden, weight, None, out_float32=not self.tp.enabled)
+        return self.tp.gather_vocab(logits).float()
+
+
+class LlamaForCausalLM(LlamaShapedLM):
     # A family of this shape with decoder layers of its own (gpt-oss) subclasses this class,
     # naming its layer here, and inherits the rest: the forward pass, the LM head, checkpoint
     # names, LoRA targets.
     decoder_layer: DecoderLayer = LlamaDecoderLayer
+    model: LlamaModel
 
     def __init__(
         self,
@@ -221,10 +289,6 @@ class LlamaForCausalLM(CausalLM):
             if isinstance(module, RMSNorm | SiluAndMul | StackedExperts):
                 module.triton = triton_kernels
 
-    @classmethod
-    def shard_layout(cls, cfg: ModelConfig, rank: int, size: int) -> Sharding:
-        return Sharding(cfg, rank, size)
-
     def forward(
         self,
         input_ids: torch.Tensor,  # [tokens]
@@ -249,15 +313,6 @@ class LlamaForCausalLM(CausalLM):
         h, _ = self.model.norm(h, residual)  # with the last layer's residual add
         return h
 
-    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor of the checkpoint, by its Hugging Face name, in module order (q, k, v
-        before o_proj; gate, up before down_proj) -> this rank's part of it (its shape;
-        Sharding.full_shape gives the whole one), outside autograd. All share the parameters'
-        storage (the parts of merged projections are views of their rows, each expert's
-        tensors views of the stacked experts): copying into one changes exactly that tensor of
-        the served weights."""
-        return checkpoint_tensors_of(self)
-
     @property
     def kv_layout(self) -> KVLayout:
         cfg, kv_heads = self.config, self.sharding.num_kv_heads
@@ -275,50 +330,3 @@ class LlamaForCausalLM(CausalLM):
         return RotaryEmbedding(
             cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling, rotary_dim
         )
-
-    def lora_targets(self) -> dict[str, LoraTarget]:
-        """The attention projections and the dense MLPs' (an MoE block's, its shared
-        expert's included, take no adapter)."""
-        moe = tuple(f"{p}." for p, m in self.named_modules() if isinstance(m, SparseMoeBlock))
-        return {
-            name: module
-            for name, module in self.named_modules()
-            if isinstance(module, MergedLinear | RowParallelLinear)
-            and not (moe and name.startswith(moe))
-        }
-
-    @property
-    def head_weight(self) -> torch.Tensor:
-        """The LM head's weight: its own, or the embedding's when they are tied."""
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    def linear_weights(self) -> list[torch.Tensor]:
-        """The weights the forward passes to `linear` whole: the attention and dense MLP
-        projections' and the LM head's (an MoE block's experts and router are not among them)."""
-        projections = [
-            m.weight for m in self.modules() if isinstance(m, MergedLinear | RowParallelLinear)
-        ]
-        return [*projections, self.head_weight]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
-        weight = self.head_weight
-        # float32 straight from the GEMM where it can (the AMX path writes it in its one pass);
-        # ranks gather their slices in the model's dtype, half the bytes.
-        logits = linear(hidden, weight, None, out_float32=not self.tp.enabled)
-        return self.tp.gather_vocab(logits).float()
-
-
-def checkpoint_tensors_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A model built of Llama's modules, by checkpoint name (LlamaForCausalLM's contract; Gemma
-    2/3 share it)."""
-    tensors: dict[str, torch.Tensor] = {}
-    for prefix, module in model.named_modules():
-        if isinstance(module, MergedLinear) and not module.fused:  # parts: its parent's
-            prefix = prefix.rpartition(".")[0]
-            local = module.checkpoint_tensors()
-        elif isinstance(module, StackedExperts):  # `experts.{e}.gate_proj.weight`, ...
-            local = module.checkpoint_tensors()
-        else:
-            local = {name: p.detach() for name, p in module.named_parameters(recurse=False)}
-        tensors |= {f"{prefix}.{name}".lstrip("."): t for name, t in local.items()}
-    return tensors
