@@ -29,6 +29,8 @@ def request_output(
             queue_time=(req.first_scheduled_time or req.finish_time) - req.arrival_time,
             time_to_first_token=first_token - req.arrival_time,
             decode_time=req.finish_time - first_token,
+            proposed_tokens=req.spec_proposed,
+            accepted_tokens=req.spec_accepted,
         )
     return RequestOutput(
         request_id=req.request_id,

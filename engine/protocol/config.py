@@ -14,6 +14,7 @@ SAMPLERS = ("auto", "torch", "triton")
 LAYER_KERNELS = ("auto", "torch", "triton")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "json", "console")
+SPECULATIVE_METHODS = ("off", "ngram", "suffix", "draft")
 MAX_JSON_WHITESPACE = 1024
 
 
@@ -149,6 +150,36 @@ class EngineConfig:
         group=EXECUTION,
         size=True,
     )
+    # Speculative decoding (engine/speculative/): proposals verified in one forward pass.
+    speculative_method: str = setting(
+        "off",
+        "propose tokens and verify them in one forward pass, with exactly the tokens of "
+        "decoding without it: ngram (prompt lookup in the request's own tokens), suffix (its "
+        "tokens and recently finished outputs), draft (a smaller checkpoint, "
+        "--speculative-draft-model)",
+        group=SCHEDULING,
+        choices=SPECULATIVE_METHODS,
+    )
+    num_speculative_tokens: int = setting(
+        4, "the most tokens proposed per request per step", group=SCHEDULING
+    )
+    ngram_min: int = setting(
+        2, "ngram and suffix: the shortest match that proposes", group=SCHEDULING
+    )
+    ngram_max: int = setting(
+        4, "ngram: the longest match looked for (the longest wins)", group=SCHEDULING
+    )
+    speculative_draft_model: str | None = setting(
+        None,
+        "draft: the checkpoint directory of the draft model (same tokenizer as --model)",
+        group=SCHEDULING,
+    )
+    speculative_max_batch: int = setting(
+        8,
+        "steps with more decoding requests than this do not speculate (verification costs "
+        "more than it saves at large batches)",
+        group=SCHEDULING,
+    )
     # The engine process logs as the service does (engine/logs.py): same level, same format.
     log_level: str = setting("info", "both processes", group=OBSERVABILITY, choices=LOG_LEVELS)
     log_format: str = setting(
@@ -202,5 +233,20 @@ class EngineConfig:
             raise ValueError("max_lora_rank: must be at least 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization: must be in (0, 1]")
+        self._check_speculative()
         if not 0 <= self.policy_version <= MAX_POLICY_VERSION:
             raise ValueError(f"policy_version: must be in [0, {MAX_POLICY_VERSION}]")
+
+    def _check_speculative(self) -> None:
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_method: expected one of {SPECULATIVE_METHODS}, "
+                f"got {self.speculative_method!r}"
+            )
+        for name in ("num_speculative_tokens", "ngram_min", "speculative_max_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be at least 1")
+        if self.ngram_max < self.ngram_min:
+            raise ValueError("ngram_max: must be at least ngram_min")
+        if self.speculative_method == "draft" and not self.speculative_draft_model:
+            raise ValueError("speculative_draft_model: required with speculative_method draft")

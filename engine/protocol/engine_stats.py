@@ -18,6 +18,9 @@ class EngineStats:
     prefix_cache_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # cumulative prompt tokens found there
     preemptions: int = 0  # cumulative
+    # Speculative decoding, cumulative: tokens proposed, and those of them accepted.
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
     updating_weights: bool = False  # a weight update is pending or being applied
     sleep_level: int = 0  # 0 awake; 1 or 2 asleep (see Sleep)
     # The LoRA adapters of the running and the waiting requests, by name, sorted (always empty

@@ -156,6 +156,10 @@ class RequestMetrics:
     queue_time: float  # arrival -> first scheduled
     time_to_first_token: float  # arrival -> first token sampled
     decode_time: float  # first token -> finish
+    # Speculative decoding: tokens proposed for this sequence, and how many of them were
+    # accepted (each accepted one is an output token that took no forward pass of its own).
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclass

@@ -129,6 +129,9 @@ class SamplingParams:
     # Mixture-of-experts models: with each sampled token, the experts each MoE layer's router
     # chose in the forward pass whose logits produced it (RequestOutput.routed_experts).
     routed_experts: bool = False
+    # False: this request never speculates, whatever the server's --speculative-method (its
+    # tokens are the same either way; speculation changes only how fast they come).
+    speculative: bool = True
 
     @property
     def has_surface(self) -> bool:

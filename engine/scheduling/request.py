@@ -67,6 +67,12 @@ class Request:
     pending_forks: list[Request] = field(default_factory=list)  # siblings to start from my prompt
     prompt_scores: PromptScores | None = None  # prompt logprobs still to be reported (leader)
     grammar: RequestGrammar | None = None  # its structured-output matcher, once compiled
+    # Speculative decoding (engine/speculative/): the tokens proposed to follow token_ids that
+    # the next step verifies (never in token_ids: only accepted tokens are appended), and the
+    # counts proposed and accepted over the request's life.
+    draft: list[int] = field(default_factory=list)
+    spec_proposed: int = 0
+    spec_accepted: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None
     first_scheduled_time: float | None = None
