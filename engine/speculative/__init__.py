@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers guess a request's next tokens; one forward pass verifies them."""
