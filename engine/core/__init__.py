@@ -11,5 +11,5 @@ as columns, read as RequestOutputs), `request_output` (one request's RequestOutp
 `generate` (LLMEngine.generate's loop) and `model_parts` (the model, KV pool, runner, adapters
 and tensor-parallel workers, loaded at start-up). The top of the engine's stack: every
 package below it, and `engine.tp_worker` for the workers' spawn target; never `engine.process`.
-May import: engine.execution, engine.kv_cache, engine.layers, engine.logs, engine.lora, engine.models, engine.parallel, engine.protocol, engine.sampling, engine.scheduling, engine.sleep, engine.structured, engine.tp_worker, engine.weights
+May import: engine.execution, engine.kv_cache, engine.layers, engine.logs, engine.lora, engine.models, engine.parallel, engine.protocol, engine.sampling, engine.scheduling, engine.sleep, engine.speculative, engine.structured, engine.tp_worker, engine.weights
 """

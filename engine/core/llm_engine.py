@@ -39,6 +39,8 @@ from engine.scheduling.request import Request
 from engine.scheduling.scheduler import Scheduler
 from engine.sleep.model_memory import ModelMemory
 from engine.sleep.sleeper import Sleeper
+from engine.speculative.methods import make_proposer
+from engine.speculative.verify import SpecDecoder
 from engine.structured.structured_outputs import StructuredOutputs
 from engine.weights.weight_updater import WeightUpdater
 from engine.weights.weights_origin import WeightsOrigin
@@ -71,6 +73,9 @@ class LLMEngine(WeightAndSleepCalls, AdapterCalls):
         admin = (self.updater, self.sleeper, self.structured)
         overlapped = overlap_enabled(config)
         self.loop = StepLoop(self.table, self.scheduler, self.runner, post, admin, overlapped)
+        if (proposer := make_proposer(config)) is not None:
+            spec = (config.num_speculative_tokens, config.speculative_max_batch)
+            self.loop.speculate(SpecDecoder(proposer, *spec))
         self.info = model_info(
             config, cfg, parts.path, self.device, parts.dtype, self.pool.num_pages
         )

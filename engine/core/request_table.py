@@ -19,7 +19,7 @@ import functools
 import itertools
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -56,6 +56,7 @@ class RequestTable:
         self.pending: list[RequestOutput] = []  # made outside a step: errors, aborts
         self.rng = random.Random(config.seed)  # unseeded requests' seeds
         self.arrivals = itertools.count()  # FCFS order; in-process calls' ids
+        self.on_finish: Callable[[Request], None] | None = None  # told of each request ended
 
     @property
     def policy_version(self) -> int:
@@ -239,6 +240,8 @@ class RequestTable:
         req.finish_reason = reason
         req.error = message
         req.finish_time = time.monotonic()
+        if self.on_finish is not None:
+            self.on_finish(req)
         seqs = self.requests.get(req.request_id, [])
         if all(s.is_finished for s in seqs):
             self.requests.pop(req.request_id, None)

@@ -53,6 +53,7 @@ from engine.sampling.sampling_slots import reads_history
 from engine.scheduling.request import Request, RequestStatus
 from engine.scheduling.scheduler import ScheduledBatch, Scheduler
 from engine.sleep.sleeper import Sleeper
+from engine.speculative.verify import SpecDecoder
 from engine.structured.structured_outputs import StructuredOutputs
 from engine.weights.weight_updater import WeightUpdater
 
@@ -95,8 +96,15 @@ class StepLoop:
         self.overlapped = overlapped
         self.inflight: InflightStep | None = None  # the overlapped loop's launched step
         self.prompt_tokens_computed = 0  # prompt tokens run through the model, ever
+        self.spec: SpecDecoder | None = None  # speculative decoding, when on
         if overlapped:
             runner.enable_overlap()
+
+    def speculate(self, spec: SpecDecoder) -> None:
+        """Speculative decoding from now on (engine/speculative/verify.py)."""
+        self.spec = spec
+        self.scheduler.speculative = True
+        self.table.on_finish = spec.finished
 
     @property
     def busy(self) -> bool:
@@ -123,6 +131,8 @@ class StepLoop:
             prefix_cache_queries=scheduler.prefix_queries,
             prefix_cache_hits=scheduler.prefix_hits,
             preemptions=scheduler.num_preemptions,
+            spec_proposed_tokens=self.spec.proposed_tokens if self.spec else 0,
+            spec_accepted_tokens=self.spec.accepted_tokens if self.spec else 0,
             updating_weights=self.updater.in_progress,
             sleep_level=self.sleeper.level,
             running_adapters=_adapters(scheduler.running) if lora else (),
@@ -134,6 +144,8 @@ class StepLoop:
         scheduler = self.scheduler
         scheduler.prefix_queries = scheduler.prefix_hits = scheduler.num_preemptions = 0
         self.prompt_tokens_computed = self.postprocessor.tokens_generated = 0
+        if self.spec is not None:
+            self.spec.proposed_tokens = self.spec.accepted_tokens = 0
 
     # ---- the two loops ----
 
@@ -189,6 +201,8 @@ class StepLoop:
             if not req.is_finished:
                 req.first_scheduled_time = None
                 req.num_cached_tokens = 0
+        if self.spec is not None:
+            self.spec.given_back(batch)
 
     # ---- the verbs ----
 
@@ -199,7 +213,12 @@ class StepLoop:
         self.updater.advance()
         self.sleeper.advance()
         self.structured.start_ready()
+        spec = self.spec
+        if spec is not None:
+            spec.propose(self.scheduler.running, hold, self.scheduler.policy_version)
         batch = self.scheduler.schedule(hold)
+        if spec is not None:
+            spec.scheduled(batch)
         self.table.end_too_big()
         now = time.monotonic()
         for req in [r for r in batch.requests if r.first_scheduled_time is None]:
@@ -235,6 +254,9 @@ class StepLoop:
                 held.add(req)
             if req.status is RequestStatus.FORK_PENDING or reads_history(req):
                 needs_host = True
+        if self.spec is not None:  # it verifies drafts, or the next step may propose
+            running = len(self.scheduler.running)
+            needs_host = needs_host or bool(launched.verifying) or self.spec.wants_host(running)
         return InflightStep(
             batch, launched, positions, computed, prompt_tokens, held, needs_host, batch.preempted
         )
@@ -259,11 +281,21 @@ class StepLoop:
         first: list[RequestOutput],
     ) -> OutputColumns:
         """Count the step, publish its full pages to the prefix cache, append the sampled
-        tokens; returns `first`, then one output per sampled row."""
+        tokens; returns `first`, then one output per sampled row. A step that verified
+        drafts appends its kept tokens in rounds, one token per request each
+        (engine/speculative/verify.py)."""
         self.prompt_tokens_computed += prompt_tokens
         self.scheduler.count(batch)
+        rounds = [sampled]
+        if sampled.verifying:
+            assert self.spec is not None
+            rounds = self.spec.accept(sampled, batch, computed)
         self.postprocessor.publish_pages(batch.requests, computed)
-        return self.postprocessor.append_sampled(sampled, first)
+        outputs = self.postprocessor.append_sampled(rounds[0], first)
+        for later in rounds[1:]:  # without the requests an earlier round's token ended
+            going = later.rows([row for row, r in enumerate(later.requests) if not r.is_finished])
+            outputs = self.postprocessor.append_sampled(going, list(outputs))
+        return outputs
 
     def _must_collect_first(self) -> bool:
         step = self.inflight

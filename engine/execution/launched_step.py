@@ -52,6 +52,9 @@ class Sampled:
     routed_experts: list[list[int]] | None = None
     # The routed experts of the prompt positions scored, when recorded: as prompt_scores
     prompt_routing: list[tuple[Request, int, list[list[int]]]] = field(default_factory=list)
+    # Speculative decoding: the rows that verify a draft, by the row's request (a view of the
+    # request as of that position: engine/execution/draft_rows.py) -> the request itself
+    verifying: dict[Request, Request] = field(default_factory=dict)
 
     def rows(self, rows: list[int]) -> Sampled:
         """The sampled rows `rows` (the prompt scores all kept: ended requests skip theirs)."""
@@ -71,6 +74,7 @@ class Sampled:
             pick(self.support),
             pick(self.routed_experts),
             self.prompt_routing,
+            self.verifying,
         )
 
 
@@ -96,6 +100,7 @@ class LaunchedStep:
     sampling: list[Request]  # one per sampled row, as Sampled.requests will be
     result: Future[StepResult | None]
     scoring: ScoredRows | None = None
+    verifying: dict[Request, Request] = field(default_factory=dict)  # as Sampled's
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Turns a scheduled batch into one packed forward pass and samples the next tokens.
 
 Every request in the batch feeds `query_len` tokens starting at its `num_computed_tokens`;
-those that reach the end of their tokens get their last position's logits sampled. Only
+those that reach the end of their tokens get their last position's logits sampled (a request
+verifying a speculative draft, every position's: up to one sampled row per step token). Only
 those rows go through the LM head, and the prompt positions a request asked to score
 (prompt logprobs: engine/execution/prompt_scoring.py).
 
@@ -84,7 +85,7 @@ class ModelRunner:
         self.page_size = pool.page_size
         self.max_pages = pool.pages_for(model.config.max_model_len)
         max_tokens = max(max_num_batched_tokens, max_num_seqs)
-        sizes = (max_tokens, max_num_seqs, self.max_pages, max_num_seqs)
+        sizes = (max_tokens, max_num_seqs, self.max_pages, max_num_seqs + max_tokens)
         self.groups = pool.groups.num_groups
         pin = device.type == "cuda"
         self.host = StepInputs.allocate(*sizes, torch.device("cpu"), pin, self.groups)
@@ -197,7 +198,7 @@ class ModelRunner:
         else:
             work = self._eager_work(step, rows, pending, lora, routing, sampling, scoring)
         submit = self.device_thread.submit if self.device_thread is not None else run_now
-        launched = LaunchedStep(step.sampling, submit(work), scoring)
+        launched = LaunchedStep(step.sampling, submit(work), scoring, step.verifying)
         if sampling is not None and sampling.grammar is not None:
             sampling.grammar.fill()  # while the forward runs (unless the sampler did already)
         return launched
@@ -275,6 +276,7 @@ class ModelRunner:
         if result.ready is not None:
             result.ready.synchronize()
         sampled = sampled_on_host(launched.sampling, result.host)
+        sampled.verifying = launched.verifying
         routed = None if result.routed is None else host_rows(result.routed)
         first = len(launched.sampling)  # the scored rows' routing follows the sampled rows'
         if routed is not None and first:

@@ -90,6 +90,7 @@ class Scheduler:
         self.block_table = BlockTable(max_num_seqs, num_groups=groups)  # every page change
         self.pages = GroupPages(cache, self.block_table)  # ... goes through both
         self.adapter_gate = adapter_gate
+        self.speculative = False  # requests may carry drafts to verify (engine/speculative/)
 
     def fits(self, num_tokens: int) -> bool:
         """Whether a request of num_tokens fits the whole pool, at the most pages it holds."""
@@ -150,7 +151,9 @@ class Scheduler:
             elif left > 1:
                 prefilling.append(r)
         size, limit, running = self.cache.pool.page_size, self.max_num_batched_tokens, RUNNING
-        if len(decoding) <= limit:
+        if self.speculative and any([r.draft for r in decoding]):
+            self._decode_drafts(decoding, batch)
+        elif len(decoding) <= limit:
             # Every decode fits the budget: grow the few that start a page, in order (growing
             # may preempt newer requests), then take every decode still running.
             for req in [r for r in decoding if r.num_computed_tokens >= len(r.pages) * size]:
@@ -179,6 +182,30 @@ class Scheduler:
                 batch.add(req, end - req.num_computed_tokens)
         self._admit(batch, hold)
         return batch
+
+    def _decode_drafts(self, decoding: list[Request], batch: ScheduledBatch) -> None:
+        """Decodes of which some verify a draft (engine/speculative/): each takes its last
+        token as any decode does (growing, preempting if it must), then its draft as far as
+        the step's budget and pages free without preempting allow (the rest is cut)."""
+        size, limit = self.cache.pool.page_size, self.max_num_batched_tokens
+        for req in decoding:
+            if batch.num_tokens == limit:
+                break
+            if req.status is not RUNNING:
+                continue
+            end = req.num_computed_tokens + 1
+            if end > len(req.pages) * size and not self._grow(req, end, batch):
+                continue
+            draft = req.draft
+            del draft[limit - batch.num_tokens - 1 :]
+            total = self.cache.pool.pages_for(end + len(draft))
+            if total > len(req.pages):
+                free = self.fits(end + len(draft))
+                if free and self.pages.needed(req, total) <= self.cache.num_available:
+                    self.pages.grow(req, total)
+                else:
+                    del draft[len(req.pages) * size - end :]
+            batch.add(req, 1 + len(draft))
 
     def _grow(self, req: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Give a running request pages for num_tokens, preempting newer requests if needed."""
