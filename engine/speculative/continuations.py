@@ -32,12 +32,12 @@ class ContinuationCounts:
         self.max_branches = max_branches
         self.table: dict[tuple[int, ...], dict[int, int]] = {}
 
-    def add(self, tokens: Sequence[int], start: int = 1) -> None:
+    def add(self, tokens: Sequence[int], start: int = 1, stop: int | None = None) -> None:
         """Count the continuation tokens[p] of each context ending at p - 1, for p from
-        `start` (extending a sequence counted up to `start`) to its end."""
+        `start` (extending a sequence counted up to `start`) to `stop` (default: its end)."""
         lo, hi, cap = self.ngram_min, self.ngram_max, self.max_branches
         table = self.table
-        for p in range(max(start, 1), len(tokens)):
+        for p in range(max(start, 1), len(tokens) if stop is None else stop):
             window = tuple(tokens[max(0, p - hi) : p])
             token = tokens[p]
             for n in range(lo, len(window) + 1):

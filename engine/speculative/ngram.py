@@ -12,6 +12,9 @@ vLLM rescans the whole context each step (a KMP pass over the reversed tokens). 
 request keeps a `LookupIndex` (the first position of every n-gram that has a continuation),
 extended with the tokens appended since the previous call: a prompt of P tokens costs O(P)
 once, then a step costs O(new tokens + ngram_max + limit), whatever the context's length.
+The once is spread over steps: a call indexes at most `index_budget` tokens of a request (a
+100,000-token prompt is a fraction of a second of Python, which would stall every request of
+the step it landed in), and a request proposes nothing until its index has caught up.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.scheduling.request import Request
+
+# Tokens of one request indexed per call, at most: a few milliseconds of host time.
+DEFAULT_INDEX_BUDGET = 4096
 
 
 class LookupIndex:
@@ -38,20 +44,23 @@ class LookupIndex:
         self.first: dict[tuple[int, ...], int] = {}
         self.length = 0  # how many tokens of the list have been indexed
 
-    def update(self, tokens: Sequence[int]) -> None:
-        """Index the tokens appended since the last update."""
+    def update(self, tokens: Sequence[int], budget: int) -> bool:
+        """Index up to `budget` of the tokens appended since the last update; whether the
+        index now covers all of `tokens`."""
         if len(tokens) < self.length:
             self.first.clear()
             self.length = 0
         lo, hi = self.ngram_min, self.ngram_max
         first = self.first
-        for p in range(max(self.length, 1), len(tokens)):
+        stop = min(len(tokens), max(self.length, 1) + budget)
+        for p in range(max(self.length, 1), stop):
             # tokens[p] is new: the n-grams ending just before it now have a continuation.
             window = tuple(tokens[max(0, p - hi) : p])
             for n in range(lo, len(window) + 1):
                 # setdefault: an n-gram seen before keeps its first (earliest) position.
                 first.setdefault(window[-n:], p - n)
-        self.length = max(self.length, len(tokens))
+        self.length = max(self.length, stop)
+        return self.length == len(tokens)
 
     def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
         """Up to `limit` tokens following the earliest earlier occurrence of the longest
@@ -72,13 +81,16 @@ class NgramProposer:
 
     method = "ngram"
 
-    def __init__(self, ngram_min: int, ngram_max: int) -> None:
+    def __init__(
+        self, ngram_min: int, ngram_max: int, index_budget: int = DEFAULT_INDEX_BUDGET
+    ) -> None:
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(
                 f"ngram: need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}"
             )
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
+        self.index_budget = index_budget
         self.indexes: dict[tuple[str, int], LookupIndex] = {}
 
     def propose(self, reqs: Sequence[Request], limits: Sequence[int]) -> list[list[int]]:
@@ -87,8 +99,10 @@ class NgramProposer:
             index = self.indexes.get(req.key)
             if index is None:
                 index = self.indexes[req.key] = LookupIndex(self.ngram_min, self.ngram_max)
-            index.update(req.token_ids)
-            proposals.append(index.propose(req.token_ids, limit))
+            if index.update(req.token_ids, self.index_budget):
+                proposals.append(index.propose(req.token_ids, limit))
+            else:
+                proposals.append([])  # still catching up with a long prompt
         return proposals
 
     def finished(self, req: Request) -> None:

@@ -5,7 +5,9 @@ agents that repeat themselves) propose each other's text.
 Sources, both frequency tables (engine/speculative/continuations.py) over contexts of
 ngram_min to ngram_max tokens:
 - the request's own prompt and output, its table grown with the tokens appended since the
-  previous call (O(new tokens) a step; dropped when the request finishes);
+  previous call (O(new tokens) a step; dropped when the request finishes; at most
+  `index_budget` tokens a call, as ngram's index, the store alone proposing until it has
+  caught up with a long prompt);
 - the store of finished outputs of the request's adapter (engine/speculative/suffix_store.py:
   bounded in tokens, oldest evicted first; a finished request's output joins it).
 
@@ -29,6 +31,7 @@ from collections.abc import Sequence
 
 from engine.scheduling.request import Request
 from engine.speculative.continuations import ContinuationCounts
+from engine.speculative.ngram import DEFAULT_INDEX_BUDGET
 from engine.speculative.suffix_store import DEFAULT_STORE_TOKENS, SuffixStore
 
 DEFAULT_MIN_PROBABILITY = 0.1
@@ -44,12 +47,16 @@ class RequestCounts:
         self.counts = ContinuationCounts(ngram_min, ngram_max)
         self.length = 0  # how many tokens have been counted
 
-    def update(self, tokens: Sequence[int]) -> None:
+    def update(self, tokens: Sequence[int], budget: int) -> bool:
+        """Count up to `budget` of the tokens appended since the last update; whether the
+        table now covers all of `tokens`."""
         if len(tokens) < self.length:
             self.counts.table.clear()
             self.length = 0
-        self.counts.add(tokens, start=self.length)
-        self.length = max(self.length, len(tokens))
+        stop = min(len(tokens), max(self.length, 1) + budget)
+        self.counts.add(tokens, start=self.length, stop=stop)
+        self.length = max(self.length, stop)
+        return self.length == len(tokens)
 
 
 class SuffixProposer:
@@ -64,6 +71,7 @@ class SuffixProposer:
         ngram_max: int,
         store_tokens: int = DEFAULT_STORE_TOKENS,
         min_probability: float = DEFAULT_MIN_PROBABILITY,
+        index_budget: int = DEFAULT_INDEX_BUDGET,
     ) -> None:
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(
@@ -72,6 +80,7 @@ class SuffixProposer:
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
         self.min_probability = min_probability
+        self.index_budget = index_budget
         self.own: dict[tuple[str, int], RequestCounts] = {}
         self.store = SuffixStore(ngram_min, ngram_max, store_tokens)
 
@@ -81,16 +90,19 @@ class SuffixProposer:
             own = self.own.get(req.key)
             if own is None:
                 own = self.own[req.key] = RequestCounts(self.ngram_min, self.ngram_max)
-            own.update(req.token_ids)
+            caught_up = own.update(req.token_ids, self.index_budget)
+            # NOTE: a partial own table would count a prefix of the prompt only: the store
+            # alone proposes until the table has caught up.
+            mine = own.counts if caught_up else None
             stored = self.store.table(req.adapter_key)
-            proposals.append(self._continue(req.token_ids, limit, own.counts, stored))
+            proposals.append(self._continue(req.token_ids, limit, mine, stored))
         return proposals
 
     def _continue(
         self,
         tokens: Sequence[int],
         limit: int,
-        own: ContinuationCounts,
+        own: ContinuationCounts | None,
         stored: ContinuationCounts | None,
     ) -> list[int]:
         context = list(tokens[max(0, len(tokens) - self.ngram_max) :])
@@ -111,13 +123,16 @@ class SuffixProposer:
         return proposal
 
     def _longest_match(
-        self, context: list[int], own: ContinuationCounts, stored: ContinuationCounts | None
+        self,
+        context: list[int],
+        own: ContinuationCounts | None,
+        stored: ContinuationCounts | None,
     ) -> dict[int, int] | None:
         """The continuations (both sources' counts added) of the longest suffix of `context`
         that has any; None if no suffix of at least ngram_min tokens has."""
         for n in range(min(self.ngram_max, len(context)), self.ngram_min - 1, -1):
             key = tuple(context[len(context) - n :])
-            mine = own.get(key)
+            mine = own.get(key) if own is not None else None
             theirs = stored.get(key) if stored is not None else None
             if mine is None:
                 if theirs is not None:

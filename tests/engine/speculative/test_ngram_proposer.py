@@ -133,18 +133,47 @@ def test_a_request_whose_tokens_shrank_is_reindexed():
     assert proposer.propose([req], [2]) == [[9, 8]]
 
 
+def test_a_prompt_longer_than_the_index_budget_proposes_once_indexed():
+    """A call indexes at most `index_budget` tokens of a request; it proposes nothing until
+    its index has caught up, then what the reference proposes."""
+    rng = random.Random(4)
+    tokens = [rng.randrange(6) for _ in range(35)]
+    proposer = NgramProposer(2, 3, index_budget=10)
+    req = make_request(tokens)
+    # Positions 1.. are indexed 10 a call: 1-10, 11-20, 21-30, 31-34.
+    assert [proposer.propose([req], [3])[0] for _ in range(3)] == [[], [], []]
+    assert proposer.propose([req], [3]) == [lookup_reference(tokens, 2, 3, 3)] != [[]]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_growing_request_under_a_small_budget_proposes_the_reference_once_caught_up(seed):
+    rng = random.Random(seed)
+    proposer = NgramProposer(1, 3, index_budget=rng.randint(1, 4))
+    req = make_request([rng.randrange(3) for _ in range(rng.randrange(0, 20))])
+    for _ in range(30):
+        got = proposer.propose([req], [4])[0]
+        caught_up = proposer.indexes[req.key].length == len(req.token_ids)
+        assert got == (lookup_reference(req.token_ids, 1, 3, 4) if caught_up else [])
+        req.token_ids.extend(rng.randrange(3) for _ in range(rng.choice([1, 1, 2, 5])))
+
+
 def test_a_step_reads_only_the_new_tokens_however_long_the_prompt():
     """The cost of a step, counted in token reads, does not grow with the context: a
-    100,000-token prompt is read once, then each step reads its new token and a few more."""
-    hi, limit = 4, 5
+    100,000-token prompt is read once, `index_budget` tokens a step, then each step reads
+    its new token and a few more."""
+    hi, limit, budget = 4, 5, 4096
     rng = random.Random(0)
     prompt = CountingList(rng.randrange(50) for _ in range(100_000))
-    proposer = NgramProposer(2, hi)
+    proposer = NgramProposer(2, hi, index_budget=budget)
     req = make_request([])
     req.token_ids = prompt
-    proposer.propose([req], [limit])
-    first = prompt.reads
-    assert first <= (hi + 1) * len(prompt)  # once, linearly
+    catching_up = []
+    for _ in range(-(-(len(prompt) - 1) // budget)):  # once, in budget-sized parts
+        before = prompt.reads
+        proposer.propose([req], [limit])
+        catching_up.append(prompt.reads - before)
+    assert proposer.indexes[req.key].length == len(prompt)
+    assert max(catching_up) <= hi * budget + hi * (hi - 1) + limit
     per_step = []
     for _ in range(50):
         prompt.append(rng.randrange(50))
@@ -152,6 +181,6 @@ def test_a_step_reads_only_the_new_tokens_however_long_the_prompt():
         proposer.propose([req], [limit])
         per_step.append(prompt.reads - before)
     # The new token's window, the suffix looked up per n, the proposal.
-    assert max(per_step) <= (hi + 1) + hi * (hi - 1) + limit
+    assert max(per_step) <= hi + hi * (hi - 1) + limit
     # Memory: at most one entry per n per token.
     assert len(proposer.indexes[req.key]) <= (hi - 2 + 1) * len(prompt)

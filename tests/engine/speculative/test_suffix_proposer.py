@@ -232,19 +232,42 @@ def test_a_weight_update_keeps_the_store():
     assert proposer.propose([req], [2]) == before == [[3, 4]]
 
 
+def test_the_store_alone_proposes_while_the_requests_own_table_catches_up():
+    rng = random.Random(5)
+    prompt = random_tokens(rng, 10_000, 30)
+    output = random_tokens(rng, 10_000, 10)
+    proposer = SuffixProposer(2, 3, index_budget=8)
+    proposer.finished(make_request(prompt + output, len(prompt), name="first"))
+    # The new request repeats its own prompt's start at its end: only its own table knows.
+    req = make_request(prompt + prompt[:5], name="second")
+    first = proposer.propose([req], [4])[0]
+    assert first == []  # its own table covers 8 of 35 tokens; the store has no match
+    for _ in range(4):  # 34 more positions, 8 a call
+        proposer.propose([req], [4])
+    assert proposer.propose([req], [4]) == [prompt[5:9]]
+    rollout = make_request(prompt, name="third")  # the store proposes at once
+    assert proposer.propose([rollout], [4]) == [output[:4]]
+
+
 def test_a_step_reads_only_the_new_tokens_however_long_the_prompt():
-    """Counted in token reads, not timed: a 100,000-token prompt is read once; a step then
-    reads its new token's window and the context, whatever the prompt's length."""
-    lo, hi, limit = 2, 4, 5
+    """Counted in token reads, not timed: a 100,000-token prompt is read once,
+    `index_budget` tokens a step; a step then reads its new token's window and the context,
+    whatever the prompt's length."""
+    lo, hi, limit, budget = 2, 4, 5, 4096
     rng = random.Random(0)
-    proposer = SuffixProposer(lo, hi)
+    proposer = SuffixProposer(lo, hi, index_budget=budget)
     for i in range(20):
         proposer.finished(make_request(random_tokens(rng, 50, 200), 0, name=f"done{i}"))
     prompt = CountingList(rng.randrange(50) for _ in range(100_000))
     req = make_request([])
     req.token_ids = prompt
-    proposer.propose([req], [limit])
-    assert prompt.reads <= (hi + 1) * len(prompt)
+    catching_up = []
+    for _ in range(-(-(len(prompt) - 1) // budget)):  # once, in budget-sized parts
+        before = prompt.reads
+        proposer.propose([req], [limit])
+        catching_up.append(prompt.reads - before)
+    assert proposer.own[req.key].length == len(prompt)
+    assert max(catching_up) <= (hi + 1) * budget + hi
     per_step = []
     for _ in range(50):
         prompt.append(rng.randrange(50))
