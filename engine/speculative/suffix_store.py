@@ -15,10 +15,9 @@ from collections.abc import Sequence
 
 from engine.speculative.continuations import ContinuationCounts
 
-# NOTE: the tables cost Python objects per stored token (about (ngram_max - ngram_min + 1)
-# contexts each, a few hundred bytes apiece where contexts do not repeat), so the default keeps
-# the store's memory in the tens of MiB; rollouts that repeat each other share contexts and
-# cost less.
+# NOTE: the tables cost Python objects per stored token (at ngram 2..4, about 500 bytes a
+# token where outputs do not repeat, 31 MiB at this default; 80 where rollouts repeat each
+# other and share their contexts).
 DEFAULT_STORE_TOKENS = 1 << 16
 
 

@@ -290,6 +290,32 @@ def test_counts_never_exceed_the_occurrences_of_the_outputs_present(seed):
         )
         present = [tokens for _, tokens in proposer.store.entries]
         for table in proposer.store.tables.values():
-            for context, counts in table.table.items():
+            for context in table.table:
+                counts = table.get(context)
+                assert counts is not None
                 occurrences = counts_reference(present, list(context))
                 assert all(0 < count <= occurrences[t] for t, count in counts.items())
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_evicting_leaves_the_tables_of_the_outputs_present(seed):
+    """Removal is the exact inverse of adding (no context overflows its branches here): after
+    any evictions, each adapter's table reads as one built from its outputs still stored."""
+    rng = random.Random(seed)
+    proposer = SuffixProposer(1, 3, store_tokens=rng.choice([15, 60]))
+    for i in range(25):
+        output = random_tokens(rng, rng.choice([2, MAX_BRANCHES]), rng.randrange(1, 20))
+        adapter = rng.choice([0, 1])
+        proposer.finished(make_request(output, 0, name=str(i), adapter_key=adapter))
+        for adapter, table in proposer.store.tables.items():
+            fresh = SuffixProposer(1, 3, store_tokens=10_000)
+            for key, tokens in proposer.store.entries:
+                if key == adapter:
+                    fresh.store.add(key, [], tokens)
+            rebuilt = fresh.store.tables[adapter]
+            assert set(table.table) == set(rebuilt.table)
+            assert all(table.get(c) == rebuilt.get(c) for c in table.table)
+            for context in table.table:
+                sequences = proposer.store.entries
+                present = [tokens for key, tokens in sequences if key == adapter]
+                assert table.get(context) == counts_reference(present, list(context))
