@@ -39,7 +39,7 @@ from engine.scheduling.request import Request
 from engine.scheduling.scheduler import Scheduler
 from engine.sleep.model_memory import ModelMemory
 from engine.sleep.sleeper import Sleeper
-from engine.speculative.methods import make_proposer
+from engine.speculative.factory import make_proposer
 from engine.speculative.verify import SpecDecoder
 from engine.structured.structured_outputs import StructuredOutputs
 from engine.weights.weight_updater import WeightUpdater
