@@ -1157,8 +1157,8 @@ class Usage(_message.Message):
     """Speculative decoding (GenerateRequest.speculative): tokens proposed for this sample and
     checked by the model. 0 when the server does not speculate (ServerInfo.speculative_method
     "off"), for a request that opted out, and when no proposal was made. The counts come with
-    the engine's last output of the sample: a sample the server ends itself (at a stop string,
-    or on losing its engine) reports 0.
+    the engine's last output of the sample: a sample the server ends before that output (at a
+    stop string the engine's earlier tokens complete, or on losing its engine) reports 0.
     """
     accepted_tokens: _builtins.int
     """Of proposed_tokens, those the model accepted: each is a completion token that took no
