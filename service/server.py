@@ -91,7 +91,7 @@ class SluiceServer:
         start_process: StartProcess | None = None,
     ) -> None:
         self.config = config
-        self.metrics = Metrics()
+        self.metrics = Metrics(config.engine.speculative_method)
         extra: dict[str, Any] = {} if engine_target is None else {"target": engine_target}
         if start_process is not None:
             extra["start_process"] = start_process

@@ -138,6 +138,9 @@ export interface GenerateOptions extends RoutedCallOptions, ChatOptions, Structu
   /** A LoRA adapter the server has loaded (loadAdapter; ServerInfo.adapters), by name; '' or
    * unset: the base model. NOT_FOUND when none of that name is loaded. */
   adapter?: string;
+  /** false: the server proposes nothing for this request when it decodes speculatively
+   * (ServerInfo.speculativeMethod); the tokens are the same either way. Unset: true. */
+  speculative?: boolean;
 }
 
 export type FinishReason =
@@ -201,8 +204,20 @@ export interface FinishedEvent extends EventBase {
   /** Why the request failed (reasons ERROR and ABORTED). */
   message: string;
   matchedStop: string;
-  usage: { promptTokens: number; completionTokens: number; cachedTokens: number };
+  usage: Usage;
   versionSpans: { policyVersion: number; start: number; end: number }[];
+}
+
+/** A sample's token counts. */
+export interface Usage {
+  promptTokens: number;
+  completionTokens: number;
+  cachedTokens: number;
+  /** Speculative decoding: tokens proposed for the sample and checked by the model; 0 when the
+   * server does not speculate or the request opted out (speculative: false). */
+  proposedTokens: number;
+  /** Of proposedTokens, those the model accepted (each a token without a forward pass of its own). */
+  acceptedTokens: number;
 }
 
 export type GenerateEvent = StartedEvent | TokensEvent | FinishedEvent;
@@ -324,6 +339,10 @@ export interface ServerInfo {
   /** The engine's tensor-parallel ranks (--tensor-parallel-size): the ranks it joins a
    * trainer's weight-transfer group with. */
   tensorParallelSize: number;
+  /** Speculative decoding (--speculative-method): 'off', 'ngram', 'suffix' or 'draft'. */
+  speculativeMethod: string;
+  /** The most tokens proposed per request per step (--num-speculative-tokens); 0 when 'off'. */
+  numSpeculativeTokens: number;
 }
 
 /** One loaded LoRA adapter (Admin LoadAdapter). */

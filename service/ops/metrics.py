@@ -60,9 +60,12 @@ class Gauges:
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, speculative_method: str = "off") -> None:
+        """`speculative_method`: the server's --speculative-method, the label of the
+        speculative-decoding counters."""
         self.registry = CollectorRegistry()
         self._declare_token_counters(self.registry)
+        self._declare_speculative_counters(self.registry, speculative_method)
         self._declare_event_counters(self.registry)
         self._declare_histograms(self.registry)
         self._engine_totals = EngineStats()  # the current engine's counters, as last reported
@@ -99,6 +102,23 @@ class Metrics:
             "Running requests preempted for lack of KV pages (recomputed later).",
             registry=r,
         )
+
+    def _declare_speculative_counters(self, r: CollectorRegistry, method: str) -> None:
+        """Speculative decoding's proposals and acceptances, labelled with the one configured
+        method: its series exist from the start (at 0), also with "off"."""
+        self.spec_proposed_tokens = Counter(
+            "sluice_spec_proposed_tokens",
+            "Tokens proposed by speculative decoding and verified by the model, by method.",
+            ["method"],
+            registry=r,
+        ).labels(method)
+        self.spec_accepted_tokens = Counter(
+            "sluice_spec_accepted_tokens",
+            "Proposed tokens the model accepted (each one a token without a forward pass of "
+            "its own), by method.",
+            ["method"],
+            registry=r,
+        ).labels(method)
 
     def _declare_event_counters(self, r: CollectorRegistry) -> None:
         """The service's events: restarts, weight updates, adapters, gRPC calls."""
@@ -212,6 +232,8 @@ class Metrics:
             ),
             (self.prefix_cache_hit_tokens, stats.prefix_cache_hits, last.prefix_cache_hits),
             (self.preemptions, stats.preemptions, last.preemptions),
+            (self.spec_proposed_tokens, stats.spec_proposed_tokens, last.spec_proposed_tokens),
+            (self.spec_accepted_tokens, stats.spec_accepted_tokens, last.spec_accepted_tokens),
         ):
             if now > before:
                 counter.inc(now - before)

@@ -135,6 +135,7 @@ def sampling_params(
         structured=constraint(req),
         adapter=req.adapter,
         routed_experts=out.routed_experts,
+        speculative=req.speculative if req.HasField("speculative") else defaults.speculative,
     )
 
 

@@ -163,9 +163,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         state = self.serving_state()
         name = self.config.served_model_name
         ranks = self.config.engine.tensor_parallel_size
+        method, proposal = _speculation(self.config)
         if info is None:
             model = name or self.config.engine.model
-            return pb.ServerInfo(model=model, state=state, tensor_parallel_size=ranks)
+            return pb.ServerInfo(
+                model=model,
+                state=state,
+                tensor_parallel_size=ranks,
+                speculative_method=method,
+                num_speculative_tokens=proposal,
+            )
         return pb.ServerInfo(
             model=name or info.model,
             max_model_len=info.max_model_len,
@@ -188,6 +195,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             moe_layers=info.moe_layers,
             experts_per_token=info.moe_top_k,
             tensor_parallel_size=ranks,
+            speculative_method=method,
+            num_speculative_tokens=proposal,
         )
 
     def serving_state(self) -> pb.ServingState.ValueType:
@@ -348,6 +357,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         found = [rid for rid in request_ids if self.engine.has(rid)]
         self.engine.abort(found, FinishReason.CANCELLED)
         return found
+
+
+def _speculation(config: ServiceConfig) -> tuple[str, int]:
+    """ServerInfo's speculative_method and num_speculative_tokens (0 when it is "off")."""
+    method = config.engine.speculative_method
+    return method, config.engine.num_speculative_tokens if method != "off" else 0
 
 
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:

@@ -63,6 +63,8 @@ class Completion:
         self._completion_tokens = 0
         self._prompt_tokens = 0
         self._cached_tokens = 0
+        self._proposed_tokens = 0  # speculative decoding: from the engine's final output
+        self._accepted_tokens = 0
         self._spans: list[list[int]] = []  # [policy_version, start, end] per version
 
     def absorb(self, outputs: list[RequestOutput]) -> list[pb.GenerateResponse]:
@@ -74,6 +76,9 @@ class Completion:
             if output.prompt_tokens:
                 self._prompt_tokens = output.prompt_tokens
                 self._cached_tokens = output.cached_tokens
+            if output.metrics is not None:  # the final output (also one a stop string cuts)
+                self._proposed_tokens = output.metrics.proposed_tokens
+                self._accepted_tokens = output.metrics.accepted_tokens
             if output.new_token_ids:
                 if chunk is not None and chunk.policy_version != output.policy_version:
                     events.append(self._chunk_event(chunk))  # a chunk never mixes versions
@@ -174,6 +179,8 @@ class Completion:
                 prompt_tokens=self._prompt_tokens,
                 completion_tokens=self._completion_tokens,
                 cached_tokens=self._cached_tokens,
+                proposed_tokens=self._proposed_tokens,
+                accepted_tokens=self._accepted_tokens,
             ),
             version_spans=[
                 pb.VersionSpan(policy_version=v, start=start, end=end)

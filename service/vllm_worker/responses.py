@@ -2,9 +2,10 @@
 
 stream=true: a GenerateStreamChunk per token chunk (the new ids, their count, their logprobs;
 the prompt's logprobs on an index's first chunk), then a GenerateComplete per index with the
-finish reason, the matched stop and the usage (its output_ids empty: the gateway accumulates
-the chunks, as with vLLM, whose final message repeats only the last delta). stream=false: only
-the GenerateComplete per index, with every output id and logprob.
+finish reason, the matched stop and the usage, speculative decoding's proposed (draft) and
+accepted tokens included (its output_ids empty: the gateway accumulates the chunks, as with
+vLLM, whose final message repeats only the last delta). stream=false: only the
+GenerateComplete per index, with every output id and logprob.
 
 The policy versions ride beside these messages (the protocol has no field for them): the
 servicer sends `policy_version` as initial metadata and `version_spans_json()` as trailing
@@ -144,6 +145,8 @@ class WorkerResponses:
             completion_tokens=finished.usage.completion_tokens,
             cached_tokens=finished.usage.cached_tokens,
             index=index,
+            spec_draft_tokens=finished.usage.proposed_tokens,
+            spec_accepted_tokens=finished.usage.accepted_tokens,
         )
         if not self.stream:
             complete.output_ids.extend(sample.token_ids)

@@ -19,6 +19,12 @@ LoRA adapters: a LoadAdapter succeeds (rank 8, never resident: nothing computes 
 its name is the knob die_on_adapter, which kills the engine (as an adapter whose application
 crashes the real one); UnloadAdapter and ListAdapters answer as the real engine does.
 
+Speculative decoding: with a --speculative-method other than "off", each step of a request
+that did not opt out (SamplingParams.speculative) "proposes" --num-speculative-tokens tokens and
+"accepts" the knob spec_accept of them (default 1; fewer near max_tokens), emitting one token
+more than it accepted, as the real engine does. The counts are the final output's
+RequestMetrics and the cumulative EngineStats.
+
 Faults of an idle engine, by real signals: SIGUSR1 makes the main thread compute without a word
 for `busy_silence` seconds (runnable all along, as a starved engine is), SIGUSR2 makes it wait
 forever on a lock it holds (a deadlock: asleep, never runnable).
@@ -54,6 +60,7 @@ from engine.protocol.messages import (
     LoadAdapter,
     ModelInfo,
     Ready,
+    RequestMetrics,
     RequestOutput,
     Shutdown,
     StepOutput,
@@ -74,6 +81,8 @@ class _Request:
     add: AddRequest
     generated: list[int] = field(default_factory=list)
     reported: bool = False
+    proposed: int = 0  # speculative decoding
+    accepted: int = 0
 
 
 @dataclass
@@ -95,6 +104,8 @@ class _FakeEngine:
         self.adapters: dict[str, AdapterState] = {}
         self.last_sent = time.monotonic()
         self.fault: int | None = None  # the signal of a fault to act out at the next iteration
+        self.spec_proposed = 0  # cumulative, as EngineStats reports them
+        self.spec_accepted = 0
         signal.signal(signal.SIGUSR1, self.on_fault)
         signal.signal(signal.SIGUSR2, self.on_fault)
 
@@ -135,6 +146,8 @@ class _FakeEngine:
             free_pages=TOTAL_PAGES - len(self.requests),
             policy_version=self.version,
             updating_weights=self.update is not None,
+            spec_proposed_tokens=self.spec_proposed,
+            spec_accepted_tokens=self.spec_accepted,
         )
 
     def finish(self, rid: str, reason: FinishReason, error: str | None = None) -> None:
@@ -320,29 +333,54 @@ class _FakeEngine:
 
     def generate_one(self, rid: str, req: _Request) -> RequestOutput:
         prompt = req.add.prompt_token_ids[1:] or req.add.prompt_token_ids
-        token = prompt[len(req.generated) % len(prompt)]
-        req.generated.append(token)
         params = req.add.params
+        max_tokens = params.max_tokens or 16
+        accepted = self.speculate(req, max_tokens)
+        new: list[int] = []
         reason = None
-        if token in params.stop_token_ids or (token == EOS and not params.ignore_eos):
-            reason = FinishReason.STOP
-        elif len(req.generated) >= (params.max_tokens or 16):
-            reason = FinishReason.LENGTH
+        while reason is None and len(new) <= accepted:
+            token = prompt[len(req.generated) % len(prompt)]
+            req.generated.append(token)
+            new.append(token)
+            if token in params.stop_token_ids or (token == EOS and not params.ignore_eos):
+                reason = FinishReason.STOP
+            elif len(req.generated) >= max_tokens:
+                reason = FinishReason.LENGTH
+        req.accepted += len(new) - 1  # a stop token ends the step's accepted run early
+        self.spec_accepted += len(new) - 1
         output = RequestOutput(
             rid,
             0,
-            [token],
+            new,
             self.version,
-            logprobs=[-0.5] if params.logprobs else None,
-            top_logprobs=[([token], [-0.5])] if params.top_logprobs else None,
+            logprobs=[-0.5] * len(new) if params.logprobs else None,
+            top_logprobs=[([t], [-0.5]) for t in new] if params.top_logprobs else None,
             finish_reason=reason,
             prompt_tokens=0 if req.reported else len(req.add.prompt_token_ids),
             completion_tokens=len(req.generated),
+            metrics=None if reason is None else self.metrics(req),
         )
         req.reported = True
         if reason is not None:
             del self.requests[rid]
         return output
+
+    def speculate(self, req: _Request, max_tokens: int) -> int:
+        """Propose for `req` this step, if it speculates; how many of the proposals to accept
+        (at most the tokens it has left after this step's one)."""
+        if self.config.speculative_method == "off" or not req.add.params.speculative:
+            return 0
+        proposed = self.config.num_speculative_tokens
+        req.proposed += proposed
+        self.spec_proposed += proposed
+        left = max_tokens - len(req.generated) - 1
+        return max(0, min(proposed, self.knobs.get("spec_accept", 1), left))
+
+    @staticmethod
+    def metrics(req: _Request) -> RequestMetrics:
+        return RequestMetrics(
+            0.0, 0.0, 0.0, proposed_tokens=req.proposed, accepted_tokens=req.accepted
+        )
 
 
 def fake_engine_main(config: EngineConfig, conn: Connection) -> None:

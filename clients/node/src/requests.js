@@ -39,7 +39,7 @@ export function buildRequest(prompt, options = {}) {
     sampling,
     stop,
     output,
-    ...pick(options, ['n', 'minPolicyVersion', 'priority', 'adapter']),
+    ...pick(options, ['n', 'minPolicyVersion', 'priority', 'adapter', 'speculative']),
   };
   const structured = structuredOutput(options);
   if (structured !== null) request.structured = structured;
@@ -163,7 +163,7 @@ export function toEvent(response) {
         reason: shortReason(reason),
         message,
         matchedStop,
-        usage: usage ?? { promptTokens: 0, completionTokens: 0, cachedTokens: 0 },
+        usage: usage ?? { promptTokens: 0, completionTokens: 0, cachedTokens: 0, proposedTokens: 0, acceptedTokens: 0 },
         versionSpans,
       };
     }

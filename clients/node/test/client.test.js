@@ -396,3 +396,17 @@ test('routedExperts on a dense model: INVALID_ARGUMENT naming output.routed_expe
     (error) => error.code === status.INVALID_ARGUMENT && error.fieldViolations[0].field === 'output.routed_experts',
   );
 });
+
+test('speculative: false is accepted; info reports the method and usage the counts (none here)', async () => {
+  const info = await client.info();
+  assert.equal(info.speculativeMethod, 'off'); // the test server does not speculate
+  assert.equal(info.numSpeculativeTokens, 0);
+  const optedOut = await client.complete(PROMPTS[2], { ...GREEDY, speculative: false });
+  const plain = await client.complete(PROMPTS[2], GREEDY);
+  assert.deepEqual(optedOut.tokenIds, plain.tokenIds);
+  for (const completion of [optedOut, plain]) {
+    assert.equal(completion.finished.usage.completionTokens, MAX_TOKENS);
+    assert.equal(completion.finished.usage.proposedTokens, 0);
+    assert.equal(completion.finished.usage.acceptedTokens, 0);
+  }
+});

@@ -21,6 +21,13 @@ export async function usage(target: string): Promise<void> {
   void completion.tokenIds;
   const withExperts = await client.complete([0, 1, 2], { routedExperts: true });
   const served = await client.info();
+  const method: string = served.speculativeMethod;
+  const proposal: number = served.numSpeculativeTokens;
+  const optedOut = await client.complete([0, 1, 2], { speculative: false });
+  if (!Array.isArray(optedOut) && optedOut.finished) {
+    const { proposedTokens, acceptedTokens } = optedOut.finished.usage;
+    void [method, proposal, proposedTokens / Math.max(1, acceptedTokens)];
+  }
   if (!Array.isArray(withExperts)) void [withExperts.routedExperts.length / (served.moeLayers * served.expertsPerToken)];
   const scored = await client.complete([0, 1, 2], { maxTokens: 0, promptLogprobs: true, promptLogprobsStart: 1 });
   await client.complete('x', { logitBias: { 5: 1 }, allowedTokenIds: [5, 6], badWords: ['no'], badTokenIds: [6] });

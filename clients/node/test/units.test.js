@@ -106,6 +106,27 @@ test('buildRequest sets adapter, under the field name the proto gives it', () =>
   assert.equal(buildRequest('Hi').adapter, undefined, 'nothing set without the option');
 });
 
+test('buildRequest sets speculative only when given; false reaches the wire as a set field', () => {
+  const { requestSerialize, requestDeserialize } = sluiceServices().Generation.service.Generate;
+  const bytes = (options) => requestSerialize(buildRequest('Hi', options));
+  assert.equal(buildRequest('Hi').speculative, undefined, 'unset: the server speculates');
+  assert.equal(buildRequest('Hi', { speculative: false }).speculative, false);
+  // An optional bool: false is sent (an unset field is not), so the server sees the opt-out.
+  assert.ok(bytes({ speculative: false }).length > bytes({}).length);
+  assert.equal(requestDeserialize(bytes({ speculative: false })).speculative, false);
+  assert.equal(requestDeserialize(bytes({ speculative: true })).speculative, true);
+});
+
+test("a finished event's usage carries the speculative counts; an absent usage is all zeros", () => {
+  const { responseSerialize, responseDeserialize } = sluiceServices().Generation.service.Generate;
+  const usage = { promptTokens: 4, completionTokens: 9, cachedTokens: 0, proposedTokens: 12, acceptedTokens: 7 };
+  const finished = { requestId: 'r', index: 0, finished: { reason: 'FINISH_REASON_LENGTH', usage } };
+  const event = toEvent(responseDeserialize(responseSerialize(finished)));
+  assert.deepEqual(event.usage, usage);
+  const bare = toEvent({ requestId: 'r', index: 0, event: 'finished', finished: { reason: 'FINISH_REASON_STOP' } });
+  assert.deepEqual(bare.usage, { promptTokens: 0, completionTokens: 0, cachedTokens: 0, proposedTokens: 0, acceptedTokens: 0 });
+});
+
 test('the Admin service has LoadAdapter and UnloadAdapter, their fields as the proto names them', () => {
   const { LoadAdapter, UnloadAdapter } = sluiceServices().Admin.service;
   const load = {

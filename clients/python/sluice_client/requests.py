@@ -120,6 +120,7 @@ def build_request(
     grammar: str | None = None,
     choice: Sequence[str] | None = None,
     adapter: str = "",
+    speculative: bool | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest; None leaves a field unset (the server's default applies).
     `prompt`: text, token ids, or a chat: a list of messages ({"role", "content", ...}) or a
@@ -130,7 +131,9 @@ def build_request(
     sampling surface (SamplingParams in the proto). `json_schema` (a dict or JSON text),
     `json_object`, `regex`, `grammar` (GBNF) and `choice` (a list of strings): at most one,
     the constraint on the completion's text (see `structured_output`). `adapter`: the name of a
-    LoRA adapter the server has loaded (Admin LoadAdapter); "" is the base model."""
+    LoRA adapter the server has loaded (Admin LoadAdapter); "" is the base model.
+    `speculative=False` opts the request out of the server's speculative decoding (None: the
+    server's default, speculate when it does); the tokens are the same either way."""
     sampling = pb.SamplingParams(
         logit_bias=dict(logit_bias or {}),
         allowed_token_ids=list(allowed_token_ids),
@@ -201,6 +204,8 @@ def build_request(
         request.n = n
     if min_policy_version is not None:
         request.min_policy_version = min_policy_version
+    if speculative is not None:
+        request.speculative = speculative
     structured = structured_output(
         json_schema=json_schema,
         json_object=json_object,

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from sluice.v1 import generation_pb2 as pb
 
-from engine.protocol.messages import FinishReason, RequestOutput
+from engine.protocol.messages import FinishReason, RequestMetrics, RequestOutput
 from service.text.completion import Completion, OutputSettings
 from service.text.tokenizer import Tokenizer
 from tests.support.tiny_models import make_tokenizer
@@ -77,3 +78,26 @@ def test_multi_token_outputs_keep_logprobs_aligned_and_split_chunks_by_version(t
     assert finished.usage.completion_tokens == len(ids)
     spans = [(s.policy_version, s.start, s.end) for s in finished.version_spans]
     assert spans == [(1, 0, 3), (2, 3, len(ids))]
+
+
+def spec_counts(event: pb.GenerateResponse) -> tuple[int, int]:
+    usage = event.finished.usage
+    return usage.proposed_tokens, usage.accepted_tokens
+
+
+def test_usage_carries_the_final_outputs_speculative_counts_also_past_a_stop_string(tokenizer):
+    ids = ids_of(tokenizer, "one two three four")
+    counts = RequestMetrics(0.1, 0.2, 0.3, proposed_tokens=12, accepted_tokens=7)
+    last = RequestOutput("r", 0, ids, 0, finish_reason=FinishReason.LENGTH, metrics=counts)
+    *_, finished = Completion("r", 0, tokenizer, OutputSettings()).absorb([last])
+    assert spec_counts(finished) == (12, 7)
+    # The engine's last output holds a stop string: the service cuts the tokens, not the counts.
+    cut = Completion("r", 0, tokenizer, OutputSettings(stop=("three",)))
+    *_, stopped = cut.absorb([last])
+    assert stopped.finished.reason == pb.FINISH_REASON_STOP_STRING
+    assert spec_counts(stopped) == (12, 7)
+    # A stop string before the engine's last output: the service ends the sample, no counts yet.
+    early = Completion("r", 0, tokenizer, OutputSettings(stop=("three",)))
+    *_, ended = early.absorb([RequestOutput("r", 0, ids, 0)])
+    assert ended.finished.reason == pb.FINISH_REASON_STOP_STRING
+    assert spec_counts(ended) == (0, 0)

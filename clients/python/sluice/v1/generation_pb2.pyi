@@ -181,6 +181,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     STRUCTURED_FIELD_NUMBER: _builtins.int
     ADAPTER_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The caller's id for this request, returned on every event; at most 256 characters.
     Default (empty): the server assigns a unique one. ALREADY_EXISTS while a request with this
@@ -214,6 +215,15 @@ class GenerateRequest(_message.Message):
     loaded. Its tokens carry the adapter's policy version (AdapterInfo.policy_version, raised
     by Admin LoadAdapter with `replace`), not the base model's, and min_policy_version compares
     with the adapter's version. Default (empty): the base model alone.
+    """
+    speculative: _builtins.bool
+    """Whether the server may decode this request speculatively, when it speculates
+    (ServerInfo.speculative_method other than "off"): tokens proposed cheaply and verified by
+    the model several at a time, in one forward pass. The tokens, logprobs and policy versions
+    are exactly those of decoding without it; only how soon they come changes. false opts this
+    request out: nothing is proposed for it (Usage.proposed_tokens stays 0); for a request
+    that repeats little of its prompt or its own output, whose proposals would mostly be
+    rejected. No effect on a server that does not speculate. Default true.
     """
     @_builtins.property
     def token_ids(self) -> Global___TokenIds:
@@ -260,21 +270,26 @@ class GenerateRequest(_message.Message):
         priority: _builtins.int = ...,
         structured: Global___StructuredOutput | None = ...,
         adapter: _builtins.str = ...,
+        speculative: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_min_policy_version", b"_min_policy_version", "_n", b"_n", "chat", b"chat", "min_policy_version", b"min_policy_version", "n", b"n", "output", b"output", "prompt", b"prompt", "sampling", b"sampling", "stop", b"stop", "structured", b"structured", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_min_policy_version", b"_min_policy_version", "_n", b"_n", "_speculative", b"_speculative", "chat", b"chat", "min_policy_version", b"min_policy_version", "n", b"n", "output", b"output", "prompt", b"prompt", "sampling", b"sampling", "speculative", b"speculative", "stop", b"stop", "structured", b"structured", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_policy_version", b"_min_policy_version", "_n", b"_n", "adapter", b"adapter", "chat", b"chat", "min_policy_version", b"min_policy_version", "n", b"n", "output", b"output", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "stop", b"stop", "structured", b"structured", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_policy_version", b"_min_policy_version", "_n", b"_n", "_speculative", b"_speculative", "adapter", b"adapter", "chat", b"chat", "min_policy_version", b"min_policy_version", "n", b"n", "output", b"output", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "speculative", b"speculative", "stop", b"stop", "structured", b"structured", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__min_policy_version: _TypeAlias = _typing.Literal["min_policy_version"]  # noqa: Y015
     _WhichOneofArgType__min_policy_version: _TypeAlias = _typing.Literal["_min_policy_version", b"_min_policy_version"]  # noqa: Y015
     _WhichOneofReturnType__n: _TypeAlias = _typing.Literal["n"]  # noqa: Y015
     _WhichOneofArgType__n: _TypeAlias = _typing.Literal["_n", b"_n"]  # noqa: Y015
+    _WhichOneofReturnType__speculative: _TypeAlias = _typing.Literal["speculative"]  # noqa: Y015
+    _WhichOneofArgType__speculative: _TypeAlias = _typing.Literal["_speculative", b"_speculative"]  # noqa: Y015
     _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["text", "token_ids", "chat"]  # noqa: Y015
     _WhichOneofArgType_prompt: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_policy_version) -> _WhichOneofReturnType__min_policy_version | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__n) -> _WhichOneofReturnType__n | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__speculative) -> _WhichOneofReturnType__speculative | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_prompt) -> _WhichOneofReturnType_prompt | None: ...
 
@@ -1128,6 +1143,8 @@ class Usage(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    PROPOSED_TOKENS_FIELD_NUMBER: _builtins.int
+    ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     """The prompt's length in tokens (as in Started)."""
     completion_tokens: _builtins.int
@@ -1136,16 +1153,30 @@ class Usage(_message.Message):
     """
     cached_tokens: _builtins.int
     """Prompt tokens reused from the prefix cache (as in Started)."""
+    proposed_tokens: _builtins.int
+    """Speculative decoding (GenerateRequest.speculative): tokens proposed for this sample and
+    checked by the model. 0 when the server does not speculate (ServerInfo.speculative_method
+    "off"), for a request that opted out, and when no proposal was made. The counts come with
+    the engine's last output of the sample: a sample the server ends before that output (at a
+    stop string the engine's earlier tokens complete, or on losing its engine) reports 0.
+    """
+    accepted_tokens: _builtins.int
+    """Of proposed_tokens, those the model accepted: each is a completion token that took no
+    forward pass of its own. In [0, proposed_tokens]; accepted_tokens / proposed_tokens is the
+    sample's acceptance rate. 0 whenever proposed_tokens is.
+    """
     def __init__(
         self,
         *,
         prompt_tokens: _builtins.int = ...,
         completion_tokens: _builtins.int = ...,
         cached_tokens: _builtins.int = ...,
+        proposed_tokens: _builtins.int = ...,
+        accepted_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_tokens", b"accepted_tokens", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens", "proposed_tokens", b"proposed_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1458,8 +1489,9 @@ Global___TokenizeResponse: _TypeAlias = TokenizeResponse  # noqa: Y015
 
 @_typing.final
 class ServerInfo(_message.Message):
-    """The served model and the engine's state. Until the model is first loaded only `model` and
-    `state` are set.
+    """The served model and the engine's state. Until the model is first loaded only `model`,
+    `state` and the server's settings (tensor_parallel_size, speculative_method,
+    num_speculative_tokens) are set.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1479,6 +1511,8 @@ class ServerInfo(_message.Message):
     MOE_LAYERS_FIELD_NUMBER: _builtins.int
     EXPERTS_PER_TOKEN_FIELD_NUMBER: _builtins.int
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_METHOD_FIELD_NUMBER: _builtins.int
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model's name: its checkpoint directory's name, or "demo"."""
     max_model_len: _builtins.int
@@ -1517,6 +1551,16 @@ class ServerInfo(_message.Message):
     """The engine's tensor-parallel ranks (the server's --tensor-parallel-size): the ranks it
     joins a trainer's process group with (Admin.InitWeightTransfer's world_size counts them).
     """
+    speculative_method: _builtins.str
+    """Speculative decoding (the server's --speculative-method): "off" (it never speculates),
+    "ngram" (proposals looked up in the request's own prompt and output), "suffix" (also in
+    recently finished outputs) or "draft" (a smaller model); other names may come. Requests
+    speculate unless they opt out (GenerateRequest.speculative).
+    """
+    num_speculative_tokens: _builtins.int
+    """The most tokens proposed per request per step (the server's --num-speculative-tokens); 0
+    when speculative_method is "off".
+    """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The token ids that end a sample as end of sequence (unless StopParams.ignore_eos)."""
@@ -1549,10 +1593,12 @@ class ServerInfo(_message.Message):
         moe_layers: _builtins.int = ...,
         experts_per_token: _builtins.int = ...,
         tensor_parallel_size: _builtins.int = ...,
+        speculative_method: _builtins.str = ...,
+        num_speculative_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_cache", b"kv_cache"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "experts_per_token", b"experts_per_token", "kv_cache", b"kv_cache", "max_model_len", b"max_model_len", "model", b"model", "moe_layers", b"moe_layers", "policy_version", b"policy_version", "running", b"running", "state", b"state", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "experts_per_token", b"experts_per_token", "kv_cache", b"kv_cache", "max_model_len", b"max_model_len", "model", b"model", "moe_layers", b"moe_layers", "num_speculative_tokens", b"num_speculative_tokens", "policy_version", b"policy_version", "running", b"running", "speculative_method", b"speculative_method", "state", b"state", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
