@@ -101,8 +101,10 @@ class DraftProposer:
             return False
         if missing > 0:
             seq.pages += [self.pool.take_free() for _ in range(missing)]
-            table = self.passes.table
-            table.extend(seq) if seq.slot is not None else table.assign(seq)
+            if seq.slot is None:
+                self.passes.table.assign(seq)
+            else:
+                self.passes.table.extend(seq)
         return True
 
     def finished(self, req: Request) -> None:

@@ -9,6 +9,8 @@ with one device-to-host copy, of the proposed ids, which the next pass feeds.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -60,7 +62,7 @@ class DraftPass:
         rows = (a.query_start_loc[1 : num_seqs + 1] - 1)[np.array(ends)]
         ids, positions, meta = forward_inputs(self.inputs, a, num_tokens, num_seqs, width)
         hidden = self.model(ids, positions, meta, self.kv_caches)  # [tokens, hidden]
-        proposed = iter([])
+        proposed: Iterator[int] = iter([])
         if len(rows):
             picked = torch.from_numpy(rows.astype(np.int64)).to(self.device)
             logits = self.model.compute_logits(hidden[picked])  # [ending seqs, vocab]
