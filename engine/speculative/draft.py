@@ -52,6 +52,8 @@ class DraftProposer:
         self.seqs: dict[tuple[str, int], DraftSeq] = {}
 
     def propose(self, reqs: Sequence[Request], limits: Sequence[int]) -> list[list[int]]:
+        """The draft's greedy continuation of each request, `limits[i]` tokens (fewer near the
+        draft's context's end; none for a request its pool cannot hold)."""
         out: list[list[int]] = [[] for _ in reqs]
         keep = {r.key for r in reqs}  # not evicted to make room for one another
         work: list[tuple[int, DraftSeq, int]] = []  # (index in reqs, its sequence, limit)
@@ -86,6 +88,7 @@ class DraftProposer:
             batch.append(seq)
             lens.append(n)
             budget -= n
+        assert batch, "every sequence at work has a token to feed"
         return batch, lens
 
     def _hold(self, seq: DraftSeq, num_tokens: int, keep: set[tuple[str, int]]) -> bool:
