@@ -63,7 +63,7 @@ class DraftProposer:
             limit = min(limit, self.draft.max_model_len + 1 - len(req.token_ids))
             if limit < 1 or not req.token_ids:
                 continue
-            seq = self.seqs.pop(req.key, None) or DraftSeq(req.key)
+            seq = self.seqs.pop(req.key, None) or self._new_seq(req.key)
             self.seqs[req.key] = seq  # now the most recently used
             seq.sync(req.token_ids)
             if self._hold(seq, seq.known + limit - 1, keep):
@@ -94,16 +94,18 @@ class DraftProposer:
     def _hold(self, seq: DraftSeq, num_tokens: int, keep: set[tuple[str, int]]) -> bool:
         """Give `seq` pages for `num_tokens` positions; False when the pool cannot, even after
         evicting every sequence outside `keep`."""
-        missing = self.pool.pages_for(num_tokens) - len(seq.pages)
-        if missing > self.pool.num_free:
+        missing = self.pool.pages_for(num_tokens) - len(seq.pages)  # logical pages
+        ids = missing * self.passes.num_groups  # a page id in every KV group for each
+        if ids > self.pool.num_free:
             for key in [k for k in self.seqs if k not in keep]:
                 self._free(self.seqs.pop(key))
-                if missing <= self.pool.num_free:
+                if ids <= self.pool.num_free:
                     break
-        if missing > self.pool.num_free:
+        if ids > self.pool.num_free:
             return False
         if missing > 0:
-            seq.pages += [self.pool.take_free() for _ in range(missing)]
+            for pages in [seq.pages, *seq.group_pages]:
+                pages += [self.pool.take_free() for _ in range(missing)]
             if seq.slot is None:
                 self.passes.table.assign(seq)
             else:
@@ -119,11 +121,15 @@ class DraftProposer:
         """Nothing to drop: the draft's weights are its own and UpdateWeights does not change
         them, so its KV is still what they compute (see the module's docstring)."""
 
+    def _new_seq(self, key: tuple[str, int]) -> DraftSeq:
+        return DraftSeq(key, group_pages=[[] for _ in range(self.passes.num_groups - 1)])
+
     def _free(self, seq: DraftSeq) -> None:
-        for page in seq.pages:
-            if self.pool.release(page):
-                self.pool.put_free(page)
-        seq.pages = []
+        for pages in [seq.pages, *seq.group_pages]:
+            for page in pages:
+                if self.pool.release(page):
+                    self.pool.put_free(page)
+            pages.clear()
         self.passes.table.release(seq)
 
 

@@ -4,7 +4,9 @@ and the KV pool of its own that it decodes in.
 The draft is built through the target's path (engine/weights/loading.py's build_model over the
 models registry, the attention backend and layer kernels the target's settings pick) on the
 target's device and dtype, after the draft's vocabulary is checked against the target's
-(draft_vocab.py). It runs unsplit, on rank 0 only: with `--tensor-parallel-size` N > 1 the
+(draft_vocab.py). A draft whose layers form several KV groups (sliding windows) holds a page
+in every group for each logical page, its whole context (the draft gives no pages back as its
+windows move on). It runs unsplit, on rank 0 only: with `--tensor-parallel-size` N > 1 the
 target is split and the draft is not (the first version; the draft under the target's tensor
 parallelism is not done).
 
@@ -65,16 +67,13 @@ def load_draft(
     for weight in model.linear_weights():
         prepack(weight)  # the CPU's packed copies, made at load as the target's are
     kv = model.kv_layout
-    if kv.layers and group_layers(kv.layers).num_groups > 1:
-        raise ValueError(
-            "speculative_draft_model: a draft whose layers attend over different windows "
-            "(sliding-window layers) is not supported"
-        )
-    per_page = _bytes_per_page(config.page_size, kv, dtype)
+    # A logical page is a page id in every KV group (sliding windows: kv_groups.py).
+    groups = group_layers(kv.layers).num_groups if kv.layers else 1
+    per_page = groups * _bytes_per_page(config.page_size, kv, dtype)
     budget = draft_kv_budget(config, cfg.max_model_len, per_page, target_kv_bytes, device)
-    pages = max(budget // per_page, 1)
+    pages = groups * max(budget // per_page, 1)
     shape = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
-    pool = PagePool(pages, config.page_size, *shape, dtype, device)
+    pool = PagePool(pages, config.page_size, *shape, dtype, device, kv.layers)
     return DraftModel(model, pool, cfg.max_model_len)
 
 
@@ -86,7 +85,8 @@ def draft_kv_budget(
     device: torch.device,
 ) -> int:
     """The draft pool's bytes: `speculative_max_batch` full-length sequences at most, within
-    1 / DRAFT_KV_SHARE of the target's KV and (CUDA) half of the free device memory."""
+    1 / DRAFT_KV_SHARE of the target's KV and (CUDA) half of the free device memory.
+    `per_page`: the bytes of one logical page (a page id in every KV group)."""
     pages_per_seq = -(-max_model_len // config.page_size)
     budget = config.speculative_max_batch * pages_per_seq * per_page
     budget = min(budget, target_kv_bytes // DRAFT_KV_SHARE)

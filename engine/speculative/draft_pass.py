@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from engine.execution.kv_group_inputs import group_caches
+from engine.execution.kv_group_inputs import fill_groups, group_caches
 from engine.execution.step_inputs import StepInputs, fill_decode, fill_packed, forward_inputs
 from engine.kv_cache.block_table import BlockTable
 from engine.speculative.draft_model import DraftModel
@@ -29,14 +29,18 @@ class DraftPass:
         self.page_size = self.pool.page_size
         self.max_seqs, self.max_tokens = max_seqs, max(max_tokens, max_seqs)
         max_pages = self.pool.pages_for(draft.max_model_len)
-        self.table = BlockTable(max_seqs, max_pages)
+        self.num_groups = groups = self.pool.groups.num_groups
+        self.table = BlockTable(max_seqs, max_pages, groups)
         self.kv_caches = group_caches(self.pool)
         sizes = (self.max_tokens, max_seqs, max_pages, max_seqs)
         on_cpu = self.device.type == "cpu"
-        self.host = StepInputs.allocate(*sizes, torch.device("cpu"), not on_cpu)
+        self.host = StepInputs.allocate(*sizes, torch.device("cpu"), not on_cpu, groups)
         self.arrays = self.host.numpy()
         # On the CPU the host buffers are the pass's tensors: nothing to copy.
-        self.inputs = self.host if on_cpu else StepInputs.allocate(*sizes, self.device)
+        device_inputs = (
+            StepInputs.allocate(*sizes, self.device, False, groups) if not on_cpu else None
+        )
+        self.inputs = device_inputs or self.host
 
     @torch.inference_mode()
     def run(self, seqs: list[DraftSeq], query_lens: list[int]) -> list[int | None]:
@@ -53,6 +57,8 @@ class DraftPass:
         else:
             fill_packed(a, self.page_size, seqs, query_lens, pages, slots)
         a.block_table(num_seqs, width)[...] = pages[slots, :width]
+        if self.table.group_pages:  # the other KV groups' slots and tables
+            fill_groups(a, self.page_size, self.table.group_pages, slots, query_lens, width)
         if self.inputs is not self.host:
             self.inputs.copy_from(self.host, num_tokens, num_seqs, num_seqs * width)
         ends = [

@@ -19,7 +19,7 @@ class DraftSeq:
     num_computed_tokens: int = 0
     pages: list[int] = field(default_factory=list)
     slot: int | None = None  # its row in the draft's BlockTable while it holds pages
-    group_pages: list[list[int]] = field(default_factory=list)  # one KV group: always empty
+    group_pages: list[list[int]] = field(default_factory=list)  # KV groups 1..: as `pages`
 
     def sync(self, request_tokens: list[int]) -> None:
         """Take the request's tokens, which extend those of the last sync (a request's tokens
