@@ -58,12 +58,18 @@ def load_draft(
     `speculative_draft_model` for a draft this engine cannot use with the target."""
     assert config.speculative_draft_model is not None
     path = Path(config.speculative_draft_model)
-    cfg = load_model_config(path, target_cfg.max_model_len)
+    try:
+        cfg = load_model_config(path, target_cfg.max_model_len)
+    except (OSError, ValueError) as error:  # no checkpoint there, or one Sluice cannot serve
+        raise ValueError(f"speculative_draft_model: {error}") from error
     check_same_vocabulary(path, cfg, target_dir, target_cfg)
     scale = cfg.head_dim**-0.5
     backend = make_backend(config.attention_backend, device, scale, config.page_size, dtype)
     triton_kernels = use_triton_kernels(config.layer_kernels, device)
-    model = build_model(cfg, path, backend, device, dtype, None, triton_kernels)
+    try:
+        model = build_model(cfg, path, backend, device, dtype, None, triton_kernels)
+    except (OSError, ValueError) as error:  # missing, misshapen or unexpected tensors
+        raise ValueError(f"speculative_draft_model: {error}") from error
     for weight in model.linear_weights():
         prepack(weight)  # the CPU's packed copies, made at load as the target's are
     kv = model.kv_layout

@@ -200,6 +200,11 @@ def test_a_draft_whose_tokenizer_maps_other_tokens_is_refused_by_name(
         make_proposer(target, other)
 
 
+def test_a_draft_that_is_no_checkpoint_is_refused_by_name(target: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^speculative_draft_model: .* no config.json"):
+        make_proposer(target, tmp_path / "nothing")
+
+
 def test_the_pool_takes_a_bounded_share_of_the_targets_kv(target: Path, draft: Path) -> None:
     target_pool = PagePool(1024, PAGE, 2, 2, 16, torch.float32, CPU)
     target_bytes = sum(t.numel() * t.element_size() for t in target_pool.storage)
