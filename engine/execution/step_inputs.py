@@ -12,13 +12,26 @@ and block tables, in `group_slots` and `group_tables` (one row per group, the sa
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.scheduling.request import Request
+
+
+class StepRow(Protocol):
+    """What filling a step needs of one of its sequences (a Request; the draft model's
+    sequences, engine/speculative/draft_seq.py): its tokens and how many have KV."""
+
+    token_ids: list[int]
+    num_computed_tokens: int
+
+    def input_id(self, position: int) -> int: ...
+
+    def input_ids(self, start: int, count: int) -> list[int]: ...
 
 
 @dataclass
@@ -174,7 +187,7 @@ def forward_inputs(
 
 
 def fill_decode(
-    a: StepArrays, size: int, reqs: list[Request], pages: np.ndarray, slots: np.ndarray
+    a: StepArrays, size: int, reqs: Sequence[StepRow], pages: np.ndarray, slots: np.ndarray
 ) -> None:
     """A decode step's inputs (one token per sequence) into `a`, for pages of `size` tokens:
     two list comprehensions, the rest in numpy. `pages`: the block table's rows, `slots`:
@@ -196,7 +209,7 @@ def fill_decode(
 def fill_packed(
     a: StepArrays,
     size: int,
-    reqs: list[Request],
+    reqs: Sequence[StepRow],
     query_lens: list[int],
     pages: np.ndarray,
     slots: np.ndarray,
