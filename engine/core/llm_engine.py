@@ -13,6 +13,7 @@ calls that wait for them are in engine/core/in_process.py; `generate` is engine/
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 
@@ -39,6 +40,7 @@ from engine.scheduling.request import Request
 from engine.scheduling.scheduler import Scheduler
 from engine.sleep.model_memory import ModelMemory
 from engine.sleep.sleeper import Sleeper
+from engine.speculative.draft import load_draft_proposer
 from engine.speculative.factory import make_proposer
 from engine.speculative.verify import SpecDecoder
 from engine.structured.structured_outputs import StructuredOutputs
@@ -73,7 +75,10 @@ class LLMEngine(WeightAndSleepCalls, AdapterCalls):
         admin = (self.updater, self.sleeper, self.structured)
         overlapped = overlap_enabled(config)
         self.loop = StepLoop(self.table, self.scheduler, self.runner, post, admin, overlapped)
-        if (proposer := make_proposer(config)) is not None:
+        draft = functools.partial(
+            load_draft_proposer, config, parts.path, cfg, self.device, parts.dtype, self.pool
+        )
+        if (proposer := make_proposer(config, draft)) is not None:
             spec = (config.num_speculative_tokens, config.speculative_max_batch)
             self.loop.speculate(SpecDecoder(proposer, *spec))
         self.info = model_info(

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine.protocol.config import EngineConfig
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.proposer import Proposer
 from engine.speculative.suffix import SuffixProposer
 
 
-def make_proposer(config: EngineConfig) -> Proposer | None:
-    """The proposer of `config.speculative_method`; None when speculation is off."""
+def make_proposer(
+    config: EngineConfig, load_draft: Callable[[], Proposer] | None = None
+) -> Proposer | None:
+    """The proposer of `config.speculative_method`; None when speculation is off. `draft`
+    needs the target loaded: `load_draft` builds it (engine/speculative/draft.py)."""
     match config.speculative_method:
         case "off":
             return None
@@ -18,6 +23,8 @@ def make_proposer(config: EngineConfig) -> Proposer | None:
         case "suffix":
             return SuffixProposer(config.ngram_min, config.ngram_max)
         case "draft":
-            raise NotImplementedError("speculative_method draft: not wired yet")
+            if load_draft is None:
+                raise ValueError("speculative_method draft: needs the target model loaded")
+            return load_draft()
         case other:
             raise ValueError(f"speculative_method: unknown method {other!r}")

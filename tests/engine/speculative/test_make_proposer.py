@@ -28,6 +28,9 @@ def test_each_host_method_makes_its_proposer_with_the_configured_lengths(method,
     assert (proposer.ngram_min, proposer.ngram_max) == (3, 5)
 
 
-def test_draft_is_not_wired_yet():
-    with pytest.raises(NotImplementedError):
-        make_proposer(config(speculative_method="draft", speculative_draft_model="/nowhere"))
+def test_draft_is_built_by_the_loader_the_engine_passes():
+    cfg = config(speculative_method="draft", speculative_draft_model="/nowhere")
+    built = NgramProposer(2, 4)  # any Proposer: the loader's result is the proposer
+    assert make_proposer(cfg, lambda: built) is built
+    with pytest.raises(ValueError, match="speculative_method draft"):
+        make_proposer(cfg)

@@ -1,0 +1,71 @@
+"""Each speculative method, wired into the engine by its flag, gives exactly the tokens of
+decoding without speculation; and each one's proposals are verified and kept where right."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from engine import SamplingParams
+from tests.support.overlap_runs import Request, assert_all_pages_returned, make_engine, run
+from tests.support.spec_runs import assert_same
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=True)
+SEEDED = replace(GREEDY, temperature=0.8, top_k=20, seed=3)
+
+
+def copy_heavy(params: SamplingParams, count: int = 4) -> list[Request]:
+    """Prompts that repeat a span, so prompt lookup finds matches."""
+    rng = random.Random(1)
+    reqs = []
+    for i in range(count):
+        span = [rng.randrange(2, 300) for _ in range(6 + i)]
+        reqs.append(Request(f"r{i}", [0, *span, *span, *span[:3]], params))
+    return reqs
+
+
+def compare(checkpoint: Path, reqs: list[Request], **spec: object):  # type: ignore[no-untyped-def]
+    plain = run(make_engine(checkpoint, False, page_size=4), reqs)
+    engine = make_engine(checkpoint, False, page_size=4, **spec)
+    got = run(engine, reqs)
+    assert_same(got, plain)
+    assert_all_pages_returned(engine)
+    return engine
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_host_methods_give_the_tokens_of_decoding_without_them(
+    tiny_llama: Path, method: str, params: SamplingParams
+) -> None:
+    engine = compare(tiny_llama, copy_heavy(params), speculative_method=method, ngram_min=1)
+    assert engine.stats().spec_proposed_tokens > 0
+
+
+def test_suffix_proposes_a_finished_output_to_its_repeat(tiny_llama: Path) -> None:
+    reqs = copy_heavy(GREEDY, count=2)
+    engine = make_engine(tiny_llama, False, speculative_method="suffix")
+    first = run(engine, reqs)
+    before = engine.stats().spec_accepted_tokens
+    again = run(engine, [replace(r, request_id=r.request_id + "-again") for r in reqs])
+    for r in reqs:
+        assert again[(r.request_id + "-again", 0)].token_ids == first[(r.request_id, 0)].token_ids
+    # The repeats' outputs are the finished ones: nearly every proposal is kept.
+    accepted = engine.stats().spec_accepted_tokens - before
+    assert accepted >= 0.8 * sum(len(s.token_ids) - 1 for s in again.values()) - 2 * len(reqs)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_draft_model_gives_the_tokens_of_decoding_without_it(
+    tiny_llama: Path, params: SamplingParams
+) -> None:
+    # The target as its own draft: greedy proposals are the target's own greedy tokens.
+    spec = {"speculative_method": "draft", "speculative_draft_model": str(tiny_llama)}
+    engine = compare(tiny_llama, copy_heavy(params), **spec)
+    stats = engine.stats()
+    assert stats.spec_proposed_tokens > 0
+    if params is GREEDY:
+        assert stats.spec_accepted_tokens == stats.spec_proposed_tokens
