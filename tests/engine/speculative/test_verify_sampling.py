@@ -127,5 +127,3 @@ def test_constrained_outputs_equal_and_stay_in_the_language(
             assert text in ("yes", "no", "maybe so"), text
         else:
             jsonschema.validate(json.loads(text), SCHEMA)
-
-
