@@ -1,25 +1,26 @@
 """Speculative decoding: each method against none, in one run, on copy-heavy and free prompts.
 
-One engine per method (`off` and each of `--methods`), all alive at once; every cell (task x
-mode x batch) runs on each engine in turn, so every ratio is between runs minutes apart at most.
-- Tasks, from the demo corpus (engine/demo/demo_corpus.txt, cut into `--passage-words`-word
-  passages, shuffled with a fixed seed): `copy`, a passage, a newline and the passage's first
-  `--cue-words` words, whose right continuation repeats the passage; `free`, the passage alone.
+Each round builds one engine per method (`off` and each of `--methods`), all alive at once,
+and runs every cell (task x mode x batch) on each engine in turn, so each ratio is between runs
+seconds apart; `--repeat` rounds, each with fresh engines (a `suffix` store then holds none of
+the last round's outputs), and each method's fastest round counts.
+- Tasks (bench/speculative_prompts.py), from the demo corpus cut into `--passage-words`-word
+  passages: `copy`, a passage, a newline and its first `--cue-words` words, whose right
+  continuation repeats the passage; `free`, the passage alone. Every request of a round has a
+  passage of its own: `suffix` keeps finished outputs and would otherwise be proposed the
+  answer it gave the same prompt before.
 - Modes: `greedy`, and `sampled` at `--temperature` with a fixed seed per request (the same
   seeds for every method).
 - Batches: a cell at batch B runs ceil(`--min-requests` / B) waves of B requests at once, each
   `--max-tokens` tokens (ignore_eos), one wave after another; tokens/s over all its waves.
-- Every request of every cell has its own passage (none is reused anywhere in the run): the
-  `suffix` method keeps finished outputs and would otherwise be proposed the answer it gave
-  the same prompt before.
 
-Reported per (task, mode, batch, method): output tokens/s, the ratio to `off`, the acceptance
-rate (accepted / proposed tokens, summed over the final outputs' RequestMetrics), and whether
-the token ids equal off's (speculation must never change them; the JSON is printed either
-way, with the cells that differ). Per cell, `lookup_rate` measures whether the task copies,
-whatever the proposers do: the share of off's output tokens that prompt lookup predicts (the
-token after the latest earlier occurrence of the longest n-gram, ngram_max down to ngram_min,
-that ends the tokens so far).
+Reported per (task, mode, batch, method): output tokens/s and its ratio to `off`; the same per
+CPU-second of this process (steadier on a shared machine: every engine runs on this thread);
+the acceptance rate (accepted / proposed tokens, summed over the final outputs'
+RequestMetrics); and whether the token ids equal off's in every round (speculation must never
+change them; the JSON is printed either way, naming the cells that differ). Per cell,
+`lookup_rate` says whether the task copies, whatever the proposers do: the share of off's
+output tokens that prompt lookup predicts.
 
 `--shape demo` (the default) is the demo model, and `draft` its draft model
 (`python -m engine.demo draft`), both trained on first use; another `--shape` builds random
@@ -34,17 +35,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.checkpoints import SHAPES, resolve_model
-from bench.common import emit, log, machine, set_threads
-
-MODES = ("greedy", "sampled")
-TASKS = ("copy", "free")
+from bench.common import emit, log, machine, process_cpu_seconds, set_threads
+from bench.speculative_prompts import MODES, TASKS, Cell, build_cells, lookup_rate
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,83 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-requests", type=int, default=8, help="per cell: waves of the batch")
     p.add_argument("--num-speculative-tokens", type=int, help="default: the engine's")
     p.add_argument("--speculative-max-batch", type=int, help="default: the engine's")
+    p.add_argument("--repeat", type=int, default=1, help="rounds, fresh engines; best counts")
     return p.parse_args(argv)
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One measurement: `waves` of `batch` requests each, every method on the same prompts."""
-
-    task: str
-    mode: str
-    batch: int
-    prompts: list[list[int]]  # len = waves * batch, each from its own passage
-
-    @property
-    def waves(self) -> list[list[list[int]]]:
-        return [self.prompts[i : i + self.batch] for i in range(0, len(self.prompts), self.batch)]
-
-
-def passages(words: int, seed: int = 0) -> list[str]:
-    """The demo corpus in `words`-word passages (whole ones, within paragraphs), shuffled."""
-    from engine.demo.checkpoint import load_corpus, paragraphs
-
-    out = []
-    for paragraph in paragraphs(load_corpus()):
-        split = paragraph.split()
-        out += [" ".join(split[i : i + words]) for i in range(0, len(split) - words + 1, words)]
-    random.Random(seed).shuffle(out)
-    return out
-
-
-def prompt_text(task: str, passage: str, cue_words: int) -> str:
-    if task == "copy":  # the right continuation repeats the passage after its cue
-        return passage + "\n" + " ".join(passage.split()[:cue_words])
-    return passage
-
-
-def build_cells(args: argparse.Namespace, encode: Any, room: int) -> tuple[list[Cell], list[Any]]:
-    """The cells, and the warm-up prompts; every prompt from a passage of its own. Passages
-    whose copy prompt leaves fewer than `room` positions of the context are skipped."""
-    supply = iter(
-        p
-        for p in passages(args.passage_words)
-        if len(encode(prompt_text("copy", p, args.cue_words))) <= room
-    )
-    cells = []
-    try:
-        warmup = [encode(next(supply)) for _ in range(max(args.batches))]
-        for task in args.tasks:
-            for mode in args.modes:
-                for batch in args.batches:
-                    count = batch * math.ceil(args.min_requests / batch)
-                    texts = [prompt_text(task, next(supply), args.cue_words) for _ in range(count)]
-                    cells.append(Cell(task, mode, batch, [encode(t) for t in texts]))
-    except StopIteration:
-        raise ValueError(
-            "the demo corpus has too few passages for these cells: lower --min-requests, "
-            "--batches or --passage-words, or run fewer --tasks / --modes at a time"
-        ) from None
-    return cells, warmup
-
-
-def lookup_rate(prompt: list[int], output: list[int], shortest: int, longest: int) -> float:
-    """The share of `output` that prompt lookup predicts: at each position, the token after
-    the latest earlier occurrence of the longest n-gram (`longest` down to `shortest`) that
-    ends the tokens so far. Linear: one table per n, filled as the position advances."""
-    seq = prompt + output
-    last: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(shortest, longest + 1)}
-    hits = 0
-    for t in range(len(seq)):
-        keys = {n: tuple(seq[t - n : t]) for n in last if t >= n}
-        if t >= len(prompt):
-            found = next(
-                (last[n][keys[n]] for n in sorted(keys, reverse=True) if keys[n] in last[n]), None
-            )
-            hits += found is not None and seq[found] == seq[t]
-        for n, key in keys.items():  # this occurrence, for later positions: next token at t
-            last[n][key] = t
-    return hits / len(output) if output else 0.0
 
 
 def make_engine(
@@ -204,7 +126,7 @@ def run_cell(engine: Any, cell: Cell, args: argparse.Namespace, tag: str) -> dic
 
     temperature = args.temperature if cell.mode == "sampled" else 0.0
     done: list[Any] = []
-    seconds = 0.0
+    seconds = cpu_seconds = 0.0
     for w, wave in enumerate(cell.waves):
         params = [
             SamplingParams(
@@ -215,9 +137,10 @@ def run_cell(engine: Any, cell: Cell, args: argparse.Namespace, tag: str) -> dic
             )
             for i in range(len(wave))
         ]
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), process_cpu_seconds()
         done += run_wave(engine, wave, params, f"{tag}-w{w}")  # host token ids: synced
         seconds += time.perf_counter() - start
+        cpu_seconds += process_cpu_seconds() - cpu
     produced = sum(len(t) for t, _ in done)
     proposed = sum(m.proposed_tokens for _, m in done if m is not None)
     accepted = sum(m.accepted_tokens for _, m in done if m is not None)
@@ -225,6 +148,10 @@ def run_cell(engine: Any, cell: Cell, args: argparse.Namespace, tag: str) -> dic
         "seconds": seconds,
         "output_tokens": produced,
         "output_tokens_per_s": produced / seconds,
+        # This process's CPU time: on a shared machine, steadier than the wall clock (on a GPU
+        # it counts the host's share only).
+        "cpu_seconds": cpu_seconds,
+        "output_tokens_per_cpu_s": produced / cpu_seconds,
         "proposed_tokens": proposed,
         "accepted_tokens": accepted,
         "acceptance_rate": accepted / proposed if proposed else None,
@@ -235,10 +162,10 @@ def run_cell(engine: Any, cell: Cell, args: argparse.Namespace, tag: str) -> dic
 def measure(
     args: argparse.Namespace, model_dir: Path, dtype: str, draft: Path | None
 ) -> dict[str, Any]:
-    """Build the cells and an engine per method, warm each up, run every cell on each."""
+    """Build the cells; each round, a fresh engine per method (a suffix store holds none of
+    the last round's outputs), warmed up, then every cell on each engine in turn."""
     from tokenizers import Tokenizer
 
-    from engine import SamplingParams
     from engine.models.hf_config import load_model_config
     from engine.protocol.config import EngineConfig
 
@@ -248,38 +175,68 @@ def measure(
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     room = context - args.max_tokens - k - 1
     cells, warmup = build_cells(args, lambda text: tokenizer.encode(text).ids, room)
-    # Room for the largest batch at full context, twice: a draft's KV comes from the same pool.
-    pages = 2 * max(args.batches) * math.ceil(context / defaults.page_size) + 16
+    # Room for the largest batch of the longest requests, twice: a draft's KV comes from the
+    # same pool. (Not the full context: 32k positions x 64 requests is tens of GB per engine.)
+    longest = max(len(p) for c in cells for p in c.prompts) + args.max_tokens + k + 1
+    pages = 2 * max(args.batches) * math.ceil(longest / defaults.page_size) + 16
     methods = ["off", *args.methods]
-    engines = {m: make_engine(args, m, model_dir, dtype, draft, pages) for m in methods}
-    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    for method, engine in engines.items():  # first-use costs of the largest batch, off the clock
-        run_wave(engine, warmup, [greedy] * len(warmup), f"warmup-{method}")
+    runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for r in range(args.repeat):
+        engines = {m: make_engine(args, m, model_dir, dtype, draft, pages) for m in methods}
+        try:
+            counts = run_round(args, engines, cells, warmup, runs, f"round {r + 1}")
+        finally:
+            for engine in engines.values():
+                engine.close()
     result: dict[str, Any] = {"records": [], "cells": [], "differ": []}
-    lookup = (defaults.ngram_min, defaults.ngram_max)
     for c, cell in enumerate(cells):
-        runs = {m: run_cell(engines[m], cell, args, f"c{c}-{m}") for m in methods}
-        compare(cell, runs, lookup, result)
-        rates = " ".join(f"{m} {r['output_tokens_per_s']:.0f}" for m, r in runs.items())
-        log(f"{cell.task} {cell.mode} batch {cell.batch}: {rates} tok/s")
-    result["engine_spec_counts"] = {}
-    for method, engine in engines.items():
-        stats = engine.stats()
-        counts = {"proposed": stats.spec_proposed_tokens, "accepted": stats.spec_accepted_tokens}
-        result["engine_spec_counts"][method] = counts  # warm-up included
-        engine.close()
+        lookup = (defaults.ngram_min, defaults.ngram_max)  # ngram's defaults
+        compare(cell, {m: runs[(c, m)] for m in methods}, lookup, result)
+    result["engine_spec_counts"] = counts  # the last round's engines, warm-up included
     result["num_speculative_tokens"] = k
     result["speculative_max_batch"] = args.speculative_max_batch or defaults.speculative_max_batch
     result["max_model_len"] = context
     return result
 
 
+def run_round(
+    args: argparse.Namespace,
+    engines: dict[str, Any],
+    cells: list[Cell],
+    warmup: list[list[int]],
+    runs: dict[tuple[int, str], list[dict[str, Any]]],
+    label: str,
+) -> dict[str, dict[str, int]]:
+    """Warm each engine up, then run every cell on each in turn, appending to `runs` by (cell,
+    method); the engines' own proposed/accepted counts after it."""
+    from engine import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for method, engine in engines.items():  # first-use costs, off the clock
+        run_wave(engine, warmup, [greedy] * len(warmup), f"warmup-{method}")
+    for c, cell in enumerate(cells):
+        for m, engine in engines.items():
+            runs.setdefault((c, m), []).append(run_cell(engine, cell, args, f"c{c}-{m}"))
+        rates = " ".join(f"{m} {runs[(c, m)][-1]['output_tokens_per_s']:.0f}" for m in engines)
+        log(f"{label}, {cell.task} {cell.mode} batch {cell.batch}: {rates} tok/s")
+    stats = {m: engine.stats() for m, engine in engines.items()}
+    return {
+        m: {"proposed": s.spec_proposed_tokens, "accepted": s.spec_accepted_tokens}
+        for m, s in stats.items()
+    }
+
+
 def compare(
-    cell: Cell, runs: dict[str, dict[str, Any]], lookup: tuple[int, int], result: dict[str, Any]
+    cell: Cell,
+    runs: dict[str, list[dict[str, Any]]],
+    lookup: tuple[int, int],
+    result: dict[str, Any],
 ) -> None:
-    """Add the cell's records (ratios to off, same ids as off's) and its lookup rate."""
-    off = runs["off"]
-    outputs = zip(cell.prompts, off["token_ids"], strict=True)
+    """Add the cell's records and its lookup rate. A method's record is its fastest round (by
+    the wall clock; its CPU fields the round fastest per CPU-second), each ratio against off's
+    fastest by the same measure; its ids must equal off's in every round."""
+    offs = runs["off"]
+    outputs = zip(cell.prompts, offs[0]["token_ids"], strict=True)
     rate = sum(lookup_rate(p, t, *lookup) for p, t in outputs) / len(cell.prompts)
     where = {"task": cell.task, "mode": cell.mode, "batch": cell.batch}
     result["cells"].append(
@@ -291,15 +248,24 @@ def compare(
             "lookup_rate": rate,
         }
     )
-    for method, run in runs.items():
-        same = run["token_ids"] == off["token_ids"]
+    off, off_cpu = _best(offs, "output_tokens_per_s"), _best(offs, "output_tokens_per_cpu_s")
+    for method, rounds in runs.items():
+        same = all(m["token_ids"] == o["token_ids"] for m, o in zip(rounds, offs, strict=True))
         if not same:
             result["differ"].append(f"{cell.task}/{cell.mode}/batch {cell.batch}/{method}")
-        record = {k: v for k, v in run.items() if k != "token_ids"}
-        ratio = run["output_tokens_per_s"] / off["output_tokens_per_s"]
-        result["records"].append(
-            {**where, "method": method, **record, "ratio_to_off": ratio, "same_tokens_as_off": same}
-        )
+        best = _best(rounds, "output_tokens_per_s")
+        record = {k: v for k, v in best.items() if k != "token_ids"}
+        record["ratio_to_off"] = best["output_tokens_per_s"] / off["output_tokens_per_s"]
+        best_cpu = _best(rounds, "output_tokens_per_cpu_s")  # its CPU fields: that round's
+        record.update({k: best_cpu[k] for k in ("cpu_seconds", "output_tokens_per_cpu_s")})
+        ratio = best_cpu["output_tokens_per_cpu_s"] / off_cpu["output_tokens_per_cpu_s"]
+        record["cpu_ratio_to_off"] = ratio
+        record["all_output_tokens_per_s"] = [r["output_tokens_per_s"] for r in rounds]
+        result["records"].append({**where, "method": method, **record, "same_tokens_as_off": same})
+
+
+def _best(rounds: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    return max(rounds, key=lambda run: float(run[key]))
 
 
 def resolve(args: argparse.Namespace) -> tuple[Path, str, Path | None]:
@@ -343,14 +309,16 @@ def main(argv: list[str] | None = None) -> int:
         "passage_words": args.passage_words,
         "cue_words": args.cue_words,
         "min_requests": args.min_requests,
+        "repeat": args.repeat,
         **measured,
         "identical_tokens": not differ,  # every method's ids equal off's, in every cell
         "cells_with_other_tokens": differ,
         "machine": machine(),
     }
-    header = ["task", "mode", "batch", "method", "tok/s", "x off", "accepted", "same ids"]
+    header = ["task", "mode", "batch", "method", "tok/s", "x off", "x off per CPU-s"]
+    header += ["accepted", "same ids"]
     keys = ["task", "mode", "batch", "method", "output_tokens_per_s", "ratio_to_off"]
-    keys += ["acceptance_rate", "same_tokens_as_off"]
+    keys += ["cpu_ratio_to_off", "acceptance_rate", "same_tokens_as_off"]
     rows = [[math.nan if r[k] is None else r[k] for k in keys] for r in result["records"]]
     emit(result, header, rows)
     log(f"token ids equal off's everywhere: {not differ}")
