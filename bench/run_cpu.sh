@@ -102,7 +102,7 @@ else
   run window_attention bench.cpu.window_attention --context 4096 --window 128 --rows 8 \
     --threads "$THREADS"
   # On the demo model and its draft, each trained on first use (docs/architecture.md).
-  run speculative bench.speculative --methods ngram suffix draft --batches 1 8 64 \
+  run speculative bench.speculative --methods ngram suffix draft --batches 1 8 64 --repeat 3 \
     --threads "$THREADS"
 fi
 

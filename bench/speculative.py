@@ -3,7 +3,8 @@
 Each round builds one engine per method (`off` and each of `--methods`), all alive at once,
 and runs every cell (task x mode x batch) on each engine in turn, so each ratio is between runs
 seconds apart; `--repeat` rounds, each with fresh engines (a `suffix` store then holds none of
-the last round's outputs), and each method's fastest round counts.
+the last round's outputs) and the methods in turn going first, and each method's fastest round
+counts.
 - Tasks (bench/speculative_prompts.py), from the demo corpus cut into `--passage-words`-word
   passages: `copy`, a passage, a newline and its first `--cue-words` words, whose right
   continuation repeats the passage; `free`, the passage alone. Every request of a round has a
@@ -66,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
     p.add_argument("--passage-words", type=int, default=24)
     p.add_argument("--cue-words", type=int, default=4, help="copy: the passage's words repeated")
-    p.add_argument("--min-requests", type=int, default=8, help="per cell: waves of the batch")
+    p.add_argument("--min-requests", type=int, default=16, help="per cell: waves of the batch")
     p.add_argument("--num-speculative-tokens", type=int, help="default: the engine's")
     p.add_argument("--speculative-max-batch", type=int, help="default: the engine's")
     p.add_argument("--repeat", type=int, default=1, help="rounds, fresh engines; best counts")
@@ -182,7 +183,8 @@ def measure(
     methods = ["off", *args.methods]
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for r in range(args.repeat):
-        engines = {m: make_engine(args, m, model_dir, dtype, draft, pages) for m in methods}
+        order = methods[r % len(methods) :] + methods[: r % len(methods)]  # who goes first
+        engines = {m: make_engine(args, m, model_dir, dtype, draft, pages) for m in order}
         try:
             counts = run_round(args, engines, cells, warmup, runs, f"round {r + 1}")
         finally:
