@@ -82,6 +82,8 @@ def make_engine(
     draft: Path | None,
     pages: int,
 ) -> Any:
+    """An engine speculating with `method` ("off": none), its KV pool `pages` pages; the
+    engine's defaults elsewhere, but for the speculative settings a flag gives."""
     from engine import EngineConfig, LLMEngine
 
     tuned = {
