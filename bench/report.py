@@ -288,6 +288,27 @@ def gateway(r: dict[str, Any]) -> str:
     )
 
 
+def speculative(r: dict[str, Any]) -> str:
+    header = ["task", "mode", "batch", "method", "output tok/s", "x off", "x off per CPU-s"]
+    header += ["accepted/proposed", "ids = off's"]
+    keys = ["task", "mode", "batch", "method", "output_tokens_per_s", "ratio_to_off"]
+    keys += ["cpu_ratio_to_off", "acceptance_rate", "same_tokens_as_off"]
+    rows = [[math.nan if x[k] is None else x[k] for k in keys] for x in r["records"]]
+    lookup = ", ".join(
+        f"{c['task']} {c['mode']} batch {c['batch']} {c['lookup_rate']:.2f}" for c in r["cells"]
+    )
+    return (
+        f"**speculative decoding, {r['model']}** ({r['device']} {r['dtype']}, {r['threads']} "
+        f"torch threads; {r['num_speculative_tokens']} tokens proposed at most, speculation off "
+        f"above batch {r['speculative_max_batch']}; {r['max_tokens']} tokens per request, "
+        f"ignore_eos; sampled at temperature {r['temperature_sampled']}; the fastest of "
+        f"{r['repeat']} rounds)\n\n"
+        + markdown(header, rows)
+        + f"\n\ntoken ids equal off's in every cell: **{r['identical_tokens']}**; share of "
+        f"off's output tokens that prompt lookup predicts: {lookup}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", type=Path, nargs="+")
@@ -304,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         "service_ceiling": service_ceiling,
         "peer_vllm": peer_vllm,
         "gateway": gateway,
+        "speculative": speculative,
     }
     for folder in args.folders:
         for path in sorted(folder.glob("*.json")):

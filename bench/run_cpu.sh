@@ -38,7 +38,7 @@ run() { # run NAME MODULE ARGS...: stdout (one JSON object) to $OUT/NAME.json
 }
 
 echo "== $MODE CPU suite into $OUT; $(nproc) cores; load average: $(cut -d' ' -f1-3 /proc/loadavg)" >&2
-"$PY" -m bench.checkpoints tiny >/dev/null || exit 1
+TINY=$("$PY" -m bench.checkpoints tiny) || exit 1
 
 if [[ $MODE == smoke ]]; then
   # The serving benchmark reuses the offline engine rate of the same workload and settings
@@ -75,6 +75,10 @@ if [[ $MODE == smoke ]]; then
   # Decode attention of a sliding-window layer beside a full one, the C kernel (about 1 s).
   run window_attention bench.cpu.window_attention --context 256 --window 32 --rows 2 --layers 1 \
     --heads 8 --kv-heads 2 --iters 2 --sinks --threads 1
+  # Speculative decoding: each method beside off on copy and free prompts, the tiny model its
+  # own draft (the demo and its draft would be trained first; about 5 CPU-seconds).
+  run speculative bench.speculative --shape tiny --draft-model "$TINY" --batches 1 4 \
+    --min-requests 4 --max-tokens 8 --passage-words 8 --threads 1
 else
   # --repeat: engine and HF runs alternate and each side's best counts; likewise the serving
   # benchmark's offline reference runs and its rate-inf phases (a busy machine only slows runs).
@@ -96,6 +100,9 @@ else
   run lora bench.throughput.lora --shape tiny --batch 32 --prompt-len 64 --max-tokens 128 --repeat 3 \
     --threads "$THREADS"
   run window_attention bench.cpu.window_attention --context 4096 --window 128 --rows 8 \
+    --threads "$THREADS"
+  # On the demo model and its draft, each trained on first use (docs/architecture.md).
+  run speculative bench.speculative --methods ngram suffix draft --batches 1 8 64 --repeat 3 \
     --threads "$THREADS"
 fi
 

@@ -95,6 +95,13 @@ rm -f "$OUT/checkpoints-more.json"
 step decode-llama-3-8b 90 bench.decode --shape llama-3-8b $DEV --batches 1 8 64 256
 step decode-qwen3-0.6b 45 bench.decode --shape qwen3-0.6b $DEV --batches 1 64 256
 step decode-llama-3.2-1b 45 bench.decode --shape llama-3.2-1b $DEV --batches 1 64 256
+# Speculative decoding (issue 46): off, ngram and suffix in one run, on copy-heavy and free
+# demo-corpus prompts, greedy and sampled, at batch 1 and 64 (above --speculative-max-batch: off
+# per step). Random weights: acceptance is what this model happens to repeat. No draft: there
+# is no draft shape of Qwen2.5-0.5B (the demo's draft is on the CPU suite).
+# Alone: ONLY="checkpoints speculative-qwen2.5-0.5b" bash bench/run_gpu.sh
+step speculative-qwen2.5-0.5b 150 bench.speculative --shape qwen2.5-0.5b $DEV --methods ngram suffix \
+  --batches 1 64
 step serve-qwen2.5-0.5b 100 bench.service.serve --shape qwen2.5-0.5b $DEV --scale 0.5 --rates inf 16 \
   --max-concurrency 64
 step offline-qwen2.5-0.5b 200 bench.throughput.offline --shape qwen2.5-0.5b $DEV --hf-batch-sizes 256 \

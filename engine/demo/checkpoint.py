@@ -9,6 +9,10 @@ server then loads it through exactly the same code as any downloaded checkpoint.
 Its chat template (`chat_template.jinja`, written beside the tokenizer as transformers writes
 it) makes `sluice chat` work against it: each turn a "Role: text" paragraph.
 
+`ensure_demo_checkpoint(size="draft")` builds the demo's draft model the same way, beside it:
+a smaller Llama on the same corpus with the same tokenizer, for speculative decoding's `draft`
+method (`--speculative-draft-model`; bench/speculative.py).
+
 The build is deterministic (fixed seed, fixed step count) and takes about 80 s on two idle CPU
 cores, far longer when other processes keep them busy (docs/architecture.md, "The demo model").
 The directory name carries a hash of the recipe, the corpus and the chat template, so a changed
@@ -87,37 +91,54 @@ class DemoRecipe:
 
 
 RECIPE = DemoRecipe()
+# The demo's draft model, for speculative decoding's `draft` method (--speculative-draft-model):
+# the same corpus, steps and vocabulary size, hence the same tokenizer (trained from the same
+# text at the same size: identical files), at half the width and half the depth.
+DRAFT_RECIPE = dataclasses.replace(RECIPE, hidden_size=64, intermediate_size=192, num_layers=2)
+SIZES = ("demo", "draft")
 
 
-def ensure_demo_checkpoint(cache_root: Path | None = None, train_steps: int | None = None) -> Path:
+def ensure_demo_checkpoint(
+    cache_root: Path | None = None, train_steps: int | None = None, size: str = "demo"
+) -> Path:
     """Return the directory of the demo checkpoint, building it on first use.
 
     cache_root None = ~/.cache/sluice. The directory name includes a hash of the recipe
     (corpus + hyperparameters), so a changed recipe builds anew. Safe when several processes
     call it at once (file lock; build into a temp dir, then atomic rename). train_steps overrides
     the recipe's step count (tests use a handful of steps; the result then goes to a differently
-    named directory).
+    named directory). size "draft" is the demo's draft model (DRAFT_RECIPE), cached beside it.
     """
-    recipe = RECIPE if train_steps is None else dataclasses.replace(RECIPE, steps=train_steps)
-    return _ensure(recipe, cache_root)
+    base = _recipe(size)
+    recipe = base if train_steps is None else dataclasses.replace(base, steps=train_steps)
+    return _ensure(recipe, cache_root, size)
 
 
-def cached_demo_checkpoint(cache_root: Path | None = None) -> Path | None:
-    """The demo checkpoint's directory if it is already built, else None; builds nothing."""
-    final = _final_dir(RECIPE, cache_root, load_corpus())
+def cached_demo_checkpoint(cache_root: Path | None = None, size: str = "demo") -> Path | None:
+    """The directory of the demo checkpoint (or of its draft) if it is already built, else
+    None; builds nothing."""
+    final = _final_dir(_recipe(size), cache_root, load_corpus(), size)
     return final if final.is_dir() else None
 
 
-def _final_dir(recipe: DemoRecipe, cache_root: Path | None, corpus: str) -> Path:
+def _recipe(size: str) -> DemoRecipe:
+    """The recipe of a size, looked up when called (tests replace RECIPE)."""
+    if size not in SIZES:
+        raise ValueError(f"size: expected one of {SIZES}, got {size!r}")
+    return RECIPE if size == "demo" else DRAFT_RECIPE
+
+
+def _final_dir(recipe: DemoRecipe, cache_root: Path | None, corpus: str, size: str) -> Path:
     """Named by everything the build writes: a changed template builds anew, as a changed
     recipe does (a cache built before the template existed is not reused)."""
     root = Path(cache_root) if cache_root is not None else Path.home() / ".cache" / "sluice"
-    return root / f"demo-{recipe.fingerprint(corpus, load_chat_template())}"
+    prefix = "demo" if size == "demo" else f"demo-{size}"
+    return root / f"{prefix}-{recipe.fingerprint(corpus, load_chat_template())}"
 
 
-def _ensure(recipe: DemoRecipe, cache_root: Path | None) -> Path:
+def _ensure(recipe: DemoRecipe, cache_root: Path | None, size: str) -> Path:
     corpus = load_corpus()
-    final = _final_dir(recipe, cache_root, corpus)
+    final = _final_dir(recipe, cache_root, corpus, size)
     root = final.parent
     if final.is_dir():  # NOTE: only a finished build is ever renamed to this name
         return final

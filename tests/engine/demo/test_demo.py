@@ -115,6 +115,29 @@ def test_same_recipe_builds_identical_bytes(demo_dir: Path, tmp_path: Path) -> N
         assert (again / name).read_bytes() == (demo_dir / name).read_bytes(), name
 
 
+def test_the_draft_size_shares_the_demo_tokenizer_at_half_the_width_and_depth(
+    demo_dir: Path,
+) -> None:
+    draft_dir = ensure_demo_checkpoint(demo_dir.parent, train_steps=STEPS, size="draft")
+    assert draft_dir.name.startswith("demo-draft-") and draft_dir.parent == demo_dir.parent
+    assert all((draft_dir / name).is_file() for name in HF_FILES)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (draft_dir / name).read_bytes() == (demo_dir / name).read_bytes(), name
+    target, draft = (load_model_config(d) for d in (demo_dir, draft_dir))
+    assert draft.vocab_size == target.vocab_size
+    assert (draft.num_layers, draft.hidden_size) == (
+        target.num_layers // 2,
+        target.hidden_size // 2,
+    )
+    ids = torch.tensor([Tokenizer.from_file(str(draft_dir / "tokenizer.json")).encode("The ").ids])
+    with torch.no_grad():  # every tensor loads by its checkpoint name; transformers agrees
+        ours = load_ours(draft_dir).dense_forward(ids)
+        theirs = load_hf_model(draft_dir)(ids).logits
+    torch.testing.assert_close(ours, theirs.float(), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="size"):
+        demo.cached_demo_checkpoint(demo_dir.parent, size="tiny")
+
+
 def test_changed_recipe_gets_another_directory() -> None:
     corpus, template = demo.load_corpus(), demo.load_chat_template()
     fingerprint = demo.RECIPE.fingerprint(corpus, template)
