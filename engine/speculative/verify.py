@@ -21,27 +21,20 @@ it, and the prefix cache never publishes a page that holds it (pages are publish
 computed tokens only).
 
 Speculation costs a wider forward where proposals are rejected, so it is off for a step with
-more than `max_batch` decoding requests, and for a request whose proposals keep failing: after
-a verification that keeps none, it skips 1, 2, 4 ... 64 steps (one kept proposal resets that).
+more than `max_batch` decoding requests, and each request verifies only as many proposals as
+its recent acceptance makes worthwhile, backing off when that is none
+(engine/speculative/acceptance.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 
 from engine.execution.launched_step import Sampled
 from engine.scheduling.request import Request, RequestStatus
 from engine.scheduling.scheduler import ScheduledBatch
+from engine.speculative.acceptance import Acceptance
 from engine.speculative.proposer import Proposer
-
-MAX_BACKOFF_SHIFT = 6  # a failing request skips at most 2**6 steps between tries
-
-
-@dataclass
-class Backoff:
-    misses: int = 0  # verifications in a row that kept no proposal
-    until: int = 0  # the first step it may speculate again
 
 
 class SpecDecoder:
@@ -53,7 +46,7 @@ class SpecDecoder:
         self.proposed_tokens = 0  # cumulative, for the engine's stats
         self.accepted_tokens = 0
         self._step = 0
-        self._backoff: dict[Request, Backoff] = {}
+        self._acceptance: dict[Request, Acceptance] = {}
         self._drafted: list[Request] = []  # requests given a draft by the last propose
         self._policy_version: int | None = None
 
@@ -100,11 +93,12 @@ class SpecDecoder:
             or req in hold
         ):
             return 0
-        backoff = self._backoff.get(req)
-        if backoff is not None and self._step < backoff.until:
-            return 0
+        acceptance = self._acceptance.get(req)
+        most = self.num_tokens
+        if acceptance is not None:
+            most = acceptance.length(most, self._step)
         # Never past max_tokens: the a + 1 tokens emitted are at most the tokens left.
-        return min(self.num_tokens, req.max_tokens - req.num_output_tokens - 1)
+        return min(most, req.max_tokens - req.num_output_tokens - 1)
 
     def scheduled(self, batch: ScheduledBatch) -> None:
         """Drop the drafts the schedule did not take whole (preempted or cut requests); the
@@ -170,10 +164,7 @@ class SpecDecoder:
         req.spec_accepted += kept
         self.proposed_tokens += len(draft)
         self.accepted_tokens += kept
-        backoff = self._backoff.setdefault(req, Backoff())
-        backoff.misses = 0 if kept else backoff.misses + 1
-        if backoff.misses:
-            backoff.until = self._step + 1 + (1 << min(backoff.misses - 1, MAX_BACKOFF_SHIFT))
+        self._acceptance.setdefault(req, Acceptance()).record(kept, len(draft))
         clear_draft(req)
         return kept
 
@@ -184,9 +175,9 @@ class SpecDecoder:
         self._drafted = []
 
     def finished(self, req: Request) -> None:
-        """`req` ended: the proposer and the backoff forget it."""
+        """`req` ended: the proposer and the acceptance estimates forget it."""
         clear_draft(req)
-        self._backoff.pop(req, None)
+        self._acceptance.pop(req, None)
         self.proposer.finished(req)
 
 

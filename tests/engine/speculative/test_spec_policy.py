@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from engine import SamplingParams
-from engine.speculative.verify import MAX_BACKOFF_SHIFT
+from engine.speculative.acceptance import MAX_SHIFT
 from tests.support.overlap_runs import Request, make_engine, run
 from tests.support.spec_runs import ReplayProposer, assert_same, spec_engine
 
@@ -42,7 +42,7 @@ def test_a_request_whose_proposals_keep_failing_backs_off(tiny_llama: Path) -> N
     # 40 tokens, each verification emits one: without backing off it would be asked at
     # every decode step (39); backing off 1, 2, 4, 8 ... steps asks it about log2 times.
     asked = len(proposer.calls)
-    assert 3 <= asked <= 3 + MAX_BACKOFF_SHIFT
+    assert 3 <= asked <= 3 + MAX_SHIFT
 
 
 def test_a_request_that_opts_out_is_never_proposed_for(tiny_llama: Path) -> None:
