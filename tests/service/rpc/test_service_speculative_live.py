@@ -1,0 +1,51 @@
+"""Speculative decoding through `python -m service`: with --speculative-method ngram the
+client's greedy ids and logprobs equal transformers' generate, each sample's usage counts its
+proposed and accepted tokens, a request that opts out is never proposed for, and server info
+names the method."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from sluice_client import Client
+
+from tests.support.server_process import server_process
+from tests.support.tiny_models import hf_greedy, load_hf_model, make_checkpoint
+
+NEW_TOKENS = 24
+
+
+def copy_heavy(count: int) -> list[list[int]]:
+    """Prompts that repeat a span: prompt lookup finds matches."""
+    rng = random.Random(2)
+    spans = [[rng.randrange(3, 300) for _ in range(5 + i)] for i in range(count)]
+    return [[1, *span, *span, *span] for span in spans]
+
+
+def test_greedy_through_the_service_with_ngram_equals_hf(tmp_path: Path) -> None:
+    checkpoint = make_checkpoint(tmp_path / "llama", "llama")
+    batch = copy_heavy(3)
+    flags = ["--model", str(checkpoint), "--device", "cpu", "--dtype", "float32"]
+    flags += ["--speculative-method", "ngram", "--ngram-min", "1", "--page-size", "4"]
+    with server_process(tmp_path / "server.log", *flags) as server:
+        server.wait_health("SERVING", timeout=120)
+        with Client(server.target) as client:
+            info = client.info()
+            options = {"max_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
+            done = [client.complete(p, logprobs=True, **options) for p in batch]
+            opted = client.complete(batch[0], speculative=False, **options)
+    assert (info.speculative_method, info.num_speculative_tokens) == ("ngram", 4)
+    hf = load_hf_model(checkpoint)
+    for prompt, completion in zip(batch, done, strict=True):
+        expected, hf_logprobs = hf_greedy(hf, prompt, NEW_TOKENS)
+        assert list(completion.token_ids) == expected
+        chosen = hf_logprobs.gather(-1, torch.tensor(expected)[:, None]).squeeze(-1)
+        got = torch.tensor(list(completion.logprobs), dtype=torch.float32)
+        torch.testing.assert_close(got, chosen, atol=1e-4, rtol=0)
+    usage = [c.finished.usage for c in done]  # type: ignore[union-attr]
+    assert sum(u.proposed_tokens for u in usage) > 0
+    assert all(0 <= u.accepted_tokens <= u.proposed_tokens for u in usage)
+    assert list(opted.token_ids) == list(done[0].token_ids)
+    assert (opted.finished.usage.proposed_tokens, opted.finished.usage.accepted_tokens) == (0, 0)  # type: ignore[union-attr]
