@@ -3,9 +3,8 @@
 The packed batch is a list of sequences, each contributing `query_len` new tokens: q and k
 are rotated at the tokens' positions (engine/layers/rope.py), the keys and values written into
 the paged cache with `index_copy_`, and then each query attends causally to its
-sequence's whole context (cached prefix + new tokens). Decode rows (one query each, and each
-token of a short query after a cached prefix: a speculative draft being verified) are sorted
-by context length and batched into a few padded SDPA calls (on the CPU in a reduced
+sequence's whole context (cached prefix + new tokens). Decode rows (one query each) are
+sorted by context length and batched into a few padded SDPA calls (on the CPU in a reduced
 precision, two batched GEMMs instead: `_decode_matmul`); prefill rows run one SDPA call each.
 
 A decode-only step reads only tensors and the step's constant ints, so it can be captured in
@@ -35,7 +34,6 @@ if TYPE_CHECKING:
 __all__ = ["AttentionMetadata", "TorchRefAttention"]
 
 GROUP_ROWS = 16  # decode rows per padded attention call, at least (see _split)
-SHORT_QUERY = 8  # a query of at most this many tokens after a cached prefix: decode rows
 
 
 class TorchRefAttention:
@@ -57,48 +55,34 @@ class TorchRefAttention:
         if meta.block_tables is None:
             return
         assert self.page_size is not None, "a paged forward needs the backend's page_size"
-        if meta.decode_only:  # token i is sequence i's one query
-            lens = meta.context_lens
-            # A graphed step has its lengths on the device only: it stays one group.
-            groups = self._split(list(range(len(lens))), lens) if lens else []
-            if len(groups) <= 1:  # the whole batch in order: no gather, no scatter
-                assert meta.seq_lens is not None
-                pages = -(-meta.max_context_len // self.page_size)
-                meta.decode_groups = [self._group(None, meta.block_tables, meta.seq_lens, pages)]
-                return
-            rows = [(i, i, ctx) for i, ctx in enumerate(lens)]
-        else:
-            rows = self._decode_rows(meta)
-            groups = self._split(list(range(len(rows))), [ctx for _, _, ctx in rows])
+        decodes = [i for i, n in enumerate(meta.query_lens) if n == 1]
+        # A graphed step has its lengths on the device only: it stays one group.
+        groups = self._split(decodes, meta.context_lens) if meta.context_lens else []
+        if meta.decode_only and len(groups) <= 1:  # the whole batch in order: no gather, no scatter
+            assert meta.seq_lens is not None
+            pages = -(-meta.max_context_len // self.page_size)
+            meta.decode_groups = [self._group(None, meta.block_tables, meta.seq_lens, pages)]
+            return
         device = meta.block_tables.device
+        starts = [0]
+        for n in meta.query_lens[:-1]:
+            starts.append(starts[-1] + n)
+        decode_set = set(decodes)
+        meta.prefill_seqs = [
+            (i, starts[i], meta.query_lens[i], meta.context_lens[i])
+            for i in range(meta.num_seqs)
+            if i not in decode_set
+        ]
         meta.decode_groups = []
-        for group in groups:
-            token, seq, ctx = zip(*[rows[r] for r in group], strict=True)
-            meta.decode_groups.append(
-                self._group(
-                    torch.tensor(token, device=device),
-                    meta.block_tables[torch.tensor(seq, device=device)],
-                    torch.tensor(ctx, dtype=torch.int32, device=device),
-                    -(-max(ctx) // self.page_size),
-                )
+        for seqs in groups:
+            lens = [meta.context_lens[i] for i in seqs]
+            group = self._group(
+                torch.tensor([starts[i] for i in seqs], device=device),
+                meta.block_tables[torch.tensor(seqs, device=device)],
+                torch.tensor(lens, dtype=torch.int32, device=device),
+                -(-max(lens) // self.page_size),
             )
-
-    @staticmethod
-    def _decode_rows(meta: AttentionMetadata) -> list[tuple[int, int, int]]:
-        """A mixed step's decode rows, (token, sequence, context length it sees), and its
-        prefill sequences into `meta.prefill_seqs`. A short query after a cached prefix (a
-        speculative draft being verified) is a decode row per token: token j sees the context
-        up to itself, which the step wrote before attending."""
-        rows: list[tuple[int, int, int]] = []
-        meta.prefill_seqs = []
-        start = 0
-        for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
-            if n == 1 or (n <= SHORT_QUERY and ctx > n):
-                rows += [(start + j, i, ctx - n + j + 1) for j in range(n)]
-            else:
-                meta.prefill_seqs.append((i, start, n, ctx))
-            start += n
-        return rows
+            meta.decode_groups.append(group)
 
     def _split(self, decodes: list[int], context_lens: list[int]) -> list[list[int]]:
         """Decode sequences sorted by context length, in groups of GROUP_ROWS or more.

@@ -163,7 +163,10 @@ class StepLoop:
         """Launch the next step, then collect the one in flight."""
         drained = list(self.drain()) if self._must_collect_first() else []
         previous, self.inflight = self.inflight, None
-        batch = self.schedule(previous.held if previous is not None else ())
+        if previous is None:
+            batch = self.schedule()
+        else:  # nothing to propose from: its requests' last tokens are still being sampled
+            batch = self.schedule(previous.held, speculate=False)
         if batch:
             self.inflight = self.launch(batch, previous)
         # The step collected first is older than what this schedule ended (a request too big).
@@ -206,15 +209,16 @@ class StepLoop:
 
     # ---- the verbs ----
 
-    def schedule(self, hold: Collection[Request] = ()) -> ScheduledBatch:
+    def schedule(self, hold: Collection[Request] = (), speculate: bool = True) -> ScheduledBatch:
         """Step-boundary work (deadlines, a pending weight swap or sleep, grammars compiled),
-        then the next batch (`hold`: requests that sit it out)."""
+        then the next batch (`hold`: requests that sit it out; drafts to verify only when
+        `speculate`: with nothing in flight)."""
         self.table.expire()
         self.updater.advance()
         self.sleeper.advance()
         self.structured.start_ready()
         spec = self.spec
-        if spec is not None:
+        if spec is not None and speculate:
             spec.propose(self.scheduler.running, hold, self.scheduler.policy_version)
         batch = self.scheduler.schedule(hold)
         if spec is not None:

@@ -1,8 +1,8 @@
 """Turns a scheduled batch into one packed forward pass and samples the next tokens.
 
 Every request in the batch feeds `query_len` tokens starting at its `num_computed_tokens`;
-those that reach the end of their tokens get their last position's logits sampled (a request
-verifying a speculative draft, every position's: up to one sampled row per step token). Only
+those that reach the end of their tokens get their last position's logits sampled (a
+speculative draft's tokens are rows of their own: engine/execution/draft_rows.py). Only
 those rows go through the LM head, and the prompt positions a request asked to score
 (prompt logprobs: engine/execution/prompt_scoring.py).
 
@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from engine.execution.cuda_graph import CUDAGraphRunner
+from engine.execution.draft_rows import as_decode_rows
 from engine.execution.kv_group_inputs import fill_groups, group_caches
 from engine.execution.launched_step import (
     DeviceThread,
@@ -85,7 +86,7 @@ class ModelRunner:
         self.page_size = pool.page_size
         self.max_pages = pool.pages_for(model.config.max_model_len)
         max_tokens = max(max_num_batched_tokens, max_num_seqs)
-        sizes = (max_tokens, max_num_seqs, self.max_pages, max_num_seqs + max_tokens)
+        sizes = (max_tokens, max_num_seqs, self.max_pages, max_num_seqs)
         self.groups = pool.groups.num_groups
         pin = device.type == "cuda"
         self.host = StepInputs.allocate(*sizes, torch.device("cpu"), pin, self.groups)
@@ -165,9 +166,10 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, pending: PendingInputs | None = None) -> LaunchedStep:
         """Write the step's inputs into the host buffers and enqueue its forward and sampling
         without waiting for the device (engine/execution/launched_step.py). Rows listed in
-        `pending` read their input token from the previous step's samples, on the device."""
-        if self._slots:
-            # The CPU's step tensors are the host buffers: switch both to the other pair.
+        `pending` read their input token from the previous step's samples, on the device
+        (never with a draft to verify, whose tokens become rows of their own here)."""
+        batch, verifying = as_decode_rows(batch)
+        if self._slots:  # the CPU's step tensors are the host buffers: switch to the other pair
             self.host, self.arrays = self._slots[1 if self.host is self._slots[0][0] else 0]
             self.inputs = self.host
         num_seqs = len(batch.requests)
@@ -198,7 +200,7 @@ class ModelRunner:
         else:
             work = self._eager_work(step, rows, pending, lora, routing, sampling, scoring)
         submit = self.device_thread.submit if self.device_thread is not None else run_now
-        launched = LaunchedStep(step.sampling, submit(work), scoring, step.verifying)
+        launched = LaunchedStep(step.sampling, submit(work), scoring, verifying)
         if sampling is not None and sampling.grammar is not None:
             sampling.grammar.fill()  # while the forward runs (unless the sampler did already)
         return launched
@@ -248,7 +250,7 @@ class ModelRunner:
         scoring: ScoredRows | None,
     ) -> Callable[[], StepResult | None]:
         self._upload(step)
-        inputs = forward_inputs(self.inputs, self.arrays, *_shape(step))
+        inputs = forward_inputs(self.inputs, self.arrays, *step.shape)
         model, sampler = self.model, self.sampler
         hidden_of = eager_hidden(model, self.kv_caches, inputs, rows, pending, lora, routing)
         num_sampled, num_rows = step.num_rows, step.num_rows + step.num_scored
@@ -353,7 +355,7 @@ class ModelRunner:
     def _forward(self, step: PreparedStep, lora: LoraStep | None = None) -> torch.Tensor:
         """The eager forward of any step: [tokens, hidden]."""
         self._upload(step)
-        ids, positions, meta = forward_inputs(self.inputs, self.arrays, *_shape(step))
+        ids, positions, meta = forward_inputs(self.inputs, self.arrays, *step.shape)
         return self.model(ids, positions, meta, self.kv_caches, lora)
 
     def _upload(self, step: PreparedStep) -> None:
@@ -393,8 +395,3 @@ class ModelRunner:
 def _block_table(batch: ScheduledBatch) -> BlockTable:
     assert batch.block_table is not None, "a batch from the Scheduler carries its block table"
     return batch.block_table
-
-
-def _shape(step: PreparedStep) -> tuple[int, int, int]:
-    # From the host buffers, not the requests: a worker rank has only the buffers.
-    return step.num_tokens, step.num_seqs, step.width

@@ -72,7 +72,7 @@ def load_shard(
         pool,
         device,
         cfg.eos_token_ids,
-        config.max_num_seqs,
+        config.max_num_seqs + draft_rows(config),
         config.max_num_batched_tokens,
         make_sampler(config.sampler, device),
     )
@@ -84,6 +84,14 @@ def load_shard(
     elif config.compile:
         runner.attach_graphs(capture=False, compile=True)
     return ModelShard(model, pool, runner)
+
+
+def draft_rows(config: EngineConfig) -> int:
+    """The step rows speculative decoding may add: each proposal verified is a row of its own
+    (engine/execution/draft_rows.py), and at most --speculative-max-batch requests propose."""
+    if config.speculative_method == "off":
+        return 0
+    return config.speculative_max_batch * config.num_speculative_tokens
 
 
 def kv_pages(

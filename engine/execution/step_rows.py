@@ -1,8 +1,7 @@
 """Which rows of a step go through the LM head: PreparedStep.
 
 After the step's tokens are packed, each request whose tokens reach their end samples from
-its last row (its n > 1 siblings too, from the same row; a request verifying a draft, from
-each of its rows: engine/speculative/), and each request scoring its prompt
+its last row (its n > 1 siblings too, from the same row), and each request scoring its prompt
 (engine/scheduling/prompt_scores.py) adds the rows of the positions it scores this step. The
 row indices go into the host buffer `sample_rows`, sampled rows first, unless row i samples
 token i (the steady decode step: no gather before the LM head).
@@ -10,9 +9,8 @@ token i (the steady decode step: no gather before the LM head).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from engine.execution.draft_rows import draft_rows
 from engine.execution.step_inputs import StepArrays
 from engine.scheduling.prompt_scores import ScoreSpan
 from engine.scheduling.request import Request
@@ -31,9 +29,12 @@ class PreparedStep:
     num_rows: int  # sampled rows (a worker rank knows only their number)
     scoring: list[tuple[Request, ScoreSpan]]  # prompt positions scored, after the sampled rows
     num_scored: int  # their rows
-    # Speculative decoding: the sampling rows that verify a draft (views of their requests,
-    # engine/execution/draft_rows.py) -> the request
-    verifying: dict[Request, Request] = field(default_factory=dict)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(tokens, sequences, block-table width): what forward_inputs reads the host buffers
+        by (a worker rank has only those, not the requests)."""
+        return self.num_tokens, self.num_seqs, self.width
 
 
 def lm_head_rows(batch: ScheduledBatch, arrays: StepArrays, width: int) -> PreparedStep:
@@ -43,8 +44,7 @@ def lm_head_rows(batch: ScheduledBatch, arrays: StepArrays, width: int) -> Prepa
     reqs, lens = batch.requests, batch.query_lens
     num_seqs, num_tokens = len(reqs), batch.num_tokens
     ends = [
-        r.num_computed_tokens + n == len(r.token_ids) + r.num_pending + len(r.draft)
-        and r.max_tokens > 0
+        r.num_computed_tokens + n == len(r.token_ids) + r.num_pending and r.max_tokens > 0
         for r, n in zip(reqs, lens, strict=True)
     ]
     forks = any([r.pending_forks for r in reqs])
@@ -53,15 +53,9 @@ def lm_head_rows(batch: ScheduledBatch, arrays: StepArrays, width: int) -> Prepa
         return PreparedStep(num_tokens, num_seqs, width, list(reqs), True, num_seqs, [], 0)
     rows: list[int] = []
     sampling: list[Request] = []
-    verifying: dict[Request, Request] = {}
     starts = arrays.query_start_loc[: num_seqs + 1].tolist()
     for r, end, row in zip(reqs, ends, starts[1:], strict=True):
-        if end and r.draft:  # a row for its last token and one for each proposal
-            views = draft_rows(r)
-            rows += range(row - len(views), row)
-            sampling += views
-            verifying.update(dict.fromkeys(views, r))
-        elif end:
+        if end:
             # Siblings (n > 1) sample their first tokens from the leader's last prompt row.
             for seq in [r, *r.pending_forks] if r.pending_forks else [r]:
                 rows.append(row - 1)
@@ -74,11 +68,9 @@ def lm_head_rows(batch: ScheduledBatch, arrays: StepArrays, width: int) -> Prepa
     if not rows_are_tokens:
         arrays.sample_rows[: len(rows)] = rows
     num_scored = len(rows) - num_sampled
-    step = PreparedStep(
+    return PreparedStep(
         num_tokens, num_seqs, width, sampling, rows_are_tokens, num_sampled, scoring, num_scored
     )
-    step.verifying = verifying
-    return step
 
 
 def _scored_spans(batch: ScheduledBatch, starts: list[int]) -> list[tuple[Request, ScoreSpan]]:

@@ -99,12 +99,10 @@ class Request:
         return self.token_ids[position] if position < len(self.token_ids) else 0
 
     def input_ids(self, start: int, count: int) -> list[int]:
-        """The ids of tokens `start` to `start + count` as a step's input: past token_ids, the
-        draft being verified, or a pending token (read as 0: the device writes its sampled id
-        over it)."""
+        """The ids of tokens `start` to `start + count` as a step's input: a pending token
+        reads 0 there (the device writes its sampled id over it)."""
         ids = self.token_ids[start : start + count]
-        missing = count - len(ids)
-        return ids if not missing else ids + (self.draft or [0] * missing)[:missing]
+        return ids if len(ids) == count else ids + [0] * (count - len(ids))
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -56,11 +56,14 @@ def spec_engine(
     num_tokens: int = 4,
     max_batch: int = 8,
     overlap: bool = False,
+    decoder: type[SpecDecoder] = SpecDecoder,
     **overrides: object,
 ) -> LLMEngine:
-    """An engine that verifies `proposer`'s drafts (a Proposer)."""
-    engine = make_engine(checkpoint, overlap, **overrides)
-    engine.loop.speculate(SpecDecoder(proposer, num_tokens, max_batch))  # type: ignore[arg-type]
+    """An engine that verifies `proposer`'s drafts (a Proposer): built speculating (its step
+    buffers hold the drafts' rows), then given `proposer` in place of its own."""
+    spec = {"num_speculative_tokens": num_tokens, "speculative_max_batch": max_batch}
+    engine = make_engine(checkpoint, overlap, speculative_method="ngram", **spec, **overrides)
+    engine.loop.speculate(decoder(proposer, num_tokens, max_batch))  # type: ignore[arg-type]
     return engine
 
 

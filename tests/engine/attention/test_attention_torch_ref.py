@@ -132,39 +132,3 @@ def test_a_window_reads_no_page_it_has_passed(with_sinks: bool, page_major: bool
         assert hide_passed_pages(step, 20) > 0
         out = step.run(TorchRefAttention(0.25, page_size), layer, sinks)[0]
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize(("layer", "with_sinks"), LAYER_KINDS)
-@pytest.mark.parametrize("backend", ["torch_ref", "cpu"])
-def test_short_queries_after_a_cached_prefix_are_decode_rows(
-    layer: LayerAttention, with_sinks: bool, backend: str
-) -> None:
-    # Speculative verification feeds 2..SHORT_QUERY tokens after a cached prefix: each token
-    # is a decode row seeing the context up to itself (causal within the query).
-    from engine.attention import cpu_kernels
-    from engine.attention.cpu_paged import CpuPagedAttention
-    from engine.attention.torch_ref import SHORT_QUERY
-
-    rng = random.Random(5)
-    contexts = [rng.randint(20, 90) for _ in range(GROUP_ROWS)]
-    queries = [1] * len(contexts)
-    for i, n in zip((1, 4, 6, 11), (2, 5, SHORT_QUERY, SHORT_QUERY + 1), strict=True):
-        queries[i] = n  # the last one longer than a short query: a prefill row
-    queries[0] = contexts[0]  # a fresh prompt: a prefill row however short
-    sinks = torch.randn(4, generator=torch.Generator().manual_seed(6)) if with_sinks else None
-    step = Step(contexts, queries, page_size=8, seed=5)
-    lib = cpu_kernels.load()
-    assert lib is not None
-    attention = (
-        TorchRefAttention(0.25, 8) if backend == "torch_ref" else CpuPagedAttention(0.25, 8, lib)
-    )
-    out, k_cache, v_cache = step.run(attention, layer, sinks)
-    torch.testing.assert_close(
-        out, reference(step, k_cache, v_cache, layer, sinks), rtol=1e-5, atol=1e-5
-    )
-    meta = step.prepared(attention)
-    assert [seq for seq, *_ in meta.prefill_seqs] == [0, 11]
-    assert (
-        sum(g.tables.shape[0] for g in meta.decode_groups)
-        == sum(queries) - queries[0] - queries[11]
-    )

@@ -15,6 +15,7 @@ from engine import SamplingParams
 from engine.scheduling.request import Request as EngineRequest
 from engine.speculative.verify import SpecDecoder
 from tests.support.overlap_runs import Request, make_engine, run
+from tests.support.spec_runs import spec_engine
 
 PROMPT = [0, 17, 42, 99, 123, 7]
 SEEDS = 500
@@ -75,8 +76,7 @@ def test_verified_positions_are_distributed_as_without_speculation(
 ) -> None:
     plain = run(make_engine(tiny_llama, False), requests(first_seed=10_000))
     guess = [tokens_at(plain, 1).most_common(1)[0][0], tokens_at(plain, 2).most_common(1)[0][0]]
-    engine = make_engine(tiny_llama, False)
-    engine.loop.speculate(decoder(FixedProposer(guess), 2, max_batch=SEEDS))  # type: ignore[arg-type]
+    engine = spec_engine(tiny_llama, FixedProposer(guess), 2, max_batch=128, decoder=decoder)
     spec = run(engine, requests(first_seed=0))  # other seeds: independent samples
     assert engine.stats().spec_accepted_tokens > 0
     p = min(p_value(tokens_at(spec, i), tokens_at(plain, i)) for i in (1, 2))
