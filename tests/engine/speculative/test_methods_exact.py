@@ -69,3 +69,54 @@ def test_a_draft_model_gives_the_tokens_of_decoding_without_it(
     assert stats.spec_proposed_tokens > 0
     if params is GREEDY:
         assert stats.spec_accepted_tokens == stats.spec_proposed_tokens
+
+
+def scenario(params: SamplingParams) -> list[Request]:
+    """n > 1, two prompts sharing a prefix (prefix-cache hits), a stop id, staggered lengths."""
+    reqs = copy_heavy(params, count=3)
+    reqs[0] = replace(reqs[0], n=2)
+    shared = reqs[1].prompt
+    reqs.append(Request("shared", shared[:-2] + [5, 6], replace(params, max_tokens=30)))
+    reqs[2] = replace(reqs[2], params=replace(params, stop_token_ids=(reqs[2].prompt[3],)))
+    return reqs
+
+
+SPEC = {
+    "ngram": {"speculative_method": "ngram", "ngram_min": 1},
+    "suffix": {"speculative_method": "suffix", "ngram_min": 1},
+    "draft": {"speculative_method": "draft"},
+}
+# A small pool (preemption), a small step budget (chunked prefill), pages of 4 tokens.
+TIGHT = {"num_kv_pages": 40, "max_num_batched_tokens": 12, "page_size": 4}
+EVERY_STEP = {"speculative_max_batch": 16}  # the scenario runs 10 sequences
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+@pytest.mark.parametrize("method", sorted(SPEC))
+def test_every_method_through_preemption_chunks_prefix_hits_forks_and_stops(
+    tiny_llama: Path, method: str, overlap: bool
+) -> None:
+    spec = dict(SPEC[method])
+    if method == "draft":
+        spec["speculative_draft_model"] = str(tiny_llama)
+    reqs = scenario(SEEDED) + [replace(r, request_id=r.request_id + "g") for r in scenario(GREEDY)]
+    plain = run(make_engine(tiny_llama, overlap, **TIGHT), reqs)
+    engine = make_engine(tiny_llama, overlap, **TIGHT, **EVERY_STEP, **spec)
+    got = run(engine, reqs)
+    assert_same(got, plain)
+    stats = engine.stats()
+    assert stats.preemptions > 0 and stats.spec_accepted_tokens > 0
+    assert any(s.cached_tokens for s in plain.values())
+    assert_all_pages_returned(engine)
+
+
+def test_a_draft_model_under_two_tensor_parallel_ranks(tiny_llama: Path) -> None:
+    reqs = copy_heavy(GREEDY) + [replace(copy_heavy(SEEDED)[0], request_id="s")]
+    plain = run(make_engine(tiny_llama, False), reqs)
+    spec = {"speculative_method": "draft", "speculative_draft_model": str(tiny_llama)}
+    engine = make_engine(tiny_llama, False, tensor_parallel_size=2, **spec)
+    try:
+        assert_same(run(engine, reqs), plain)
+        assert engine.stats().spec_accepted_tokens > 0
+    finally:
+        engine.close()

@@ -1,6 +1,6 @@
 """Speculative decoding through `python -m service`: with --speculative-method ngram the
-client's greedy ids and logprobs equal transformers' generate, each sample's usage counts its
-proposed and accepted tokens, a request that opts out is never proposed for, and server info
+client's greedy ids and logprobs equal transformers' generate, a stop string ends the text
+where it is first found, each sample's usage counts its proposed and accepted tokens, a request that opts out is never proposed for, and server info
 names the method."""
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ def test_greedy_through_the_service_with_ngram_equals_hf(tmp_path: Path) -> None
             options = {"max_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
             done = [client.complete(p, logprobs=True, **options) for p in batch]
             opted = client.complete(batch[0], speculative=False, **options)
+            # A stop string in the middle of what the second prompt generates.
+            full = done[1].text
+            stop = full[len(full) // 2 : len(full) // 2 + 3]
+            stopped = client.complete(batch[1], stop=[stop], **options)
     assert (info.speculative_method, info.num_speculative_tokens) == ("ngram", 4)
     hf = load_hf_model(checkpoint)
     for prompt, completion in zip(batch, done, strict=True):
@@ -49,3 +53,4 @@ def test_greedy_through_the_service_with_ngram_equals_hf(tmp_path: Path) -> None
     assert all(0 <= u.accepted_tokens <= u.proposed_tokens for u in usage)
     assert list(opted.token_ids) == list(done[0].token_ids)
     assert (opted.finished.usage.proposed_tokens, opted.finished.usage.accepted_tokens) == (0, 0)  # type: ignore[union-attr]
+    assert stopped.reason == "STOP_STRING" and stopped.text == full[: full.index(stop)]
