@@ -86,6 +86,11 @@ def load_shard(
     return ModelShard(model, pool, runner)
 
 
+# --speculative-method draft: the draft model's KV pool takes at most this share (1 / N) of the
+# KV budget, which the target's pool leaves it (engine/speculative/draft_model.py).
+DRAFT_KV_SHARE = 8
+
+
 def draft_rows(config: EngineConfig) -> int:
     """The step rows speculative decoding may add: each proposal verified is a row of its own
     (engine/execution/draft_rows.py), and at most --speculative-max-batch requests propose."""
@@ -115,6 +120,8 @@ def kv_pages(
         groups = group_layers(kv.layers).num_groups if kv.layers else 1  # a page in each
         full = groups * config.max_num_seqs * -(-cfg.max_model_len // config.page_size)
         budget = min(CPU_KV_CACHE_BYTES, full * per_page)
+    if config.speculative_method == "draft":  # the draft's KV pool comes out of the budget
+        budget -= budget // DRAFT_KV_SHARE
     pages = budget // per_page
     if pages < 1:
         raise ValueError(f"kv_cache_memory: {budget} bytes hold no {per_page}-byte page")

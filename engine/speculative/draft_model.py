@@ -13,8 +13,9 @@ parallelism is not done).
 Its KV pool is sized by `draft_kv_budget`: enough for `--speculative-max-batch` sequences at the
 draft's full context, but never more than an eighth (DRAFT_KV_SHARE) of the target's KV pool's
 bytes, and on CUDA never more than half of the device memory left free once the draft's
-weights are in. The pool is allocated beside the target's: the target's own budget is not
-reduced by it in this version.
+weights are in. A target sized by a byte budget (--kv-cache-memory, or CUDA's free memory)
+leaves an eighth of it to the draft (engine/execution/model_shard.py), so the two pools stay
+within it; a target sized by --num-kv-pages does not.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from engine.attention import make_backend
+from engine.execution.model_shard import DRAFT_KV_SHARE
 from engine.kv_cache.kv_groups import group_layers
 from engine.kv_cache.page_pool import PagePool
 from engine.layers.kernel_choice import use_triton_kernels
@@ -34,8 +36,6 @@ from engine.models.hf_config import ModelConfig, load_model_config
 from engine.protocol.config import EngineConfig
 from engine.speculative.draft_vocab import check_same_vocabulary
 from engine.weights.loading import build_model
-
-DRAFT_KV_SHARE = 8  # the draft's KV takes at most 1 / DRAFT_KV_SHARE of the target's KV bytes
 
 
 @dataclass

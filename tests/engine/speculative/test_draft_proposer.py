@@ -12,12 +12,14 @@ from typing import Any
 import pytest
 import torch
 
+from engine.execution.model_shard import DRAFT_KV_SHARE
 from engine.kv_cache.page_pool import PagePool
+from engine.models.base import KVLayout
 from engine.models.hf_config import load_model_config
 from engine.protocol.config import EngineConfig
 from engine.scheduling.request import Request
 from engine.speculative.draft import DraftProposer, load_draft_proposer
-from engine.speculative.draft_model import DRAFT_KV_SHARE, load_draft
+from engine.speculative.draft_model import load_draft
 from tests.support.scheduler_builders import make_request
 from tests.support.tiny_models import hf_greedy, load_hf_model, make_checkpoint, make_tokenizer
 
@@ -246,3 +248,23 @@ def test_the_kv_of_accepted_proposals_is_kept_and_only_new_tokens_are_fed(
     proposer.propose([req], [4])
     # The first three proposals' KV stays: the fourth and the bonus are fed, then 3 decodes.
     assert fed == [2, 1, 1, 1]
+
+
+def test_a_byte_budget_holds_both_pools(target: Path, draft: Path) -> None:
+    from engine.execution.model_shard import kv_pages
+
+    cfg = load_model_config(target)
+    shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    per_page = PagePool.bytes_per_page(PAGE, *shape, torch.float32)
+    budget = {"kv_cache_memory": 1 << 20}
+    layout = KVLayout(*shape)
+    alone_config = EngineConfig(model=str(target), page_size=PAGE, **budget)
+    alone = kv_pages(alone_config, cfg, layout, torch.float32, CPU)
+    shared = config(target, draft, **budget)
+    pages = kv_pages(shared, cfg, layout, torch.float32, CPU)
+    assert pages == ((1 << 20) - (1 << 20) // DRAFT_KV_SHARE) // per_page < alone
+    target_pool = PagePool(pages, PAGE, *shape, torch.float32, CPU)
+    proposer = load_draft_proposer(shared, target, cfg, CPU, torch.float32, target_pool)
+    pools = (target_pool, proposer.pool)
+    used = sum(t.numel() * t.element_size() for pool in pools for t in pool.storage)
+    assert used <= (1 << 20) + 2 * per_page  # + each pool's scratch page
