@@ -9,7 +9,7 @@ can evict its oldest sequences. Token ids are in [0, 2**32).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 # NOTE: bounds the work of choosing a context's most frequent continuation (a max over its
 # continuations, every proposed token) and its memory, whatever the text: after "a b" in a
@@ -46,54 +46,56 @@ class ContinuationCounts:
     def add(self, tokens: Sequence[int], start: int = 1, stop: int | None = None) -> None:
         """Count the continuation tokens[p] of each context ending at p - 1, for p from
         `start` (extending a sequence counted up to `start`) to `stop` (default: its end)."""
-        lo, hi, cap = self.ngram_min, self.ngram_max, self.max_branches
-        table = self.table
-        for p in range(max(start, 1), len(tokens) if stop is None else stop):
-            window = tuple(tokens[max(0, p - hi) : p])
-            token = tokens[p]
-            for n in range(lo, len(window) + 1):
-                context = window[-n:]
-                entry = table.get(context)
-                if entry is None:
-                    table[context] = ONE + token
-                elif isinstance(entry, int):
-                    if entry & TOKEN_MASK == token:
-                        table[context] = entry + ONE
-                    else:
-                        table[context] = {entry & TOKEN_MASK: entry >> TOKEN_BITS, token: 1}
-                elif token in entry:
-                    entry[token] += 1
-                elif len(entry) < cap:
-                    entry[token] = 1
+        table, cap = self.table, self.max_branches
+        for context, token in self._pairs(tokens, max(start, 1), stop):
+            entry = table.get(context)
+            if entry is None:
+                table[context] = ONE + token
+            elif isinstance(entry, int):
+                if entry & TOKEN_MASK == token:
+                    table[context] = entry + ONE
+                else:
+                    table[context] = {entry & TOKEN_MASK: entry >> TOKEN_BITS, token: 1}
+            elif token in entry:
+                entry[token] += 1
+            elif len(entry) < cap:
+                entry[token] = 1
 
     def remove(self, tokens: Sequence[int]) -> None:
         """Undo `add(tokens)` (the whole sequence, as it was added)."""
-        lo, hi = self.ngram_min, self.ngram_max
         table = self.table
-        for p in range(1, len(tokens)):
+        for context, token in self._pairs(tokens, 1, None):
+            entry = table.get(context)
+            if entry is None:
+                continue
+            if isinstance(entry, int):
+                if entry & TOKEN_MASK != token:
+                    continue  # not counted when added: its context's branches were full
+                if entry >= 2 * ONE:
+                    table[context] = entry - ONE
+                else:
+                    del table[context]
+            elif token not in entry:
+                continue  # as above
+            elif entry[token] > 1:
+                entry[token] -= 1
+            else:
+                del entry[token]
+                if len(entry) == 1:
+                    ((last, count),) = entry.items()
+                    table[context] = count * ONE + last
+
+    def _pairs(
+        self, tokens: Sequence[int], start: int, stop: int | None
+    ) -> Iterator[tuple[tuple[int, ...], int]]:
+        """(context, the token after it) for each position p in [start, stop) and each
+        context length in [ngram_min, ngram_max] that fits before p."""
+        lo, hi = self.ngram_min, self.ngram_max
+        for p in range(start, len(tokens) if stop is None else stop):
             window = tuple(tokens[max(0, p - hi) : p])
             token = tokens[p]
             for n in range(lo, len(window) + 1):
-                context = window[-n:]
-                entry = table.get(context)
-                if entry is None:
-                    continue
-                if isinstance(entry, int):
-                    if entry & TOKEN_MASK != token:
-                        continue  # not counted when added: its context's branches were full
-                    if entry >= 2 * ONE:
-                        table[context] = entry - ONE
-                    else:
-                        del table[context]
-                elif token not in entry:
-                    continue  # as above
-                elif entry[token] > 1:
-                    entry[token] -= 1
-                else:
-                    del entry[token]
-                    if len(entry) == 1:
-                        ((last, count),) = entry.items()
-                        table[context] = count * ONE + last
+                yield window[-n:], token
 
     def get(self, context: tuple[int, ...]) -> dict[int, int] | None:
         """The continuations counted after `context`, {token: count}; None if none."""

@@ -22,6 +22,7 @@ from tests.support.overlap_runs import (
     both,
     make_engine,
     run,
+    when,
 )
 from tests.support.tiny_models import make_checkpoint
 
@@ -40,21 +41,6 @@ def three(params: SamplingParams) -> list[Request]:
 
 
 Seens = dict[tuple[str, int], Seen]
-
-
-def when(request_id: str, tokens: int, action: Any) -> Any:
-    """An on_output hook: `action(engine)` once `request_id`'s client has seen `tokens`
-    (once per engine)."""
-    done: set[int] = set()
-
-    def hook(engine: LLMEngine, out: RequestOutput, seen: Seens) -> None:
-        if id(engine) in done or out.request_id != request_id:
-            return
-        if len(seen[(request_id, out.index)].token_ids) >= tokens:
-            done.add(id(engine))
-            action(engine)
-
-    return hook
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])

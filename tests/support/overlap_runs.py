@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
 from engine.protocol.messages import RequestOutput
@@ -105,3 +106,18 @@ def assert_block_table_matches(engine: LLMEngine) -> None:
     held = [req.slot for req in reqs if req.pages]
     assert len(set(held)) == len(held) and not set(held) & set(table.free)
     assert len(table.free) + len(held) == table.num_slots, "a slot leaked"
+
+
+def when(request_id: str, tokens: int, action: Any) -> Any:
+    """An on_output hook: `action(engine)` once `request_id`'s client has seen `tokens`
+    (once per engine)."""
+    done: set[int] = set()
+
+    def hook(engine: LLMEngine, out: RequestOutput, seen: dict[tuple[str, int], Seen]) -> None:
+        if id(engine) in done or out.request_id != request_id:
+            return
+        if len(seen[(request_id, out.index)].token_ids) >= tokens:
+            done.add(id(engine))
+            action(engine)
+
+    return hook

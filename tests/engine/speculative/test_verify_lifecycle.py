@@ -7,14 +7,20 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from engine import FinishReason, LLMEngine, SamplingParams
-from engine.protocol.messages import InflightPolicy, RequestOutput, UpdateWeights
+from engine.protocol.messages import InflightPolicy, UpdateWeights
 from tests.support.lora_adapters import make_adapter
-from tests.support.overlap_runs import Request, Seen, assert_all_pages_returned, make_engine, run
+from tests.support.overlap_runs import (
+    Request,
+    Seen,
+    assert_all_pages_returned,
+    make_engine,
+    run,
+    when,
+)
 from tests.support.spec_runs import ReplayProposer, assert_same, spec_engine
 from tests.support.tiny_models import make_checkpoint
 
@@ -26,20 +32,6 @@ Seens = dict[tuple[str, int], Seen]
 
 def three(params: SamplingParams) -> list[Request]:
     return [Request(f"r{i}", p, params) for i, p in enumerate(PROMPTS)]
-
-
-def when(request_id: str, tokens: int, action: Any) -> Any:
-    """An on_output hook: `action(engine)` once `request_id`'s client has seen `tokens`."""
-    done: set[int] = set()
-
-    def hook(engine: LLMEngine, out: RequestOutput, seen: Seens) -> None:
-        if id(engine) in done or out.request_id != request_id:
-            return
-        if len(seen[(request_id, out.index)].token_ids) >= tokens:
-            done.add(id(engine))
-            action(engine)
-
-    return hook
 
 
 @pytest.fixture(scope="module")
