@@ -18,7 +18,7 @@ finds no match and stays dequantized. The MoE experts stay dequantized.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +51,7 @@ class Fp8Slot:
 
     scale: torch.Tensor  # [rows, scale columns] float32: a view of its projection's scales
     fmt: Fp8Format
+    served: torch.dtype  # the model's dtype: what a full-precision update of it is given in
 
     def share(
         self, data: torch.Tensor, scales: torch.Tensor, split: Split | None
@@ -83,12 +84,30 @@ def fp8_slots(model: nn.Module) -> dict[str, Fp8Slot]:
     fmt = checkpoint_format(read_quantization(config.raw)) if config is not None else None
     if fmt is None:
         return {}
+    served = next(p.dtype for p in model.parameters() if p.dtype != torch.float8_e4m3fn)
     slots: dict[str, Fp8Slot] = {}
     for module, names in _projections(model):
         if module.weight_scale is not None:
             for name, (start, stop) in names.items():
-                slots[name] = Fp8Slot(module.weight_scale[start:stop], fmt)
+                slots[name] = Fp8Slot(module.weight_scale[start:stop], fmt, served)
     return slots
+
+
+def scaled_by(name: str, slots: Mapping[str, Fp8Slot]) -> str | None:
+    """The in-format tensor whose scales `name` names (`X.weight_scale_inv` -> `X.weight`),
+    or None."""
+    for slot in slots.values():  # one format per model: the first slot's suffix is every one's
+        if name.endswith(slot.fmt.scale_suffix):
+            weight = name.removesuffix(slot.fmt.scale_suffix) + ".weight"
+            return weight if weight in slots else None
+        return None
+    return None
+
+
+def served_dtype(name: str, param: torch.Tensor, slots: Mapping[str, Fp8Slot]) -> torch.dtype:
+    """The dtype a full-precision update of parameter `name` is given in."""
+    slot = slots.get(name)
+    return param.dtype if slot is None else slot.served
 
 
 def keep_in_format(model: nn.Module, reader: CheckpointReader, dtype: torch.dtype) -> int:

@@ -1,7 +1,9 @@
 """An FP8 checkpoint kept in format on two ranks (gloo, the CPU, Triton's interpreter in
 float32): each rank holds its rows (column-parallel) or its columns and their scale columns
 (row-parallel) of every e4m3 weight, a row-parallel split off a 128-column boundary keeps that
-projection dequantized, and the greedy ids and logprobs equal one rank's.
+projection dequantized, and the greedy ids and logprobs equal one rank's, before and after an
+update in process (an FP8 tensor with its scales; a full-precision one, quantized where the
+projection is in FP8).
 
 NOTE: `use_triton` runs at collection: it chooses the interpreter before triton is imported
 (the workers inherit TRITON_INTERPRET).
@@ -14,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, GenerationResult, LLMEngine, SamplingParams
 from engine.weights.fp8_format import Fp8Format
 from tests.support.quantized_checkpoints import quantize_checkpoint
 from tests.support.tiny_models import make_checkpoint
@@ -32,6 +34,7 @@ QWEN3 = {
     "num_key_value_heads": 2,
     "num_hidden_layers": 2,
 }
+O_PROJ = "model.layers.0.self_attn.o_proj.weight"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True)
 
 
@@ -72,6 +75,14 @@ def assert_rank0_share(engine: LLMEngine, checkpoint: Path) -> None:
     assert torch.equal(attn.qkv_proj.weight_scale[128:192], k_rows[:64])  # after q's 128 rows
 
 
+def assert_same_tokens(ones: list[GenerationResult], twos: list[GenerationResult]) -> None:
+    for a, b in zip(ones, twos, strict=True):
+        assert b.token_ids == a.token_ids
+        torch.testing.assert_close(
+            torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0
+        )
+
+
 def test_two_ranks_in_fp8_give_one_ranks_tokens(tmp_path: Path) -> None:
     checkpoint = quantize_checkpoint(make_checkpoint(tmp_path, "qwen3", **QWEN3), "fp8")
     one, two = engine_for(checkpoint, 1), engine_for(checkpoint, 2)
@@ -86,10 +97,20 @@ def test_two_ranks_in_fp8_give_one_ranks_tokens(tmp_path: Path) -> None:
         assert_rank0_share(two, checkpoint)
         batch = [[0, *range(5, 5 + n)] for n in (3, 20)]
         single = one.generate(batch, GREEDY)
-        for a, b in zip(single, two.generate(batch, GREEDY), strict=True):
-            assert b.token_ids == a.token_ids
-            torch.testing.assert_close(
-                torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0
-            )
+        assert_same_tokens(single, two.generate(batch, GREEDY))
+        # Updates in process: down_proj (in FP8 on one rank, dequantized on two) an FP8 tensor
+        # with its scales; o_proj (in FP8 on both) a full-precision tensor, quantized.
+        stored = load_file(str(checkpoint / "model.safetensors"))
+        down = "model.layers.1.mlp.down_proj.weight"
+        update = {
+            down: stored[down.replace("layers.1", "layers.0")],
+            down + "_scale_inv": stored[down.replace("layers.1", "layers.0") + "_scale_inv"],
+            O_PROJ: torch.randn(256, 256, generator=torch.Generator().manual_seed(3)) * 0.05,
+        }
+        one.update_weights(update)
+        two.update_weights(update)
+        updated = one.generate(batch, GREEDY)
+        assert [r.token_ids for r in updated] != [r.token_ids for r in single]
+        assert_same_tokens(updated, two.generate(batch, GREEDY))
     finally:
         two.close()
