@@ -164,3 +164,16 @@ def test_live_weights_is_refused_on_a_model_in_fp8(checkpoints: dict[str, Path])
     with pytest.raises(WeightUpdateError, match="in format") as err, engine.live_weights():
         pass
     assert err.value.code == "FAILED_PRECONDITION"
+
+
+def test_a_wake_after_a_level_2_sleep_reads_the_fp8_data_and_scales_again(
+    checkpoints: dict[str, Path],
+) -> None:
+    engine = engine_for(checkpoints["served"])
+    before = served(engine)
+    with torch.no_grad():  # scales are buffers, kept through the sleep: prove they are read
+        for slot in fp8_slots(engine.model).values():
+            slot.scale.zero_()
+    engine.sleep(level=2)
+    engine.wake_up()
+    assert_serves(engine, before)
