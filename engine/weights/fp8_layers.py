@@ -96,12 +96,11 @@ def fp8_slots(model: nn.Module) -> dict[str, Fp8Slot]:
 def scaled_by(name: str, slots: Mapping[str, Fp8Slot]) -> str | None:
     """The in-format tensor whose scales `name` names (`X.weight_scale_inv` -> `X.weight`),
     or None."""
-    for slot in slots.values():  # one format per model: the first slot's suffix is every one's
-        if name.endswith(slot.fmt.scale_suffix):
-            weight = name.removesuffix(slot.fmt.scale_suffix) + ".weight"
-            return weight if weight in slots else None
+    slot = next(iter(slots.values()), None)  # one format per model: every slot's suffix
+    if slot is None or not name.endswith(slot.fmt.scale_suffix):
         return None
-    return None
+    weight = name.removesuffix(slot.fmt.scale_suffix) + ".weight"
+    return weight if weight in slots else None
 
 
 def served_dtype(name: str, param: torch.Tensor, slots: Mapping[str, Fp8Slot]) -> torch.dtype:
