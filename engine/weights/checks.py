@@ -24,7 +24,7 @@ from engine.models.hf_config import UnsupportedModelError
 from engine.parallel.shard_layout import ShardLayout
 from engine.protocol.messages import TensorSpec
 from engine.weights.checkpoint_reader import CheckpointReader
-from engine.weights.fp8_layers import Fp8Slot, scaled_by, served_dtype
+from engine.weights.in_format import InFormatTensors
 from engine.weights.sharded_update import UpdateSource
 from engine.weights.staging import DTYPES, WeightUpdateError, check_tensor, invalid
 
@@ -43,21 +43,21 @@ def check_update(
     sharding: ShardLayout,
     source: UpdateSource,
     tensors: Mapping[str, torch.Tensor] | None,
-    slots: Mapping[str, Fp8Slot] | None = None,
+    kept: InFormatTensors | None = None,
 ) -> UpdateSize:
     """Raise WeightUpdateError (INVALID_ARGUMENT, naming the tensor or the path) unless
     `source` can replace the parameters it names; else the size of what it replaces.
-    `slots`: the model's in-format FP8 tensors (fp8_layers.py), whose served dtype is the
-    model's, and which in-process tensors may also give as e4m3 data with its scales."""
-    slots = slots or {}
+    `kept`: the model's in-format tensors (in_format.py), whose served dtype is the model's,
+    and which in-process tensors may also give as quantized data with its scales."""
+    kept = kept or InFormatTensors({})
     if tensors is not None:
-        names = _check_tensors(params, sharding, tensors, slots)
+        names = _check_tensors(params, sharding, tensors, kept)
     elif source.distributed is not None:
-        names = _check_specs(params, sharding, source.distributed.tensors, slots)
+        names = _check_specs(params, sharding, source.distributed.tensors, kept)
     elif source.checkpoint_dir is not None:
         names = _check_checkpoint(params, sharding, source.checkpoint_dir)
     elif source.tensor_file is not None:
-        names = _check_tensor_file(params, sharding, source, slots)
+        names = _check_tensor_file(params, sharding, source, kept)
     else:
         raise invalid("the update names no source")
     size = sum(params[name].numel() * params[name].element_size() for name in names)
@@ -68,24 +68,22 @@ def _check_tensors(
     params: Mapping[str, torch.Tensor],
     sharding: ShardLayout,
     tensors: Mapping[str, torch.Tensor],
-    slots: Mapping[str, Fp8Slot],
+    kept: InFormatTensors,
 ) -> list[str]:
-    """Each in the served dtype, or an in-format tensor's e4m3 data beside its scales (whose
-    fit staging checks)."""
-    names = []
+    """Each in the served dtype, or an in-format tensor's quantized data beside its scales
+    (whose fit staging checks)."""
+    names: list[str] = []
     for name, tensor in tensors.items():
-        weight = scaled_by(name, slots)
-        if weight is not None:
-            if weight not in tensors:
-                raise invalid(f"{name} without its {weight} data")
+        half = kept.part(name, tensor.dtype)
+        if half is not None:
+            owner, index = half
+            other = kept.slots[owner].parts(owner)[1 - index]
+            if other not in tensors:
+                raise invalid(f"{name} without its {other}")
+            names += [owner] if index == 0 else []
             continue
         param = check_tensor(params, sharding, name, tuple(tensor.shape))
-        served = served_dtype(name, param, slots)
-        if name in slots and tensor.dtype == torch.float8_e4m3fn:
-            scales = name.removesuffix(".weight") + slots[name].fmt.scale_suffix
-            if scales not in tensors:
-                raise invalid(f"{name}: float8_e4m3fn data without its {scales}")
-        elif tensor.dtype != served:
+        if tensor.dtype != (served := kept.served(name, param)):
             raise invalid(f"{name}: dtype {tensor.dtype} != served dtype {served}")
         names.append(name)
     return names
@@ -95,7 +93,7 @@ def _check_specs(
     params: Mapping[str, torch.Tensor],
     sharding: ShardLayout,
     specs: tuple[TensorSpec, ...],
-    slots: Mapping[str, Fp8Slot],
+    kept: InFormatTensors,
 ) -> list[str]:
     """A distributed update's list: each tensor once, with the served shape and dtype."""
     if not specs:
@@ -106,7 +104,7 @@ def _check_specs(
         dtype = DTYPES.get(spec.dtype)
         if dtype is None:
             raise invalid(f"{spec.name}: dtype {spec.dtype!r} is not one of {sorted(DTYPES)}")
-        if dtype != (served := served_dtype(spec.name, param, slots)):
+        if dtype != (served := kept.served(spec.name, param)):
             raise invalid(f"{spec.name}: dtype {spec.dtype} != served dtype {served}")
         if spec.name in seen:
             raise invalid(f"{spec.name}: listed twice")
@@ -118,7 +116,7 @@ def _check_tensor_file(
     params: Mapping[str, torch.Tensor],
     sharding: ShardLayout,
     source: UpdateSource,
-    slots: Mapping[str, Fp8Slot],
+    kept: InFormatTensors,
 ) -> list[str]:
     path = source.tensor_file
     assert path is not None
@@ -131,7 +129,7 @@ def _check_tensor_file(
         dtype = DTYPES.get(ref.dtype)
         if dtype is None:
             raise invalid(f"{ref.name}: dtype {ref.dtype!r} is not one of {sorted(DTYPES)}")
-        if dtype != (served := served_dtype(ref.name, param, slots)):
+        if dtype != (served := kept.served(ref.name, param)):
             raise invalid(f"{ref.name}: dtype {ref.dtype} != served dtype {served}")
         if (
             ref.nbytes != math.prod(ref.shape) * dtype.itemsize

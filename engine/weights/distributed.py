@@ -17,7 +17,7 @@ from engine.parallel.shard_layout import ShardLayout
 from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import DistributedTensors
 from engine.weights.buckets import bucket_layout
-from engine.weights.fp8_layers import Fp8Slot
+from engine.weights.in_format import InFormatTensors
 from engine.weights.staging import DTYPES, Progress, StagedWeights, WeightUpdateError
 from engine.weights.transfer_group import TransferGroup
 
@@ -28,13 +28,13 @@ def stage_distributed(
     transfer: TransferGroup,
     source: DistributedTensors,
     progress: Progress,
-    slots: Mapping[str, Fp8Slot] | None = None,
+    kept: InFormatTensors | None = None,
 ) -> StagedWeights:
     if not transfer.joined:
         raise WeightUpdateError(
             ErrorCode.FAILED_PRECONDITION, "no weight-transfer group: call InitWeightTransfer first"
         )
-    staged = StagedWeights(params, sharding, slots)
+    staged = StagedWeights(params, sharding, kept)
     buckets = bucket_layout(source.tensors, source.bucket_bytes)
     done = 0
     for n, bucket in enumerate(buckets):

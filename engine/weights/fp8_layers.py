@@ -18,7 +18,7 @@ finds no match and stays dequantized. The MoE experts stay dequantized.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -47,11 +47,39 @@ def checkpoint_format(quantization: Quantization | None) -> Fp8Format | None:
 
 @dataclass(frozen=True)
 class Fp8Slot:
-    """One in-format checkpoint tensor of this rank: its scales' rows, and their format."""
+    """One in-format checkpoint tensor of this rank (engine/weights/in_format.py's InFormat):
+    its e4m3 rows and their scales' rows, and their format."""
 
-    scale: torch.Tensor  # [rows, scale columns] float32: a view of its projection's scales
+    projection: Projection
+    rows: tuple[int, int]  # its rows in the projection's weight
     fmt: Fp8Format
     served: torch.dtype  # the model's dtype: what a full-precision update of it is given in
+
+    # NOTE: views made on demand: none can be made of a weight a level-2 sleep released.
+    @property
+    def data(self) -> torch.Tensor:  # [rows, cols] e4m3
+        return self.projection.weight.detach()[self.rows[0] : self.rows[1]]
+
+    @property
+    def scale(self) -> torch.Tensor:  # [rows, scale columns] float32 (a buffer: never released)
+        assert self.projection.weight_scale is not None
+        return self.projection.weight_scale[self.rows[0] : self.rows[1]]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows[1] - self.rows[0], self.projection.weight.shape[1])
+
+    def parts(self, name: str) -> tuple[str, str]:
+        """The checkpoint names of its data and scales (the data's is the tensor's own)."""
+        return name, name.removesuffix(".weight") + self.fmt.scale_suffix
+
+    def is_data(self, dtype: torch.dtype) -> bool:
+        """Whether a tensor of `dtype` under the tensor's own name is quantized data."""
+        return dtype == torch.float8_e4m3fn
+
+    def write(self, share: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.data.copy_(share[0])
+        self.scale.copy_(share[1])
 
     def share(
         self, data: torch.Tensor, scales: torch.Tensor, split: Split | None
@@ -63,12 +91,13 @@ class Fp8Slot:
         rows, cols = data.shape
         row_scales = self.fmt.row_scales(scales, rows, cols)
         if split is None:
-            return data, row_scales
+            return fitting(data, self.shape), row_scales
         if split.dim == 0 or self.fmt.block is None:  # rows carry their scales with them
             scale_part = split.take(row_scales) if split.dim == 0 else row_scales
-            return split.take(data), scale_part
+            return fitting(split.take(data), self.shape), scale_part
         block_k = self.fmt.block[1]  # keep_in_format checked the split falls on it
-        return split.take(data), row_scales[:, split.start // block_k : -(-split.stop // block_k)]
+        scale_part = row_scales[:, split.start // block_k : -(-split.stop // block_k)]
+        return fitting(split.take(data), self.shape), scale_part
 
     def quantize(
         self, weight: torch.Tensor, split: Split | None
@@ -78,38 +107,28 @@ class Fp8Slot:
         return self.share(*self.fmt.quantize(weight), split)
 
 
-def fp8_slots(model: nn.Module) -> dict[str, Fp8Slot]:
-    """The model's in-format checkpoint tensors by checkpoint name (empty: none)."""
+def fitting(part: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """`part`, if it has this rank's `shape`; else ValueError naming both."""
+    if tuple(part.shape) != tuple(shape):
+        raise ValueError(f"shape {tuple(part.shape)} != served shape {tuple(shape)}")
+    return part
+
+
+def fp8_slots(model: nn.Module, served: torch.dtype) -> dict[str, Fp8Slot]:
+    """The model's in-format FP8 projections' tensors by checkpoint name (empty: none)."""
     config = getattr(model, "config", None)
     fmt = checkpoint_format(read_quantization(config.raw)) if config is not None else None
     if fmt is None:
         return {}
-    served = next(p.dtype for p in model.parameters() if p.dtype != torch.float8_e4m3fn)
     slots: dict[str, Fp8Slot] = {}
     for module, names in _projections(model):
         if module.weight_scale is not None:
-            for name, (start, stop) in names.items():
-                slots[name] = Fp8Slot(module.weight_scale[start:stop], fmt, served)
+            for name, rows in names.items():
+                slots[name] = Fp8Slot(module, rows, fmt, served)
     return slots
 
 
-def scaled_by(name: str, slots: Mapping[str, Fp8Slot]) -> str | None:
-    """The in-format tensor whose scales `name` names (`X.weight_scale_inv` -> `X.weight`),
-    or None."""
-    slot = next(iter(slots.values()), None)  # one format per model: every slot's suffix
-    if slot is None or not name.endswith(slot.fmt.scale_suffix):
-        return None
-    weight = name.removesuffix(slot.fmt.scale_suffix) + ".weight"
-    return weight if weight in slots else None
-
-
-def served_dtype(name: str, param: torch.Tensor, slots: Mapping[str, Fp8Slot]) -> torch.dtype:
-    """The dtype a full-precision update of parameter `name` is given in."""
-    slot = slots.get(name)
-    return param.dtype if slot is None else slot.served
-
-
-def keep_in_format(model: nn.Module, reader: CheckpointReader, dtype: torch.dtype) -> int:
+def keep_fp8_projections(model: nn.Module, reader: CheckpointReader, dtype: torch.dtype) -> int:
     """Make in-format every projection the kernel computes exactly (see above); the count."""
     fmt = checkpoint_format(reader.quantization)
     if fmt is None or not fmt.runs():

@@ -23,7 +23,7 @@ from engine.models.base import CausalLM, model_class
 from engine.models.hf_config import ModelConfig
 from engine.parallel.tensor_parallel import TensorParallel
 from engine.weights.checkpoint_reader import CheckpointReader
-from engine.weights.fp8_layers import fp8_slots, keep_in_format
+from engine.weights.in_format import in_format, keep_in_format
 
 
 def build_model(
@@ -57,7 +57,7 @@ def load_weights(model: CausalLM, directory: Path) -> None:
     with their scales into an in-format projection (fp8_layers.py)."""
     sharding = model.sharding
     params = model.checkpoint_tensors()
-    slots = fp8_slots(model)
+    slots = in_format(model).slots
     loaded: set[str] = set()
     with CheckpointReader(Path(directory)) as reader:
         for name in reader.names():
@@ -73,9 +73,7 @@ def load_weights(model: CausalLM, directory: Path) -> None:
                 if slot is None:
                     param.copy_(reader.read(name, sharding, param.dtype))
                 else:
-                    data, scale = slot.share(*reader.read_parts(name), sharding.split(name))
-                    param.copy_(data)
-                    slot.scale.copy_(scale)
+                    slot.write(slot.share(*reader.read_parts(name), sharding.split(name)))
             loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:

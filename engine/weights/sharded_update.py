@@ -27,7 +27,7 @@ from engine.parallel.step_channel import Op, StepChannel, StepHeader
 from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import DistributedTensors, TensorRef
 from engine.weights.distributed import stage_distributed
-from engine.weights.fp8_layers import Fp8Slot, fp8_slots
+from engine.weights.in_format import InFormatTensors, in_format
 from engine.weights.staging import (
     Progress,
     StagedWeights,
@@ -62,10 +62,10 @@ def stage(
     Raises WeightUpdateError unless every rank staged its shard. `transfer`: this rank's
     membership of the trainer's group (a distributed source); a failed distributed update
     leaves it on every rank."""
-    params, slots = model.checkpoint_tensors(), fp8_slots(model)
+    params, kept = model.checkpoint_tensors(), in_format(model)
     tp, sharding = model.tp, model.sharding
     if not tp.enabled:
-        return _stage_here(params, sharding, slots, source, progress, tensors, transfer)
+        return _stage_here(params, sharding, kept, source, progress, tensors, transfer)
     if tp.rank == 0:
         assert channel is not None
         channel.send(StepHeader(Op.STAGE))
@@ -76,7 +76,7 @@ def stage(
         if source.tensors is not None:
             staged = _stage_broadcast(model, source, tensors)
         else:
-            staged = _stage_here(params, sharding, slots, source, progress, None, transfer)
+            staged = _stage_here(params, sharding, kept, source, progress, None, transfer)
     except WeightUpdateError as exc:
         failure = (tp.rank, exc.code, exc.message)
     failures = [f for f in tp.all_gather_object(failure) if f is not None]
@@ -102,22 +102,22 @@ def follow_stage(model: CausalLM, transfer: TransferGroup) -> None:
 def _stage_here(
     params: Mapping[str, torch.Tensor],
     sharding: ShardLayout,
-    slots: Mapping[str, Fp8Slot],
+    kept: InFormatTensors,
     source: UpdateSource,
     progress: Progress,
     tensors: Mapping[str, torch.Tensor] | None,
     transfer: TransferGroup | None,
 ) -> StagedWeights:
     if tensors is not None:
-        return stage_tensors(params, sharding, tensors, slots)
+        return stage_tensors(params, sharding, tensors, kept)
     if source.distributed is not None:
         assert transfer is not None
-        return stage_distributed(params, sharding, transfer, source.distributed, progress, slots)
+        return stage_distributed(params, sharding, transfer, source.distributed, progress, kept)
     if source.checkpoint_dir is not None:
-        return stage_checkpoint(params, sharding, source.checkpoint_dir, progress, slots)
+        return stage_checkpoint(params, sharding, source.checkpoint_dir, progress, kept)
     if source.tensor_file is not None:
         refs = source.refs
-        return stage_tensor_file(params, sharding, source.tensor_file, refs, progress, slots)
+        return stage_tensor_file(params, sharding, source.tensor_file, refs, progress, kept)
     raise WeightUpdateError(ErrorCode.INVALID_ARGUMENT, "the update names no source")
 
 
@@ -128,7 +128,7 @@ def _stage_broadcast(
     NOTE: every tensor is broadcast even after a bad one: the ranks must make the same
     collectives; the first failure is raised at the end."""
     assert source.tensors is not None
-    staged = StagedWeights(model.checkpoint_tensors(), model.sharding, fp8_slots(model))
+    staged = StagedWeights(model.checkpoint_tensors(), model.sharding, in_format(model))
     first: WeightUpdateError | None = None
     for name, shape, dtype in source.tensors:
         if tensors is not None:  # rank 0

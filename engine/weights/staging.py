@@ -25,7 +25,7 @@ from engine.parallel.shard_layout import ShardLayout
 from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import TensorRef
 from engine.weights.checkpoint_reader import CheckpointReader
-from engine.weights.fp8_layers import Fp8Slot, scaled_by, served_dtype
+from engine.weights.in_format import InFormatTensors
 
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -65,35 +65,34 @@ def check_tensor(
 
 class StagedWeights:
     """New values for some of the model's parameters (this rank's slices), validated, on the
-    host. `slots`: the model's in-format FP8 tensors (fp8_layers.py), which take e4m3 data
-    with its scales (named as the served checkpoint names them) or full-precision tensors in
-    the served dtype, quantized to the model's format."""
+    host. `kept`: the model's in-format tensors (in_format.py), which take quantized data with
+    its scales (named as the served checkpoint names them) or full-precision tensors in the
+    served dtype, quantized to the model's format."""
 
     def __init__(
         self,
         params: Mapping[str, torch.Tensor],
         sharding: ShardLayout | None,
-        slots: Mapping[str, Fp8Slot] | None = None,
+        kept: InFormatTensors | None = None,
     ) -> None:
         self.params = params
         self.sharding = sharding or ShardLayout()
-        self.slots = slots or {}
+        self.kept = kept or InFormatTensors({})
         self.tensors: dict[str, torch.Tensor] = {}
-        self.fp8: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (data, scales)
-        self._halves: dict[str, torch.Tensor] = {}  # quantized data or scales awaiting the other
+        self.shares: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # in-format: data, scales
+        # An in-format tensor's quantized data (0) or scales (1), whole, awaiting the other.
+        self._halves: dict[tuple[str, int], torch.Tensor] = {}
 
     def add(self, name: str, source: Any, shape: tuple[int, ...], cast: bool) -> None:
         """Stage this rank's slice of whole tensor `source` (a tensor or a safetensors slice)
         of shape `shape`."""
-        if scaled_by(name, self.slots) is not None:
-            self._halves[name] = source[:]  # checked with its data in `finish`
+        half = self.kept.part(name, source.dtype)
+        if half is not None:
+            self._halves[half] = source[:]  # checked with the other half in `finish`
             return
         param = check_tensor(self.params, self.sharding, name, shape)
-        served = served_dtype(name, param, self.slots)
-        slot = self.slots.get(name)
-        if slot is not None and source.dtype == torch.float8_e4m3fn:
-            self._halves[name] = source[:]
-            return
+        served = self.kept.served(name, param)
+        slot = self.kept.slots.get(name)
         if not cast and source.dtype != served:
             raise invalid(f"{name}: dtype {source.dtype} != served dtype {served}")
         if slot is not None:
@@ -102,53 +101,51 @@ class StagedWeights:
             self.tensors[name] = self.sharding.take(name, source).to(param.dtype)
 
     def put(self, name: str, share: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Stage an in-format tensor's share: e4m3 data and per-row scales (Fp8Slot's)."""
-        self.fp8[name] = (share[0].clone(), share[1].clone())  # not views of a whole tensor
+        """Stage an in-format tensor's share (its slot's data and scales)."""
+        self.shares[name] = (share[0].clone(), share[1].clone())  # not views of a whole one
 
     def own(self, name: str) -> None:
         """Make a staged slice own its memory (its source is a buffer about to go)."""
         if name in self.tensors:
             self.tensors[name] = self.tensors[name].clone()
-        elif name in self._halves:
-            self._halves[name] = self._halves[name].clone()
+        for half in [h for h in self._halves if self.kept.slots[h[0]].parts(h[0])[h[1]] == name]:
+            self._halves[half] = self._halves[half].clone()
 
     def finish(self) -> None:
         """Pair each in-format tensor's e4m3 data with its scales; WeightUpdateError names a
         half without the other or scales that do not fit."""
-        for name in [n for n in self._halves if n in self.slots]:
-            slot, data = self.slots[name], self._halves.pop(name)
-            scale_name = name.removesuffix(".weight") + slot.fmt.scale_suffix
-            if scale_name not in self._halves:
-                raise invalid(f"{name}: float8_e4m3fn data without its {scale_name}")
+        for name in dict.fromkeys(name for name, _ in self._halves):
+            slot = self.kept.slots[name]
+            data_name, scale_name = slot.parts(name)
+            data, scales = self._halves.pop((name, 0), None), self._halves.pop((name, 1), None)
+            if data is None:
+                raise invalid(f"{scale_name} without its {data_name}")
+            if scales is None:
+                raise invalid(f"{data_name}: quantized data without its {scale_name}")
             try:
-                self.put(
-                    name, slot.share(data, self._halves.pop(scale_name), self.sharding.split(name))
-                )
+                self.put(name, slot.share(data, scales, self.sharding.split(name)))
             except ValueError as exc:
-                raise invalid(f"{scale_name}: {exc}") from exc
-        for scale_name in self._halves:
-            raise invalid(f"{scale_name} without its {scaled_by(scale_name, self.slots)} data")
+                raise invalid(f"{data_name} / {scale_name}: {exc}") from exc
 
     def apply(self) -> None:
         with torch.no_grad():
             for name, tensor in self.tensors.items():
                 self.params[name].copy_(tensor)
-            for name, (data, scales) in self.fp8.items():
-                self.params[name].copy_(data)
-                self.slots[name].scale.copy_(scales)
+            for name, share in self.shares.items():
+                self.kept.slots[name].write(share)
 
     def nbytes_of(self, name: str) -> int:
         """The bytes staged for `name` (0: none yet)."""
-        parts = (self.tensors[name],) if name in self.tensors else self.fp8.get(name, ())
+        parts = (self.tensors[name],) if name in self.tensors else self.shares.get(name, ())
         return sum(t.numel() * t.element_size() for t in parts)
 
     @property
     def nbytes(self) -> int:
-        return sum(self.nbytes_of(name) for name in [*self.tensors, *self.fp8])
+        return sum(self.nbytes_of(name) for name in [*self.tensors, *self.shares])
 
     @property
     def count(self) -> int:
-        return len(self.tensors) + len(self.fp8)
+        return len(self.tensors) + len(self.shares)
 
 
 def stage_checkpoint(
@@ -156,12 +153,12 @@ def stage_checkpoint(
     sharding: ShardLayout | None,
     directory: str,
     progress: Progress,
-    slots: Mapping[str, Fp8Slot] | None = None,
+    kept: InFormatTensors | None = None,
 ) -> StagedWeights:
     """Every parameter from an HF checkpoint directory, cast to the served dtype (a quantized
     checkpoint's tensors dequantized into it); an in-format tensor copied with its scales, or
     quantized from full precision."""
-    staged = StagedWeights(params, sharding, slots)
+    staged = StagedWeights(params, sharding, kept)
     done = 0
     try:
         with CheckpointReader(Path(directory)) as reader:
@@ -176,7 +173,7 @@ def stage_checkpoint(
         raise invalid(f"checkpoint_dir {directory!r}: {exc}") from exc
     except Exception as exc:  # missing, corrupt, truncated or refused: the caller's input
         raise invalid(f"checkpoint_dir {directory!r} is unreadable: {exc}") from exc
-    missing = sorted(set(params) - set(staged.tensors) - set(staged.fp8))
+    missing = sorted(set(params) - set(staged.tensors) - set(staged.shares))
     if missing:
         raise invalid(f"checkpoint_dir {directory!r} lacks tensors: {', '.join(missing[:8])}")
     return staged
@@ -185,7 +182,7 @@ def stage_checkpoint(
 def _stage_read(
     staged: StagedWeights, reader: CheckpointReader, name: str, dtype: torch.dtype
 ) -> None:
-    slot, split = staged.slots.get(name), staged.sharding.split(name)
+    slot, split = staged.kept.slots.get(name), staged.sharding.split(name)
     if slot is None:
         staged.tensors[name] = reader.read(name, staged.sharding, dtype)
     elif reader.is_quantized(name):
@@ -200,10 +197,10 @@ def stage_tensor_file(
     path: str,
     refs: tuple[TensorRef, ...],
     progress: Progress,
-    slots: Mapping[str, Fp8Slot] | None = None,
+    kept: InFormatTensors | None = None,
 ) -> StagedWeights:
     """The tensors laid out in a raw file (written by the service from inline chunks)."""
-    staged = StagedWeights(params, sharding, slots)
+    staged = StagedWeights(params, sharding, kept)
     try:
         with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
             done = 0
@@ -232,11 +229,11 @@ def stage_tensors(
     params: Mapping[str, torch.Tensor],
     sharding: ShardLayout | None,
     tensors: Mapping[str, torch.Tensor],
-    slots: Mapping[str, Fp8Slot] | None = None,
+    kept: InFormatTensors | None = None,
 ) -> StagedWeights:
     """In-memory tensors from a trainer in the same process (dtype must be the served one;
-    an in-format tensor's may be e4m3 given with its scales)."""
-    staged = StagedWeights(params, sharding, slots)
+    an in-format tensor's may be its quantized data with its scales)."""
+    staged = StagedWeights(params, sharding, kept)
     for name, tensor in tensors.items():
         staged.add(name, tensor.detach(), tuple(tensor.shape), cast=False)
     staged.finish()

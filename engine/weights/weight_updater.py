@@ -47,7 +47,7 @@ from engine.protocol.messages import (
 )
 from engine.scheduling.scheduler import Scheduler
 from engine.weights.checks import UpdateSize, check_update
-from engine.weights.fp8_layers import fp8_slots
+from engine.weights.in_format import in_format
 from engine.weights.sharded_update import describe, gather_parameters, stage
 from engine.weights.staging import StagedWeights, WeightUpdateError
 from engine.weights.transfer_group import TransferGroup, begin_all, finish_all, leave_all
@@ -134,12 +134,12 @@ class WeightUpdater:
             return
         if self.storage is not None and self.storage.weights_released:
             self.storage.restore_weights()  # NOTE: views of the parameters need their storage
-        params, slots = self.model.checkpoint_tensors(), fp8_slots(self.model)
+        params, kept = self.model.checkpoint_tensors(), in_format(self.model)
         source = describe(
             msg.checkpoint_dir, msg.tensor_file, msg.tensors, tensors, msg.distributed
         )
         try:
-            size = check_update(params, self.model.sharding, source, tensors, slots)
+            size = check_update(params, self.model.sharding, source, tensors, kept)
             self._check_reachable(msg, size, len(params))
         except WeightUpdateError as exc:
             self._failed(msg, exc.code, exc.message)

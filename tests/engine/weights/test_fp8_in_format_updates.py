@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 
 from engine import EngineConfig, LLMEngine
 from engine.weights.fp8_format import Fp8Format
-from engine.weights.fp8_layers import fp8_slots
+from engine.weights.fp8_layers import Fp8Slot
+from engine.weights.in_format import in_format
 from engine.weights.staging import WeightUpdateError
 from tests.support.quantized_checkpoints import quantize_checkpoint
 from tests.support.tiny_models import make_checkpoint
@@ -67,11 +68,17 @@ def engine_for(directory: Path) -> LLMEngine:
     return LLMEngine(config)
 
 
+def fp8_slots(engine: LLMEngine) -> dict[str, Fp8Slot]:
+    slots = in_format(engine.model).slots
+    assert all(isinstance(slot, Fp8Slot) for slot in slots.values())
+    return slots  # type: ignore[return-value]
+
+
 def served(engine: LLMEngine) -> dict[str, torch.Tensor]:
     """Every served tensor (e4m3 ones as their bytes), and each in-format one's scales."""
     tensors = engine.model.checkpoint_tensors()
     out = {n: t.view(torch.uint8) if t.element_size() == 1 else t for n, t in tensors.items()}
-    out |= {f"{n} scales": slot.scale for n, slot in fp8_slots(engine.model).items()}
+    out |= {f"{n} scales": slot.scale for n, slot in fp8_slots(engine).items()}
     return {name: t.clone() for name, t in out.items()}
 
 
@@ -172,7 +179,7 @@ def test_a_wake_after_a_level_2_sleep_reads_the_fp8_data_and_scales_again(
     engine = engine_for(checkpoints["served"])
     before = served(engine)
     with torch.no_grad():  # scales are buffers, kept through the sleep: prove they are read
-        for slot in fp8_slots(engine.model).values():
+        for slot in fp8_slots(engine).values():
             slot.scale.zero_()
     engine.sleep(level=2)
     engine.wake_up()

@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.layers.fp8_projection import keep_fp8
+from engine.layers.merged_linear import MergedLinear
 from engine.parallel.shard_layout import Split
 from engine.weights.dequantize import fp8_block, fp8_channel
 from engine.weights.fp8_format import Fp8Format
@@ -38,6 +40,9 @@ def test_a_ranks_share_dequantizes_to_its_slice(block: tuple[int, int] | None, c
     else:
         whole = fp8_block(data, scales, block, torch.float32)
     local_cols = split.stop - split.start if split.dim == 1 else COLS
-    slot = Fp8Slot(torch.empty(0), fmt, torch.float32)
+    local_rows = split.stop - split.start if split.dim == 0 else ROWS
+    projection = MergedLinear(local_cols, {"w": local_rows}, bias=False)
+    keep_fp8(projection, fmt.block_k(local_cols))
+    slot = Fp8Slot(projection, (0, local_rows), fmt, torch.float32)
     part, part_scales = slot.share(data, scales, split)
     assert torch.equal(per_row(part, part_scales, fmt.block_k(local_cols)), split.take(whole))
