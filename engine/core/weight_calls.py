@@ -30,7 +30,9 @@ from engine.protocol.messages import (
     WeightTransferJoined,
 )
 from engine.sleep.sleeper import Sleeper
+from engine.weights.in_format import in_format
 from engine.weights.quantization import dequantize_update, read_quantization
+from engine.weights.staging import WeightUpdateError
 from engine.weights.weight_updater import WeightUpdater
 
 
@@ -62,8 +64,9 @@ class WeightAndSleepCalls:
                 model = self.updater.model
                 quantization = read_quantization(model.config.raw)
                 dtype = next(model.parameters()).dtype  # NOTE: no storage after a level-2 sleep
+                keep = in_format(model).slots  # in format: copied with their scales
                 try:
-                    tensors = dequantize_update(tensors, quantization, dtype)
+                    tensors = dequantize_update(tensors, quantization, dtype, keep)
                 except ValueError as exc:
                     self.updater.refuse(msg, ErrorCode.INVALID_ARGUMENT, str(exc))
                     return
@@ -89,7 +92,13 @@ class WeightAndSleepCalls:
     def live_weights(self, policy_version: int = 0) -> Iterator[dict[str, torch.Tensor]]:
         """Mutate the served parameters in place (a trainer in this process), then publish the
         new version on exit. Holds the engine lock throughout; running requests continue on
-        their KV (CONTINUE). Nothing is published if the block raises."""
+        their KV (CONTINUE). Nothing is published if the block raises. Refused
+        (WeightUpdateError, FAILED_PRECONDITION) on a model that keeps weights quantized (FP8
+        projections, MXFP4 experts: engine/weights/in_format.py): their data is no weight to
+        edit without its scales; update_weights quantizes what it is given."""
+        if in_format(self.updater.model):
+            why = "live_weights: this model keeps weights quantized in format; use update_weights"
+            raise WeightUpdateError(ErrorCode.FAILED_PRECONDITION, why)
         with self.lock:
             self.loop.settle()
             with self.updater.live(policy_version) as params:

@@ -9,8 +9,9 @@ kernels: `rms_norm.py` (RMSNorm, fused with the residual add before it), `silu_a
 MLP's activation) and `rotary_kv.py` (rotary on q and k, and K and V into the paged KV cache,
 in one kernel; the attention backends call it); `grouped_gemm_kernel.py` (GEMMs for rows
 grouped by expert or adapter, one launch: the MoE experts' and LoRA's shrink);
-`fp8_linear_kernel.py` (a linear on FP8 block-scaled weights; not yet used by a model). The
-Gemma families' norm, `gemma_rms_norm.py` ((1 + weight) in float32), and MLP activation,
+`fp8_linear_kernel.py` (a linear on FP8 block-scaled weights) and `fp8_projection.py` (a
+projection that holds its weight in FP8 and runs that kernel); `mxfp4_grouped_gemm_kernel.py`
+(the experts' grouped GEMMs on MXFP4 weights). The Gemma families' norm, `gemma_rms_norm.py` ((1 + weight) in float32), and MLP activation,
 `gelu_and_mul.py` (GeLU-tanh gate), are torch only. The `*_kernel`
 / `rotary_kv` modules import triton and are imported only when a Triton path is chosen
 (`kernel_choice.py`), so the package works without triton. `linear.py` is the projections'

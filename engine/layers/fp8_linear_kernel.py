@@ -1,7 +1,9 @@
 """A linear layer on FP8 weights with block scales (DeepSeek-V3 / Qwen3-FP8's format), weight
 only: `out = x @ (w * scale).T`, `w` e4m3 [N, K] and one float32 `scale_inv` per
 [BLOCK_N_Q, BLOCK_K_Q] tile (128 x 128; the last tile of a dimension may be partial). The
-reference it equals is engine/weights/dequantize.py's `fp8_block` followed by F.linear.
+reference it equals is engine/weights/dequantize.py's `fp8_block` followed by F.linear. The
+in-format projections (fp8_projection.py) call it with BLOCK_N_Q = 1: one scale row per weight
+row, which also serves per-channel scales (one scale column spanning every input column).
 
 Each program computes a [BLOCK_M, BLOCK_N] tile of the output: per K step it loads the weight
 tile in e4m3 (one byte a value: the point of keeping FP8 on a GPU, where decode reads every

@@ -11,6 +11,9 @@ A fused one (`fused` set: Phi-3's qkv_proj and gate_up_proj) is stored whole by 
 checkpoints, under the module's own name: its owner names `weight` itself, and an adapter
 targets it whole, as peft does.
 
+In FP8 (engine/layers/fp8_projection.py) the merged weight is e4m3 and its per-row scales
+stack as its rows do.
+
 Column-parallel: each part is built at this rank's local size (engine/models/sharding.py says
 which rows of the checkpoint tensor that is), so a rank's weight is its q, k and v (or gate and
 up) slices stacked, in that order.
@@ -23,12 +26,14 @@ import math
 import torch
 from torch import nn
 
-from engine.layers.linear import linear
+from engine.layers.fp8_projection import project
 
 
 class MergedLinear(nn.Module):
     """`parts` maps each projection's name (`q_proj`, ...) to its output size, in the order its
     rows are stacked; the forward's output columns follow the same order."""
+
+    weight_scale: torch.Tensor | None  # [rows, cdiv(cols, fp8_block_k)] when in FP8
 
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
         super().__init__()
@@ -38,6 +43,9 @@ class MergedLinear(nn.Module):
         out = sum(self.sizes)
         self.weight = nn.Parameter(torch.empty(out, in_features))
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
+        # Set by fp8_projection.keep_fp8 when the weight is held in FP8.
+        self.register_buffer("weight_scale", None, persistent=False)
+        self.fp8_block_k = 0
         # NOTE: part by part (q weight, q bias, k weight, ...), as separate nn.Linear modules
         # would initialise and draw from the RNG: the demo model's initialisation is unchanged.
         bound = 1 / math.sqrt(in_features)
@@ -48,7 +56,7 @@ class MergedLinear(nn.Module):
                 nn.init.uniform_(rows, -bound, bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, sum(sizes)]
-        return linear(x, self.weight, self.bias)
+        return project(x, self.weight, self.bias, self.weight_scale, self.fp8_block_k)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """`{part}.weight` (and `{part}.bias`), part by part -> that part's rows: views sharing

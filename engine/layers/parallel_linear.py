@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from engine.layers.linear import linear
+from engine.layers.fp8_projection import project
 from engine.parallel.tensor_parallel import TensorParallel
 
 
@@ -30,11 +30,16 @@ class RowParallelLinear(nn.Module):
     """A linear layer whose input dim is split over the ranks: partial products, summed by one
     all-reduce; the (whole) bias is added once, after it."""
 
+    weight_scale: torch.Tensor | None  # [rows, cdiv(cols, fp8_block_k)] when in FP8
+
     def __init__(self, in_local: int, out: int, bias: bool, tp: TensorParallel) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out, in_local))
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
         self.tp = tp
+        # Set by fp8_projection.keep_fp8 when the weight is held in FP8.
+        self.register_buffer("weight_scale", None, persistent=False)
+        self.fp8_block_k = 0
         # As nn.Linear initialises (and draws from the RNG): the demo model trains identically.
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         if self.bias is not None:
@@ -46,11 +51,11 @@ class RowParallelLinear(nn.Module):
         before the all-reduce (each rank's A holds its slice of the input columns, so the
         all-reduce sums their partial deltas into the whole one: no collective of its own)."""
         if not self.tp.enabled:
-            y = linear(x, self.weight, self.bias)
+            y = project(x, self.weight, self.bias, self.weight_scale, self.fp8_block_k)
             if lora is not None:
                 lora.add(self, x, y)
             return y
-        y = linear(x, self.weight, None)
+        y = project(x, self.weight, None, self.weight_scale, self.fp8_block_k)
         if lora is not None:
             lora.add(self, x, y)
         y = self.tp.all_reduce(y)

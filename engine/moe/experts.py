@@ -41,6 +41,7 @@ from engine.layers.linear import linear
 from engine.layers.silu_and_mul import SiluAndMul
 from engine.moe.clamped_swiglu import ClampedSwiGLU
 from engine.moe.config import MoeConfig
+from engine.moe.packed_experts import packed_stack, register_packed
 
 
 def route(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,6 +96,8 @@ class StackedExperts(nn.Module):
             act = SiluAndMul() if swiglu is None else ClampedSwiGLU(*swiglu)
         self.act = act
         self.triton = False  # the grouped-GEMM kernel (engine/layers/grouped_gemm_kernel.py)
+        self.packed = False  # the stacks in MXFP4 (keep_mxfp4)
+        self._packed_shapes: dict[str, tuple[int, int, int]] = {}  # their checkpoint shapes
         matrices = self.checkpoint_tensors().values() if parts else self._matrices()
         for view in matrices:  # as nn.Linear initialises each
             if view.dim() == 2:  # the weights, not the biases (zeros)
@@ -103,6 +106,22 @@ class StackedExperts(nn.Module):
         # `linear` caches a packed CPU copy on the weight tensor it is given, so it must be
         # given the same tensor every step.
         self._views: tuple[tuple[int, int], list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def keep_mxfp4(self) -> None:
+        """Hold both stacks in MXFP4 (engine/moe/packed_experts.py), on the Triton path only:
+        at build, on the meta device, after the dtype cast. The dense stacks shrink to
+        [experts, 0, 0]; `checkpoint_tensors` then names each stack by a meta tensor of its
+        checkpoint shape (there is no served value to view)."""
+        assert self.parts is None and self.triton, "packed experts: gpt-oss's, on Triton"
+        stacks = {"gate_up_proj": self.gate_up_proj, "down_proj": self.down_proj}
+        shapes = {name: (w.shape[1], w.shape[2]) for name, w in stacks.items()}
+        weight = self.gate_up_proj
+        register_packed(self, weight.shape[0], shapes, weight.device)
+        self.packed = True
+        for name in stacks:
+            empty = torch.empty(weight.shape[0], 0, 0, dtype=weight.dtype, device=weight.device)
+            setattr(self, name, nn.Parameter(empty, requires_grad=False))
+        self._packed_shapes = {name: (weight.shape[0], k, n) for name, (n, k) in shapes.items()}
 
     def _matrices(self) -> list[torch.Tensor]:
         return [*self.gate_up_proj.detach().unbind(0), *self.down_proj.detach().unbind(0)]
@@ -116,6 +135,11 @@ class StackedExperts(nn.Module):
         gate_up_b, down_b = self.gate_up_proj_bias, self.down_proj_bias
         if self.parts is None:
             tensors = {"gate_up_proj": gate_up.transpose(1, 2), "down_proj": down_w.transpose(1, 2)}
+            if self.packed:  # [experts, in, out], as the checkpoint's
+                tensors = {
+                    n: torch.empty(s, dtype=gate_up.dtype, device="meta")
+                    for n, s in self._packed_shapes.items()
+                }
             if gate_up_b is not None and down_b is not None:
                 tensors |= {
                     "gate_up_proj_bias": gate_up_b.detach(),
@@ -155,6 +179,7 @@ class StackedExperts(nn.Module):
 
     def _per_expert(self, grouped: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
         """The torch path: one GEMM per expert with pairs, [pairs, hidden] in grouped order."""
+        assert not self.packed, "packed experts run on the Triton path"
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()  # host sync
         gate_up, down = self._expert_views()
         out = torch.empty_like(grouped)
@@ -184,22 +209,39 @@ class StackedExperts(nn.Module):
         """The Triton path: each projection one grouped-GEMM launch over every expert's pairs,
         the counts kept on the device; biases (gpt-oss) added after each launch, gathered by
         each pair's expert (`expert_of`). [pairs, hidden] in grouped order."""
-        from engine.layers.grouped_gemm_kernel import group_blocks, grouped_gemm
+        from engine.layers.grouped_gemm_kernel import group_blocks
 
         experts = self.gate_up_proj.shape[0]
         # Counted by scatter_add, not bincount: CUDA's bincount reads the largest id on the host.
         counts = torch.zeros(experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))
         starts = group_blocks(counts)
-        gate_up = grouped_gemm(x, token_of, self.gate_up_proj.detach(), *starts)
+        gate_up = self._gemm("gate_up_proj", x, token_of, starts)
         if self.gate_up_proj_bias is not None:
             gate_up = gate_up + self.gate_up_proj_bias[expert_of]
         h = self._activate(gate_up)  # [pairs, inter]
         rows = torch.arange(h.shape[0], device=x.device)
-        out = grouped_gemm(h, rows, self.down_proj.detach(), *starts)
+        out = self._gemm("down_proj", h, rows, starts)
         if self.adds_down_bias and self.down_proj_bias is not None:
             out = out + self.down_proj_bias[expert_of]
         return out
+
+    def _gemm(
+        self,
+        stack: str,
+        a: torch.Tensor,
+        rows: torch.Tensor,
+        starts: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """One grouped-GEMM launch of `stack`: dense, or MXFP4 when packed."""
+        if self.packed:
+            from engine.layers.mxfp4_grouped_gemm_kernel import mxfp4_grouped_gemm
+
+            return mxfp4_grouped_gemm(a, rows, *packed_stack(self, stack), *starts)
+        from engine.layers.grouped_gemm_kernel import grouped_gemm
+
+        weight: torch.Tensor = getattr(self, stack)
+        return grouped_gemm(a, rows, weight.detach(), *starts)
 
     def drop_views(self) -> None:
         """Forget the per-expert views and the packed CPU copies `linear` cached on them (a

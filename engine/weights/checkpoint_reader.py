@@ -94,6 +94,10 @@ class CheckpointReader(contextlib.ExitStack):
         first = self.groups[name][0]
         return str(self._handles[first].get_slice(first).get_dtype())
 
+    def part_dtype(self, part: str) -> str:
+        """The safetensors dtype of checkpoint tensor `part` (a quantized tensor's scales)."""
+        return str(self._handles[part].get_slice(part).get_dtype())
+
     def shape(self, name: str) -> tuple[int, ...]:
         """Model tensor `name`'s whole shape, from the headers."""
         first = self.groups[name][0]
@@ -102,6 +106,11 @@ class CheckpointReader(contextlib.ExitStack):
             assert self.quantization is not None
             return self.quantization.shape(shape)
         return shape
+
+    def read_parts(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A quantized model tensor's data and scales, whole and as stored."""
+        data, scales = (self._handles[p].get_tensor(p) for p in self.groups[name])
+        return data, scales
 
     def read(self, name: str, sharding: ShardLayout, dtype: torch.dtype) -> torch.Tensor:
         """This rank's slice of model tensor `name`, in `dtype`."""

@@ -24,6 +24,7 @@ from engine.models.hf_config import UnsupportedModelError
 from engine.parallel.shard_layout import ShardLayout
 from engine.protocol.messages import TensorSpec
 from engine.weights.checkpoint_reader import CheckpointReader
+from engine.weights.in_format import InFormatTensors
 from engine.weights.sharded_update import UpdateSource
 from engine.weights.staging import DTYPES, WeightUpdateError, check_tensor, invalid
 
@@ -42,17 +43,21 @@ def check_update(
     sharding: ShardLayout,
     source: UpdateSource,
     tensors: Mapping[str, torch.Tensor] | None,
+    kept: InFormatTensors | None = None,
 ) -> UpdateSize:
     """Raise WeightUpdateError (INVALID_ARGUMENT, naming the tensor or the path) unless
-    `source` can replace the parameters it names; else the size of what it replaces."""
+    `source` can replace the parameters it names; else the size of what it replaces.
+    `kept`: the model's in-format tensors (in_format.py), whose served dtype is the model's,
+    and which in-process tensors may also give as quantized data with its scales."""
+    kept = kept or InFormatTensors({})
     if tensors is not None:
-        names = _check_tensors(params, sharding, tensors)
+        names = _check_tensors(params, sharding, tensors, kept)
     elif source.distributed is not None:
-        names = _check_specs(params, sharding, source.distributed.tensors)
+        names = _check_specs(params, sharding, source.distributed.tensors, kept)
     elif source.checkpoint_dir is not None:
         names = _check_checkpoint(params, sharding, source.checkpoint_dir)
     elif source.tensor_file is not None:
-        names = _check_tensor_file(params, sharding, source)
+        names = _check_tensor_file(params, sharding, source, kept)
     else:
         raise invalid("the update names no source")
     size = sum(params[name].numel() * params[name].element_size() for name in names)
@@ -60,17 +65,35 @@ def check_update(
 
 
 def _check_tensors(
-    params: Mapping[str, torch.Tensor], sharding: ShardLayout, tensors: Mapping[str, torch.Tensor]
+    params: Mapping[str, torch.Tensor],
+    sharding: ShardLayout,
+    tensors: Mapping[str, torch.Tensor],
+    kept: InFormatTensors,
 ) -> list[str]:
+    """Each in the served dtype, or an in-format tensor's quantized data beside its scales
+    (whose fit staging checks)."""
+    names: list[str] = []
     for name, tensor in tensors.items():
+        half = kept.part(name, tensor.dtype)
+        if half is not None:
+            owner, index = half
+            other = kept.slots[owner].parts(owner)[1 - index]
+            if other not in tensors:
+                raise invalid(f"{name} without its {other}")
+            names += [owner] if index == 0 else []
+            continue
         param = check_tensor(params, sharding, name, tuple(tensor.shape))
-        if tensor.dtype != param.dtype:
-            raise invalid(f"{name}: dtype {tensor.dtype} != served dtype {param.dtype}")
-    return list(tensors)
+        if tensor.dtype != (served := kept.served(name, param)):
+            raise invalid(f"{name}: dtype {tensor.dtype} != served dtype {served}")
+        names.append(name)
+    return names
 
 
 def _check_specs(
-    params: Mapping[str, torch.Tensor], sharding: ShardLayout, specs: tuple[TensorSpec, ...]
+    params: Mapping[str, torch.Tensor],
+    sharding: ShardLayout,
+    specs: tuple[TensorSpec, ...],
+    kept: InFormatTensors,
 ) -> list[str]:
     """A distributed update's list: each tensor once, with the served shape and dtype."""
     if not specs:
@@ -81,8 +104,8 @@ def _check_specs(
         dtype = DTYPES.get(spec.dtype)
         if dtype is None:
             raise invalid(f"{spec.name}: dtype {spec.dtype!r} is not one of {sorted(DTYPES)}")
-        if dtype != param.dtype:
-            raise invalid(f"{spec.name}: dtype {spec.dtype} != served dtype {param.dtype}")
+        if dtype != (served := kept.served(spec.name, param)):
+            raise invalid(f"{spec.name}: dtype {spec.dtype} != served dtype {served}")
         if spec.name in seen:
             raise invalid(f"{spec.name}: listed twice")
         seen.add(spec.name)
@@ -90,7 +113,10 @@ def _check_specs(
 
 
 def _check_tensor_file(
-    params: Mapping[str, torch.Tensor], sharding: ShardLayout, source: UpdateSource
+    params: Mapping[str, torch.Tensor],
+    sharding: ShardLayout,
+    source: UpdateSource,
+    kept: InFormatTensors,
 ) -> list[str]:
     path = source.tensor_file
     assert path is not None
@@ -103,8 +129,8 @@ def _check_tensor_file(
         dtype = DTYPES.get(ref.dtype)
         if dtype is None:
             raise invalid(f"{ref.name}: dtype {ref.dtype!r} is not one of {sorted(DTYPES)}")
-        if dtype != param.dtype:
-            raise invalid(f"{ref.name}: dtype {ref.dtype} != served dtype {param.dtype}")
+        if dtype != (served := kept.served(ref.name, param)):
+            raise invalid(f"{ref.name}: dtype {ref.dtype} != served dtype {served}")
         if (
             ref.nbytes != math.prod(ref.shape) * dtype.itemsize
             or ref.offset + ref.nbytes > file_size

@@ -17,6 +17,7 @@ from engine.parallel.shard_layout import ShardLayout
 from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import DistributedTensors
 from engine.weights.buckets import bucket_layout
+from engine.weights.in_format import InFormatTensors
 from engine.weights.staging import DTYPES, Progress, StagedWeights, WeightUpdateError
 from engine.weights.transfer_group import TransferGroup
 
@@ -27,12 +28,13 @@ def stage_distributed(
     transfer: TransferGroup,
     source: DistributedTensors,
     progress: Progress,
+    kept: InFormatTensors | None = None,
 ) -> StagedWeights:
     if not transfer.joined:
         raise WeightUpdateError(
             ErrorCode.FAILED_PRECONDITION, "no weight-transfer group: call InitWeightTransfer first"
         )
-    staged = StagedWeights(params, sharding)
+    staged = StagedWeights(params, sharding, kept)
     buckets = bucket_layout(source.tensors, source.bucket_bytes)
     done = 0
     for n, bucket in enumerate(buckets):
@@ -51,9 +53,9 @@ def stage_distributed(
             raw = buffer[placed.offset : placed.offset + placed.nbytes]
             whole = raw.view(DTYPES[spec.dtype]).view(spec.shape)
             staged.add(spec.name, whole, spec.shape, cast=False)
-            # NOTE: the staged slice must own its memory, not pin the whole bucket.
-            staged.tensors[spec.name] = staged.tensors[spec.name].clone()
-            done += staged.tensors[spec.name].numel() * staged.tensors[spec.name].element_size()
-            progress(done, len(staged.tensors))
+            staged.own(spec.name)  # NOTE: not pinning the whole bucket
+            done += staged.nbytes_of(spec.name)
+            progress(done, staged.count)
         del buffer
+    staged.finish()
     return staged

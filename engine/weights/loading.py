@@ -6,9 +6,10 @@ its part of the model's parameters, a merged projection's rows included.
 
 A tensor-parallel rank reads only its slice of each tensor (safetensors' `get_slice`), so no
 rank ever holds the whole model; of a quantized tensor it reads the whole (one byte, or half
-of one, per value), dequantizes it and keeps its slice, one tensor at a time. Quantized
-checkpoints are dequantized at load on every device: the served weights are in the model's
-dtype (docs/architecture.md says why, and what the FP8 kernel of engine/layers would change).
+of one, per value), dequantizes it and keeps its slice, one tensor at a time. FP8 checkpoints
+are dequantized at load on the CPU; when the layers run Triton (CUDA), their projections stay
+in FP8 with their scales and run the FP8 kernel (fp8_layers.py says which; docs/architecture.md
+why).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from engine.models.base import CausalLM, model_class
 from engine.models.hf_config import ModelConfig
 from engine.parallel.tensor_parallel import TensorParallel
 from engine.weights.checkpoint_reader import CheckpointReader
+from engine.weights.in_format import in_format, keep_in_format
 
 
 def build_model(
@@ -38,7 +40,11 @@ def build_model(
     CausalLM."""
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg, backend, tp, triton_kernels)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    if triton_kernels:  # NOTE: after the dtype cast, which would widen the e4m3 weights
+        with CheckpointReader(Path(directory)) as reader:
+            keep_in_format(model, reader, dtype)
+    model = model.to_empty(device=device)
     model.init_buffers(device)  # computed, not loaded (rotary tables)
     load_weights(model, directory)
     # Inference only: no autograd state, and in-place updates (live_weights) just work.
@@ -47,9 +53,11 @@ def build_model(
 
 def load_weights(model: CausalLM, directory: Path) -> None:
     """Fill every checkpoint tensor of `model` (this rank's slices) from the files; a quantized
-    checkpoint's tensors dequantized into the model's dtype (checkpoint_reader.py)."""
+    checkpoint's tensors dequantized into the model's dtype (checkpoint_reader.py), or copied
+    with their scales into an in-format projection (fp8_layers.py)."""
     sharding = model.sharding
     params = model.checkpoint_tensors()
+    slots = in_format(model).slots
     loaded: set[str] = set()
     with CheckpointReader(Path(directory)) as reader:
         for name in reader.names():
@@ -61,7 +69,11 @@ def load_weights(model: CausalLM, directory: Path) -> None:
             if shape != expected:
                 raise ValueError(f"{name}: checkpoint shape {shape} != model shape {expected}")
             with torch.no_grad():
-                param.copy_(reader.read(name, sharding, param.dtype))
+                slot = slots.get(name)
+                if slot is None:
+                    param.copy_(reader.read(name, sharding, param.dtype))
+                else:
+                    slot.write(slot.share(*reader.read_parts(name), sharding.split(name)))
             loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:

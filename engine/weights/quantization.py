@@ -16,7 +16,7 @@ weight computes), zero points, other bit widths and strategies, sparsity, KV-cac
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,18 +110,20 @@ def dequantize_update(
     tensors: Mapping[str, torch.Tensor],
     quantization: Quantization | None,
     dtype: torch.dtype,
+    keep: Collection[str] = (),
 ) -> dict[str, torch.Tensor]:
     """An in-process update's tensors by the model's names: a quantized tensor given with its
     scales (named as the served checkpoint names them) dequantized into the served `dtype`,
-    any other as given (its name, shape and dtype are checked after, as any update's).
+    unless the model holds it in format (`keep`: its data and scales pass as given), any
+    other as given (its name, shape and dtype are checked after, as any update's).
     ValueError names what cannot be read."""
     if quantization is None:
         return dict(tensors)
     kinds = {n: TORCH_DTYPES.get(t.dtype, str(t.dtype)) for n, t in tensors.items()}
     update: dict[str, torch.Tensor] = {}
     for name, parts in quantization.group(kinds).items():
-        if len(parts) == 1:
-            update[name] = tensors[name]
+        if len(parts) == 1 or name in keep:
+            update |= {part: tensors[part] for part in parts}
             continue
         data, scales = (tensors[p].detach().cpu() for p in parts)
         update[name] = quantization.combine(data, scales, dtype)

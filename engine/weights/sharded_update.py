@@ -27,6 +27,7 @@ from engine.parallel.step_channel import Op, StepChannel, StepHeader
 from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import DistributedTensors, TensorRef
 from engine.weights.distributed import stage_distributed
+from engine.weights.in_format import InFormatTensors, in_format
 from engine.weights.staging import (
     Progress,
     StagedWeights,
@@ -61,10 +62,10 @@ def stage(
     Raises WeightUpdateError unless every rank staged its shard. `transfer`: this rank's
     membership of the trainer's group (a distributed source); a failed distributed update
     leaves it on every rank."""
-    params = model.checkpoint_tensors()
+    params, kept = model.checkpoint_tensors(), in_format(model)
     tp, sharding = model.tp, model.sharding
     if not tp.enabled:
-        return _stage_here(params, sharding, source, progress, tensors, transfer)
+        return _stage_here(params, sharding, kept, source, progress, tensors, transfer)
     if tp.rank == 0:
         assert channel is not None
         channel.send(StepHeader(Op.STAGE))
@@ -75,7 +76,7 @@ def stage(
         if source.tensors is not None:
             staged = _stage_broadcast(model, source, tensors)
         else:
-            staged = _stage_here(params, sharding, source, progress, None, transfer)
+            staged = _stage_here(params, sharding, kept, source, progress, None, transfer)
     except WeightUpdateError as exc:
         failure = (tp.rank, exc.code, exc.message)
     failures = [f for f in tp.all_gather_object(failure) if f is not None]
@@ -101,20 +102,22 @@ def follow_stage(model: CausalLM, transfer: TransferGroup) -> None:
 def _stage_here(
     params: Mapping[str, torch.Tensor],
     sharding: ShardLayout,
+    kept: InFormatTensors,
     source: UpdateSource,
     progress: Progress,
     tensors: Mapping[str, torch.Tensor] | None,
     transfer: TransferGroup | None,
 ) -> StagedWeights:
     if tensors is not None:
-        return stage_tensors(params, sharding, tensors)
+        return stage_tensors(params, sharding, tensors, kept)
     if source.distributed is not None:
         assert transfer is not None
-        return stage_distributed(params, sharding, transfer, source.distributed, progress)
+        return stage_distributed(params, sharding, transfer, source.distributed, progress, kept)
     if source.checkpoint_dir is not None:
-        return stage_checkpoint(params, sharding, source.checkpoint_dir, progress)
+        return stage_checkpoint(params, sharding, source.checkpoint_dir, progress, kept)
     if source.tensor_file is not None:
-        return stage_tensor_file(params, sharding, source.tensor_file, source.refs, progress)
+        refs = source.refs
+        return stage_tensor_file(params, sharding, source.tensor_file, refs, progress, kept)
     raise WeightUpdateError(ErrorCode.INVALID_ARGUMENT, "the update names no source")
 
 
@@ -125,21 +128,23 @@ def _stage_broadcast(
     NOTE: every tensor is broadcast even after a bad one: the ranks must make the same
     collectives; the first failure is raised at the end."""
     assert source.tensors is not None
-    staged = StagedWeights(model.checkpoint_tensors(), model.sharding)
+    staged = StagedWeights(model.checkpoint_tensors(), model.sharding, in_format(model))
     first: WeightUpdateError | None = None
     for name, shape, dtype in source.tensors:
         if tensors is not None:  # rank 0
             whole = tensors[name].detach().to("cpu").contiguous()
         else:
             whole = torch.empty(shape, dtype=getattr(torch, dtype))
-        model.tp.broadcast(whole)
+        # NOTE: FP8 travels as its bytes (gloo has no float8 type).
+        model.tp.broadcast(whole.view(torch.uint8) if whole.element_size() == 1 else whole)
         try:
             staged.add(name, whole, shape, cast=False)
-            staged.tensors[name] = staged.tensors[name].clone()  # not a view of `whole`
+            staged.own(name)  # not a view of `whole`
         except WeightUpdateError as exc:
             first = first or exc
     if first is not None:
         raise first
+    staged.finish()
     return staged
 
 

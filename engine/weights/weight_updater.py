@@ -6,8 +6,7 @@ DRAIN lets running requests finish (`advance`), then is staged (every tensor rea
 validated before any parameter changes), applied to running requests by its in-flight policy,
 swapped in and published under its version. Its progress goes to `sink` as it happens (the
 process loop sends it down the pipe) or collects in `events`, ending with exactly one APPLIED
-or FAILED. "An update is in
-progress" is `pending`, and nowhere else.
+or FAILED. "An update is in progress" is `pending`, and nowhere else.
 
 With tensor parallelism every rank stages its shard and all swap, or none does
 (engine/weights/sharded_update.py); versions, policies and events stay here, on rank 0. A
@@ -48,6 +47,7 @@ from engine.protocol.messages import (
 )
 from engine.scheduling.scheduler import Scheduler
 from engine.weights.checks import UpdateSize, check_update
+from engine.weights.in_format import in_format
 from engine.weights.sharded_update import describe, gather_parameters, stage
 from engine.weights.staging import StagedWeights, WeightUpdateError
 from engine.weights.transfer_group import TransferGroup, begin_all, finish_all, leave_all
@@ -134,12 +134,12 @@ class WeightUpdater:
             return
         if self.storage is not None and self.storage.weights_released:
             self.storage.restore_weights()  # NOTE: views of the parameters need their storage
-        params = self.model.checkpoint_tensors()
+        params, kept = self.model.checkpoint_tensors(), in_format(self.model)
         source = describe(
             msg.checkpoint_dir, msg.tensor_file, msg.tensors, tensors, msg.distributed
         )
         try:
-            size = check_update(params, self.model.sharding, source, tensors)
+            size = check_update(params, self.model.sharding, source, tensors, kept)
             self._check_reachable(msg, size, len(params))
         except WeightUpdateError as exc:
             self._failed(msg, exc.code, exc.message)
@@ -350,7 +350,7 @@ class WeightUpdater:
             msg.checkpoint_dir, msg.tensor_file, msg.tensors, update.tensors, msg.distributed
         )
         staged = stage(self.model, source, progress, update.tensors, self.channel, self.transfer)
-        total, count = staged.nbytes, len(staged.tensors)
+        total, count = staged.nbytes, staged.count
         self._event(
             WeightsPhase.LOADING,
             bytes_done=total,

@@ -4,11 +4,12 @@ tiny random gpt-oss checkpoint (tiny_models.make_checkpoint) whose expert tensor
 with the `quantization_config` gpt-oss ships; every other tensor kept as it is.
 
 transformers' own quantizer (`integrations/mxfp4.py`'s `quantize_to_mxfp4`) needs the
-triton_kernels hub, so the packing is written here, as the OCP MX spec quantizes: per 32 values
-of the input dimension, an E8M0 exponent `floor(log2(amax)) - 2` (e2m1's largest exponent), the
-values divided by 2^e rounded to the nearest e2m1 (saturating at 6), two nibbles a byte, low
-nibble first. Its layout is checked by dequantizing with transformers'
-`convert_moe_packed_tensors` (tests/engine/weights/test_mxfp4_checkpoints.py).
+triton_kernels hub, so the packing is the engine's (engine/weights/mxfp4_experts.py's
+`quantize_mxfp4`, which full-precision updates of packed experts go through), as the OCP MX
+spec quantizes: per 32 values of the input dimension, an E8M0 exponent `floor(log2(amax)) - 2`
+(e2m1's largest exponent), the values divided by 2^e rounded to the nearest e2m1 (saturating
+at 6), two nibbles a byte, low nibble first. Its layout is checked by dequantizing with
+transformers' `convert_moe_packed_tensors` (tests/engine/weights/test_mxfp4_checkpoints.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from engine.weights.mxfp4_experts import quantize_mxfp4
+
+__all__ = ["GPT_OSS_MXFP4", "load_hf_dequantized", "quantize_experts", "quantize_mxfp4"]
 
 # The quantization_config of openai/gpt-oss-20b and -120b.
 GPT_OSS_MXFP4: dict[str, Any] = {
@@ -31,26 +36,6 @@ GPT_OSS_MXFP4: dict[str, Any] = {
     ],
 }
 EXPERT_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-E2M1_MAX_EXPONENT = 2  # 6 = 1.5 * 2^2
-BLOCK = 32
-
-
-def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A gpt-oss expert tensor as transformers holds it, [experts, in, out] (in a multiple of
-    32) -> its blocks [experts, out, in / 32, 16] and scales [experts, out, in / 32], uint8."""
-    experts, inputs, out = weight.shape
-    assert inputs % BLOCK == 0, f"input dim {inputs} is not a multiple of {BLOCK}"
-    groups = weight.float().transpose(1, 2).reshape(experts, out, inputs // BLOCK, BLOCK)
-    amax = groups.abs().amax(dim=-1, keepdim=True)
-    exponent = torch.where(amax > 0, amax.log2().floor() - E2M1_MAX_EXPONENT, -127.0)
-    exponent = exponent.clamp(-127, 127)
-    scaled = groups / exponent.exp2()
-    magnitude = (scaled.abs()[..., None] - E2M1_MAGNITUDES).abs().argmin(dim=-1)
-    nibbles = (magnitude | ((scaled < 0) & (magnitude > 0)).long() << 3).to(torch.uint8)
-    blocks = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
-    scales = (exponent.squeeze(-1) + 127).to(torch.uint8)
-    return blocks.contiguous(), scales.contiguous()
 
 
 def quantize_experts(directory: Path) -> Path:
