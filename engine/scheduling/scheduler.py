@@ -5,6 +5,8 @@ Each step, under a token budget and max_num_seqs:
    a long prefill), then running requests part-way through a chunked prefill take a chunk;
 2. waiting requests are admitted by priority, then arrival, while pages and budget allow;
    a prompt longer than the remaining budget is split across steps (chunked prefill).
+A decoding request with a speculative draft (engine/speculative/) feeds its last token and the
+draft; the draft is cut to what the step's budget and the free pages hold without preempting.
 When a running request needs a page and none is available, the newest running request is
 preempted: its pages are released and it is re-queued to recompute (its generated tokens are
 kept). Only a request that alone cannot fit in the whole pool is ended, with ERROR.

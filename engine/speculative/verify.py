@@ -17,8 +17,8 @@ rejected one's replacement is drawn from p with d excluded, renormalised, as the
 coupling makes it token-exact under a seed, not only equal in distribution.
 
 The KV of rejected proposals is past the request's computed tokens: the next step writes over
-it, and the prefix cache never publishes a page that holds it (pages are published up to the
-computed tokens only).
+it (the pages taken for it stay the request's, for its next tokens), and the prefix cache
+never publishes a page that holds it (pages are published up to the computed tokens only).
 
 Speculation costs a wider forward where proposals are rejected, so it is off for a step with
 more than `max_batch` decoding requests, and each request verifies only as many proposals as
@@ -126,9 +126,10 @@ class SpecDecoder:
             else:
                 rows_of.setdefault(req, []).append(row)
         for req, rows in rows_of.items():
-            kept = self._verify(req, [sampled.token_ids[r] for r in rows])
             if req.is_finished:  # ended between launch and collect: nothing to append
+                clear_draft(req)
                 continue
+            kept = self._verify(req, [sampled.token_ids[r] for r in rows])
             for j, row in enumerate(rows[: kept + 1]):
                 if j == len(rounds):
                     rounds.append([])
