@@ -55,7 +55,7 @@ def draft_rows(req: Request) -> list[Request]:
 def as_decode_rows(batch: ScheduledBatch) -> tuple[ScheduledBatch, dict[Request, Request]]:
     """`batch` with each request that verifies a draft replaced by its views, one token each;
     and the views' requests (view -> request). A batch with no draft comes back as it is."""
-    if not any([r.draft for r in batch.requests]):
+    if not batch.drafts:
         return batch, {}
     rows = ScheduledBatch(block_table=batch.block_table)
     verifying: dict[Request, Request] = {}

@@ -43,6 +43,7 @@ class ScheduledBatch:
     admitted: list[Request] = field(default_factory=list)  # from the queue, by this schedule
     first_admitted: list[Request] = field(default_factory=list)  # ... for the first time
     preempted: bool = False  # this schedule preempted a running request
+    drafts: bool = False  # some request feeds a speculative draft (engine/speculative/)
 
     def __post_init__(self) -> None:
         self.num_tokens = sum(self.query_lens)
@@ -208,6 +209,7 @@ class Scheduler:
                 else:
                     del draft[len(req.pages) * size - end :]
             batch.add(req, 1 + len(draft))
+            batch.drafts = batch.drafts or bool(draft)
 
     def _grow(self, req: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Give a running request pages for num_tokens, preempting newer requests if needed."""

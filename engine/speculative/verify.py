@@ -110,6 +110,7 @@ class SpecDecoder:
             if fed.get(req) != 1 + len(req.draft):
                 clear_draft(req)
         self._drafted = [r for r in self._drafted if r.draft]
+        batch.drafts = bool(self._drafted)
 
     def accept(self, sampled: Sampled, batch: ScheduledBatch, computed: list[int]) -> list[Sampled]:
         """Acceptance of a step's verified rows. Returns the rows to append in rounds: round
