@@ -38,7 +38,7 @@ def patch_the_language_once_per_launch() -> None:
     launch. Within a launch the repeat changes nothing: what was patched is no longer a builtin,
     so it finds nothing left to wrap and re-sets equivalent wrappers. A helper whose module sees
     a language module not yet patched in this launch (`tl.core`, for the standard library) still
-    gets the original call, as does any call outside a launch. It was about 60% of the fused
+    gets the original call, as does any call outside a launch. It was 55-60% of the fused
     sampler's tests' CPU time. Left alone on any other triton layout.
     """
     from triton import language as tl
