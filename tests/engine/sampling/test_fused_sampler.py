@@ -242,6 +242,10 @@ def test_an_engine_with_the_fused_sampler_generates_the_torch_engines_tokens(
         assert isinstance(chosen, sampler_choice.FusedOrTorch) == (name == "triton")
         if isinstance(chosen, sampler_choice.FusedOrTorch):
             assert isinstance(chosen.fused, fused.FusedSampler)
+            if DEVICE == "cpu":
+                # Top-k 50 rows finish on their gathered survivors, sorted in 64 slots, not in
+                # the default 1,024: under the interpreter that sort was 80% of this test.
+                chosen.fused.survivors = 64
         results[name] = engine.generate(prompts, params) + engine.generate([[9, 8, 7]], alone)
     for got, expected in zip(results["triton"], results["torch"], strict=True):
         assert got.token_ids == expected.token_ids
