@@ -51,7 +51,9 @@ def copy_units(
     given the seed."""
     rng = random.Random(seed)
     texts = [p.split() for p in paragraphs]
-    words = [w for text in texts for w in text]
+    # Each distinct word alike: frequency-weighted draws repeat "the" and "and" so often that
+    # a word seldom says where in the span it stands.
+    words = sorted({w for text in texts for w in text})
     long_enough = [text for text in texts if len(text) >= units.min_words]
     assert long_enough, "no paragraph has min_words words"
     wanted = int(plain_tokens * units.share / (1.0 - units.share))
