@@ -57,5 +57,5 @@ RECIPE = DemoRecipe()
 DRAFT_RECIPE = dataclasses.replace(RECIPE, hidden_size=64, intermediate_size=192, num_layers=2)
 # The demo's copy model, for bench/speculative.py's copy task: the demo, but for copy units in
 # its training stream and the longer training they need (docs/benchmarks.md: what was measured).
-COPY_RECIPE = dataclasses.replace(RECIPE, steps=2000, copy=CopyUnits(share=0.5))
+COPY_RECIPE = dataclasses.replace(RECIPE, steps=4000, copy=CopyUnits(share=0.5))
 SIZES = ("demo", "draft", "copy")
