@@ -297,10 +297,13 @@ def speculative(r: dict[str, Any]) -> str:
     lookup = ", ".join(
         f"{c['task']} {c['mode']} batch {c['batch']} {c['lookup_rate']:.2f}" for c in r["cells"]
     )
+    # Each task's target (absent from results written before the tasks had their own).
+    models = r.get("task_models", {})
+    on = "".join(f"; {task} on {Path(m).name}" for task, m in models.items())
     return (
-        f"**speculative decoding, {r['model']}** ({r['device']} {r['dtype']}, {r['threads']} "
-        f"torch threads; {r['num_speculative_tokens']} tokens proposed at most, speculation off "
-        f"above batch {r['speculative_max_batch']}; {r['max_tokens']} tokens per request, "
+        f"**speculative decoding, {r['model']}** ({r['device']} {r['dtype']}{on}; "
+        f"{r['threads']} torch threads; {r['num_speculative_tokens']} tokens proposed at most, "
+        f"speculation off above batch {r['speculative_max_batch']}; {r['max_tokens']} tokens per request, "
         f"ignore_eos; sampled at temperature {r['temperature_sampled']}; the fastest of "
         f"{r['repeat']} rounds)\n\n"
         + markdown(header, rows)

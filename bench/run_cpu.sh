@@ -101,7 +101,8 @@ else
     --threads "$THREADS"
   run window_attention bench.cpu.window_attention --context 4096 --window 128 --rows 8 \
     --threads "$THREADS"
-  # On the demo model and its draft, each trained on first use (docs/architecture.md).
+  # On the demo model, its draft and its copy model, each trained on first use
+  # (docs/architecture.md).
   run speculative bench.speculative --methods ngram suffix draft --batches 1 8 64 --repeat 3 \
     --threads "$THREADS"
 fi

@@ -23,9 +23,12 @@ change them; the JSON is printed either way, naming the cells that differ). Per 
 `lookup_rate` says whether the task copies, whatever the proposers do: the share of off's
 output tokens that prompt lookup predicts.
 
-`--shape demo` (the default) is the demo model, and `draft` its draft model
-(`python -m engine.demo draft`), both trained on first use; another `--shape` builds random
-weights, and `draft` then needs `--draft-model DIR` (a checkpoint with the same tokenizer).
+`--shape demo` (the default) runs free generation on the demo model and the copy task on the
+demo's copy model (`python -m engine.demo copy`: the demo's recipe, also trained on passages
+followed by their repeats, since the demo itself does not copy); `draft` proposes from the
+demo's draft model (`python -m engine.demo draft`); each is trained on first use. `--model DIR`
+or another `--shape` (random weights) serves both tasks, and `draft` then needs `--draft-model
+DIR` (a checkpoint with the same tokenizer). The JSON's `task_models` names each task's.
 
     python -m bench.speculative --methods ngram suffix draft --batches 1 8 64 --threads 1
     python -m bench.speculative --shape qwen2.5-0.5b --device cuda --methods ngram suffix \
@@ -163,10 +166,11 @@ def run_cell(engine: Any, cell: Cell, args: argparse.Namespace, tag: str) -> dic
 
 
 def measure(
-    args: argparse.Namespace, model_dir: Path, dtype: str, draft: Path | None
+    args: argparse.Namespace, models: dict[str, Path], dtype: str, draft: Path | None
 ) -> dict[str, Any]:
-    """Build the cells; each round, a fresh engine per method (a suffix store holds none of
-    the last round's outputs), warmed up, then every cell on each engine in turn."""
+    """Build the cells (`models`: each task's checkpoint; they share one tokenizer); per
+    model, each round a fresh engine per method (a suffix store holds none of the last round's
+    outputs), warmed up, then each of that model's cells on each engine in turn."""
     from tokenizers import Tokenizer
 
     from engine.models.hf_config import load_model_config
@@ -174,8 +178,9 @@ def measure(
 
     defaults = EngineConfig()
     k = args.num_speculative_tokens or defaults.num_speculative_tokens
-    context = load_model_config(model_dir).max_model_len
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    used = [models[task] for task in args.tasks]
+    context = min(load_model_config(d).max_model_len for d in used)
+    tokenizer = Tokenizer.from_file(str(used[0] / "tokenizer.json"))
     room = context - args.max_tokens - k - 1
     cells, warmup = build_cells(args, lambda text: tokenizer.encode(text).ids, room)
     # Room for the largest batch of the longest requests, twice: a draft's KV comes from the
@@ -184,19 +189,25 @@ def measure(
     pages = 2 * max(args.batches) * math.ceil(longest / defaults.page_size) + 16
     methods = ["off", *args.methods]
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
-    for r in range(args.repeat):
-        order = methods[r % len(methods) :] + methods[: r % len(methods)]  # who goes first
-        engines = {m: make_engine(args, m, model_dir, dtype, draft, pages) for m in order}
-        try:
-            counts = run_round(args, engines, cells, warmup, runs, f"round {r + 1}")
-        finally:
-            for engine in engines.values():
-                engine.close()
+    counts: dict[str, dict[str, dict[str, int]]] = {}
+    for model_dir in dict.fromkeys(used):  # each model once, in the tasks' order
+        mine = [(c, cell) for c, cell in enumerate(cells) if models[cell.task] == model_dir]
+        for r in range(args.repeat):
+            order = methods[r % len(methods) :] + methods[: r % len(methods)]  # who goes first
+            engines = {m: make_engine(args, m, model_dir, dtype, draft, pages) for m in order}
+            label = f"{model_dir.name}, round {r + 1}"
+            try:
+                counts[model_dir.name] = run_round(args, engines, mine, warmup, runs, label)
+            finally:
+                for engine in engines.values():
+                    engine.close()
     result: dict[str, Any] = {"records": [], "cells": [], "differ": []}
     for c, cell in enumerate(cells):
         lookup = (defaults.ngram_min, defaults.ngram_max)  # ngram's defaults
-        compare(cell, {m: runs[(c, m)] for m in methods}, lookup, result)
-    result["engine_spec_counts"] = counts  # the last round's engines, warm-up included
+        model = models[cell.task].name
+        compare(cell, model, {m: runs[(c, m)] for m in methods}, lookup, result)
+    # By model directory: the last round's engines, warm-up included.
+    result["engine_spec_counts"] = counts
     result["num_speculative_tokens"] = k
     result["speculative_max_batch"] = args.speculative_max_batch or defaults.speculative_max_batch
     result["max_model_len"] = context
@@ -206,19 +217,20 @@ def measure(
 def run_round(
     args: argparse.Namespace,
     engines: dict[str, Any],
-    cells: list[Cell],
+    cells: list[tuple[int, Cell]],
     warmup: list[list[int]],
     runs: dict[tuple[int, str], list[dict[str, Any]]],
     label: str,
 ) -> dict[str, dict[str, int]]:
-    """Warm each engine up, then run every cell on each in turn, appending to `runs` by (cell,
-    method); the engines' own proposed/accepted counts after it."""
+    """Warm each engine up, then run every cell (by its index in the run) on each in turn,
+    appending to `runs` by (cell index, method); the engines' own proposed/accepted counts
+    after it."""
     from engine import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     for method, engine in engines.items():  # first-use costs, off the clock
         run_wave(engine, warmup, [greedy] * len(warmup), f"warmup-{method}")
-    for c, cell in enumerate(cells):
+    for c, cell in cells:
         for m, engine in engines.items():
             runs.setdefault((c, m), []).append(run_cell(engine, cell, args, f"c{c}-{m}"))
         rates = " ".join(f"{m} {runs[(c, m)][-1]['output_tokens_per_s']:.0f}" for m in engines)
@@ -232,13 +244,15 @@ def run_round(
 
 def compare(
     cell: Cell,
+    model: str,
     runs: dict[str, list[dict[str, Any]]],
     lookup: tuple[int, int],
     result: dict[str, Any],
 ) -> None:
-    """Add the cell's records and its lookup rate. A method's record is its fastest round (by
-    the wall clock; its CPU fields the round fastest per CPU-second), each ratio against off's
-    fastest by the same measure; its ids must equal off's in every round."""
+    """Add the cell's records and its lookup rate (on `model`, the target's directory name). A
+    method's record is its fastest round (by the wall clock; its CPU fields the round fastest
+    per CPU-second), each ratio against off's fastest by the same measure; its ids must equal
+    off's in every round."""
     offs = runs["off"]
     outputs = zip(cell.prompts, offs[0]["token_ids"], strict=True)
     rate = sum(lookup_rate(p, t, *lookup) for p, t in outputs) / len(cell.prompts)
@@ -246,6 +260,7 @@ def compare(
     result["cells"].append(
         {
             **where,
+            "model": model,
             "requests": len(cell.prompts),
             "waves": len(cell.waves),
             "mean_prompt_tokens": sum(map(len, cell.prompts)) / len(cell.prompts),
@@ -272,8 +287,11 @@ def _best(rounds: list[dict[str, Any]], key: str) -> dict[str, Any]:
     return max(rounds, key=lambda run: float(run[key]))
 
 
-def resolve(args: argparse.Namespace) -> tuple[Path, str, Path | None]:
-    """(target checkpoint, dtype, draft checkpoint or None)."""
+def resolve(args: argparse.Namespace) -> tuple[dict[str, Path], str, Path | None]:
+    """(each task's target checkpoint, dtype, draft checkpoint or None). `--shape demo` serves
+    the copy task from the demo's copy model (the demo recipe, trained on copy units too: the
+    demo itself does not copy, so prompt lookup would have nothing to find) and free generation
+    from the demo; `--model` or another shape serves both."""
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     draft = args.draft_model
     if args.model is None and args.shape == "demo":
@@ -281,10 +299,13 @@ def resolve(args: argparse.Namespace) -> tuple[Path, str, Path | None]:
 
         if "draft" in args.methods and draft is None:
             draft = ensure_demo_checkpoint(size="draft")
-        return ensure_demo_checkpoint(), dtype, draft
+        sizes = {task: "copy" if task == "copy" else "demo" for task in TASKS}
+        built = {size: ensure_demo_checkpoint(size=size) for size in sorted(set(sizes.values()))}
+        return {task: built[size] for task, size in sizes.items()}, dtype, draft
     if "draft" in args.methods and draft is None:
         raise SystemExit("--methods draft: --draft-model DIR is required beside --shape/--model")
-    return resolve_model(args)[0], dtype, draft
+    target = resolve_model(args)[0]
+    return dict.fromkeys(TASKS, target), dtype, draft
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,13 +314,15 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging("info", "console", process="bench")  # stderr: stdout is the JSON
     threads = set_threads(args.threads)
-    model_dir, dtype, draft = resolve(args)
-    log(f"speculative: off and {' '.join(args.methods)} on {model_dir.name}, {threads} threads")
-    measured = measure(args, model_dir, dtype, draft)
+    models, dtype, draft = resolve(args)
+    names = ", ".join(f"{task} on {models[task].name}" for task in args.tasks)
+    log(f"speculative: off and {' '.join(args.methods)}; {names}; {threads} threads")
+    measured = measure(args, models, dtype, draft)
     differ = measured.pop("differ")
     result = {
         "benchmark": "speculative",
         "model": str(args.model) if args.model else args.shape,
+        "task_models": {task: str(models[task]) for task in args.tasks},  # each task's target
         "draft_model": str(draft) if draft else None,
         "device": args.device,
         "dtype": dtype,

@@ -1,5 +1,6 @@
-"""`python -m engine.demo [draft]`: build the demo model (or its draft model, for
-`--speculative-draft-model`) now, unless it is cached; print its directory.
+"""`python -m engine.demo [draft|copy]`: build the demo model (or its draft model, for
+`--speculative-draft-model`, or its copy model, for bench/speculative.py's copy task) now,
+unless it is cached; print its directory.
 
 scripts/demo.sh runs it before starting the server, so that a person sees the one-time build
 announced and its progress as plain lines on stderr ("demo model: step 300/1100, loss ...")
@@ -21,9 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     size = parser.parse_args(argv).size
     if cached_demo_checkpoint(size=size) is None:
         print(
-            f"Training the {'demo' if size == 'demo' else 'demo draft'} model (once, cached in "
-            "~/.cache/sluice: about a minute on two idle CPU cores, several on a busy "
-            "machine)...",
+            f"Training the {'demo' if size == 'demo' else f'demo {size}'} model (once, cached in "
+            "~/.cache/sluice: a minute or a few on two idle CPU cores, several times that on a "
+            "busy machine)...",
             file=sys.stderr,
             flush=True,
         )

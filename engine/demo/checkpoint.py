@@ -11,7 +11,10 @@ it) makes `sluice chat` work against it: each turn a "Role: text" paragraph.
 
 `ensure_demo_checkpoint(size="draft")` builds the demo's draft model the same way, beside it:
 a smaller Llama on the same corpus with the same tokenizer, for speculative decoding's `draft`
-method (`--speculative-draft-model`; bench/speculative.py).
+method (`--speculative-draft-model`; bench/speculative.py). `size="copy"` builds the demo's
+copy model: the demo's shape and tokenizer, trained longer on the corpus plus copy units
+(copy_units.py), so that it repeats a passage in its prompt as real LLMs do; bench/speculative.py
+measures prompt lookup's proposals on it. Neither is built unless asked for.
 
 The build is deterministic (fixed seed, fixed step count) and takes about 80 s on two idle CPU
 cores, far longer when other processes keep them busy (docs/architecture.md, "The demo model").
@@ -25,7 +28,6 @@ import collections
 import contextlib
 import dataclasses
 import fcntl
-import hashlib
 import json
 import logging
 import math
@@ -34,7 +36,6 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,8 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from engine.attention.torch_ref import TorchRefAttention
+from engine.demo.copy_units import copy_units
+from engine.demo.recipe import COPY_RECIPE, DRAFT_RECIPE, RECIPE, SIZES, DemoRecipe
 from engine.models.hf_config import parse_model_config
 from engine.models.llama import LlamaForCausalLM
 
@@ -53,49 +56,6 @@ logger = logging.getLogger("engine.demo")  # its name before it moved into engin
 BOS, EOS = "<s>", "</s>"
 BYTE_LEVEL_SPACE = "\u0120"  # how byte-level BPE spells " "
 LOG_EVERY_S = 5.0
-
-
-@dataclass(frozen=True)
-class DemoRecipe:
-    """Everything that determines the demo checkpoint's bytes (with the corpus text)."""
-
-    vocab_size: int = 2048
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_layers: int = 4
-    num_heads: int = 2
-    context: int = 128  # training window; also the served max_position_embeddings
-    batch_size: int = 4  # small batches, many steps: the best loss per CPU-second measured
-    steps: int = 1100
-    warmup_steps: int = 50
-    lr: float = 3e-3  # 4e-3 and up sometimes stall for hundreds of steps at the unigram loss
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    init_std: float = 0.02
-    bare_space_rate: float = 0.05  # see _token_stream
-    seed: int = 0
-    # Bump when the training code changes what a recipe produces, so caches built by the old
-    # code are not mistaken for the new. 2: merged q/k/v and gate/up GEMMs (the same
-    # initialisation; the training steps round differently).
-    code_version: int = 2
-
-    def __post_init__(self) -> None:
-        assert self.hidden_size % self.num_heads == 0, "hidden_size must divide into heads"
-        assert self.steps > 0 and self.batch_size > 0 and self.context > 1
-
-    def fingerprint(self, corpus: str, chat_template: str) -> str:
-        digest = hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode())
-        digest.update(corpus.encode())
-        digest.update(chat_template.encode())
-        return digest.hexdigest()[:16]
-
-
-RECIPE = DemoRecipe()
-# The demo's draft model, for speculative decoding's `draft` method (--speculative-draft-model):
-# the same corpus, steps and vocabulary size, hence the same tokenizer (trained from the same
-# text at the same size: identical files), at half the width and half the depth.
-DRAFT_RECIPE = dataclasses.replace(RECIPE, hidden_size=64, intermediate_size=192, num_layers=2)
-SIZES = ("demo", "draft")
 
 
 def ensure_demo_checkpoint(
@@ -107,7 +67,8 @@ def ensure_demo_checkpoint(
     (corpus + hyperparameters), so a changed recipe builds anew. Safe when several processes
     call it at once (file lock; build into a temp dir, then atomic rename). train_steps overrides
     the recipe's step count (tests use a handful of steps; the result then goes to a differently
-    named directory). size "draft" is the demo's draft model (DRAFT_RECIPE), cached beside it.
+    named directory). size "draft" is the demo's draft model (DRAFT_RECIPE), "copy" its copy
+    model (COPY_RECIPE), each cached beside it.
     """
     base = _recipe(size)
     recipe = base if train_steps is None else dataclasses.replace(base, steps=train_steps)
@@ -115,7 +76,7 @@ def ensure_demo_checkpoint(
 
 
 def cached_demo_checkpoint(cache_root: Path | None = None, size: str = "demo") -> Path | None:
-    """The directory of the demo checkpoint (or of its draft) if it is already built, else
+    """The directory of the demo checkpoint (or of another size) if it is already built, else
     None; builds nothing."""
     final = _final_dir(_recipe(size), cache_root, load_corpus(), size)
     return final if final.is_dir() else None
@@ -125,7 +86,7 @@ def _recipe(size: str) -> DemoRecipe:
     """The recipe of a size, looked up when called (tests replace RECIPE)."""
     if size not in SIZES:
         raise ValueError(f"size: expected one of {SIZES}, got {size!r}")
-    return RECIPE if size == "demo" else DRAFT_RECIPE
+    return {"demo": RECIPE, "draft": DRAFT_RECIPE, "copy": COPY_RECIPE}[size]
 
 
 def _final_dir(recipe: DemoRecipe, cache_root: Path | None, corpus: str, size: str) -> Path:
@@ -187,8 +148,8 @@ def build_demo_checkpoint(recipe: DemoRecipe, corpus: str, out: Path) -> None:
     tokenizer = train_tokenizer(corpus, recipe.vocab_size)
     bos, eos = _token_id(tokenizer, BOS), _token_id(tokenizer, EOS)
     config = _hf_config(recipe, bos, eos)
-    stream = _token_stream(tokenizer, corpus, recipe)
-    logger.info("demo model: corpus %d chars -> %d tokens", len(corpus), len(stream))
+    stream = training_stream(tokenizer, corpus, recipe)
+    logger.info("demo model: corpus %d chars -> %d tokens to train on", len(corpus), len(stream))
 
     # NOTE: one thread: with two, torch's OpenMP pool slows 10-100x whenever anything else
     # is busy on a 2-core machine (the same weights either way, measured).
@@ -249,6 +210,20 @@ def _token_id(tokenizer: Tokenizer, token: str) -> int:
 
 def paragraphs(corpus: str) -> list[str]:
     return [p.strip() for p in corpus.split("\n\n") if p.strip()]
+
+
+def training_stream(tokenizer: Tokenizer, corpus: str, recipe: DemoRecipe) -> torch.Tensor:
+    """What the model trains on, [tokens] int64: the corpus, then the recipe's copy units."""
+    stream = _token_stream(tokenizer, corpus, recipe)
+    if recipe.copy is None:
+        return stream
+
+    def encode(text: str) -> list[int]:  # <s> prepended, as a prompt is served
+        return tokenizer.encode(text).ids
+
+    eos = _token_id(tokenizer, EOS)
+    units = copy_units(recipe.copy, paragraphs(corpus), encode, eos, len(stream), recipe.seed)
+    return torch.cat([stream, torch.tensor(units, dtype=torch.long)])
 
 
 def _token_stream(tokenizer: Tokenizer, corpus: str, recipe: DemoRecipe) -> torch.Tensor:

@@ -92,7 +92,30 @@ def test_every_method_runs_beside_off_and_other_tokens_are_reported_not_fatal(
             if r["acceptance_rate"] is not None:
                 assert r["acceptance_rate"] == r["accepted_tokens"] / r["proposed_tokens"]
     assert all(0 <= c["lookup_rate"] <= 1 for c in result["cells"])
+    assert result["task_models"] == {"copy": str(model), "free": str(model)}  # --model: both
+    assert {c["model"] for c in result["cells"]} == {model.name}
     assert result["identical_tokens"] is False
     assert result["cells_with_other_tokens"] == ["copy/greedy/batch 1/ngram"]
     assert [r["same_tokens_as_off"] for r in records].count(False) == 1
     assert "token ids differ from off's in: copy/greedy/batch 1/ngram" in err
+
+
+def test_the_demo_shape_runs_the_copy_task_on_the_copy_model_and_free_on_the_demo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import engine.demo.checkpoint as demo
+
+    built: list[str] = []
+
+    def fake_build(size: str = "demo") -> Path:
+        built.append(size)
+        return tmp_path / f"demo-{size}"
+
+    monkeypatch.setattr(demo, "ensure_demo_checkpoint", fake_build)
+    models, _, draft = spec.resolve(spec.parse_args(["--methods", "ngram", "draft"]))
+    assert models == {"copy": tmp_path / "demo-copy", "free": tmp_path / "demo-demo"}
+    assert draft == tmp_path / "demo-draft"
+    assert sorted(built) == ["copy", "demo", "draft"]
+    model = tmp_path / "other"
+    models, _, draft = spec.resolve(spec.parse_args(["--model", str(model), "--methods", "ngram"]))
+    assert models == {"copy": model, "free": model} and draft is None
