@@ -93,10 +93,12 @@ DRAFT_KV_SHARE = 8
 
 def draft_rows(config: EngineConfig) -> int:
     """The step rows speculative decoding may add: each proposal verified is a row of its own
-    (engine/execution/draft_rows.py), and at most --speculative-max-batch requests propose."""
+    (engine/execution/draft_rows.py), and at most --speculative-max-batch requests propose
+    (never more than run at once)."""
     if config.speculative_method == "off":
         return 0
-    return config.speculative_max_batch * config.num_speculative_tokens
+    proposing = min(config.speculative_max_batch, config.max_num_seqs)
+    return proposing * config.num_speculative_tokens
 
 
 def kv_pages(

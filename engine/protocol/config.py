@@ -15,6 +15,9 @@ LAYER_KERNELS = ("auto", "torch", "triton")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "json", "console")
 SPECULATIVE_METHODS = ("off", "ngram", "suffix", "draft")
+# Each proposal verified is a step row of its own, allocated at start for every request that may
+# propose: a bound keeps a mistyped flag from sizing those buffers out of memory.
+MAX_SPECULATIVE_TOKENS = 64
 MAX_JSON_WHITESPACE = 1024
 
 
@@ -161,7 +164,7 @@ class EngineConfig:
         choices=SPECULATIVE_METHODS,
     )
     num_speculative_tokens: int = setting(
-        4, "the most tokens proposed per request per step", group=SCHEDULING
+        4, "the most tokens proposed per request per step (at most 64)", group=SCHEDULING
     )
     ngram_min: int = setting(
         2, "ngram and suffix: the shortest match that proposes", group=SCHEDULING
@@ -246,6 +249,8 @@ class EngineConfig:
         for name in ("num_speculative_tokens", "ngram_min", "speculative_max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens: at most {MAX_SPECULATIVE_TOKENS}")
         if self.ngram_max < self.ngram_min:
             raise ValueError("ngram_max: must be at least ngram_min")
         if self.speculative_method == "draft" and not self.speculative_draft_model:

@@ -44,11 +44,9 @@ class RequestGrammar:
         masks: list[torch.Tensor] = []
         kept = 0
         for token in draft:
-            mask = torch.full((1, self._words), -1, dtype=torch.int32)
-            self._matcher.fill_next_token_bitmask(mask, 0)
-            masks.append(mask[0])
+            masks.append(self._next_mask())
             word, bit = divmod(token, 32)
-            if word >= self._words or not (int(mask[0, word]) >> bit) & 1:
+            if word >= self._words or not (int(masks[-1][word]) >> bit) & 1:
                 break
             if not self._matcher.accept_token(token):
                 break
@@ -58,10 +56,14 @@ class RequestGrammar:
                 kept -= 1
                 break
         if kept == len(masks):
-            mask = torch.full((1, self._words), -1, dtype=torch.int32)
-            self._matcher.fill_next_token_bitmask(mask, 0)
-            masks.append(mask[0])
+            masks.append(self._next_mask())
         if kept:
             self._matcher.rollback(kept)
         self.draft_masks = masks[: kept + 1]
         return draft[:kept]
+
+    def _next_mask(self) -> torch.Tensor:
+        """[words] int32: the tokens allowed next from the matcher's state."""
+        mask = torch.full((1, self._words), -1, dtype=torch.int32)
+        self._matcher.fill_next_token_bitmask(mask, 0)
+        return mask[0]
