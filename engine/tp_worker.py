@@ -1,11 +1,13 @@
 """A tensor-parallel worker process: rank 1..N-1 of one engine.
 
 Started by rank 0 (engine/parallel/worker_group.py) with the 'spawn' context. It loads its shard
-of the model the same way rank 0 does (engine/execution/model_shard.py), then follows rank 0's
-messages on the StepChannel until STOP: a step's forward on its shard (with its LoRA adapters), a
-LoRA adapter slot's write (its slices), a weight update's staging and swap, a gather of its parameters, joining a trainer's weight-transfer group. It has no scheduler, no sampler and no pipe: rank 0 owns
-the page tables and the requests. Any failure ends the process (exit status 1), which rank 0's
-watcher turns into the end of the whole engine.
+of the model the same way rank 0 does (engine/execution/model_shard.py), and of the speculative
+draft model if there is one, then follows rank 0's messages on the StepChannel until STOP: a
+step's forward on its shard (with its LoRA adapters), a draft model's pass on its shard of the
+draft, a LoRA adapter slot's write (its slices), a weight update's staging and swap, a gather of
+its parameters, joining a trainer's weight-transfer group. It has no scheduler, no sampler and
+no pipe: rank 0 owns the page tables and the requests. Any failure ends the process (exit
+status 1), which rank 0's watcher turns into the end of the whole engine.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def _run(config: EngineConfig, path: Path, rank: int, port: int) -> None:
     from engine.models.hf_config import load_model_config
     from engine.parallel.step_channel import Op
     from engine.parallel.tensor_parallel import join_group, leave_group
+    from engine.speculative.draft_pass import load_draft_follower
     from engine.weights.sharded_update import follow_stage, gather_parameters
     from engine.weights.transfer_group import TransferGroup, follow_join, follow_joined
 
@@ -60,6 +63,7 @@ def _run(config: EngineConfig, path: Path, rank: int, port: int) -> None:
     cfg = load_model_config(path, config.max_model_len)
     shard = load_shard(config, cfg, path, tp, device, dtype)
     channel = shard.runner.open_channel()
+    draft = load_draft_follower(config, path, cfg, tp, device, dtype, shard.pool)
     adapters = AdapterSlots(shard.model, config.max_loras, config.max_lora_rank)  # rank 0 fills
     transfer = TransferGroup()  # this rank's membership of a trainer's group, if any
     log.info(
@@ -78,6 +82,9 @@ def _run(config: EngineConfig, path: Path, rank: int, port: int) -> None:
                     else None
                 )
                 shard.runner.follow(header, copies, lora)
+            case Op.DRAFT:
+                assert draft is not None, "rank 0 runs no draft model without one here"
+                draft.follow(header)
             case Op.LORA:
                 follow_slot(channel, adapters)
             case Op.STAGE:

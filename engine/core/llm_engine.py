@@ -40,7 +40,7 @@ from engine.scheduling.request import Request
 from engine.scheduling.scheduler import Scheduler
 from engine.sleep.model_memory import ModelMemory
 from engine.sleep.sleeper import Sleeper
-from engine.speculative.draft import load_draft_proposer
+from engine.speculative.draft import draft_proposer
 from engine.speculative.factory import make_proposer
 from engine.speculative.verify import SpecDecoder
 from engine.structured.structured_outputs import StructuredOutputs
@@ -75,8 +75,8 @@ class LLMEngine(WeightAndSleepCalls, AdapterCalls):
         admin = (self.updater, self.sleeper, self.structured)
         overlapped = overlap_enabled(config)
         self.loop = StepLoop(self.table, self.scheduler, self.runner, post, admin, overlapped)
-        draft = functools.partial(
-            load_draft_proposer, config, parts.path, cfg, self.device, parts.dtype, self.pool
+        draft = (
+            None if parts.draft is None else functools.partial(draft_proposer, config, parts.draft)
         )
         if (proposer := make_proposer(config, draft)) is not None:
             spec = (config.num_speculative_tokens, config.speculative_max_batch)

@@ -28,6 +28,7 @@ from engine.models.hf_config import ModelConfig, load_model_config
 from engine.parallel.tensor_parallel import TensorParallel
 from engine.parallel.worker_group import WorkerGroup
 from engine.protocol.config import EngineConfig
+from engine.speculative.draft_model import DraftModel, draft_config, load_draft
 from engine.structured.compile_pool import CompileLimits
 from engine.structured.grammars import Grammars
 
@@ -41,6 +42,7 @@ class ModelParts:
     shard: ModelShard  # the model, its KV pool and runner
     lora: AdapterRegistry
     workers: WorkerGroup | None  # the other ranks (None with one rank)
+    draft: DraftModel | None  # --speculative-method draft: this rank's shard of the draft
 
 
 def load_model_parts(config: EngineConfig, lock: threading.RLock) -> ModelParts:
@@ -53,6 +55,7 @@ def load_model_parts(config: EngineConfig, lock: threading.RLock) -> ModelParts:
     cfg = load_model_config(path, config.max_model_len)
     workers: WorkerGroup | None = None
     tp = TensorParallel()
+    draft_cfg = draft_config(config, path, cfg) if config.speculative_method == "draft" else None
     if size > 1:
         # A size that does not divide the model fails here, alone, by the family's own table.
         model_class(cfg.architecture).shard_layout(cfg, 0, size)
@@ -62,6 +65,9 @@ def load_model_parts(config: EngineConfig, lock: threading.RLock) -> ModelParts:
         workers = WorkerGroup(config, path, device, worker_main)
         tp = workers.tp
     shard = load_shard(config, cfg, path, tp, device, dtype)
+    draft = None
+    if draft_cfg is not None:  # NOTE: before the workers' channel pings them (WorkerGroup.attach)
+        draft = load_draft(config, draft_cfg, tp, device, dtype, shard.pool.num_bytes)
     if workers is not None:
         workers.attach(shard.runner.open_channel(), lock)
     lora = shard.runner.adapters = AdapterRegistry(
@@ -71,7 +77,7 @@ def load_model_parts(config: EngineConfig, lock: threading.RLock) -> ModelParts:
         shard.runner,
         triton=use_triton_kernels(config.layer_kernels, device),
     )
-    return ModelParts(path, cfg, device, dtype, shard, lora, workers)
+    return ModelParts(path, cfg, device, dtype, shard, lora, workers, draft)
 
 
 def grammars(config: EngineConfig, parts: ModelParts) -> Grammars:

@@ -102,6 +102,11 @@ class PagePool:
         return -(-num_tokens // self.page_size)
 
     @property
+    def num_bytes(self) -> int:
+        """The K and V storage's bytes, the scratch page included."""
+        return sum(t.numel() * t.element_size() for t in self.storage)
+
+    @property
     def num_free(self) -> int:
         return len(self.free)
 

@@ -9,6 +9,8 @@ n > 1 sibling forks), packed into one int64 tensor. So a step costs two small br
 by the step's tokens and pages, never by the model. Rank 0's page tables are the only ones:
 workers see page ids, never requests. A LORA message (a slot written or cleared) is followed
 by the adapter itself, broadcast as an object (engine/execution/model_runner.py `share_slot`).
+A DRAFT is a pass of the speculative draft model (engine/speculative/draft_pass.py): its header
+and inputs go through a channel of its own, over the draft's buffers, the same way a STEP's do.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Op(IntEnum):
     )
     LORA = 7  # write a LoRA adapter slot (engine/lora/adapter_slots.py), then its contents
     JOINED = 8  # rank 0's join settled: finish this rank's, and agree on the outcome
+    DRAFT = 9  # a draft model's pass: header sizes, then its packed inputs (draft channel)
 
 
 @dataclass
@@ -108,7 +111,7 @@ class StepChannel:
             header.lora,
         ]
         self.tp.broadcast(self.header)
-        if header.op is not Op.STEP:
+        if header.op not in (Op.STEP, Op.DRAFT):
             return
         parts = self._parts(header)
         if header.lora:
@@ -122,7 +125,8 @@ class StepChannel:
 
     def receive(self) -> tuple[StepHeader, list[tuple[int, int]]]:
         """The next message's header; a STEP's inputs are then in the arrays (its LoRA
-        slots in `lora_slots`), and the page copies to make first are returned."""
+        slots in `lora_slots`), and the page copies to make first are returned. A DRAFT's
+        inputs are left for the draft channel's `receive_inputs`."""
         self.tp.broadcast(self.header)
         values = self.header.tolist()
         op, tokens, seqs, width, graph_size, rows, rows_are_tokens, copies, scored, lora = values
@@ -132,9 +136,13 @@ class StepChannel:
         header.lora = bool(lora)
         if header.op is not Op.STEP:
             return header, []
+        return header, self.receive_inputs(header)
+
+    def receive_inputs(self, header: StepHeader) -> list[tuple[int, int]]:
+        """The inputs `header` announced, into this channel's arrays; the page copies."""
         parts = self._parts(header)
         if header.lora:
-            parts.append(self.lora_slots[:seqs])
+            parts.append(self.lora_slots[: header.num_seqs])
         total = sum(p.size for p in parts) + 2 * header.num_copies
         self.tp.broadcast(self.payload[:total])
         offset = 0
@@ -142,7 +150,7 @@ class StepChannel:
             part[:] = self._payload[offset : offset + part.size]
             offset += part.size
         flat = self._payload[offset:total].tolist()
-        return header, list(zip(flat[::2], flat[1::2], strict=True))
+        return list(zip(flat[::2], flat[1::2], strict=True))
 
     def _parts(self, h: StepHeader) -> list[np.ndarray]:
         """Views of the arrays a step reads, in payload order."""

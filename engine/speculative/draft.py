@@ -27,16 +27,12 @@ turns speculation off for a request whose acceptance stays low.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
-
-import torch
 
 from engine.kv_cache.page_pool import PagePool
-from engine.models.hf_config import ModelConfig
 from engine.protocol.config import EngineConfig
 from engine.scheduling.request import Request
-from engine.speculative.draft_model import DraftModel, load_draft
-from engine.speculative.draft_pass import DraftPass
+from engine.speculative.draft_model import DraftModel
+from engine.speculative.draft_pass import DraftPass, pass_sizes
 from engine.speculative.draft_seq import DraftSeq
 
 
@@ -133,17 +129,6 @@ class DraftProposer:
         self.passes.table.release(seq)
 
 
-def load_draft_proposer(
-    config: EngineConfig,
-    target_dir: Path,
-    target_cfg: ModelConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-    target_pool: PagePool,
-) -> DraftProposer:
-    """The DraftProposer of `config.speculative_draft_model`, on the target's (rank 0's)
-    device and dtype, its pool sized from the target's (draft_model.py)."""
-    target_kv_bytes = sum(t.numel() * t.element_size() for t in target_pool.storage)
-    draft = load_draft(config, target_dir, target_cfg, device, dtype, target_kv_bytes)
-    max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-    return DraftProposer(draft, config.max_num_seqs, max_tokens)
+def draft_proposer(config: EngineConfig, draft: DraftModel) -> DraftProposer:
+    """Rank 0's proposer over its (shard of the) draft model, its passes as large as a step."""
+    return DraftProposer(draft, *pass_sizes(config))

@@ -6,16 +6,21 @@ models registry, the attention backend and layer kernels the target's settings p
 target's device and dtype, after the draft's vocabulary is checked against the target's
 (draft_vocab.py). A draft whose layers form several KV groups (sliding windows) holds a page
 in every group for each logical page, its whole context (the draft gives no pages back as its
-windows move on). It runs unsplit, on rank 0 only: with `--tensor-parallel-size` N > 1 the
-target is split and the draft is not (the first version; the draft under the target's tensor
-parallelism is not done).
+windows move on).
+
+Under the target's tensor parallelism every rank loads its shard of the draft, the way it loads
+the target's (the family's shard layout: heads, MLP columns and vocabulary split N ways), right
+after the target's own shard, so the collectives of the two loads pair up rank for rank. Rank 0
+runs the draft's passes and sends each pass's inputs to the other ranks (draft_pass.py), as it
+does a step's; a draft the tensor-parallel size does not divide is refused at start-up.
 
 Its KV pool is sized by `draft_kv_budget`: enough for `--speculative-max-batch` sequences at the
 draft's full context, but never more than an eighth (DRAFT_KV_SHARE) of the target's KV pool's
 bytes, and on CUDA never more than half of the device memory left free once the draft's
 weights are in. A target sized by a byte budget (--kv-cache-memory, or CUDA's free memory)
 leaves an eighth of it to the draft (engine/execution/model_shard.py), so the two pools stay
-within it; a target sized by --num-kv-pages does not.
+within it; a target sized by --num-kv-pages does not. Every rank takes the smallest page count
+any rank can hold (page ids are rank 0's).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from engine.attention import make_backend
 from engine.execution.model_shard import DRAFT_KV_SHARE
@@ -31,8 +37,9 @@ from engine.kv_cache.kv_groups import group_layers
 from engine.kv_cache.page_pool import PagePool
 from engine.layers.kernel_choice import use_triton_kernels
 from engine.layers.linear import prepack
-from engine.models.base import CausalLM, KVLayout
+from engine.models.base import CausalLM, KVLayout, model_class
 from engine.models.hf_config import ModelConfig, load_model_config
+from engine.parallel.tensor_parallel import TensorParallel
 from engine.protocol.config import EngineConfig
 from engine.speculative.draft_vocab import check_same_vocabulary
 from engine.weights.loading import build_model
@@ -45,29 +52,40 @@ class DraftModel:
     max_model_len: int  # the draft's context: its positions stay below this
 
 
-def load_draft(
-    config: EngineConfig,
-    target_dir: Path,
-    target_cfg: ModelConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-    target_kv_bytes: int,
-) -> DraftModel:
-    """Load `config.speculative_draft_model` and its KV pool (see the module's docstring for
-    the pool's size; `target_kv_bytes`, the target pool's). Raises ValueError naming
-    `speculative_draft_model` for a draft this engine cannot use with the target."""
+def draft_config(config: EngineConfig, target_dir: Path, target_cfg: ModelConfig) -> ModelConfig:
+    """The draft checkpoint's config, checked against the target and the tensor-parallel size
+    before any worker starts or weight is read; ValueError naming `speculative_draft_model`
+    for a draft this engine cannot use with the target."""
     assert config.speculative_draft_model is not None
     path = Path(config.speculative_draft_model)
     try:
         cfg = load_model_config(path, target_cfg.max_model_len)
+        # A size that does not divide the draft fails here, by its family's own table.
+        model_class(cfg.architecture).shard_layout(cfg, 0, config.tensor_parallel_size)
     except (OSError, ValueError) as error:  # no checkpoint there, or one Sluice cannot serve
         raise ValueError(f"speculative_draft_model: {error}") from error
     check_same_vocabulary(path, cfg, target_dir, target_cfg)
+    return cfg
+
+
+def load_draft(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    tp: TensorParallel,
+    device: torch.device,
+    dtype: torch.dtype,
+    target_kv_bytes: int,
+) -> DraftModel:
+    """This rank's shard of `config.speculative_draft_model` (whose config `draft_config`
+    checked) and its KV pool (see the module's docstring for the pool's size;
+    `target_kv_bytes`, this rank's target pool's). Every rank calls it at the same point."""
+    assert config.speculative_draft_model is not None
+    path = Path(config.speculative_draft_model)
     scale = cfg.head_dim**-0.5
     backend = make_backend(config.attention_backend, device, scale, config.page_size, dtype)
     triton_kernels = use_triton_kernels(config.layer_kernels, device)
     try:
-        model = build_model(cfg, path, backend, device, dtype, None, triton_kernels)
+        model = build_model(cfg, path, backend, device, dtype, tp, triton_kernels)
     except (OSError, ValueError) as error:  # missing, misshapen or unexpected tensors
         raise ValueError(f"speculative_draft_model: {error}") from error
     for weight in model.linear_weights():
@@ -78,6 +96,10 @@ def load_draft(
     per_page = groups * _bytes_per_page(config.page_size, kv, dtype)
     budget = draft_kv_budget(config, cfg.max_model_len, per_page, target_kv_bytes, device)
     pages = groups * max(budget // per_page, 1)
+    if tp.enabled:  # every rank the smallest count: page ids are rank 0's
+        count = torch.tensor([pages], dtype=torch.int64)
+        dist.all_reduce(count, op=dist.ReduceOp.MIN, group=tp.control)
+        pages = int(count.item())
     shape = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
     pool = PagePool(pages, config.page_size, *shape, dtype, device, kv.layers)
     return DraftModel(model, pool, cfg.max_model_len)

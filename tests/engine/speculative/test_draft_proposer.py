@@ -16,10 +16,11 @@ from engine.execution.model_shard import DRAFT_KV_SHARE
 from engine.kv_cache.page_pool import PagePool
 from engine.models.base import KVLayout
 from engine.models.hf_config import load_model_config
+from engine.parallel.tensor_parallel import TensorParallel
 from engine.protocol.config import EngineConfig
 from engine.scheduling.request import Request
-from engine.speculative.draft import DraftProposer, load_draft_proposer
-from engine.speculative.draft_model import load_draft
+from engine.speculative.draft import DraftProposer, draft_proposer
+from engine.speculative.draft_model import DraftModel, draft_config, load_draft
 from tests.support.scheduler_builders import make_request
 from tests.support.tiny_models import hf_greedy, load_hf_model, make_checkpoint, make_tokenizer
 
@@ -66,10 +67,14 @@ def make_proposer(
     target: Path, draft: Path, kv_bytes: int = 1 << 30, max_seqs: int = 8, max_tokens: int = 64
 ) -> DraftProposer:
     """A proposer whose pool is what `kv_bytes` of target KV allow (draft_model.py's rule)."""
-    loaded = load_draft(
-        config(target, draft), target, load_model_config(target), CPU, torch.float32, kv_bytes
-    )
-    return DraftProposer(loaded, max_seqs, max_tokens)
+    return DraftProposer(load(config(target, draft), kv_bytes), max_seqs, max_tokens)
+
+
+def load(engine_config: EngineConfig, kv_bytes: int) -> DraftModel:
+    """The draft of `engine_config`, one rank, beside `kv_bytes` of target KV."""
+    target = Path(engine_config.model)
+    cfg = draft_config(engine_config, target, load_model_config(target))
+    return load_draft(engine_config, cfg, TensorParallel(), CPU, torch.float32, kv_bytes)
 
 
 def requests(lengths: list[int]) -> list[Request]:
@@ -209,19 +214,16 @@ def test_a_draft_that_is_no_checkpoint_is_refused_by_name(target: Path, tmp_path
 
 def test_the_pool_takes_a_bounded_share_of_the_targets_kv(target: Path, draft: Path) -> None:
     target_pool = PagePool(1024, PAGE, 2, 2, 16, torch.float32, CPU)
-    target_bytes = sum(t.numel() * t.element_size() for t in target_pool.storage)
-    proposer = load_draft_proposer(
-        config(target, draft), target, load_model_config(target), CPU, torch.float32, target_pool
-    )
-    draft_bytes = sum(t.numel() * t.element_size() for t in proposer.pool.storage)
-    assert draft_bytes <= target_bytes // DRAFT_KV_SHARE + PagePool.bytes_per_page(
-        PAGE, 1, 1, 16, torch.float32
+    shared = config(target, draft)
+    proposer = draft_proposer(shared, load(shared, target_pool.num_bytes))
+    assert (
+        proposer.pool.num_bytes
+        <= target_pool.num_bytes // DRAFT_KV_SHARE
+        + PagePool.bytes_per_page(PAGE, 1, 1, 16, torch.float32)
     )  # + its scratch page
     # A roomy target: the draft holds speculative_max_batch sequences at full length.
     roomy = PagePool(1 << 16, PAGE, 2, 2, 16, torch.float32, CPU)
-    proposer = load_draft_proposer(
-        config(target, draft), target, load_model_config(target), CPU, torch.float32, roomy
-    )
+    proposer = draft_proposer(shared, load(shared, roomy.num_bytes))
     per_seq = proposer.pool.pages_for(proposer.draft.max_model_len)
     assert proposer.pool.num_pages == 8 * per_seq  # speculative_max_batch's default
 
@@ -264,7 +266,25 @@ def test_a_byte_budget_holds_both_pools(target: Path, draft: Path) -> None:
     pages = kv_pages(shared, cfg, layout, torch.float32, CPU)
     assert pages == ((1 << 20) - (1 << 20) // DRAFT_KV_SHARE) // per_page < alone
     target_pool = PagePool(pages, PAGE, *shape, torch.float32, CPU)
-    proposer = load_draft_proposer(shared, target, cfg, CPU, torch.float32, target_pool)
-    pools = (target_pool, proposer.pool)
-    used = sum(t.numel() * t.element_size() for pool in pools for t in pool.storage)
+    proposer = draft_proposer(shared, load(shared, target_pool.num_bytes))
+    used = target_pool.num_bytes + proposer.pool.num_bytes
     assert used <= (1 << 20) + 2 * per_page  # + each pool's scratch page
+
+
+def test_a_draft_the_tensor_parallel_size_does_not_divide_is_refused_before_any_worker(
+    target: Path, draft: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.core import model_parts
+    from engine.core.llm_engine import LLMEngine
+
+    def no_workers(*args: object) -> None:
+        raise AssertionError("workers started before the draft was checked")
+
+    monkeypatch.setattr(model_parts, "WorkerGroup", no_workers)
+
+    three = copy_checkpoint(draft, tmp_path / "three-heads")
+    raw = json.loads((three / "config.json").read_text())
+    raw |= {"num_attention_heads": 4, "num_key_value_heads": 3, "head_dim": 8}
+    (three / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"^speculative_draft_model: .*num_key_value_heads"):
+        LLMEngine(config(target, three, tensor_parallel_size=2))

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine import SamplingParams
+from engine.speculative.draft import DraftProposer
 from tests.support.overlap_runs import Request, assert_all_pages_returned, make_engine, run
 from tests.support.spec_runs import assert_same
 
@@ -114,9 +115,16 @@ def test_a_draft_model_under_two_tensor_parallel_ranks(tiny_llama: Path) -> None
     reqs = copy_heavy(GREEDY) + [replace(copy_heavy(SEEDED)[0], request_id="s")]
     plain = run(make_engine(tiny_llama, False), reqs)
     spec = {"speculative_method": "draft", "speculative_draft_model": str(tiny_llama)}
+    whole = make_engine(tiny_llama, False, **spec)
+    assert_same(run(whole, reqs), plain)
     engine = make_engine(tiny_llama, False, tensor_parallel_size=2, **spec)
     try:
+        assert isinstance(proposer := engine.loop.spec.proposer, DraftProposer)
+        assert proposer.draft.model.tp.size == 2  # rank 0 holds half the draft; rank 1 the rest
         assert_same(run(engine, reqs), plain)
-        assert engine.stats().spec_accepted_tokens > 0
+        # The split draft proposes what the whole one does: as many proposals, as many kept.
+        counts = (engine.stats().spec_proposed_tokens, engine.stats().spec_accepted_tokens)
+        assert counts == (whole.stats().spec_proposed_tokens, whole.stats().spec_accepted_tokens)
+        assert counts[1] > 0
     finally:
         engine.close()
