@@ -29,9 +29,17 @@ if TYPE_CHECKING:
 
 class OutputColumns(Sequence[RequestOutput]):
     def __init__(
-        self, first: list[RequestOutput], sampled: Sampled, counts: list[int], policy_version: int
+        self,
+        first: list[RequestOutput],
+        sampled: Sampled,
+        counts: list[int],
+        policy_version: int,
+        speculative: bool = False,
     ) -> None:
         self.first = first  # outputs ahead of the rows: made outside the step
+        # The engine speculates: a row of a request proposed for carries its counts so far
+        # (RequestOutput.spec_tokens), read at the step as the rest is.
+        self.speculative = speculative
         self.requests = sampled.requests  # one per sampled row
         self.token_ids = sampled.token_ids
         self.counts = counts  # completion tokens after this step's token
@@ -82,6 +90,7 @@ class OutputColumns(Sequence[RequestOutput]):
             prompt_logprobs=self.prompt.get(row),
             sampling_support=self.row_support(req, row),
             routed_experts=self.row_routed(req, row),
+            spec_tokens=(req.spec_proposed, req.spec_accepted) if req.spec_proposed else None,
         )
 
     def row_logprobs(
@@ -132,6 +141,10 @@ class OutputColumns(Sequence[RequestOutput]):
                 ]
                 for row, out in self.built.items():
                     rows[row] = out
+                if self.speculative:
+                    for out, r in zip(rows, self.requests, strict=True):
+                        if r.spec_proposed and out.spec_tokens is None:
+                            out.spec_tokens = (r.spec_proposed, r.spec_accepted)
             else:
                 rows = [self.row_output(row) for row in range(len(self.requests))]
             self._list = self.first + rows
@@ -166,9 +179,9 @@ class OutputColumns(Sequence[RequestOutput]):
         return objects, columns
 
     def _rich(self, req: Request) -> bool:
-        """Whether `req`'s row reports more than its token, or its adapter's version (the
-        columns carry one version for all): sent as an object."""
-        if req.adapter_version:
+        """Whether `req`'s row reports more than its token, its adapter's version (the
+        columns carry one version for all) or its speculative counts: sent as an object."""
+        if req.adapter_version or (self.speculative and req.spec_proposed):
             return True
         if self.logprobs is not None and _wants_logprobs(req):
             return True

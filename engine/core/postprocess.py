@@ -73,7 +73,8 @@ class Postprocessor:
             for row, (r, t, c) in enumerate(zip(reqs, tokens, counts, strict=True))
             if c >= r.max_tokens or t in eos or r.params.stop_token_ids or r.grammar is not None
         ]
-        outputs = OutputColumns(first, sampled, counts, self.table.policy_version)
+        version, speculative = self.table.policy_version, self.scheduler.speculative
+        outputs = OutputColumns(first, sampled, counts, version, speculative)
         for row in firsts:
             scores, reqs[row].prompt_scores = reqs[row].prompt_scores, None
             if scores is not None:

@@ -45,6 +45,7 @@ def request_output(
         cached_tokens=req.num_cached_tokens,
         completion_tokens=req.num_output_tokens,
         metrics=metrics,
+        spec_tokens=(req.spec_proposed, req.spec_accepted) if req.spec_proposed else None,
     )
 
 

@@ -210,6 +210,10 @@ class RequestOutput:
     # the position whose logits produced it, flattened [MoE layer, k] (highest weight first).
     # When asked for (SamplingParams.routed_experts).
     routed_experts: list[list[int]] | None = None
+    # Speculative decoding: (proposed, accepted) tokens so far, on every token output once the
+    # request has had a proposal (the final output's metrics repeat them): the service reports
+    # them for a sample it ends at a stop string before the engine's last output.
+    spec_tokens: tuple[int, int] | None = None
 
     @property
     def finished(self) -> bool:

@@ -63,7 +63,7 @@ class Completion:
         self._completion_tokens = 0
         self._prompt_tokens = 0
         self._cached_tokens = 0
-        self._proposed_tokens = 0  # speculative decoding: from the engine's final output
+        self._proposed_tokens = 0  # speculative decoding: the engine's latest counts
         self._accepted_tokens = 0
         self._spans: list[list[int]] = []  # [policy_version, start, end] per version
 
@@ -76,9 +76,8 @@ class Completion:
             if output.prompt_tokens:
                 self._prompt_tokens = output.prompt_tokens
                 self._cached_tokens = output.cached_tokens
-            if output.metrics is not None:  # the final output (also one a stop string cuts)
-                self._proposed_tokens = output.metrics.proposed_tokens
-                self._accepted_tokens = output.metrics.accepted_tokens
+            if output.spec_tokens is not None:  # so far: a stop string may end it early
+                self._proposed_tokens, self._accepted_tokens = output.spec_tokens
             if output.new_token_ids:
                 if chunk is not None and chunk.policy_version != output.policy_version:
                     events.append(self._chunk_event(chunk))  # a chunk never mixes versions

@@ -24,6 +24,8 @@ def test_a_request_output_with_every_field_set_round_trips():
         metrics=RequestMetrics(queue_time=0.25, time_to_first_token=0.5, decode_time=1.0),
         prompt_logprobs=PromptLogprobs(1, [-2.5, -3.5], [([4], [-2.5]), ([8], [-0.25])]),
         sampling_support=[[5, 9, 2], [6]],
+        routed_experts=[[0, 3], [1, 2]],
+        spec_tokens=(17, 19),
     )
     # Distinct values everywhere: a field restored into its neighbour's place shows.
     assert len({repr(getattr(output, f.name)) for f in fields(output)}) == len(fields(output))

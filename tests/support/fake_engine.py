@@ -359,6 +359,7 @@ class _FakeEngine:
             prompt_tokens=0 if req.reported else len(req.add.prompt_token_ids),
             completion_tokens=len(req.generated),
             metrics=None if reason is None else self.metrics(req),
+            spec_tokens=(req.proposed, req.accepted) if req.proposed else None,
         )
         req.reported = True
         if reason is not None:

@@ -54,3 +54,7 @@ def test_greedy_through_the_service_with_ngram_equals_hf(tmp_path: Path) -> None
     assert list(opted.token_ids) == list(done[0].token_ids)
     assert (opted.finished.usage.proposed_tokens, opted.finished.usage.accepted_tokens) == (0, 0)  # type: ignore[union-attr]
     assert stopped.reason == "STOP_STRING" and stopped.text == full[: full.index(stop)]
+    # Its usage counts the proposals made before the stop string (prompt lookup proposes from
+    # the first step on these prompts), not the zeros of a sample ended before its last output.
+    cut = stopped.finished.usage  # type: ignore[union-attr]
+    assert 0 < cut.proposed_tokens <= usage[1].proposed_tokens

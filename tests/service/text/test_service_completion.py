@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from sluice.v1 import generation_pb2 as pb
 
-from engine.protocol.messages import FinishReason, RequestMetrics, RequestOutput
+from engine.protocol.messages import FinishReason, RequestOutput
 from service.text.completion import Completion, OutputSettings
 from service.text.tokenizer import Tokenizer
 from tests.support.tiny_models import make_tokenizer
@@ -85,10 +85,9 @@ def spec_counts(event: pb.GenerateResponse) -> tuple[int, int]:
     return usage.proposed_tokens, usage.accepted_tokens
 
 
-def test_usage_carries_the_final_outputs_speculative_counts_also_past_a_stop_string(tokenizer):
+def test_usage_carries_the_latest_speculative_counts_also_past_a_stop_string(tokenizer):
     ids = ids_of(tokenizer, "one two three four")
-    counts = RequestMetrics(0.1, 0.2, 0.3, proposed_tokens=12, accepted_tokens=7)
-    last = RequestOutput("r", 0, ids, 0, finish_reason=FinishReason.LENGTH, metrics=counts)
+    last = RequestOutput("r", 0, ids, 0, finish_reason=FinishReason.LENGTH, spec_tokens=(12, 7))
     *_, finished = Completion("r", 0, tokenizer, OutputSettings()).absorb([last])
     assert spec_counts(finished) == (12, 7)
     # The engine's last output holds a stop string: the service cuts the tokens, not the counts.
@@ -96,8 +95,14 @@ def test_usage_carries_the_final_outputs_speculative_counts_also_past_a_stop_str
     *_, stopped = cut.absorb([last])
     assert stopped.finished.reason == pb.FINISH_REASON_STOP_STRING
     assert spec_counts(stopped) == (12, 7)
-    # A stop string before the engine's last output: the service ends the sample, no counts yet.
+    # A stop string before the engine's last output: the service ends the sample with the
+    # counts of the outputs it read.
     early = Completion("r", 0, tokenizer, OutputSettings(stop=("three",)))
-    *_, ended = early.absorb([RequestOutput("r", 0, ids, 0)])
+    first = RequestOutput("r", 0, ids[:1], 0, spec_tokens=(4, 2))
+    *_, ended = early.absorb([first, RequestOutput("r", 0, ids[1:], 0, spec_tokens=(8, 5))])
     assert ended.finished.reason == pb.FINISH_REASON_STOP_STRING
-    assert spec_counts(ended) == (0, 0)
+    assert spec_counts(ended) == (8, 5)
+    # A request never proposed for reports none.
+    plain = Completion("r", 0, tokenizer, OutputSettings())
+    *_, none = plain.absorb([RequestOutput("r", 0, ids, 0, finish_reason=FinishReason.LENGTH)])
+    assert spec_counts(none) == (0, 0)

@@ -1156,9 +1156,9 @@ class Usage(_message.Message):
     proposed_tokens: _builtins.int
     """Speculative decoding (GenerateRequest.speculative): tokens proposed for this sample and
     checked by the model. 0 when the server does not speculate (ServerInfo.speculative_method
-    "off"), for a request that opted out, and when no proposal was made. The counts come with
-    the engine's last output of the sample: a sample the server ends before that output (at a
-    stop string the engine's earlier tokens complete, or on losing its engine) reports 0.
+    "off"), for a request that opted out, and when no proposal was made. The counts are the
+    engine's as of the last output the server read for the sample: one it ends at a stop
+    string counts the proposals up to the output the stop string completes.
     """
     accepted_tokens: _builtins.int
     """Of proposed_tokens, those the model accepted: each is a completion token that took no
