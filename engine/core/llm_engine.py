@@ -38,6 +38,7 @@ from engine.protocol.messages import (
 )
 from engine.scheduling.request import Request
 from engine.scheduling.scheduler import Scheduler
+from engine.sleep.draft_memory import DraftMemory
 from engine.sleep.model_memory import ModelMemory
 from engine.sleep.sleeper import Sleeper
 from engine.speculative.draft import draft_proposer
@@ -70,15 +71,16 @@ class LLMEngine(WeightAndSleepCalls, AdapterCalls):
         self.updater = WeightUpdater(
             self.model, self.scheduler, self.cache, abort, self.runner.channel, origin, self.memory
         )
-        self.sleeper = Sleeper(self.memory, self.cache, self.updater, abort, self.table.request_ids)
+        draft = parts.draft
+        drafts = None if draft is None else DraftMemory(draft.model, draft.pool, draft.path)
+        ids = self.table.request_ids
+        self.sleeper = Sleeper(self.memory, self.cache, self.updater, abort, ids, drafts)
         post = Postprocessor(self.table, self.scheduler, self.cache, cfg.eos_token_ids)
         admin = (self.updater, self.sleeper, self.structured)
         overlapped = overlap_enabled(config)
         self.loop = StepLoop(self.table, self.scheduler, self.runner, post, admin, overlapped)
-        draft = (
-            None if parts.draft is None else functools.partial(draft_proposer, config, parts.draft)
-        )
-        if (proposer := make_proposer(config, draft)) is not None:
+        load_draft = None if draft is None else functools.partial(draft_proposer, config, draft)
+        if (proposer := make_proposer(config, load_draft)) is not None:
             spec = (config.num_speculative_tokens, config.speculative_max_batch)
             self.loop.speculate(SpecDecoder(proposer, *spec))
         self.info = model_info(

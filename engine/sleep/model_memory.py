@@ -37,7 +37,9 @@ Released = list[tuple[torch.UntypedStorage, int]]  # each storage, with its size
 
 
 class ModelMemory:
-    def __init__(self, model: CausalLM, pool: PagePool, runner: ModelRunner) -> None:
+    def __init__(self, model: CausalLM, pool: PagePool, runner: ModelRunner | None) -> None:
+        """`runner`: the one whose CUDA graphs read this memory (None: no graphs, the
+        speculative draft model's)."""
         self.model = model
         self.pool = pool
         self.runner = runner
@@ -73,7 +75,7 @@ class ModelMemory:
         self._kv = []
         for tensor in self.pool.storage:
             tensor.zero_()
-        if self.runner.graphs is not None:
+        if self.runner is not None and self.runner.graphs is not None:
             self.runner.graphs.capture()
 
     def release_weights(self) -> int:
@@ -119,7 +121,7 @@ class ModelMemory:
         return self.weights_released or self.weights_stale
 
     def _drop_graphs(self) -> None:
-        graphs = self.runner.graphs
+        graphs = self.runner.graphs if self.runner is not None else None
         if graphs is not None:
             graphs.graphs.clear()
             graphs.outputs.clear()

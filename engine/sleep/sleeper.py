@@ -12,7 +12,8 @@ A Wake from level 2 first needs the weights back: an update that set every tenso
 may have restored them; otherwise they are read again from their origin (WeightsOrigin), at the
 served version. When that is impossible (the origin is unknown or unreadable) the Wake fails
 FAILED_PRECONDITION and the engine stays asleep: it never serves weights that do not match
-its version. Then the KV pool is reallocated (same pages) and CUDA graphs captured again.
+its version. Then the KV pool is reallocated (same pages) and CUDA graphs captured again. A
+speculative draft model's weights and KV pool sleep and wake with the model's (DraftMemory).
 
 Each Sleep and Wake ends with exactly one SleepOutcome, sent to `sink` (the process loop sends
 it down the pipe) or collected in `events`. The caller (LLMEngine) holds its lock around every
@@ -36,6 +37,7 @@ from engine.protocol.messages import (
     SleepOutcome,
     Wake,
 )
+from engine.sleep.draft_memory import DraftMemory
 from engine.sleep.model_memory import ModelMemory
 from engine.weights.staging import WeightUpdateError
 from engine.weights.weight_updater import Abort, WeightUpdater
@@ -66,8 +68,10 @@ class Sleeper:
         updater: WeightUpdater,
         abort: Abort,
         request_ids: Callable[[], list[str]],
+        draft: DraftMemory | None = None,
     ) -> None:
         self.memory = memory
+        self.draft = draft  # the speculative draft model's, freed and restored with the model's
         self.cache = cache
         self.updater = updater
         self.abort = abort
@@ -102,6 +106,7 @@ class Sleeper:
             released = 0
             if msg.level == 2 and not self.memory.weights_released:
                 released = self.memory.release_weights()
+                released += self.draft.release(2) if self.draft is not None else 0
                 self.level = 2
             self._answer(msg.sleep_id, started, released_bytes=released)
         elif msg.inflight is InflightPolicy.ABORT:
@@ -152,6 +157,8 @@ class Sleeper:
         released = self.memory.release_kv()
         if msg.level == 2:
             released += self.memory.release_weights()
+        if self.draft is not None:
+            released += self.draft.release(msg.level)
         self.level = msg.level
         self._answer(msg.sleep_id, started, aborted=aborted, released_bytes=released)
 
@@ -175,6 +182,14 @@ class Sleeper:
             if failure is not None:
                 code = ErrorCode.FAILED_PRECONDITION
                 self._answer(msg.sleep_id, started, error_code=code, message=failure)
+                return
+        if self.draft is not None:
+            try:
+                self.draft.restore()
+            except Exception as exc:  # its directory gone or changed since the start
+                why = f"cannot read the speculative draft model again: {exc}"
+                code = ErrorCode.FAILED_PRECONDITION
+                self._answer(msg.sleep_id, started, error_code=code, message=why)
                 return
         self.memory.restore_kv()
         self.level = 0

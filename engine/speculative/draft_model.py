@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from engine.attention import make_backend
+from engine.execution.host_malloc import mapped_allocations
 from engine.execution.model_shard import DRAFT_KV_SHARE
 from engine.kv_cache.kv_groups import group_layers
 from engine.kv_cache.page_pool import PagePool
@@ -50,6 +51,7 @@ class DraftModel:
     model: CausalLM
     pool: PagePool
     max_model_len: int  # the draft's context: its positions stay below this
+    path: Path  # the checkpoint directory it was loaded from (a Wake reads it again)
 
 
 def draft_config(config: EngineConfig, target_dir: Path, target_cfg: ModelConfig) -> ModelConfig:
@@ -84,12 +86,14 @@ def load_draft(
     scale = cfg.head_dim**-0.5
     backend = make_backend(config.attention_backend, device, scale, config.page_size, dtype)
     triton_kernels = use_triton_kernels(config.layer_kernels, device)
-    try:
-        model = build_model(cfg, path, backend, device, dtype, tp, triton_kernels)
-    except (OSError, ValueError) as error:  # missing, misshapen or unexpected tensors
-        raise ValueError(f"speculative_draft_model: {error}") from error
-    for weight in model.linear_weights():
-        prepack(weight)  # the CPU's packed copies, made at load as the target's are
+    # What a sleep frees is mapped on its own, as the target's is (engine/execution/model_shard.py).
+    with mapped_allocations(device.type):
+        try:
+            model = build_model(cfg, path, backend, device, dtype, tp, triton_kernels)
+        except (OSError, ValueError) as error:  # missing, misshapen or unexpected tensors
+            raise ValueError(f"speculative_draft_model: {error}") from error
+        for weight in model.linear_weights():
+            prepack(weight)  # the CPU's packed copies, made at load as the target's are
     kv = model.kv_layout
     # A logical page is a page id in every KV group (sliding windows: kv_groups.py).
     groups = group_layers(kv.layers).num_groups if kv.layers else 1
@@ -101,8 +105,9 @@ def load_draft(
         dist.all_reduce(count, op=dist.ReduceOp.MIN, group=tp.control)
         pages = int(count.item())
     shape = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
-    pool = PagePool(pages, config.page_size, *shape, dtype, device, kv.layers)
-    return DraftModel(model, pool, cfg.max_model_len)
+    with mapped_allocations(device.type):
+        pool = PagePool(pages, config.page_size, *shape, dtype, device, kv.layers)
+    return DraftModel(model, pool, cfg.max_model_len, path)
 
 
 def draft_kv_budget(

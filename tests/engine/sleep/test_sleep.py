@@ -235,3 +235,48 @@ def test_live_weights_while_asleep_at_level_2_is_refused(tiny_llama: Path) -> No
     with pytest.raises(WeightUpdateError) as refused, engine.live_weights():
         pass
     assert refused.value.code == "FAILED_PRECONDITION" and engine.policy_version == 0
+
+
+def test_a_draft_model_sleeps_and_wakes_with_the_model(
+    tiny_llama: Path, checkpoint_b: Path
+) -> None:
+    """Its pool at level 1, its weights at level 2 (each in the bytes released), read again
+    from its checkpoint on a Wake: the same weights, proposing again."""
+    spec = {"speculative_method": "draft", "speculative_draft_model": str(checkpoint_b)}
+    engine = make_engine(tiny_llama, **spec)
+    draft = engine.loop.spec.proposer.draft  # type: ignore[union-attr, attr-defined]
+    params = list(draft.model.parameters())
+    loaded = [p.clone() for p in params]
+    draft_weights = sum(p.untyped_storage().nbytes() for p in params)
+    batch = prompts(engine.model_config.vocab_size, count=3)
+    before = greedy(engine, batch)
+    weights, kv, draft_kv = weight_bytes(engine), kv_bytes(engine), draft.pool.num_bytes
+    assert engine.sleep(level=1).released_bytes == kv + draft_kv
+    assert draft.pool.k.untyped_storage().nbytes() == 0
+    assert engine.sleep(level=2).released_bytes == weights + draft_weights
+    assert all(p.untyped_storage().nbytes() == 0 for p in params)
+    engine.wake_up()
+    assert draft.pool.num_bytes == draft_kv and not draft.pool.k.any()
+    assert all(p.equal(q) for p, q in zip(params, loaded, strict=True))
+    proposed = engine.stats().spec_proposed_tokens
+    assert greedy(engine, batch) == before
+    assert engine.stats().spec_proposed_tokens > proposed
+
+
+def test_a_draft_checkpoint_gone_by_the_wake_keeps_the_engine_asleep(
+    tiny_llama: Path, checkpoint_b: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    draft_dir = Path(shutil.copytree(checkpoint_b, tmp_path / "draft"))
+    engine = make_engine(
+        tiny_llama, speculative_method="draft", speculative_draft_model=str(draft_dir)
+    )
+    engine.sleep(level=2)
+    shutil.move(draft_dir, tmp_path / "moved")
+    with pytest.raises(SleepError, match="speculative draft model") as refused:
+        engine.wake_up()
+    assert refused.value.code.name == "FAILED_PRECONDITION" and engine.sleeper.level == 2
+    shutil.move(tmp_path / "moved", draft_dir)
+    engine.wake_up()
+    assert engine.sleeper.level == 0 and greedy(engine, [PROMPT])
