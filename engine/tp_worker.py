@@ -53,6 +53,7 @@ def _run(config: EngineConfig, path: Path, rank: int, port: int) -> None:
     from engine.speculative.draft_pass import load_draft_follower
     from engine.weights.sharded_update import follow_stage, gather_parameters
     from engine.weights.transfer_group import TransferGroup, follow_join, follow_joined
+    from engine.weights.update_target import UpdateTarget
 
     size = config.tensor_parallel_size
     torch.set_num_threads(rank_threads(config))
@@ -64,14 +65,11 @@ def _run(config: EngineConfig, path: Path, rank: int, port: int) -> None:
     shard = load_shard(config, cfg, path, tp, device, dtype)
     channel = shard.runner.open_channel()
     draft = load_draft_follower(config, path, cfg, tp, device, dtype, shard.pool)
+    update_target = UpdateTarget(shard.model, draft.model if draft is not None else None)
     adapters = AdapterSlots(shard.model, config.max_loras, config.max_lora_rank)  # rank 0 fills
     transfer = TransferGroup()  # this rank's membership of a trainer's group, if any
-    log.info(
-        "engine.worker_loaded",
-        rank=rank,
-        device=str(device),
-        seconds=round(time.monotonic() - started, 3),
-    )
+    seconds = round(time.monotonic() - started, 3)
+    log.info("engine.worker_loaded", rank=rank, device=str(device), seconds=seconds)
     while True:
         header, copies = channel.receive()
         match header.op:
@@ -88,7 +86,7 @@ def _run(config: EngineConfig, path: Path, rank: int, port: int) -> None:
             case Op.LORA:
                 follow_slot(channel, adapters)
             case Op.STAGE:
-                follow_stage(shard.model, transfer)
+                follow_stage(update_target, transfer)
             case Op.JOIN:
                 follow_join(shard.model, transfer)
             case Op.JOINED:

@@ -68,10 +68,17 @@ class LLMEngine(WeightAndSleepCalls, AdapterCalls):
         )
         origin, abort = WeightsOrigin(str(parts.path)), self.table.abort
         self.memory = ModelMemory(self.model, self.pool, self.runner)
-        self.updater = WeightUpdater(
-            self.model, self.scheduler, self.cache, abort, self.runner.channel, origin, self.memory
-        )
         draft = parts.draft
+        self.updater = WeightUpdater(
+            self.model,
+            self.scheduler,
+            self.cache,
+            abort,
+            self.runner.channel,
+            origin,
+            self.memory,
+            draft=draft.model if draft is not None else None,
+        )
         drafts = None if draft is None else DraftMemory(draft.model, draft.pool, draft.path)
         ids = self.table.request_ids
         self.sleeper = Sleeper(self.memory, self.cache, self.updater, abort, ids, drafts)

@@ -176,13 +176,7 @@ class Sleeper:
         if not self.level:
             self._answer(msg.sleep_id, started)  # awake already
             return
-        reloaded = self.memory.weights_missing
-        if reloaded:
-            failure = self._reload_weights()
-            if failure is not None:
-                code = ErrorCode.FAILED_PRECONDITION
-                self._answer(msg.sleep_id, started, error_code=code, message=failure)
-                return
+        # NOTE: the draft first: the model's origin may hold draft tensors too (update_target.py)
         if self.draft is not None:
             try:
                 self.draft.restore()
@@ -190,6 +184,13 @@ class Sleeper:
                 why = f"cannot read the speculative draft model again: {exc}"
                 code = ErrorCode.FAILED_PRECONDITION
                 self._answer(msg.sleep_id, started, error_code=code, message=why)
+                return
+        reloaded = self.memory.weights_missing
+        if reloaded:
+            failure = self._reload_weights()
+            if failure is not None:
+                code = ErrorCode.FAILED_PRECONDITION
+                self._answer(msg.sleep_id, started, error_code=code, message=failure)
                 return
         self.memory.restore_kv()
         self.level = 0
@@ -207,7 +208,7 @@ class Sleeper:
         if self.memory.weights_released:
             self.memory.restore_weights()
         try:
-            origin.reload(self.updater.model, self.updater.channel)
+            origin.reload(self.updater.target, self.updater.channel)
         except WeightUpdateError as exc:
             self.memory.release_weights()  # NOTE: partly loaded weights are never served
             return f"cannot read the served weights again: {exc.message}"

@@ -19,9 +19,10 @@ A proposal is the argmax of the draft's raw logits: the request's logit transfor
 proposal the target would never emit is just rejected by verification; it costs acceptance,
 never correctness.
 
-Weight updates change the target only: the draft keeps the weights it was loaded with (its KV
-stays valid), so as the policy drifts from the draft its acceptance falls, and the engine
-turns speculation off for a request whose acceptance stays low.
+A weight update may set the draft's tensors too, named `draft.` + the draft checkpoint's names
+(engine/weights/update_target.py); after any update every sequence's KV is recomputed. A
+draft an update leaves alone proposes less well as the policy drifts from it: its acceptance
+falls, and the engine turns speculation off for a request whose acceptance stays low.
 """
 
 from __future__ import annotations
@@ -114,8 +115,10 @@ class DraftProposer:
             self._free(seq)
 
     def weights_updated(self) -> None:
-        """Nothing to drop: the draft's weights are its own and UpdateWeights does not change
-        them, so its KV is still what they compute (see the module's docstring)."""
+        """A weight update may have set the draft's tensors too (engine/weights/
+        update_target.py): every sequence's KV is dropped, recomputed at its next proposal."""
+        for key in list(self.seqs):
+            self._free(self.seqs.pop(key))
 
     def _new_seq(self, key: tuple[str, int]) -> DraftSeq:
         return DraftSeq(key, group_pages=[[] for _ in range(self.passes.num_groups - 1)])

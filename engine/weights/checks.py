@@ -36,6 +36,7 @@ CHECKPOINT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 class UpdateSize:
     bytes: int
     tensors: int
+    names: tuple[str, ...] = ()  # the tensors it sets
 
 
 def check_update(
@@ -61,7 +62,7 @@ def check_update(
     else:
         raise invalid("the update names no source")
     size = sum(params[name].numel() * params[name].element_size() for name in names)
-    return UpdateSize(size, len(names))
+    return UpdateSize(size, len(names), tuple(names))
 
 
 def _check_tensors(

@@ -3,7 +3,8 @@
 Rank 0 (WeightUpdater) sends Op.STAGE, then broadcasts the update's source: a checkpoint
 directory or a tensor file (each rank reads its own slices from it), in-process tensors
 (broadcast whole, one at a time; each rank keeps its slice), or a distributed update's list
-(each rank receives every bucket from the trainer itself; engine/weights/distributed.py). Every rank stages and validates
+(each rank receives every bucket from the trainer itself; engine/weights/distributed.py), over
+the UpdateTarget's tensors (the model's, and a speculative draft model's). Every rank stages and validates
 its shard, then one all-gather of the verdicts decides: if any rank failed, every rank drops
 what it staged and rank 0 fails the update with that rank's reason; otherwise the workers
 swap at once and rank 0 swaps in WeightUpdater, before its next step reaches them.
@@ -27,7 +28,7 @@ from engine.parallel.step_channel import Op, StepChannel, StepHeader
 from engine.protocol.error_code import ErrorCode
 from engine.protocol.messages import DistributedTensors, TensorRef
 from engine.weights.distributed import stage_distributed
-from engine.weights.in_format import InFormatTensors, in_format
+from engine.weights.in_format import InFormatTensors
 from engine.weights.staging import (
     Progress,
     StagedWeights,
@@ -37,6 +38,7 @@ from engine.weights.staging import (
     stage_tensors,
 )
 from engine.weights.transfer_group import TransferGroup
+from engine.weights.update_target import UpdateTarget
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class UpdateSource:
 
 
 def stage(
-    model: CausalLM,
+    target: UpdateTarget,
     source: UpdateSource,
     progress: Progress,
     tensors: Mapping[str, torch.Tensor] | None = None,
@@ -62,8 +64,9 @@ def stage(
     Raises WeightUpdateError unless every rank staged its shard. `transfer`: this rank's
     membership of the trainer's group (a distributed source); a failed distributed update
     leaves it on every rank."""
-    params, kept = model.checkpoint_tensors(), in_format(model)
-    tp, sharding = model.tp, model.sharding
+    target = target.for_source(source.checkpoint_dir)
+    params, kept = target.checkpoint_tensors(), target.in_format()
+    tp, sharding = target.tp, target.sharding
     if not tp.enabled:
         return _stage_here(params, sharding, kept, source, progress, tensors, transfer)
     if tp.rank == 0:
@@ -74,7 +77,7 @@ def stage(
     failure: tuple[int, str, str] | None = None
     try:
         if source.tensors is not None:
-            staged = _stage_broadcast(model, source, tensors)
+            staged = _stage_broadcast(target, source, tensors)
         else:
             staged = _stage_here(params, sharding, kept, source, progress, None, transfer)
     except WeightUpdateError as exc:
@@ -89,11 +92,11 @@ def stage(
     return staged
 
 
-def follow_stage(model: CausalLM, transfer: TransferGroup) -> None:
+def follow_stage(target: UpdateTarget, transfer: TransferGroup) -> None:
     """A worker, after Op.STAGE: stage with rank 0, and swap if every rank succeeded."""
-    source: UpdateSource = model.tp.broadcast_object()
+    source: UpdateSource = target.tp.broadcast_object()
     try:
-        staged = stage(model, source, lambda done, count: None, transfer=transfer)
+        staged = stage(target, source, lambda done, count: None, transfer=transfer)
     except WeightUpdateError:
         return  # rank 0 reports it; nothing changed here
     staged.apply()
@@ -122,13 +125,13 @@ def _stage_here(
 
 
 def _stage_broadcast(
-    model: CausalLM, source: UpdateSource, tensors: Mapping[str, torch.Tensor] | None
+    target: UpdateTarget, source: UpdateSource, tensors: Mapping[str, torch.Tensor] | None
 ) -> StagedWeights:
     """In-process tensors: rank 0 broadcasts each whole tensor; every rank stages its slice.
     NOTE: every tensor is broadcast even after a bad one: the ranks must make the same
     collectives; the first failure is raised at the end."""
     assert source.tensors is not None
-    staged = StagedWeights(model.checkpoint_tensors(), model.sharding, in_format(model))
+    staged = StagedWeights(target.checkpoint_tensors(), target.sharding, target.in_format())
     first: WeightUpdateError | None = None
     for name, shape, dtype in source.tensors:
         if tensors is not None:  # rank 0
@@ -136,7 +139,7 @@ def _stage_broadcast(
         else:
             whole = torch.empty(shape, dtype=getattr(torch, dtype))
         # NOTE: FP8 travels as its bytes (gloo has no float8 type).
-        model.tp.broadcast(whole.view(torch.uint8) if whole.element_size() == 1 else whole)
+        target.tp.broadcast(whole.view(torch.uint8) if whole.element_size() == 1 else whole)
         try:
             staged.add(name, whole, shape, cast=False)
             staged.own(name)  # not a view of `whole`

@@ -6,7 +6,8 @@ DRAIN lets running requests finish (`advance`), then is staged (every tensor rea
 validated before any parameter changes), applied to running requests by its in-flight policy,
 swapped in and published under its version. Its progress goes to `sink` as it happens (the
 process loop sends it down the pipe) or collects in `events`, ending with exactly one APPLIED
-or FAILED. "An update is in progress" is `pending`, and nowhere else.
+or FAILED. "An update is in progress" is `pending`, and nowhere else. The caller (LLMEngine)
+holds its lock around every call here; updates set an UpdateTarget's tensors (update_target.py).
 
 With tensor parallelism every rank stages its shard and all swap, or none does
 (engine/weights/sharded_update.py); versions, policies and events stay here, on rank 0. A
@@ -17,8 +18,6 @@ After a level-2 sleep the parameters have no storage (`storage.weights_missing`)
 reallocates it (stale until the swap fills it) and must then set every tensor; a refused or
 failed one frees it again. Every applied update is recorded in `origin`, where a wake reads
 the served weights again.
-
-The caller (LLMEngine) holds its lock around every call here.
 """
 
 from __future__ import annotations
@@ -47,10 +46,10 @@ from engine.protocol.messages import (
 )
 from engine.scheduling.scheduler import Scheduler
 from engine.weights.checks import UpdateSize, check_update
-from engine.weights.in_format import in_format
 from engine.weights.sharded_update import describe, gather_parameters, stage
 from engine.weights.staging import StagedWeights, WeightUpdateError
 from engine.weights.transfer_group import TransferGroup, begin_all, finish_all, leave_all
+from engine.weights.update_target import UpdateTarget
 from engine.weights.weights_origin import WeightsOrigin
 
 PROGRESS_INTERVAL_S = 0.1  # at most one LOADING event per interval while staging
@@ -95,8 +94,10 @@ class WeightUpdater:
         channel: StepChannel | None = None,
         origin: WeightsOrigin | None = None,
         storage: WeightStorage | None = None,
+        draft: CausalLM | None = None,
     ) -> None:
         self.model = model
+        self.target = UpdateTarget(model, draft)  # what updates set: a draft model's too
         self.origin = origin  # where the served weights come from (None: not tracked)
         self.storage = storage  # the parameters' storage of an engine that can sleep
         self.channel = channel  # rank 0 of a tensor-parallel group: reaches the workers
@@ -125,54 +126,56 @@ class WeightUpdater:
         version or its source (check_update) is bad; ABORT, CONTINUE and RECOMPUTE swap now,
         DRAIN stops admitting and swaps in `advance` once nothing runs."""
         if self.pending is not None:
-            self._failed(msg, ErrorCode.FAILED_PRECONDITION, "an update is in progress")
+            self.refuse(msg, ErrorCode.FAILED_PRECONDITION, "an update is in progress")
             return
         version = msg.policy_version or self.version + 1
         refusal = self._version_refusal(version)
         if refusal is not None:
-            self._failed(msg, *refusal)
+            self.refuse(msg, *refusal)
             return
         if self.storage is not None and self.storage.weights_released:
             self.storage.restore_weights()  # NOTE: views of the parameters need their storage
-        params, kept = self.model.checkpoint_tensors(), in_format(self.model)
+        target = self.target.for_source(msg.checkpoint_dir)
+        params, kept = target.checkpoint_tensors(), target.in_format()
         source = describe(
             msg.checkpoint_dir, msg.tensor_file, msg.tensors, tensors, msg.distributed
         )
         try:
-            size = check_update(params, self.model.sharding, source, tensors, kept)
-            self._check_reachable(msg, size, len(params))
+            size = check_update(params, target.sharding, source, tensors, kept)
+            # The model's tensors the update sets, of all of them (a draft's are extra).
+            sets, total = target.model_tensors(size.names), target.model_tensors(params)
+            self._check_reachable(msg, sets, total)
         except WeightUpdateError as exc:
-            self._failed(msg, exc.code, exc.message)
+            self.refuse(msg, exc.code, exc.message)
             return
-        replaces_all = size.tensors == len(params)
-        if self.weights_missing and not replaces_all:
-            why = (
-                f"the weights were released by a level-2 sleep: an update must set every one of "
-                f"the model's {len(params)} tensors (this one sets {size.tensors}), or Wake first"
-            )
-            self._failed(msg, ErrorCode.FAILED_PRECONDITION, why)
-            return
-        self.pending = PendingUpdate(msg, version, time.monotonic(), size, replaces_all, tensors)
+        self.pending = PendingUpdate(msg, version, time.monotonic(), size, sets == total, tensors)
         self._event(WeightsPhase.PAUSED, in_flight=len(self.scheduler.running))
         if msg.inflight is InflightPolicy.DRAIN:
             self.scheduler.admitting = False  # new requests wait; advance() swaps
         else:
             self._swap()
 
-    def _check_reachable(self, msg: UpdateWeights, size: UpdateSize, tensors: int) -> None:
-        """Refusals that depend on the engine's state rather than on the source."""
+    def _check_reachable(self, msg: UpdateWeights, sets: int, tensors: int) -> None:
+        """Refusals that depend on the engine's state rather than on the source (`sets` of
+        the model's `tensors` tensors)."""
         if msg.distributed is not None and not self.transfer.joined:
             raise WeightUpdateError(
                 ErrorCode.FAILED_PRECONDITION,
                 "no weight-transfer group: call InitWeightTransfer first (an engine restart or "
                 "a failed transfer leaves the group)",
             )
-        if msg.complete and size.tensors != tensors:
+        if msg.complete and sets != tensors:
             raise WeightUpdateError(
                 ErrorCode.FAILED_PRECONDITION,
                 f"this update must replace every tensor of the model ({tensors}), not "
-                f"{size.tensors}: the engine restarted and could not replay weights received "
+                f"{sets}: the engine restarted and could not replay weights received "
                 "over a process group",
+            )
+        if self.weights_missing and sets != tensors:
+            raise WeightUpdateError(
+                ErrorCode.FAILED_PRECONDITION,
+                f"the weights were released by a level-2 sleep: an update must set every one "
+                f"of the model's {tensors} tensors (this one sets {sets}), or Wake first",
             )
 
     def begin_join(self, msg: InitWeightTransfer) -> WeightTransferJoined | None:
@@ -233,10 +236,6 @@ class WeightUpdater:
     def weights_missing(self) -> bool:
         return self.storage is not None and self.storage.weights_missing
 
-    def refuse(self, msg: UpdateWeights, code: ErrorCode, message: str) -> None:
-        """Fail `msg` at once, as `start` fails a bad update (one FAILED event)."""
-        self._failed(msg, code, message)
-
     def is_pending(self, msg: UpdateWeights) -> bool:
         return self.pending is not None and self.pending.msg is msg
 
@@ -276,7 +275,7 @@ class WeightUpdater:
             whole = gather_parameters(self.model, self.channel)
             yield whole
             source = describe(None, None, (), whole)
-            stage(self.model, source, lambda done, count: None, whole, self.channel).apply()
+            stage(self.target, source, lambda done, count: None, whole, self.channel).apply()
         if self.origin is not None:
             self.origin.forget()  # mutated in place: no copy of these weights to read again
         self._publish(version, InflightPolicy.CONTINUE)
@@ -349,7 +348,7 @@ class WeightUpdater:
         source = describe(
             msg.checkpoint_dir, msg.tensor_file, msg.tensors, update.tensors, msg.distributed
         )
-        staged = stage(self.model, source, progress, update.tensors, self.channel, self.transfer)
+        staged = stage(self.target, source, progress, update.tensors, self.channel, self.transfer)
         total, count = staged.nbytes, staged.count
         self._event(
             WeightsPhase.LOADING,
@@ -384,7 +383,8 @@ class WeightUpdater:
         self.pending = None
         self.scheduler.admitting = True
 
-    def _failed(self, msg: UpdateWeights, code: ErrorCode, message: str) -> None:
+    def refuse(self, msg: UpdateWeights, code: ErrorCode, message: str) -> None:
+        """Fail `msg` at once, as `start` fails a bad update (one FAILED event)."""
         self._emit(
             WeightsProgress(msg.update_id, WeightsPhase.FAILED, error_code=code, message=message)
         )

@@ -14,9 +14,9 @@ the same version. The service checks its fingerprints (ReplayLog.changed) before
 
 from __future__ import annotations
 
-from engine.models.base import CausalLM
 from engine.parallel.step_channel import StepChannel
 from engine.weights.sharded_update import UpdateSource, stage
+from engine.weights.update_target import UpdateTarget
 
 
 class WeightsOrigin:
@@ -40,9 +40,10 @@ class WeightsOrigin:
         """The served weights changed in a way nothing can read again."""
         self.sources = None
 
-    def reload(self, model: CausalLM, channel: StepChannel | None) -> None:
-        """Fill every parameter from the origin, in order; WeightUpdateError if a source is
-        unreadable (what was already copied is then partial: the caller must not serve it)."""
+    def reload(self, target: UpdateTarget, channel: StepChannel | None) -> None:
+        """Fill every parameter from the origin, in order (a speculative draft model's
+        tensors among them too); WeightUpdateError if a source is unreadable (what was
+        already copied is then partial: the caller must not serve it)."""
         assert self.sources is not None, "reload() of an unknown origin"
         for source in self.sources:
-            stage(model, source, lambda done, count: None, None, channel).apply()
+            stage(target, source, lambda done, count: None, None, channel).apply()

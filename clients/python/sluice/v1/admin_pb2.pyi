@@ -241,7 +241,9 @@ class UpdateWeightsHeader(_message.Message):
     """
     inline_tensors: _builtins.bool
     """Must be true: TensorChunk messages follow, carrying any subset of the model's tensors
-    (dtype equal to the served dtype, ServerInfo.dtype); at least one tensor.
+    (dtype equal to the served dtype, ServerInfo.dtype); at least one tensor. With
+    speculative_method "draft", also of the draft model's, each named "draft." followed by
+    its name in the draft's checkpoint (a distributed source may name them too).
     """
     inflight: Global___InflightPolicy.ValueType
     """What happens to requests already running. Default UNSPECIFIED, which is DRAIN."""
