@@ -1,7 +1,9 @@
 """Speculative decoding through `python -m service`: with --speculative-method ngram the
 client's greedy ids and logprobs equal transformers' generate, a stop string ends the text
-where it is first found, each sample's usage counts its proposed and accepted tokens, a request that opts out is never proposed for, and server info
-names the method."""
+where it is first found, each sample's usage counts its proposed and accepted tokens (those
+before a stop string too), a request that opts out is never proposed for, and server info
+names the method; with --speculative-method draft, an inline UpdateWeights sets the draft's
+tensors."""
 
 from __future__ import annotations
 
@@ -58,3 +60,35 @@ def test_greedy_through_the_service_with_ngram_equals_hf(tmp_path: Path) -> None
     # the first step on these prompts), not the zeros of a sample ended before its last output.
     cut = stopped.finished.usage  # type: ignore[union-attr]
     assert 0 < cut.proposed_tokens <= usage[1].proposed_tokens
+
+
+def test_an_inline_update_sets_the_draft_models_tensors(tmp_path: Path) -> None:
+    """UpdateWeights through the service, its tensors named `draft.` + the draft's names: the
+    draft (another checkpoint's weights) becomes the model, so every greedy proposal is kept."""
+    from safetensors.torch import load_file
+
+    checkpoint = make_checkpoint(tmp_path / "llama", "llama")
+    draft = make_checkpoint(tmp_path / "draft", "llama", seed=1)
+    token = tmp_path / "admin.token"
+    token.write_text("draft-admin-token\n")
+    flags = ["--model", str(checkpoint), "--device", "cpu", "--dtype", "float32"]
+    flags += ["--speculative-method", "draft", "--speculative-draft-model", str(draft)]
+    flags += ["--admin-token-file", str(token)]
+    model = load_file(str(checkpoint / "model.safetensors"))
+    tensors = {
+        f"draft.{name}": ("F32", tuple(t.shape), t.contiguous().numpy().tobytes())
+        for name, t in model.items()
+    }
+    prompt, options = copy_heavy(1)[0], {"max_tokens": NEW_TOKENS, "ignore_eos": True}
+    with server_process(tmp_path / "server.log", *flags) as server:
+        server.wait_health("SERVING", timeout=120)
+        with Client(server.target, admin_token="draft-admin-token") as client:
+            before = client.complete(prompt, temperature=0.0, **options)
+            applied = client.update_weights_inline(tensors, inflight="abort")
+            after = client.complete(prompt, temperature=0.0, **options)
+    assert applied.policy_version == 1
+    old, new = before.finished.usage, after.finished.usage  # type: ignore[union-attr]
+    assert old.accepted_tokens < old.proposed_tokens  # another checkpoint's proposals
+    assert new.proposed_tokens > 0 and new.accepted_tokens == new.proposed_tokens
+    assert list(after.token_ids) == list(before.token_ids)
+    assert set(after.policy_versions) == {1}
