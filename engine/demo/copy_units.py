@@ -29,12 +29,18 @@ class CopyUnits:
     # Of the units, those whose span is random corpus words rather than running text: they can
     # be predicted by copying alone, not by remembering the corpus, and teach copying faster.
     scrambled: float = 0.0
+    # The corpus's copies in the stream (1: once). A fixed pool of units is memorised like the
+    # corpus after a few dozen passes, and a model that remembers a unit need not copy it: with
+    # the corpus tiled, `share` still sets how often a window is a unit, but the units are that
+    # many times as many, each seen that many times less often.
+    corpus_copies: int = 1
 
     def __post_init__(self) -> None:
         assert 0.0 < self.share < 1.0, "share: the plain corpus must remain"
         assert 1 <= self.min_words <= self.max_words
         assert 2 <= self.min_repeats <= self.max_repeats
         assert 0.0 <= self.scrambled <= 1.0
+        assert self.corpus_copies >= 1
 
 
 def copy_units(

@@ -79,10 +79,29 @@ def test_the_copy_units_are_in_the_copy_recipe_stream_only() -> None:
     tokenizer = demo.train_tokenizer(corpus, demo.RECIPE.vocab_size)
     plain = demo.training_stream(tokenizer, corpus, demo.RECIPE)
     with_copies = demo.training_stream(tokenizer, corpus, demo.COPY_RECIPE)
-    assert torch.equal(with_copies[: len(plain)], plain)
-    share = 1 - len(plain) / len(with_copies)
-    assert demo.COPY_RECIPE.copy is not None
-    assert share == pytest.approx(demo.COPY_RECIPE.copy.share, abs=0.01)
+    units = demo.COPY_RECIPE.copy
+    assert units is not None
+    tiled = len(plain) * units.corpus_copies  # the corpus, that many times over
+    assert torch.equal(with_copies[:tiled], plain.repeat(units.corpus_copies))
+    share = 1 - tiled / len(with_copies)
+    assert share == pytest.approx(units.share, abs=0.01)
+
+
+def test_corpus_copies_multiply_the_units_not_the_corpus_share() -> None:
+    """Tiling the corpus k times makes k times as many units (a pool too large to memorise)
+    while a window is still a unit `share` of the time."""
+    corpus = demo.load_corpus()
+    tokenizer = demo.train_tokenizer(corpus, demo.RECIPE.vocab_size)
+    plain = demo.training_stream(tokenizer, corpus, demo.RECIPE)
+    lengths = {}
+    for copies in (1, 3):
+        units = CopyUnits(share=0.5, scrambled=1.0, corpus_copies=copies)
+        recipe = dataclasses.replace(demo.RECIPE, copy=units)
+        stream = demo.training_stream(tokenizer, corpus, recipe)
+        assert torch.equal(stream[: len(plain) * copies], plain.repeat(copies))
+        lengths[copies] = len(stream) - len(plain) * copies
+        assert lengths[copies] / len(stream) == pytest.approx(0.5, abs=0.01)
+    assert lengths[3] == pytest.approx(3 * lengths[1], rel=0.01)
 
 
 def test_the_demo_cache_key_is_the_one_before_copy_units_existed() -> None:
