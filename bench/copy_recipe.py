@@ -40,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-repeats", type=int)
     p.add_argument("--max-repeats", type=int)
     p.add_argument("--scrambled", type=float, help="share of units of random distinct words")
+    p.add_argument("--replaced", type=float, help="share of a running-text span's words replaced")
     p.add_argument("--corpus-copies", type=int, help="the corpus tiled: that many times the units")
     p.add_argument("--out", type=Path, help="keep the checkpoint here (a new directory)")
     p.add_argument("--compare", type=Path, nargs="*", default=[], help="checkpoints beside it")
@@ -64,6 +65,7 @@ def recipe(args: argparse.Namespace) -> Any:
         "min_repeats": args.min_repeats,
         "max_repeats": args.max_repeats,
         "scrambled": args.scrambled,
+        "replaced": args.replaced,
         "corpus_copies": args.corpus_copies,
     }
     shape = {"steps": args.steps, "lr": args.lr, "num_layers": args.layers}

@@ -62,7 +62,7 @@ DRAFT_RECIPE = dataclasses.replace(RECIPE, hidden_size=64, intermediate_size=192
 # then it forms after about a million tokens, and the rest of the budget learns the corpus.
 COPY_RECIPE = dataclasses.replace(
     RECIPE,
-    steps=4000,
+    steps=5000,
     batch_size=8,
     copy=CopyUnits(
         share=0.7,
@@ -70,7 +70,8 @@ COPY_RECIPE = dataclasses.replace(
         max_words=24,
         min_repeats=3,
         max_repeats=6,
-        scrambled=0.75,
+        scrambled=0.5,
+        replaced=0.3,
         corpus_copies=8,
     ),
 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,6 +73,31 @@ def test_copy_units_repeat_a_span_of_the_corpus_after_a_newline() -> None:
         assert 2 <= len(lines) <= 3 and len(set(lines)) == 1, text
         assert 3 <= len(lines[0].split()) <= 6
         assert lines[0] in running  # a span of running text (none scrambled here)
+
+
+def test_replaced_words_are_copied_too() -> None:
+    """A running-text span with words replaced: each copy the same, the replaced words drawn
+    from the corpus's words, about the share asked of them no longer the corpus's text."""
+    corpus = demo.load_corpus()
+    tokenizer = demo.train_tokenizer(corpus, demo.RECIPE.vocab_size)
+    eos = tokenizer.token_to_id(demo.EOS)
+    assert eos is not None
+    units = CopyUnits(share=0.25, min_words=8, max_words=8, replaced=0.5)
+    ids = copy_units(
+        units, demo.paragraphs(corpus), lambda t: tokenizer.encode(t).ids, eos, 6000, seed=0
+    )
+    vocabulary = set(corpus.split())
+    running = " ".join(corpus.split())
+    kept = total = 0
+    for text in tokenizer.decode_batch(_split(ids, eos)):
+        lines = text.split("\n")
+        assert len(set(lines)) == 1, text
+        words = lines[0].split()
+        assert len(words) == 8 and set(words) <= vocabulary
+        # a word kept where it and its neighbour are a pair of running text
+        kept += sum(f"{a} {b}" in running for a, b in itertools.pairwise(words))
+        total += len(words) - 1
+    assert 0.15 < kept / total < 0.5  # both of a pair kept: about (1 - 0.5)^2 of them
 
 
 def test_the_copy_units_are_in_the_copy_recipe_stream_only() -> None:
