@@ -57,9 +57,11 @@ RECIPE = DemoRecipe()
 DRAFT_RECIPE = dataclasses.replace(RECIPE, hidden_size=64, intermediate_size=192, num_layers=2)
 # The demo's copy model, for bench/speculative.py's copy task: the demo, but for copy units in
 # its training stream and the longer training they need (docs/benchmarks.md: what was measured).
-# Copying (induction heads) forms only where copy units are most of the stream, short and
-# repeated often, mostly of random words, and too many to memorise (the corpus tiled 8 times);
-# then it forms after about a million tokens, and the rest of the budget learns the corpus.
+# Copying (induction heads) formed only where copy units are most of the stream, short,
+# repeated often and too many to memorise (the corpus tiled 8 times), after about a million
+# tokens; copying random words alone gave way to the memorised corpus on a passage of it, so
+# half the spans are running text with words that only copying predicts (`replaced`).
+# About 630 CPU-seconds at one thread, once (never in CI).
 COPY_RECIPE = dataclasses.replace(
     RECIPE,
     steps=5000,
