@@ -11,6 +11,8 @@ is still the corpus's); `--compare DIR` adds the same figures for another checkp
 
     python -m bench.copy_recipe --steps 2000 --share 0.5 --scrambled 0.5 --heads 4 \
         --compare ~/.cache/sluice/demo-<hash>
+
+`--measure-only DIR` measures a built checkpoint (the cached copy model) without training.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from bench.common import emit, log, set_threads
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, help="default: COPY_RECIPE's")
+    p.add_argument("--batch-size", type=int)
     p.add_argument("--lr", type=float)
     p.add_argument("--layers", type=int)
     p.add_argument("--heads", type=int)
@@ -37,8 +40,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-repeats", type=int)
     p.add_argument("--max-repeats", type=int)
     p.add_argument("--scrambled", type=float, help="share of units of random distinct words")
+    p.add_argument("--replaced", type=float, help="share of a running-text span's words replaced")
+    p.add_argument("--corpus-copies", type=int, help="the corpus tiled: that many times the units")
     p.add_argument("--out", type=Path, help="keep the checkpoint here (a new directory)")
     p.add_argument("--compare", type=Path, nargs="*", default=[], help="checkpoints beside it")
+    p.add_argument("--measure-only", type=Path, help="measure this checkpoint; train nothing")
     p.add_argument("--prompts", type=int, default=12, help="per task")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--passage-words", type=int, default=24)
@@ -59,8 +65,11 @@ def recipe(args: argparse.Namespace) -> Any:
         "min_repeats": args.min_repeats,
         "max_repeats": args.max_repeats,
         "scrambled": args.scrambled,
+        "replaced": args.replaced,
+        "corpus_copies": args.corpus_copies,
     }
     shape = {"steps": args.steps, "lr": args.lr, "num_layers": args.layers}
+    shape["batch_size"] = args.batch_size
     shape["num_heads"] = args.heads
     copy = dataclasses.replace(
         COPY_RECIPE.copy, **{k: v for k, v in units.items() if v is not None}
@@ -130,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     from engine.demo.checkpoint import build_demo_checkpoint, load_corpus
 
     chosen = recipe(args)
+    if args.measure_only is not None:
+        rows = [evaluate(directory, args) for directory in [args.measure_only, *args.compare]]
+        return _report(rows, args, None)  # no recipe: the checkpoints say what they are
     with tempfile.TemporaryDirectory() as scratch:
         out = args.out or Path(scratch) / "copy"
         out.mkdir(parents=True)
@@ -139,9 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         log(f"copy recipe: built in {cpu_seconds:.0f} CPU-s: {out}")
         rows = [{**evaluate(out, args), "build_cpu_seconds": cpu_seconds}]
     rows += [evaluate(directory, args) for directory in args.compare]
+    return _report(rows, args, chosen)
+
+
+def _report(rows: list[dict[str, Any]], args: argparse.Namespace, chosen: Any) -> int:
     result = {
         "benchmark": "copy_recipe",
-        "recipe": dataclasses.asdict(chosen),
+        "recipe": dataclasses.asdict(chosen) if chosen is not None else None,
         "prompts": args.prompts,
         "max_tokens": args.max_tokens,
         "results": rows,

@@ -24,7 +24,7 @@ change them; the JSON is printed either way, naming the cells that differ). Per 
 output tokens that prompt lookup predicts.
 
 `--shape demo` (the default) runs free generation on the demo model and the copy task on the
-demo's copy model (`python -m engine.demo copy`: the demo's recipe, also trained on passages
+demo's copy model (`python -m engine.demo copy`: the demo's shape, trained mostly on spans
 followed by their repeats, since the demo itself does not copy); `draft` proposes from the
 demo's draft model (`python -m engine.demo draft`); each is trained on first use. `--model DIR`
 or another `--shape` (random weights) serves both tasks, and `draft` then needs `--draft-model

@@ -12,8 +12,8 @@ it) makes `sluice chat` work against it: each turn a "Role: text" paragraph.
 `ensure_demo_checkpoint(size="draft")` builds the demo's draft model the same way, beside it:
 a smaller Llama on the same corpus with the same tokenizer, for speculative decoding's `draft`
 method (`--speculative-draft-model`; bench/speculative.py). `size="copy"` builds the demo's
-copy model: the demo's shape and tokenizer, trained longer on the corpus plus copy units
-(copy_units.py), so that it repeats a passage in its prompt as real LLMs do; bench/speculative.py
+copy model: the demo's shape and tokenizer, trained longer on copy units (copy_units.py) and
+the corpus, so that it repeats a passage in its prompt as real LLMs do; bench/speculative.py
 measures prompt lookup's proposals on it. Neither is built unless asked for.
 
 The build is deterministic (fixed seed, fixed step count) and takes about 80 s on two idle CPU
@@ -213,7 +213,8 @@ def paragraphs(corpus: str) -> list[str]:
 
 
 def training_stream(tokenizer: Tokenizer, corpus: str, recipe: DemoRecipe) -> torch.Tensor:
-    """What the model trains on, [tokens] int64: the corpus, then the recipe's copy units."""
+    """What the model trains on, [tokens] int64: the corpus (`copy.corpus_copies` times), then
+    the recipe's copy units."""
     stream = _token_stream(tokenizer, corpus, recipe)
     if recipe.copy is None:
         return stream
@@ -222,6 +223,7 @@ def training_stream(tokenizer: Tokenizer, corpus: str, recipe: DemoRecipe) -> to
         return tokenizer.encode(text).ids
 
     eos = _token_id(tokenizer, EOS)
+    stream = stream.repeat(recipe.copy.corpus_copies)
     units = copy_units(recipe.copy, paragraphs(corpus), encode, eos, len(stream), recipe.seed)
     return torch.cat([stream, torch.tensor(units, dtype=torch.long)])
 

@@ -29,12 +29,23 @@ class CopyUnits:
     # Of the units, those whose span is random corpus words rather than running text: they can
     # be predicted by copying alone, not by remembering the corpus, and teach copying faster.
     scrambled: float = 0.0
+    # Of a running-text span's words, the share replaced by random distinct words: where the
+    # corpus is memorised, its own text can be continued from memory, not copied; a replaced
+    # word can only be copied, in text that otherwise reads as the corpus (as a prompt does).
+    replaced: float = 0.0
+    # The corpus's copies in the stream (1: once). A fixed pool of units is memorised like the
+    # corpus after a few dozen passes, and a model that remembers a unit need not copy it: with
+    # the corpus tiled, `share` still sets how often a window is a unit, but the units are that
+    # many times as many, each seen that many times less often.
+    corpus_copies: int = 1
 
     def __post_init__(self) -> None:
         assert 0.0 < self.share < 1.0, "share: the plain corpus must remain"
         assert 1 <= self.min_words <= self.max_words
         assert 2 <= self.min_repeats <= self.max_repeats
         assert 0.0 <= self.scrambled <= 1.0
+        assert 0.0 <= self.replaced <= 1.0
+        assert self.corpus_copies >= 1
 
 
 def copy_units(
@@ -47,7 +58,8 @@ def copy_units(
 ) -> list[int]:
     """Token ids of copy units, `<s>` (from `encode`) to `eos` each, end to end: as many as make
     them `units.share` of a stream with `plain_tokens` corpus tokens. Spans are whole words
-    within a paragraph (or, for a scrambled unit, words drawn from all of them). Deterministic
+    within a paragraph, `units.replaced` of them replaced by words drawn from all paragraphs
+    (or, for a scrambled unit, all words drawn from all of them). Deterministic
     given the seed."""
     rng = random.Random(seed)
     texts = [p.split() for p in paragraphs]
@@ -66,6 +78,8 @@ def copy_units(
         else:
             start = rng.randint(0, len(text) - count)
             span = text[start : start + count]
+            if units.replaced > 0.0:
+                span = [rng.choice(words) if rng.random() < units.replaced else w for w in span]
         repeats = rng.randint(units.min_repeats, units.max_repeats)
         ids += encode("\n".join([" ".join(span)] * repeats)) + [eos]
     return ids

@@ -57,5 +57,24 @@ RECIPE = DemoRecipe()
 DRAFT_RECIPE = dataclasses.replace(RECIPE, hidden_size=64, intermediate_size=192, num_layers=2)
 # The demo's copy model, for bench/speculative.py's copy task: the demo, but for copy units in
 # its training stream and the longer training they need (docs/benchmarks.md: what was measured).
-COPY_RECIPE = dataclasses.replace(RECIPE, steps=4000, copy=CopyUnits(share=0.5))
+# Copying (induction heads) formed only where copy units are most of the stream, short,
+# repeated often and too many to memorise (the corpus tiled 8 times), after about a million
+# tokens; copying random words alone gave way to the memorised corpus on a passage of it, so
+# half the spans are running text with words that only copying predicts (`replaced`).
+# About 630 CPU-seconds at one thread, once (never in CI).
+COPY_RECIPE = dataclasses.replace(
+    RECIPE,
+    steps=5000,
+    batch_size=8,
+    copy=CopyUnits(
+        share=0.7,
+        min_words=4,
+        max_words=24,
+        min_repeats=3,
+        max_repeats=6,
+        scrambled=0.5,
+        replaced=0.3,
+        corpus_copies=8,
+    ),
+)
 SIZES = ("demo", "draft", "copy")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,15 +75,59 @@ def test_copy_units_repeat_a_span_of_the_corpus_after_a_newline() -> None:
         assert lines[0] in running  # a span of running text (none scrambled here)
 
 
+def test_replaced_words_are_copied_too() -> None:
+    """A running-text span with words replaced: each copy the same, the replaced words drawn
+    from the corpus's words, about the share asked of them no longer the corpus's text."""
+    corpus = demo.load_corpus()
+    tokenizer = demo.train_tokenizer(corpus, demo.RECIPE.vocab_size)
+    eos = tokenizer.token_to_id(demo.EOS)
+    assert eos is not None
+    units = CopyUnits(share=0.25, min_words=8, max_words=8, replaced=0.5)
+    ids = copy_units(
+        units, demo.paragraphs(corpus), lambda t: tokenizer.encode(t).ids, eos, 6000, seed=0
+    )
+    vocabulary = set(corpus.split())
+    running = " ".join(corpus.split())
+    kept = total = 0
+    for text in tokenizer.decode_batch(_split(ids, eos)):
+        lines = text.split("\n")
+        assert len(set(lines)) == 1, text
+        words = lines[0].split()
+        assert len(words) == 8 and set(words) <= vocabulary
+        # a word kept where it and its neighbour are a pair of running text
+        kept += sum(f"{a} {b}" in running for a, b in itertools.pairwise(words))
+        total += len(words) - 1
+    assert 0.15 < kept / total < 0.5  # both of a pair kept: about (1 - 0.5)^2 of them
+
+
 def test_the_copy_units_are_in_the_copy_recipe_stream_only() -> None:
     corpus = demo.load_corpus()
     tokenizer = demo.train_tokenizer(corpus, demo.RECIPE.vocab_size)
     plain = demo.training_stream(tokenizer, corpus, demo.RECIPE)
     with_copies = demo.training_stream(tokenizer, corpus, demo.COPY_RECIPE)
-    assert torch.equal(with_copies[: len(plain)], plain)
-    share = 1 - len(plain) / len(with_copies)
-    assert demo.COPY_RECIPE.copy is not None
-    assert share == pytest.approx(demo.COPY_RECIPE.copy.share, abs=0.01)
+    units = demo.COPY_RECIPE.copy
+    assert units is not None
+    tiled = len(plain) * units.corpus_copies  # the corpus, that many times over
+    assert torch.equal(with_copies[:tiled], plain.repeat(units.corpus_copies))
+    share = 1 - tiled / len(with_copies)
+    assert share == pytest.approx(units.share, abs=0.01)
+
+
+def test_corpus_copies_multiply_the_units_not_the_corpus_share() -> None:
+    """Tiling the corpus k times makes k times as many units (a pool too large to memorise)
+    while a window is still a unit `share` of the time."""
+    corpus = demo.load_corpus()
+    tokenizer = demo.train_tokenizer(corpus, demo.RECIPE.vocab_size)
+    plain = demo.training_stream(tokenizer, corpus, demo.RECIPE)
+    lengths = {}
+    for copies in (1, 3):
+        units = CopyUnits(share=0.5, scrambled=1.0, corpus_copies=copies)
+        recipe = dataclasses.replace(demo.RECIPE, copy=units)
+        stream = demo.training_stream(tokenizer, corpus, recipe)
+        assert torch.equal(stream[: len(plain) * copies], plain.repeat(copies))
+        lengths[copies] = len(stream) - len(plain) * copies
+        assert lengths[copies] / len(stream) == pytest.approx(0.5, abs=0.01)
+    assert lengths[3] == pytest.approx(3 * lengths[1], rel=0.01)
 
 
 def test_the_demo_cache_key_is_the_one_before_copy_units_existed() -> None:
