@@ -4,10 +4,10 @@ Rank 0 (WeightUpdater) sends Op.STAGE, then broadcasts the update's source: a ch
 directory or a tensor file (each rank reads its own slices from it), in-process tensors
 (broadcast whole, one at a time; each rank keeps its slice), or a distributed update's list
 (each rank receives every bucket from the trainer itself; engine/weights/distributed.py), over
-the UpdateTarget's tensors (the model's, and a speculative draft model's). Every rank stages and validates
-its shard, then one all-gather of the verdicts decides: if any rank failed, every rank drops
-what it staged and rank 0 fails the update with that rank's reason; otherwise the workers
-swap at once and rank 0 swaps in WeightUpdater, before its next step reaches them.
+the UpdateTarget's tensors (the model's, and a speculative draft model's). Every rank stages
+and validates its shard, then one all-gather of the verdicts decides: if any rank failed,
+every rank drops what it staged and rank 0 fails the update with that rank's reason; otherwise
+the workers swap at once and rank 0 swaps in WeightUpdater, before its next step reaches them.
 
 `gather_parameters` is the other direction, for live_weights: the whole of every checkpoint
 tensor (by its checkpoint name, q/k/v and gate/up apart), assembled on rank 0 from every rank's
