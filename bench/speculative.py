@@ -14,6 +14,10 @@ counts.
   seeds for every method).
 - Batches: a cell at batch B runs ceil(`--min-requests` / B) waves of B requests at once, each
   `--max-tokens` tokens (ignore_eos), one wave after another; tokens/s over all its waves.
+  With `--arrival continuous` the same requests run B at a time instead, the next one added
+  as soon as one ends (continuous batching, as a server under steady load runs): a request
+  whose proposals were kept ends early and frees its place, where a wave waits for its
+  slowest request.
 
 Reported per (task, mode, batch, method): output tokens/s and its ratio to `off`; the same per
 CPU-second of this process (steadier on a shared machine: every engine runs on this thread);
@@ -71,6 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--passage-words", type=int, default=24)
     p.add_argument("--cue-words", type=int, default=4, help="copy: the passage's words repeated")
     p.add_argument("--min-requests", type=int, default=16, help="per cell: waves of the batch")
+    p.add_argument(
+        "--arrival",
+        default="waves",
+        choices=["waves", "continuous"],
+        help="a cell's requests in waves of the batch, or the batch kept full",
+    )
     p.add_argument("--num-speculative-tokens", type=int, help="default: the engine's")
     p.add_argument("--speculative-max-batch", type=int, help="default: the engine's")
     p.add_argument("--repeat", type=int, default=1, help="rounds, fresh engines; best counts")
@@ -126,27 +136,48 @@ def run_wave(engine: Any, prompts: list[list[int]], params: list[Any], tag: str)
     return [(tokens[rid], metrics[rid]) for rid in ids]
 
 
+def run_continuous(
+    engine: Any, prompts: list[list[int]], params: list[Any], batch: int, tag: str
+) -> list[Any]:
+    """As run_wave, but `batch` requests at a time: the next one is added as one ends."""
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    metrics: dict[str, Any] = {}
+    added = 0
+    while len(metrics) < len(ids):
+        while added < len(ids) and added - len(metrics) < batch:
+            engine.add_request(ids[added], prompts[added], params[added])
+            added += 1
+        for out in engine.step():
+            if out.request_id not in tokens:
+                continue
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                if out.error:
+                    raise RuntimeError(f"{tag}: {out.finish_reason}: {out.error}")
+                metrics[out.request_id] = out.metrics
+    return [(tokens[rid], metrics[rid]) for rid in ids]
+
+
 def run_cell(engine: Any, cell: Cell, args: argparse.Namespace, tag: str) -> dict[str, Any]:
-    """Time the cell's waves on one engine: the record, and each request's token ids."""
+    """Time the cell's requests on one engine (in waves, or the batch kept full): the record,
+    and each request's token ids."""
     from engine import SamplingParams
 
     temperature = args.temperature if cell.mode == "sampled" else 0.0
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=i)
+        for i in range(len(cell.prompts))
+    ]
     done: list[Any] = []
-    seconds = cpu_seconds = 0.0
-    for w, wave in enumerate(cell.waves):
-        params = [
-            SamplingParams(
-                temperature=temperature,
-                max_tokens=args.max_tokens,
-                ignore_eos=True,
-                seed=len(done) + i,
-            )
-            for i in range(len(wave))
-        ]
-        start, cpu = time.perf_counter(), process_cpu_seconds()
-        done += run_wave(engine, wave, params, f"{tag}-w{w}")  # host token ids: synced
-        seconds += time.perf_counter() - start
-        cpu_seconds += process_cpu_seconds() - cpu
+    start, cpu = time.perf_counter(), process_cpu_seconds()
+    if args.arrival == "continuous":
+        done = run_continuous(engine, cell.prompts, params, cell.batch, tag)
+    else:
+        for w, wave in enumerate(cell.waves):
+            wave_params = params[len(done) : len(done) + len(wave)]
+            done += run_wave(engine, wave, wave_params, f"{tag}-w{w}")  # host ids: synced
+    seconds, cpu_seconds = time.perf_counter() - start, process_cpu_seconds() - cpu
     produced = sum(len(t) for t, _ in done)
     proposed = sum(m.proposed_tokens for _, m in done if m is not None)
     accepted = sum(m.accepted_tokens for _, m in done if m is not None)
@@ -336,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         "passage_words": args.passage_words,
         "cue_words": args.cue_words,
         "min_requests": args.min_requests,
+        "arrival": args.arrival,
         "repeat": args.repeat,
         **measured,
         "identical_tokens": not differ,  # every method's ids equal off's, in every cell

@@ -119,3 +119,38 @@ def test_the_demo_shape_runs_the_copy_task_on_the_copy_model_and_free_on_the_dem
     model = tmp_path / "other"
     models, _, draft = spec.resolve(spec.parse_args(["--model", str(model), "--methods", "ngram"]))
     assert models == {"copy": model, "free": model} and draft is None
+
+
+def test_continuous_arrival_keeps_the_batch_full_until_the_requests_run_out() -> None:
+    """run_continuous adds the next request as one ends: never more than the batch at once,
+    and as many as that whenever enough are left."""
+    from engine.protocol.messages import FinishReason, RequestOutput
+
+    class Engine:  # each request ends after its own number of steps
+        def __init__(self) -> None:
+            self.left: dict[str, int] = {}
+            self.widths: list[int] = []
+
+        def add_request(self, rid: str, prompt: list[int], params: Any) -> None:
+            self.left[rid] = len(prompt)
+
+        def step(self) -> list[RequestOutput]:
+            self.widths.append(len(self.left))
+            outs = []
+            for rid in list(self.left):
+                self.left[rid] -= 1
+                done = self.left[rid] == 0
+                reason = FinishReason.LENGTH if done else None
+                outs.append(RequestOutput(rid, 0, [7], 0, finish_reason=reason))
+                if done:
+                    del self.left[rid]
+            return outs
+
+    engine = Engine()
+    prompts = [[0] * n for n in (3, 1, 4, 1, 5, 2, 6)]
+    done = spec.run_continuous(engine, prompts, [None] * len(prompts), 3, "t")
+    assert [len(tokens) for tokens, _ in done] == [len(p) for p in prompts]
+    assert max(engine.widths) == 3
+    # Full while requests wait: the first 5 steps (7 requests, 3 at a time, the short ones
+    # replaced at once).
+    assert engine.widths[:5] == [3] * 5
