@@ -1,6 +1,7 @@
 """Distributed weight updates in the engine: a trainer (a thread here, hosting the group's
 store as rank 0, with the client's TrainerGroup) broadcasts packed buckets; every rank stages
-what it needs and all swap, or nothing changes and the group is left."""
+what it needs and all swap, or nothing changes and the group is left; a speculative draft
+model's tensors come the same way."""
 
 from __future__ import annotations
 
@@ -271,3 +272,28 @@ def test_the_engine_and_the_trainer_lay_out_buckets_alike() -> None:
         for _, placed in trainer:
             assert all(offset % 64 == 0 for _, offset in placed)
     assert len(bucket_layout([("F32", (5000,))] * 2, 4096)) == 2  # too big: one bucket each
+
+
+def test_a_push_may_set_a_draft_models_tensors(tiny_llama, checkpoint_b, engines) -> None:
+    """With a speculative draft model (here another checkpoint's weights), tensors named
+    `draft.` + its names set it: then it is the model, and every greedy proposal is kept."""
+    config = EngineConfig(
+        model=str(tiny_llama),
+        device="cpu",
+        dtype="float32",
+        cpu_threads=1,
+        speculative_method="draft",
+        speculative_draft_model=str(checkpoint_b),
+    )
+    engines.append(engine := LLMEngine(config))
+    trainer = Trainer()
+    join(engine, trainer)
+    draft = {f"draft.{n}": t.clone() for n, t in engine.model.checkpoint_tensors().items()}
+    applied = push(engine, trainer, draft)
+    assert applied.phase is WeightsPhase.APPLIED and not applied.replaced_all
+    before = engine.stats()
+    assert greedy(engine) == greedy(make_engine(tiny_llama))
+    proposed = engine.stats().spec_proposed_tokens - before.spec_proposed_tokens
+    accepted = engine.stats().spec_accepted_tokens - before.spec_accepted_tokens
+    assert proposed > 0 and accepted == proposed
+    trainer.group.close()
