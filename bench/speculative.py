@@ -116,30 +116,12 @@ def make_engine(
     return LLMEngine(config)
 
 
-def run_wave(engine: Any, prompts: list[list[int]], params: list[Any], tag: str) -> list[Any]:
-    """Add the wave's requests, step until each has ended; per request (token ids, metrics).
-    Raises on a request that ended in error: its tokens would skew the rate."""
-    ids = [f"{tag}-{i}" for i in range(len(prompts))]
-    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-    metrics: dict[str, Any] = {}
-    for rid, prompt, p in zip(ids, prompts, params, strict=True):
-        engine.add_request(rid, prompt, p)
-    while len(metrics) < len(ids):
-        for out in engine.step():
-            if out.request_id not in tokens:
-                continue
-            tokens[out.request_id].extend(out.new_token_ids)
-            if out.finished:
-                if out.error:
-                    raise RuntimeError(f"{tag}: {out.finish_reason}: {out.error}")
-                metrics[out.request_id] = out.metrics
-    return [(tokens[rid], metrics[rid]) for rid in ids]
-
-
-def run_continuous(
+def run_requests(
     engine: Any, prompts: list[list[int]], params: list[Any], batch: int, tag: str
 ) -> list[Any]:
-    """As run_wave, but `batch` requests at a time: the next one is added as one ends."""
+    """Run the requests `batch` at a time, the next added as one ends (a batch of all: a wave),
+    stepping until each has ended; per request (token ids, metrics). Raises on a request that
+    ended in error: its tokens would skew the rate."""
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     metrics: dict[str, Any] = {}
@@ -172,11 +154,11 @@ def run_cell(engine: Any, cell: Cell, args: argparse.Namespace, tag: str) -> dic
     done: list[Any] = []
     start, cpu = time.perf_counter(), process_cpu_seconds()
     if args.arrival == "continuous":
-        done = run_continuous(engine, cell.prompts, params, cell.batch, tag)
+        done = run_requests(engine, cell.prompts, params, cell.batch, tag)
     else:
         for w, wave in enumerate(cell.waves):
             wave_params = params[len(done) : len(done) + len(wave)]
-            done += run_wave(engine, wave, wave_params, f"{tag}-w{w}")  # host ids: synced
+            done += run_requests(engine, wave, wave_params, len(wave), f"{tag}-w{w}")
     seconds, cpu_seconds = time.perf_counter() - start, process_cpu_seconds() - cpu
     produced = sum(len(t) for t, _ in done)
     proposed = sum(m.proposed_tokens for _, m in done if m is not None)
@@ -260,7 +242,7 @@ def run_round(
 
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     for method, engine in engines.items():  # first-use costs, off the clock
-        run_wave(engine, warmup, [greedy] * len(warmup), f"warmup-{method}")
+        run_requests(engine, warmup, [greedy] * len(warmup), len(warmup), f"warmup-{method}")
     for c, cell in cells:
         for m, engine in engines.items():
             runs.setdefault((c, m), []).append(run_cell(engine, cell, args, f"c{c}-{m}"))

@@ -122,7 +122,7 @@ def test_the_demo_shape_runs_the_copy_task_on_the_copy_model_and_free_on_the_dem
 
 
 def test_continuous_arrival_keeps_the_batch_full_until_the_requests_run_out() -> None:
-    """run_continuous adds the next request as one ends: never more than the batch at once,
+    """run_requests adds the next request as one ends: never more than the batch at once,
     and as many as that whenever enough are left."""
     from engine.protocol.messages import FinishReason, RequestOutput
 
@@ -148,7 +148,7 @@ def test_continuous_arrival_keeps_the_batch_full_until_the_requests_run_out() ->
 
     engine = Engine()
     prompts = [[0] * n for n in (3, 1, 4, 1, 5, 2, 6)]
-    done = spec.run_continuous(engine, prompts, [None] * len(prompts), 3, "t")
+    done = spec.run_requests(engine, prompts, [None] * len(prompts), 3, "t")
     assert [len(tokens) for tokens, _ in done] == [len(p) for p in prompts]
     assert max(engine.widths) == 3
     # Full while requests wait: the first 5 steps (7 requests, 3 at a time, the short ones
