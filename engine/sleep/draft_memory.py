@@ -2,9 +2,10 @@
 draft`), which a Sleep frees with the target's and a Wake brings back.
 
 Level 1 frees the draft's KV pool (every request has ended, so its proposer holds no page),
-level 2 its weights too. A Wake reads the weights again from the draft's checkpoint directory:
-weight updates never change the draft (engine/speculative/draft.py), so that directory is
-always what it served. The draft has no CUDA graphs to capture again.
+level 2 its weights too. A Wake reads the weights again from the draft's checkpoint directory,
+before the model's origin is replayed: the draft tensors of the update files replayed then
+follow (engine/weights/update_target.py), and a draft set in-process or over a trainer's group
+comes back as its checkpoint's. The draft has no CUDA graphs to capture again.
 """
 
 from __future__ import annotations
